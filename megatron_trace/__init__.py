@@ -1,0 +1,1 @@
+"""megatron-trace: FP4 rollout RL with rollout-guided QAT (TRACE)."""

@@ -1,0 +1,131 @@
+"""TRACE rounding: pin the trainer's FP4 rounding to the codeword the rollout used.
+
+The trainer's activation x is scaled with the rollout's own block scale and global scale
+(z = x * enc, the quantizer's exact arithmetic), clipped to +-6, and bracketed by the two
+adjacent E2M1 codewords lo <= z <= hi. Of the two, we keep:
+  - full guidance: the one closer to the rollout's codeword (a z exactly on a grid point is
+    bracketed by its two neighbours); when that is the rollout's codeword, its exact code is
+    returned (so -0 and +0 agree too);
+  - mantissa guidance: the one whose mantissa bit equals the rollout's bit. Adjacent E2M1
+    magnitudes alternate mantissa bits (and so do -0.5, 0, +0.5), so one bit names one of the two.
+Either choice is lo or hi, and round-to-nearest is also lo or hi, so guidance never moves the
+trainer further from the rollout than round-to-nearest would.
+"""
+from __future__ import annotations
+
+import torch
+
+from .codecs import E2M1_MAX, as_float32, e2m1_grid, pack_fp4, unpack_fp4
+from .nvfp4 import BLOCK, NVFP4Tensor, check_blocks, encode_with_scales
+
+_UPPER = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # grid magnitudes above 0
+_upper_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def _upper(device) -> torch.Tensor:
+    if device not in _upper_cache:
+        _upper_cache[device] = torch.tensor(_UPPER, dtype=torch.float32, device=device)
+    return _upper_cache[device]
+
+
+def signed_index(codes: torch.Tensor) -> torch.Tensor:
+    """Codes -> position on the signed grid, -7..7 (both zeros are 0); neighbours differ by 1."""
+    mag = (codes & 7).to(torch.int8)
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def bracket_indices(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Signed-grid indices lo <= hi of the codewords around z (clipped to +-6), and z's on-grid mask.
+
+    On the grid lo == hi. NaN counts as +6, the code E2M1 conversion gives it.
+    """
+    nan = torch.isnan(z)
+    mag = torch.where(nan, torch.full_like(z, E2M1_MAX), z.abs().clamp_max(E2M1_MAX))
+    lo_m = torch.bucketize(mag, _upper(z.device), right=True).to(torch.int8)  # grid points <= mag
+    on_grid = e2m1_grid(z.device)[lo_m.long()] == mag
+    hi_m = lo_m + (~on_grid).to(torch.int8)
+    neg = torch.signbit(z) & ~nan
+    lo = torch.where(neg, -hi_m, lo_m)
+    hi = torch.where(neg, -lo_m, hi_m)
+    return lo, hi, on_grid & (z.abs() <= E2M1_MAX)
+
+
+def codes_from_index(idx: torch.Tensor, negative_zero: torch.Tensor) -> torch.Tensor:
+    code = idx.abs().to(torch.uint8)
+    neg = (idx < 0) | ((idx == 0) & negative_zero)
+    return code | (neg.to(torch.uint8) << 3)
+
+
+def mantissa_bits(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] unpacked 4-bit codes -> [..., K/8] bytes of mantissa bits (element 8i+j at bit j)."""
+    if codes.dtype != torch.uint8 or codes.dim() == 0 or codes.shape[-1] % 8:
+        raise ValueError(
+            f"mantissa_bits takes uint8 codes [..., K] with K a multiple of 8; got {codes.dtype} {tuple(codes.shape)}"
+        )
+    bits = (codes & 1).reshape(*codes.shape[:-1], -1, 8).to(torch.int32)
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.int32, device=codes.device)
+    return (bits * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_mantissa_bits(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/8] bytes -> [..., K] bits (uint8 0/1)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+
+
+def _check_guidance(x: torch.Tensor, scale, global_scale, codes, mantissa) -> None:
+    if (codes is None) == (mantissa is None):
+        raise ValueError("guided rounding needs exactly one of codes= (full) or mantissa= (1 bit per element)")
+    k = x.shape[-1]
+    expect = {"scale": (scale, k // BLOCK)}
+    if codes is not None:
+        expect["codes"] = (codes, k // 2)
+    else:
+        expect["mantissa"] = (mantissa, k // 8)
+    for name, (t, last) in expect.items():
+        if t.dtype != torch.uint8:
+            raise TypeError(f"guidance {name} must be uint8; got {t.dtype}")
+        if tuple(t.shape) != (*x.shape[:-1], last):
+            raise ValueError(
+                f"guidance {name} has shape {tuple(t.shape)} but x {tuple(x.shape)} needs {(*x.shape[:-1], last)}"
+            )
+    gs = torch.as_tensor(global_scale)
+    if gs.dim() and tuple(gs.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"global_scale must be 0-d or one per row {tuple(x.shape[:-1])}; got {tuple(gs.shape)}")
+
+
+def guided_quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    *,
+    codes: torch.Tensor | None = None,
+    mantissa: torch.Tensor | None = None,
+) -> NVFP4Tensor:
+    """Quantize x with the rollout's scales, rounding each element as the rollout did.
+
+    scale: the rollout's E4M3 block-scale bytes [..., K/16]; global_scale: its S_enc (0-d or per row);
+    codes: the rollout's packed codes [..., K/2] (full guidance) or
+    mantissa: its packed mantissa bits [..., K/8] (from `mantissa_bits`).
+    """
+    x = as_float32(x)
+    check_blocks(x, BLOCK, "NVFP4")
+    global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    _check_guidance(x, scale, global_scale, codes, mantissa)
+    z = encode_with_scales(x, scale, global_scale).reshape(x.shape)
+    lo, hi, on_grid = bracket_indices(z)
+    if codes is not None:
+        ref = unpack_fp4(codes)
+        r = signed_index(ref)
+        # On a grid point the value brackets both ways: one codeword either side still counts.
+        lo = torch.where(on_grid, (lo - 1).clamp_min(-7), lo)
+        hi = torch.where(on_grid, (hi + 1).clamp_max(7), hi)
+        pick = torch.maximum(torch.minimum(r, hi), lo)
+        out = torch.where(pick == r, ref, codes_from_index(pick, torch.signbit(z)))
+    else:
+        bit = unpack_mantissa_bits(mantissa).to(torch.int8)
+        pick = torch.where((hi.abs() & 1) == bit, hi, lo)
+        out = codes_from_index(pick, torch.signbit(z))
+    out = torch.where(torch.isnan(z), torch.full_like(out, 7), out)
+    return NVFP4Tensor(pack_fp4(out), scale, global_scale)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Creates .venv with torch first (the CPU build on a CPU box), then the project and its dev extras.
+# Idempotent: a second run only re-checks the installs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+.venv/bin/python -m pip install -q -e ".[dev]"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's test command: sets up .venv on a fresh machine (torch 2.13.0 CPU first, so pip
+# never pulls a CUDA build), installs the project with its test extras, runs pytest.
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
+exec .venv/bin/python -m pytest -q "$@"

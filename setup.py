@@ -1,0 +1,36 @@
+"""megatron-trace: FP4 rollout RL with rollout-guided QAT (TRACE) on Megatron-Core + SGLang.
+
+Install torch==2.13.0 (CPU) or your CUDA build first; the range below admits it so pip never
+replaces it with another build.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-trace",
+    version="0.1.0",
+    description="RL post-training with FP4 rollout and rollout-guided QAT (TRACE)",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_trace*", "sglang_backend*", "kernels*"]),
+    install_requires=[
+        "torch>=2.6,<2.15",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "pyyaml>=6",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        # The trainer side (Megatron-Core) and the HF reference; SGLang containers skip these.
+        "train": ["megatron-core>=0.16.1", "transformers>=4.51", "tensorboard>=2.16"],
+        "sglang": ["sglang>=0.5.9", "triton>=3.0"],
+        "te": ["transformer-engine[pytorch]>=2.5"],
+        "dev": [
+            "megatron-core>=0.16.1",
+            "transformers>=4.51",
+            "tensorboard>=2.16",
+            "triton>=3.0",
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6.100",
+        ],
+    },
+)

@@ -1,0 +1,140 @@
+"""TRACE guided rounding: properties against the rollout's codes, and the STE fake-quant."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_trace.fp4 import (
+    RolloutRounding, e2m1_decode, e2m1_encode, fake_quant, guided_quantize, mantissa_bits,
+    quantize_site, unpack_fp4, unpack_mantissa_bits,
+)
+from megatron_trace.fp4 import mxfp4, nvfp4
+
+SIGNED = [-6, -4, -3, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 3, 4, 6]
+
+
+def _pair(seed, rows, k, noise, per_row):
+    """A rollout activation and the trainer's slightly different recomputation of it."""
+    g = torch.Generator().manual_seed(seed)
+    x_roll = torch.randn(rows, k, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))
+    x_train = x_roll * (1 + noise * torch.randn(rows, k, generator=g))
+    return x_roll, x_train, nvfp4.quantize(x_roll, per_row_global=per_row)
+
+
+def _z(x, q):
+    return nvfp4.encode_with_scales(x, q.scale, q.global_scale).reshape(x.shape)
+
+
+def _neighbours(values):
+    """Signed-grid values just below and above each codeword value (the codeword itself at +-6)."""
+    grid = torch.tensor(SIGNED)
+    idx = torch.searchsorted(grid, values.contiguous())
+    return grid[(idx - 1).clamp(min=0)], grid[(idx + 1).clamp(max=len(SIGNED) - 1)]
+
+
+params = st.tuples(st.integers(0, 10**6), st.integers(1, 4), st.sampled_from([16, 32, 64]),
+                   st.sampled_from([1e-3, 1e-2, 5e-2, 0.2]), st.booleans())
+
+
+@settings(max_examples=60, deadline=None)
+@given(params)
+def test_full_guidance_returns_rollout_codes_within_one_codeword(p):
+    x_roll, x_train, q = _pair(*p)
+    g = guided_quantize(x_train, q.scale, q.global_scale, codes=q.data)
+    r_val = e2m1_decode(q.codes())
+    below, above = _neighbours(r_val)
+    z = _z(x_train, q)
+    within = (z >= below) & (z <= above)
+    assert torch.equal(g.codes()[within], q.codes()[within])
+
+
+@settings(max_examples=60, deadline=None)
+@given(params)
+def test_mantissa_guidance_fixes_off_by_one(p):
+    x_roll, x_train, q = _pair(*p)
+    bits = mantissa_bits(q.codes())
+    g = guided_quantize(x_train, q.scale, q.global_scale, mantissa=bits)
+    r_val = e2m1_decode(q.codes())
+    below, above = _neighbours(r_val)
+    z = _z(x_train, q)
+    within = (z > below) & (z < above)  # strictly: on a neighbour's grid point the bit can't help
+    assert torch.equal(e2m1_decode(g.codes())[within], r_val[within])
+
+
+@settings(max_examples=60, deadline=None)
+@given(params)
+def test_guided_never_widens_the_gap_over_round_to_nearest(p):
+    x_roll, x_train, q = _pair(*p)
+    rtn = e2m1_decode(e2m1_encode(_z(x_train, q)))
+    guided = e2m1_decode(guided_quantize(x_train, q.scale, q.global_scale, codes=q.data).codes())
+    r_val = e2m1_decode(q.codes())
+    assert torch.all((guided - r_val).abs() <= (rtn - r_val).abs())
+
+
+def test_identical_inputs_reproduce_rollout_exactly_and_agreement_beats_rtn():
+    x_roll, x_train, q = _pair(0, 8, 256, 0.05, True)
+    same = guided_quantize(x_roll, q.scale, q.global_scale, codes=q.data)
+    assert torch.equal(same.data, q.data)
+    guided = guided_quantize(x_train, q.scale, q.global_scale, codes=q.data).codes()
+    rtn = nvfp4.quantize(x_train, per_row_global=True).codes()
+    agree_g = (guided == q.codes()).float().mean().item()
+    agree_r = (rtn == q.codes()).float().mean().item()
+    assert agree_g > 0.999 and agree_r < agree_g
+
+
+def test_zero_sign_and_nan_follow_the_rollout_and_hardware():
+    q = nvfp4.quantize(torch.tensor([-0.0] + [1.0] * 15), global_amax=2688.0)
+    g = guided_quantize(torch.tensor([0.0] + [1.0] * 15), q.scale, q.global_scale, codes=q.data)
+    assert g.codes()[0].item() == 0x8  # same value: the rollout's exact code
+    x = torch.ones(16)
+    x[0] = float("nan")
+    g = guided_quantize(x, q.scale, q.global_scale, codes=q.data)
+    assert g.codes()[0].item() == 0x7
+
+
+@given(st.lists(st.integers(0, 15), min_size=8, max_size=64).filter(lambda v: len(v) % 8 == 0))
+def test_mantissa_bits_pack(codes):
+    c = torch.tensor(codes, dtype=torch.uint8)
+    packed = mantissa_bits(c)
+    assert packed.shape == (len(codes) // 8,)
+    assert unpack_mantissa_bits(packed).tolist() == [v & 1 for v in codes]
+    assert packed[0].item() == sum((codes[j] & 1) << j for j in range(8))
+
+
+def test_guidance_shape_and_mode_errors():
+    x = torch.randn(2, 32)
+    q = nvfp4.quantize(x)
+    with pytest.raises(ValueError, match="exactly one"):
+        guided_quantize(x, q.scale, q.global_scale)
+    with pytest.raises(ValueError, match="codes has shape"):
+        guided_quantize(x, q.scale, q.global_scale, codes=q.data[:1])
+    with pytest.raises(ValueError, match="mantissa has shape"):
+        guided_quantize(x, q.scale, q.global_scale, mantissa=torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="mode must be one of rtn, guided"):
+        fake_quant(x, mode="nearest")
+    with pytest.raises(ValueError, match="needs the rollout"):
+        fake_quant(x, mode="guided")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quant_forward_exact_backward_straight_through(dtype):
+    x = torch.randn(4, 64, dtype=dtype, requires_grad=True)
+    y = fake_quant(x, per_row_global=True)
+    assert y.dtype == dtype
+    assert torch.equal(y, nvfp4.dequantize(nvfp4.quantize(x.detach(), per_row_global=True), dtype))
+    w = torch.randn(4, 64, dtype=dtype)
+    (y * w).sum().backward()
+    assert torch.equal(x.grad, w)
+
+
+def test_fake_quant_guided_and_mxfp4():
+    x_roll, x_train, q = _pair(3, 4, 64, 0.01, False)
+    site = RolloutRounding(q.scale, q.global_scale, codes=q.data)
+    x = x_train.clone().requires_grad_(True)
+    y = fake_quant(x, mode="guided", guidance=site)
+    assert torch.equal(y.detach(), nvfp4.dequantize(quantize_site(x_train, mode="guided", guidance=site)))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    ym = fake_quant(x_train, fmt="mxfp4", mx_rule="ceil")
+    assert torch.equal(ym, mxfp4.dequantize(mxfp4.quantize(x_train, rule="ceil")))
