@@ -1,0 +1,180 @@
+"""Which linears, activations and KV-cache entries run in FP4, decided over HF module names.
+
+The rollout engine, the trainer's QAT and the checkpoint exporter all ask this one object, so
+"is this module FP4?" has a single answer in the whole system.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, fields
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .arch import ModelArch
+
+FORMATS = ("nvfp4", "mxfp4", "bf16")
+PRECISIONS = ("fp4", "bf16")
+KV_FORMATS = ("nvfp4", "mxfp4", "bf16")
+ACTIVATION_SCALES = ("per_token", "static")
+
+# Attention projections are opt-in (e.g. "*.self_attn.*_proj"): FP4 attention costs the most accuracy.
+DEFAULT_TARGETS = ("*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj", "*.mlp.experts.*")
+
+# Only these leaves are GEMMs FP4 can replace; the MoE router is `mlp.gate` and is deliberately absent.
+_LINEAR_LEAVES = frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+# Modules the rollout engine fuses into one GEMM with one global (per-tensor) scale.
+_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"quant.{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _module_name(name: str) -> str:
+    # Callers often hold parameter names; the decision is per module.
+    for suffix in (".weight", ".bias"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _layer_index(module: str) -> int | None:
+    m = _LAYER_RE.match(module)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class QuantPolicy:
+    format: str = "nvfp4"
+    weights: str = "fp4"
+    activations: str = "fp4"
+    kv: str = "bf16"
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    bf16_layers_start: int = 0
+    bf16_layers_end: int = 0
+    activation_scale: str = "per_token"
+
+    def __post_init__(self) -> None:
+        _one_of("format", self.format, FORMATS)
+        _one_of("weights", self.weights, PRECISIONS)
+        _one_of("activations", self.activations, PRECISIONS)
+        _one_of("kv", self.kv, KV_FORMATS)
+        _one_of("activation_scale", self.activation_scale, ACTIVATION_SCALES)
+        if self.activations == "fp4" and self.weights == "bf16":
+            raise ValueError(
+                "quant.activations='fp4' requires quant.weights='fp4' (supported: W4A4, W4A16, or all bf16)"
+            )
+        if isinstance(self.targets, str):
+            raise ValueError(f"quant.targets must be a list of fnmatch patterns; got the string {self.targets!r}")
+        self.targets = tuple(self.targets)
+        for pattern in self.targets:
+            if not isinstance(pattern, str) or not pattern:
+                raise ValueError(f"quant.targets must hold non-empty strings; got {pattern!r}")
+        for name in ("bf16_layers_start", "bf16_layers_end"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"quant.{name} must be an integer >= 0; got {value!r}")
+
+    # ----------------------------------------------------------------- serialization
+    @classmethod
+    def from_dict(cls, d: dict | None) -> QuantPolicy:
+        """Build from a config mapping (e.g. the `quant:` YAML section); unknown keys are errors."""
+        d = dict(d or {})
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown quant key(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        """Plain JSON/YAML-friendly dict; `from_dict(to_dict())` is the identity."""
+        d = asdict(self)
+        d["targets"] = list(self.targets)
+        return d
+
+    # ----------------------------------------------------------------- decisions
+    @property
+    def enabled(self) -> bool:
+        """Whether any linear can be FP4 at all."""
+        return self.format != "bf16" and self.weights == "fp4"
+
+    def _layer_in_bf16_band(self, layer: int, num_layers: int) -> bool:
+        return layer < self.bf16_layers_start or layer >= num_layers - self.bf16_layers_end
+
+    def linear_is_fp4(self, hf_module_name: str, num_layers: int) -> bool:
+        """Whether the HF linear `hf_module_name` runs as an FP4 GEMM (weights FP4; activations per policy).
+
+        Embeddings, norms, the MoE router (`mlp.gate`) and `lm_head` are never FP4, whatever
+        the targets say.
+        """
+        if not self.enabled:
+            return False
+        module = _module_name(hf_module_name)
+        if module.rsplit(".", 1)[-1] not in _LINEAR_LEAVES:
+            return False
+        layer = _layer_index(module)
+        if layer is None or self._layer_in_bf16_band(layer, num_layers):
+            return False
+        return any(fnmatchcase(module, pattern) for pattern in self.targets)
+
+    def weight_is_fp4(self, hf_module_name: str, num_layers: int) -> bool:
+        """Whether the weight of this linear is stored/quantized as FP4."""
+        return self.linear_is_fp4(hf_module_name, num_layers) and self.weights == "fp4"
+
+    def activation_is_fp4(self, hf_module_name: str, num_layers: int) -> bool:
+        """Whether the input activation of this linear is quantized to FP4 (W4A4)."""
+        return self.linear_is_fp4(hf_module_name, num_layers) and self.activations == "fp4"
+
+    def kv_is_fp4(self, layer: int, num_layers: int) -> bool:
+        """Whether layer `layer`'s KV cache is FP4; the BF16 first/last layers keep a BF16 cache too.
+
+        Independent of `format`, so a KV-only experiment (format bf16, kv nvfp4) is expressible.
+        """
+        if not 0 <= layer < num_layers:
+            raise IndexError(f"layer {layer} out of range for {num_layers} layers")
+        return self.kv != "bf16" and not self._layer_in_bf16_band(layer, num_layers)
+
+    def quantized_linears(self, arch: ModelArch) -> list[str]:
+        """HF module names of every FP4 linear of `arch`, in parameter order."""
+        names = [m for m in arch.hf_linear_modules() if self.linear_is_fp4(m, arch.num_layers)]
+        self._check_fused_groups(names)
+        return names
+
+    def fused_groups(self, arch: ModelArch) -> dict[str, str]:
+        """Map each FP4 module to its fusion group, the unit that shares one global scale.
+
+        q/k/v of a layer -> `...self_attn.qkv_proj`; gate/up of a dense MLP or of one expert
+        -> `...gate_up_proj`; any other module is its own group. Raises if targets quantize only
+        part of a group, since the rollout engine runs the group as one GEMM.
+        """
+        return {m: _group_of(m) for m in self.quantized_linears(arch)}
+
+    def _check_fused_groups(self, names: list[str]) -> None:
+        chosen = set(names)
+        members: dict[str, list[str]] = {}
+        for m in names:
+            parent, leaf = m.rsplit(".", 1)
+            if leaf in _FUSED:
+                members.setdefault(_group_of(m), [f"{parent}.{x}" for x, g in _FUSED.items() if g == _FUSED[leaf]])
+        for group, expected in members.items():
+            missing = [m for m in expected if m not in chosen]
+            if missing:
+                raise ValueError(
+                    f"quant.targets quantize only part of fused group {group}: {', '.join(missing)} "
+                    "stay bf16; the rollout engine runs the group as one GEMM, so target all or none"
+                )
+
+
+def _group_of(module: str) -> str:
+    parent, leaf = module.rsplit(".", 1)
+    return f"{parent}.{_FUSED[leaf]}" if leaf in _FUSED else module
