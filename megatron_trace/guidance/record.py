@@ -1,0 +1,164 @@
+"""The TRACE guidance record: what the rollout's FP4 rounding was, per sample, site and position.
+
+One record per sample. Sites are named after the quantized input they describe:
+    model.layers.{i}.self_attn.qkv_proj   input of the fused q/k/v GEMM        [T, hidden]
+    model.layers.{i}.self_attn.o_proj     input of o_proj                      [T, q_size]
+    model.layers.{i}.mlp.gate_up_proj     input of the fused gate/up GEMM      [T, hidden]
+    model.layers.{i}.mlp.down_proj        input of down_proj                   [T, intermediate]
+    model.layers.{i}.mlp.experts.gate_up_proj / down_proj   per routed slot    [T, top_k, K]
+    model.layers.{i}.self_attn.k_cache / v_cache             K, V as cached    [T, kv_heads, head_dim]
+T counts every position the rollout ran through the model: the prompt and all sampled tokens
+but the last (whose activations nobody computes). Each site holds the E4M3 block-scale bytes
+[..., K/16], the global scale S_enc (one per token, or 0-d for a static scale) and either the
+packed 4-bit codes [..., K/2] (mode "full") or packed mantissa bits [..., K/8] ("mantissa").
+Records serialize to safetensors bytes with a JSON header: no pickle crosses a process boundary.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from megatron_trace.fp4 import RolloutRounding, mantissa_bits, unpack_fp4
+
+MODES = ("full", "mantissa")
+KV_SITES = ("k_cache", "v_cache")
+
+
+@dataclass
+class SiteRecord:
+    scale: torch.Tensor  # uint8 [T, ..., K/16]
+    global_scale: torch.Tensor  # fp32 [T, ...] per token, or 0-d when static
+    payload: torch.Tensor  # uint8 codes [T, ..., K/2] or mantissa bits [T, ..., K/8]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.scale, self.global_scale, self.payload))
+
+    def positions(self) -> int:
+        return self.scale.shape[0]
+
+    def select(self, start: int, end: int) -> SiteRecord:
+        gs = self.global_scale if self.global_scale.dim() == 0 else self.global_scale[start:end]
+        return SiteRecord(self.scale[start:end], gs, self.payload[start:end])
+
+
+def make_site(scale, global_scale, codes_packed, mode: str) -> SiteRecord:
+    """Build a site from a quantizer's output (packed codes), keeping what `mode` asks for."""
+    if mode not in MODES:
+        raise ValueError(f"guidance.mode must be one of {', '.join(MODES)}; got {mode!r}")
+    payload = codes_packed if mode == "full" else mantissa_bits(unpack_fp4(codes_packed))
+    return SiteRecord(scale.contiguous(), global_scale.to(torch.float32).contiguous(), payload.contiguous())
+
+
+def concat_sites(parts: list[SiteRecord]) -> SiteRecord:
+    """Join records of consecutive positions (prefill, then each decode step)."""
+    gs = parts[0].global_scale
+    if gs.dim() == 0:
+        global_scale = gs
+    else:
+        global_scale = torch.cat([p.global_scale for p in parts])
+    return SiteRecord(
+        torch.cat([p.scale for p in parts]), global_scale, torch.cat([p.payload for p in parts])
+    )
+
+
+@dataclass
+class GuidanceRecord:
+    sample_id: str
+    mode: str
+    num_positions: int
+    sites: dict[str, SiteRecord] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"guidance.mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.sites.values())
+
+    def bytes_per_token(self) -> float:
+        return self.nbytes() / max(self.num_positions, 1)
+
+    def validate(self, num_positions: int | None = None) -> None:
+        """Every site covers the same positions (and `num_positions` when given)."""
+        want = self.num_positions if num_positions is None else num_positions
+        for name, site in self.sites.items():
+            if site.positions() != want:
+                raise ValueError(
+                    f"guidance record {self.sample_id!r} site {name} covers {site.positions()} positions; "
+                    f"the sample needs {want}"
+                )
+
+    def rounding(self, site: str, start: int = 0, end: int | None = None) -> RolloutRounding:
+        """What fp4.guided_quantize needs for positions [start, end) of one site."""
+        if site not in self.sites:
+            raise KeyError(f"guidance record {self.sample_id!r} has no site {site!r}")
+        s = self.sites[site].select(start, self.num_positions if end is None else end)
+        if self.mode == "full":
+            return RolloutRounding(s.scale, s.global_scale, codes=s.payload)
+        return RolloutRounding(s.scale, s.global_scale, mantissa=s.payload)
+
+    def to_bytes(self) -> bytes:
+        tensors = {}
+        for name, s in self.sites.items():
+            tensors[f"{name}/scale"] = s.scale
+            tensors[f"{name}/global_scale"] = s.global_scale
+            tensors[f"{name}/payload"] = s.payload
+        meta = {"sample_id": self.sample_id, "mode": self.mode, "num_positions": str(self.num_positions),
+                "sites": json.dumps(list(self.sites))}
+        return st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> GuidanceRecord:
+        meta = _metadata(data)
+        tensors = st_load(data)
+        sites = {}
+        for name in json.loads(meta["sites"]):
+            try:
+                sites[name] = SiteRecord(*(tensors[f"{name}/{k}"] for k in ("scale", "global_scale", "payload")))
+            except KeyError as e:
+                raise ValueError(f"guidance record bytes are missing tensor {e.args[0]}") from None
+        return cls(meta["sample_id"], meta["mode"], int(meta["num_positions"]), sites)
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    if len(data) < 8:
+        raise ValueError("guidance record bytes are truncated (no safetensors header)")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise ValueError("guidance record bytes are truncated (header runs past the end)")
+    meta = json.loads(data[8 : 8 + n]).get("__metadata__", {})
+    missing = {"sample_id", "mode", "num_positions", "sites"} - set(meta)
+    if missing:
+        raise ValueError(f"guidance record header lacks {sorted(missing)}")
+    return meta
+
+
+def layer_of(site: str) -> int:
+    return int(site.split(".")[2])
+
+
+def guided_layers(num_layers: int, spec: str | int | list[int] | None) -> list[int]:
+    """Which layers are guided: "last_half" (default), "all", "none", an int N (the last N),
+    or an explicit list of layer indices."""
+    if spec in (None, "last_half"):
+        return list(range(num_layers // 2, num_layers))
+    if spec == "all":
+        return list(range(num_layers))
+    if spec == "none":
+        return []
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if not 0 <= spec <= num_layers:
+            raise ValueError(f"guidance.layers={spec} must be between 0 and the model's {num_layers} layers")
+        return list(range(num_layers - spec, num_layers))
+    if isinstance(spec, (list, tuple)) and all(isinstance(i, int) for i in spec):
+        bad = [i for i in spec if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"guidance.layers has indices {bad} outside 0..{num_layers - 1}")
+        return sorted(set(spec))
+    raise ValueError(
+        f"guidance.layers must be 'last_half', 'all', 'none', an int (last N) or a list of indices; got {spec!r}"
+    )

@@ -1,0 +1,176 @@
+"""The rollout contract: what the trainer side may ask of any rollout backend.
+
+    trainer/loop ──generate(requests)──► backend ──► results (tokens, logprobs, version, guidance handle)
+                 ──update_weights(bucket, version)──► pause → load → flush KV → resume
+Implementations: the embedded engine in-process (`sglang_backend.local.InProcessBackend`), and
+the HTTP client (`sglang_backend.client.RolloutClient`) that speaks SGLang's native endpoints
+to our embedded server or a real SGLang server with our plugin. Field names follow SGLang's
+JSON so the two map one to one.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+_SAMPLING_ALIASES = {"stop_token_ids": list}
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's sampling_params subset we honour; unknown keys are rejected, as SGLang does."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: all tokens
+    min_p: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(key, allowed):
+            raise ValueError(f"sampling_params.{key} must be {allowed}; got {getattr(self, key)!r}")
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            bad("max_new_tokens", "an int >= 0")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            bad("temperature", "a number >= 0 (0 = greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", "-1 (all) or an int >= 1")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]")
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "an int >= 1")
+        if self.sampling_seed is not None and not isinstance(self.sampling_seed, int):
+            bad("sampling_seed", "an int or null")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(isinstance(t, int) for t in self.stop_token_ids):
+            bad("stop_token_ids", "a list of ints")
+        self.stop_token_ids = list(self.stop_token_ids)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        d = dict(d or {})
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - allowed)
+        if unknown:
+            hint = " (SGLang names the seed 'sampling_seed')" if "seed" in unknown else ""
+            raise ValueError(f"unknown sampling_params keys {unknown}{hint}; allowed: {sorted(allowed)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GenerateRequest:
+    input_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+    return_logprob: bool = True
+    return_guidance: bool = False
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]  # float32 logprob of each sampled token under the rollout's numerics
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    weight_version: int
+    guidance_handle: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def to_sglang(self) -> dict[str, Any]:
+        """SGLang's /generate response shape for one request."""
+        meta = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": 0,
+            "weight_version": str(self.weight_version),
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(self.output_logprobs, self.output_ids)],
+        }
+        if self.guidance_handle is not None:
+            meta["guidance_handle"] = self.guidance_handle
+        return {"output_ids": list(self.output_ids), "meta_info": meta}
+
+    @classmethod
+    def from_sglang(cls, d: dict[str, Any]) -> GenerateResult:
+        meta = d["meta_info"]
+        triples = meta.get("output_token_logprobs") or []
+        return cls(
+            rid=meta["id"],
+            output_ids=list(d["output_ids"]),
+            output_logprobs=[float(t[0]) for t in triples],
+            finish_reason=meta.get("finish_reason") or {},
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            weight_version=int(meta.get("weight_version") or 0),
+            guidance_handle=meta.get("guidance_handle"),
+        )
+
+
+@dataclass
+class WeightBucket:
+    """An ordered list of HF-named tensors; FP4 linears in the ModelOpt NVFP4 layout."""
+
+    tensors: dict[str, torch.Tensor]
+    version: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def to_bytes(self) -> bytes:
+        """safetensors bytes; the header's metadata carries the version and the tensor order."""
+        meta = {"version": str(self.version), "order": json.dumps(list(self.tensors))}
+        return st_save({k: v.contiguous() for k, v in self.tensors.items()}, metadata=meta)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> WeightBucket:
+        if len(data) < 8:
+            raise ValueError("weight bucket is truncated: no safetensors header")
+        n = int.from_bytes(data[:8], "little")
+        if n > len(data) - 8:
+            raise ValueError("weight bucket is truncated: header runs past the end")
+        try:
+            meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+            tensors = st_load(data)
+        except Exception as e:  # safetensors raises its own error types for corrupt bodies
+            raise ValueError(f"weight bucket is corrupt: {e}") from None
+        order = json.loads(meta.get("order", "[]")) or list(tensors)
+        if sorted(order) != sorted(tensors):
+            raise ValueError("weight bucket header's tensor order does not match its tensors")
+        return cls({k: tensors[k] for k in order}, int(meta.get("version", 0)))
+
+
+class RolloutBackend(Protocol):
+    """Every rollout backend: the embedded engine in-process, or a client of HTTP servers."""
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...
+
+    def update_weights(self, bucket: WeightBucket, *, flush_cache: bool = True) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def flush_cache(self) -> None: ...
+
+    def health(self) -> bool: ...
+
+    def model_info(self) -> dict[str, Any]: ...
+
+    def fetch_guidance(self, handle: str) -> bytes: ...

@@ -1,0 +1,4 @@
+"""The embedded rollout engine (sglang.Engine's API, our FP4 numerics) and its HTTP server."""
+from .engine import Engine
+
+__all__ = ["Engine"]

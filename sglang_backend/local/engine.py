@@ -1,0 +1,249 @@
+"""The embedded rollout engine: `sglang.Engine`'s Python API with our FP4 numerics, on CPU or CUDA.
+
+    Engine(model_path=..., quantization="nvfp4", kv_cache_dtype="nvfp4")
+        .generate(input_ids=[[...], ...], sampling_params={...}, return_logprob=True)
+        -> [{"output_ids": [...], "meta_info": {"output_token_logprobs": [(lp, tok, None), ...], ...}}]
+A worker thread runs the scheduler; any number of callers (the HTTP server's handlers) submit
+requests, which join the running batch between decode steps.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_trace.guidance import guided_layers as resolve_guided_layers
+from megatron_trace.models import ModelArch, QuantPolicy
+
+from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
+
+from .kv_cache import PagedKVCache
+from .loader import load_checkpoint, load_tensor
+from .model import QwenEngineModel
+from .scheduler import Group, Scheduler, guidance_record, to_result
+
+QUANTIZATIONS = (None, "nvfp4", "w4a16_nvfp4", "mxfp4", "w4a16_mxfp4", "modelopt_fp4")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def policy_for(quantization: str | None, kv_cache_dtype: str, model_path: Path) -> QuantPolicy:
+    """SGLang-style flags -> our QuantPolicy (an explicit quant_policy overrides this)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
+    kv = {"auto": "bf16", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}.get(kv_cache_dtype)
+    if kv is None:
+        raise ValueError(f"kv_cache_dtype must be one of auto, bf16, nvfp4, mxfp4; got {kv_cache_dtype!r}")
+    if quantization is None and (model_path / "hf_quant_config.json").exists():
+        quantization = "modelopt_fp4"
+    if quantization is None:
+        return QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv=kv)
+    fmt = "mxfp4" if "mxfp4" in quantization else "nvfp4"
+    acts = "bf16" if quantization.startswith("w4a16") else "fp4"
+    return QuantPolicy(format=fmt, weights="fp4", activations=acts, kv=kv, targets=_checkpoint_targets(model_path))
+
+
+def _checkpoint_targets(model_path: Path):
+    """An exported NVFP4 checkpoint names what it quantized; otherwise the policy's defaults."""
+    import json
+
+    f = model_path / "hf_quant_config.json"
+    if f.exists():
+        targets = json.loads(f.read_text()).get("quantization", {}).get("trace_targets")
+        if targets:
+            return tuple(targets)
+    return QuantPolicy().targets
+
+
+class Engine:
+    def __init__(self, model_path: str, *, dtype: str = "float32", quantization: str | None = None,
+                 kv_cache_dtype: str = "auto", quant_policy: QuantPolicy | dict | None = None,
+                 guidance_mode: str = "mantissa", guided_layers: Any = "last_half",
+                 max_running_requests: int = 64, page_size: int = 16, max_total_tokens: int = 65536,
+                 context_length: int | None = None, random_seed: int = 0, device: str = "cpu", **_ignored):
+        self.model_path = Path(model_path)
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
+        self.arch = ModelArch.from_hf_config(self.model_path)
+        if isinstance(quant_policy, dict):
+            quant_policy = QuantPolicy.from_dict(quant_policy)
+        self.policy = quant_policy or policy_for(quantization, kv_cache_dtype, self.model_path)
+        self.model = QwenEngineModel(self.arch, self.policy, _DTYPES[dtype])
+        load_checkpoint(self.model, self.model_path)
+        self.kv = PagedKVCache(num_layers=self.arch.num_layers, kv_heads=self.arch.num_kv_heads,
+                               head_dim=self.arch.head_dim, num_pages=max(max_total_tokens // page_size, 1),
+                               page_size=page_size, kv_dtype=self.policy.kv, dtype=_DTYPES[dtype])
+        eos = self.arch.eos_token_id
+        self.guidance_mode = guidance_mode
+        self.guided = resolve_guided_layers(self.arch.num_layers, guided_layers)
+        self.scheduler = Scheduler(
+            self.model, self.kv, max_running=max_running_requests,
+            context_length=context_length or self.arch.max_position_embeddings,
+            eos_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
+            guided_layers=self.guided, guidance_mode=guidance_mode, seed=random_seed)
+        self.weight_version = 0
+        self._guidance: dict[str, bytes] = {}
+        self._results: dict[str, dict] = {}
+        self._cv = threading.Condition()
+        self._paused = False
+        self._closed = False
+        self._rid = itertools.count()
+        self._worker = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._worker.start()
+
+    # -- the worker ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (self._paused or not self.scheduler.has_work()):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                try:
+                    finished = self.scheduler.step()
+                except Exception as e:  # a bad batch fails its requests, never the server
+                    finished = self.scheduler.abort_all(f"engine error: {e}")
+                    self._abort_waiting(str(e))
+                for s in finished:
+                    handle = None
+                    if s.want_guidance and s.finish_reason.get("type") != "abort":
+                        handle = s.rid
+                        self._guidance[handle] = guidance_record(s, self.guidance_mode).to_bytes()
+                    self._results[s.rid] = to_result(s, self.weight_version, handle).to_sglang()
+                self._cv.notify_all()
+
+    def _abort_waiting(self, message: str) -> None:
+        for g in self.scheduler.waiting:
+            for rid in g.rids:
+                self._results[rid] = _aborted(rid, len(g.request.input_ids), self.weight_version, message)
+        self.scheduler.waiting = []
+
+    # -- generation ------------------------------------------------------------------------------
+    def submit(self, req: GenerateRequest) -> list[str]:
+        """Queue one request (n samples); returns the rids its results will carry."""
+        self._validate(req)
+        n = req.sampling_params.n
+        base = req.rid or uuid.uuid4().hex
+        rids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            self.scheduler.add(Group(req, rids))
+            self._cv.notify_all()
+        return rids
+
+    def wait(self, rids: list[str], timeout: float | None = None) -> list[dict]:
+        with self._cv:
+            if not self._cv.wait_for(lambda: all(r in self._results for r in rids) or self._closed, timeout):
+                raise TimeoutError(f"requests {rids[:3]} did not finish in {timeout} s")
+            return [self._results.pop(r) if r in self._results else _aborted(r, 0, self.weight_version, "shutdown")
+                    for r in rids]
+
+    def _validate(self, req: GenerateRequest) -> None:
+        ids = req.input_ids
+        if not ids:
+            raise ValueError("input_ids must be a non-empty list of token ids")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids hold tokens outside the vocabulary [0, {self.arch.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.scheduler.context_length:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.scheduler.context_length}")
+        if req.return_guidance and self.policy.format != "nvfp4":
+            raise ValueError("guidance capture needs quant format nvfp4 (guided rounding is NVFP4-only)")
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
+                 rid=None, return_guidance: bool = False, **_ignored):
+        """sglang.Engine.generate: a dict for one input, a list for a batch (n>1: n per prompt)."""
+        if prompt is not None:
+            raise ValueError("the embedded engine has no tokenizer: pass input_ids")
+        if input_ids is None:
+            raise ValueError("generate needs input_ids")
+        single = not input_ids or isinstance(input_ids[0], int)
+        batch = [input_ids] if single else list(input_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
+        rids = rid if isinstance(rid, list) else [rid] * len(batch)
+        if len(params) != len(batch) or len(rids) != len(batch):
+            raise ValueError("sampling_params and rid lists must match the number of prompts")
+        reqs = [GenerateRequest(list(ids), p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p),
+                                r, return_logprob, return_guidance) for ids, p, r in zip(batch, params, rids)]
+        all_rids = [self.submit(r) for r in reqs]
+        out = self.wait([r for rs in all_rids for r in rs])
+        if not return_logprob:
+            for o in out:
+                o["meta_info"].pop("output_token_logprobs", None)
+        return out[0] if single and len(out) == 1 else out
+
+    def fetch_guidance(self, handle: str) -> bytes:
+        with self._cv:
+            if handle not in self._guidance:
+                raise KeyError(f"no guidance record {handle!r} (never requested, or already fetched)")
+            return self._guidance.pop(handle)
+
+    # -- control ---------------------------------------------------------------------------------
+    def pause_generation(self) -> None:
+        with self._cv:
+            self._paused = True
+
+    def continue_generation(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def flush_cache(self) -> bool:
+        """Drop cached KV; refused (False) while requests run, as SGLang does."""
+        with self._cv:
+            if self.scheduler.has_work():
+                return False
+            self.kv.free_pages = list(range(self.kv.num_pages - 1, -1, -1))
+            return True
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache: bool = True,
+                                   weight_version: int | None = None) -> tuple[bool, str]:
+        """Load HF-named tensors (BF16 or ModelOpt NVFP4) between decode steps; all or nothing."""
+        named = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
+        for name, t in named:
+            if t.is_floating_point() and not torch.isfinite(t.float()).all():
+                return False, f"refused: {name} holds NaN or Inf; still serving version {self.weight_version}"
+        with self._cv:
+            backup = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            try:
+                touched = {}
+                for name, t in named:
+                    lin = load_tensor(self.model, name, t)
+                    if lin is not None:
+                        touched[id(lin)] = lin
+                for lin in touched.values():
+                    lin.finalize()
+            except Exception as e:
+                self.model.load_state_dict(backup)
+                return False, f"refused: {e}; still serving version {self.weight_version}"
+            if weight_version is not None:
+                self.weight_version = int(weight_version)
+            if flush_cache and not self.scheduler.has_work():
+                self.kv.free_pages = list(range(self.kv.num_pages - 1, -1, -1))
+        return True, f"loaded {len(named)} tensors; serving version {self.weight_version}"
+
+    def update_weights_from_bucket(self, bucket: WeightBucket, flush_cache: bool = True) -> tuple[bool, str]:
+        return self.update_weights_from_tensor(bucket.tensors, flush_cache=flush_cache, weight_version=bucket.version)
+
+    def get_model_info(self) -> dict[str, Any]:
+        return {"model_path": str(self.model_path), "weight_version": str(self.weight_version),
+                "is_generation": True, "architectures": [self.arch.family],
+                "quant_policy": self.policy.to_dict(), "kv_cache_dtype": self.kv.fmt,
+                "kv_bytes_per_token": self.kv.bytes_per_token(), "guided_layers": self.guided,
+                "guidance_mode": self.guidance_mode}
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._worker.join(timeout=10)
+
+
+def _aborted(rid: str, prompt_tokens: int, version: int, message: str) -> dict:
+    return {"output_ids": [], "meta_info": {"id": rid, "finish_reason": {"type": "abort", "message": message},
+                                            "prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                                            "weight_version": str(version), "output_token_logprobs": []}}

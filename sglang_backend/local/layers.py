@@ -1,0 +1,158 @@
+"""Building blocks of the embedded engine: RMSNorm, RoPE and the (optionally FP4) linear.
+
+Numerics follow HF transformers' Qwen modules (RMSNorm in fp32, RoPE cos/sin in fp32) so the
+BF16/fp32 engine reproduces HF's logits; FP4 goes only through `megatron_trace.fp4` and the
+`kernels` dispatcher.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kernels.dispatch import nvfp4_quantize
+from megatron_trace.fp4 import mxfp4, nvfp4
+from megatron_trace.fp4.modelopt import encode_scale_from_decode
+
+# site name, quantized input (NVFP4Tensor), or None when the site is not captured
+CaptureFn = Callable[[str, nvfp4.NVFP4Tensor], None]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+class Rope:
+    """Non-interleaved rotary embedding (rotate_half), cos/sin computed in fp32 like HF."""
+
+    def __init__(self, head_dim: int, theta: float, device: torch.device | str = "cpu"):
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D], positions [T]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class EngineLinear(nn.Module):
+    """A linear whose output rows are the concatenation of named shards (q/k/v, gate/up).
+
+    Weights arrive per shard (BF16 or ModelOpt NVFP4) through `load_shard`; `finalize()` then
+    quantizes BF16 weights with one global amax over all shards (the fused group's shared
+    scale) and keeps the dequantized copy for the matmul. With `act_fmt` set, the input is
+    quantized per token (or with a static scale) before the matmul: W4A4.
+    """
+
+    def __init__(self, shards: dict[str, int], in_features: int, *, bias: bool, weight_fmt: str | None,
+                 act_fmt: str | None, dtype: torch.dtype, site: str | None = None, mx_rule: str = "floor"):
+        super().__init__()
+        self.shards = dict(shards)
+        self.offsets, off = {}, 0
+        for name, rows in self.shards.items():
+            self.offsets[name] = (off, off + rows)
+            off += rows
+        self.in_features, self.out_features = in_features, off
+        self.weight_fmt, self.act_fmt, self.site, self.mx_rule = weight_fmt, act_fmt, site, mx_rule
+        self.weight = nn.Parameter(torch.zeros(off, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(off, dtype=dtype), requires_grad=False) if bias else None
+        self.qweight: nvfp4.NVFP4Tensor | mxfp4.MXFP4Tensor | None = None
+        # BF16 source rows of an FP4 linear: a later update of one shard re-quantizes the group
+        # from sources, never from already-dequantized values.
+        self.master = torch.zeros(off, in_features, dtype=torch.float32) if weight_fmt else None
+        self._modelopt_rows: dict[str, dict[str, torch.Tensor]] = {}
+        self.input_global_scale: torch.Tensor | None = None  # static activation S_enc
+
+    # -- loading -----------------------------------------------------------------------------
+    def _rows(self, shard: str) -> tuple[int, int]:
+        if shard not in self.offsets:
+            raise KeyError(f"unknown shard {shard!r}; this linear has {list(self.offsets)}")
+        return self.offsets[shard]
+
+    def load_shard(self, shard: str, tensor: torch.Tensor, kind: str = "weight") -> None:
+        """kind: weight | bias | ModelOpt tensor names (weight_packed, weight_scale, weight_scale_2, input_scale)."""
+        a, b = self._rows(shard)
+        if kind == "bias":
+            _check_shape(self.bias is not None and self.bias[a:b], tensor, f"{self.site}:{shard}.bias")
+            self.bias.data[a:b] = tensor.to(self.bias.dtype)
+        elif kind == "weight":
+            _check_shape(self.weight[a:b], tensor, f"{self.site}:{shard}.weight")
+            if self.weight_fmt is not None:
+                if self.master is None:  # switching from an FP4 checkpoint to BF16 updates
+                    self.master = self.weight.data.float().clone()
+                self.master[a:b] = tensor.float()
+            else:
+                self.weight.data[a:b] = tensor.to(self.weight.dtype)
+            self._modelopt_rows.pop(shard, None)
+        else:
+            self._modelopt_rows.setdefault(shard, {})[kind] = tensor
+
+    def finalize(self) -> None:
+        """Quantize (or adopt pre-quantized) weights once all shards are loaded."""
+        if self.weight_fmt is None:
+            if self._modelopt_rows:
+                raise ValueError(f"{self.site}: checkpoint holds FP4 tensors but the policy keeps it BF16")
+            return
+        if self.weight_fmt == "mxfp4":
+            self.qweight = mxfp4.quantize(self.master, rule=self.mx_rule)
+            self.weight.data = mxfp4.dequantize(self.qweight, self.weight.dtype)
+            return
+        self.qweight = self._nvfp4_weight()
+        self.weight.data = nvfp4.dequantize(self.qweight, self.weight.dtype)
+        scales = [t["input_scale"] for t in self._modelopt_rows.values() if "input_scale" in t]
+        if scales:  # loaders take the max across fused shards
+            self.input_global_scale = encode_scale_from_decode(torch.stack([s.float().reshape(()) for s in scales]).max())
+        self._modelopt_rows = {}
+
+    def _nvfp4_weight(self) -> nvfp4.NVFP4Tensor:
+        if not self._modelopt_rows:  # BF16 source: one shared global amax over the fused shards
+            q = nvfp4.quantize(self.master)
+            return nvfp4.NVFP4Tensor(q.data, q.scale, q.global_scale.expand(self.out_features).clone())
+        missing = [s for s in self.shards if s not in self._modelopt_rows]
+        if missing:
+            raise ValueError(f"{self.site}: FP4 checkpoint lacks shards {missing}")
+        self.master = None  # pre-quantized: the FP4 tensors are the source of truth now
+        data, scale, gs = [], [], []
+        for shard, rows in self.shards.items():
+            t = self._modelopt_rows[shard]
+            if "weight_packed" not in t or "weight_scale" not in t or "weight_scale_2" not in t:
+                raise ValueError(f"{self.site}:{shard} needs weight, weight_scale and weight_scale_2; got {sorted(t)}")
+            _check_shape(torch.empty(rows, self.in_features // 2), t["weight_packed"], f"{self.site}:{shard}.weight")
+            data.append(t["weight_packed"])
+            scale.append(t["weight_scale"].view(torch.uint8))
+            gs.append(encode_scale_from_decode(t["weight_scale_2"].float().reshape(())).expand(rows))
+        return nvfp4.NVFP4Tensor(torch.cat(data), torch.cat(scale), torch.cat(gs))
+
+    # -- compute -----------------------------------------------------------------------------
+    def quantize_input(self, x: torch.Tensor):
+        if self.act_fmt == "mxfp4":
+            return mxfp4.quantize(x, rule=self.mx_rule)
+        if self.input_global_scale is not None:
+            return nvfp4_quantize(x, global_scale=self.input_global_scale)
+        return nvfp4_quantize(x, per_row_global=True)
+
+    def forward(self, x: torch.Tensor, capture: CaptureFn | None = None, site: str | None = None) -> torch.Tensor:
+        if self.act_fmt is not None:
+            q = self.quantize_input(x)
+            if capture is not None and isinstance(q, nvfp4.NVFP4Tensor):
+                capture(site or self.site, q)
+            x = (mxfp4.dequantize(q, x.dtype) if self.act_fmt == "mxfp4" else nvfp4.dequantize(q, x.dtype))
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def shard_view(self, shard: str, y: torch.Tensor) -> torch.Tensor:
+        a, b = self._rows(shard)
+        return y[..., a:b]
+
+
+def _check_shape(dst, src: torch.Tensor, name: str) -> None:
+    if dst is False:
+        raise ValueError(f"{name}: this layer has no bias but the checkpoint provides one")
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")

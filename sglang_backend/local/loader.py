@@ -1,0 +1,134 @@
+"""Per-parameter weight loaders: HF names (BF16 or ModelOpt NVFP4 tensors) -> engine parameters.
+
+    model.layers.{i}.self_attn.{q,k,v}_proj.*   -> qkv shard q/k/v        (fused, one global scale)
+    model.layers.{i}.mlp.{gate,up}_proj.*       -> gate_up shard gate/up  (fused, one global scale)
+    ...experts.{e}.{gate,up,down}_proj.*        -> that expert's linears
+    *.weight (uint8) + weight_scale + weight_scale_2 [+ input_scale]: ModelOpt NVFP4
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .layers import EngineLinear
+from .model import QwenEngineModel
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MODELOPT_KINDS = ("weight_scale_2", "weight_scale", "input_scale")
+_LINEARS = {
+    "self_attn.q_proj": ("qkv", "q"), "self_attn.k_proj": ("qkv", "k"), "self_attn.v_proj": ("qkv", "v"),
+    "self_attn.o_proj": ("o_proj", "o"), "mlp.gate_proj": ("gate_up", "gate"), "mlp.up_proj": ("gate_up", "up"),
+    "mlp.down_proj": ("down", "down"),
+}
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
+_NORMS = {"input_layernorm.weight": "input_norm", "post_attention_layernorm.weight": "post_norm",
+          "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm", "mlp.gate.weight": "router"}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "k_scale", "v_scale")
+
+
+def _split_kind(rest: str) -> tuple[str, str]:
+    for kind in _MODELOPT_KINDS + ("weight", "bias"):
+        if rest.endswith("." + kind):
+            return rest[: -len(kind) - 1], kind
+    return rest, ""
+
+
+def _linear_target(model: QwenEngineModel, layer: int, module: str) -> tuple[EngineLinear, str] | None:
+    blk = model.layers[layer]
+    if module in _LINEARS:
+        attr, shard = _LINEARS[module]
+        return (getattr(blk, attr), shard) if hasattr(blk, attr) else None
+    m = _EXPERT.match(module)
+    if m and blk.moe:
+        e, which = int(m.group(1)), m.group(2)
+        if e >= len(blk.experts_down):
+            return None
+        return (blk.experts_down[e], "down") if which == "down" else (blk.experts_gate_up[e], which)
+    return None
+
+
+def load_tensor(model: QwenEngineModel, name: str, tensor: torch.Tensor) -> EngineLinear | None:
+    """Route one HF-named tensor to its parameter; returns the linear to finalize, if any."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return None
+    if name == "model.embed_tokens.weight":
+        return _copy(model.embed, tensor, name)
+    if name == "lm_head.weight":
+        if model.arch.tie_word_embeddings:
+            return None  # tied: the embedding is the head
+        return _copy(model.lm_head, tensor, name)
+    if name == "model.norm.weight":
+        return _copy(model.final_norm, tensor, name)
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) < len(model.layers):
+        layer, rest = int(m.group(1)), m.group(2)
+        if rest in _NORMS and hasattr(model.layers[layer], _NORMS[rest]):
+            return _copy(getattr(model.layers[layer], _NORMS[rest]), tensor, name)
+        module, kind = _split_kind(rest)
+        target = _linear_target(model, layer, module)
+        if target is not None and kind:
+            linear, shard = target
+            if kind == "weight" and tensor.dtype == torch.uint8:
+                kind = "weight_packed"  # ModelOpt NVFP4: packed codes
+            linear.load_shard(shard, tensor, kind)
+            return linear
+    raise ValueError(f"checkpoint tensor {name!r} does not belong to a {model.arch.family} model of this shape")
+
+
+def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+    if not torch.isfinite(tensor.float()).all():
+        raise ValueError(f"{name}: checkpoint tensor holds NaN or Inf")
+    param.data.copy_(tensor.to(param.dtype))
+    return None
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def load_checkpoint(model: QwenEngineModel, path: str | Path) -> int:
+    """Load every tensor of an HF checkpoint directory; returns how many were loaded."""
+    touched: dict[int, EngineLinear] = {}
+    seen = set()
+    for f in checkpoint_files(path):
+        try:
+            handle = safe_open(str(f), framework="pt")
+        except Exception as e:
+            raise ValueError(f"cannot read safetensors file {f}: {e}") from None
+        with handle:
+            for name in handle.keys():
+                try:
+                    tensor = handle.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"{f}: tensor {name!r} is unreadable ({e}); the file is corrupt or truncated") from None
+                linear = load_tensor(model, name, tensor)
+                if linear is not None:
+                    touched[id(linear)] = linear
+                seen.add(name)
+    _check_complete(model, seen)
+    for linear in touched.values():
+        linear.finalize()
+    return len(seen)
+
+
+def _check_complete(model: QwenEngineModel, seen: set[str]) -> None:
+    expected = model.arch.hf_param_shapes()
+    have = {n.removesuffix(".weight_scale").removesuffix(".weight_scale_2") for n in seen}
+    missing = [n for n in expected if n not in have and not n.endswith("inv_freq")]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,202 @@
+"""Qwen2/2.5, Qwen3 and Qwen3-MoE for the embedded engine, over a paged (optionally FP4) KV cache.
+
+    tokens ─► embed ─► [ norm ─► qkv (FP4?) ─► q/k norm ─► RoPE ─► KV write (FP4?) ─► attention
+                         ─► o_proj (FP4?) ─► + ─► norm ─► gate_up (FP4?) ─► SiLU·up ─► down (FP4?) ─► + ] × L
+           ─► norm ─► lm_head (BF16) ─► logits of each sequence's last token
+Which linears and KV entries are FP4 comes from the QuantPolicy; every quantized input can be
+reported to a capture function under its guidance site name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_trace.models import ModelArch, QuantPolicy
+
+from .kv_cache import PagedKVCache
+from .layers import CaptureFn, EngineLinear, Rope, rms_norm
+
+
+@dataclass
+class ForwardBatch:
+    """One forward over several sequences' new tokens, flattened."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    spans: list[tuple[int, int]]  # each sequence's rows in the flat batch
+    write_slots: torch.Tensor  # [T] KV slot of each new token
+    read_slots: list[torch.Tensor]  # per sequence, KV slots of positions 0..last new token
+    logits_rows: list[int] | None = None  # rows whose logits are wanted (default: each span's last)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(e - s == 1 for s, e in self.spans)
+
+
+class _Layer(nn.Module):
+    def __init__(self, arch: ModelArch, policy: QuantPolicy, idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.idx, self.arch = idx, arch
+        p = f"model.layers.{idx}."
+        h, d = arch.hidden_size, arch.head_dim
+
+        def linear(hf_module, site, shards, k, bias=False):
+            # The policy decides per HF module; fused groups were checked to be all-or-none.
+            fp4 = policy.enabled and policy.linear_is_fp4(p + hf_module, arch.num_layers)
+            wfmt = policy.format if fp4 and policy.weights == "fp4" else None
+            afmt = policy.format if fp4 and policy.activations == "fp4" else None
+            return EngineLinear(shards, k, bias=bias, weight_fmt=wfmt, act_fmt=afmt, dtype=dtype, site=p + site)
+
+        self.qkv = linear("self_attn.q_proj", "self_attn.qkv_proj",
+                          {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size}, h, arch.qkv_bias)
+        self.o_proj = linear("self_attn.o_proj", "self_attn.o_proj", {"o": h}, arch.q_size, arch.o_bias)
+        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        if arch.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False)
+            self.k_norm = nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False)
+        self.moe = arch.layer_is_moe(idx)
+        if self.moe:
+            ffn, n = arch.moe_intermediate_size, arch.num_experts
+            self.router = nn.Parameter(torch.zeros(n, h, dtype=dtype), requires_grad=False)
+            self.experts_gate_up = nn.ModuleList(
+                linear(f"mlp.experts.{e}.gate_proj", "mlp.experts.gate_up_proj", {"gate": ffn, "up": ffn}, h)
+                for e in range(n))
+            self.experts_down = nn.ModuleList(
+                linear(f"mlp.experts.{e}.down_proj", "mlp.experts.down_proj", {"down": h}, ffn) for e in range(n))
+        else:
+            ffn = arch.intermediate_size
+            self.gate_up = linear("mlp.gate_proj", "mlp.gate_up_proj", {"gate": ffn, "up": ffn}, h)
+            self.down = linear("mlp.down_proj", "mlp.down_proj", {"down": h}, ffn)
+
+    def attention(self, x, batch: ForwardBatch, kv: PagedKVCache, rope: Rope, capture) -> torch.Tensor:
+        a = self.arch
+        qkv = self.qkv(x, capture)
+        q = qkv[:, : a.q_size].reshape(-1, a.num_heads, a.head_dim)
+        k = qkv[:, a.q_size : a.q_size + a.kv_size].reshape(-1, a.num_kv_heads, a.head_dim)
+        v = qkv[:, a.q_size + a.kv_size :].reshape(-1, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = rms_norm(q, self.q_norm, a.rms_norm_eps), rms_norm(k, self.k_norm, a.rms_norm_eps)
+        q, k = rope(q, batch.positions), rope(k, batch.positions)
+        for which, t in ((0, k), (1, v)):
+            qt = kv.quantize(self.idx, which, t)
+            if capture is not None and qt is not None and kv.fmt == "nvfp4":
+                capture(f"model.layers.{self.idx}.self_attn.{('k_cache', 'v_cache')[which]}", qt)
+            kv.write(self.idx, which, batch.write_slots, t, qt)
+        out = _decode_attention(q, batch, kv, self.idx) if batch.is_decode else _prefill_attention(q, batch, kv, self.idx)
+        return self.o_proj(out.reshape(-1, a.q_size), capture)
+
+    def mlp(self, x, capture) -> torch.Tensor:
+        if not self.moe:
+            gu = self.gate_up(x, capture)
+            half = gu.shape[-1] // 2
+            return self.down(F.silu(gu[:, :half]) * gu[:, half:], capture)
+        return self._moe(x, capture)
+
+    def _moe(self, x, capture) -> torch.Tensor:
+        a = self.arch
+        probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, a.num_experts_per_tok, dim=-1)
+        if a.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        site_gu = self.experts_gate_up[0].site
+        if capture is not None and self.experts_gate_up[0].act_fmt == "nvfp4":
+            # Per-token scaling quantizes a token's input identically for every expert: one site.
+            capture(site_gu, self.experts_gate_up[0].quantize_input(x))
+        down_parts = [] if capture is not None else None
+        for e in range(a.num_experts):
+            tok, slot = torch.where(experts == e)
+            if tok.numel() == 0:
+                continue
+            gu = self.experts_gate_up[e](x[tok])
+            half = gu.shape[-1] // 2
+            h = F.silu(gu[:, :half]) * gu[:, half:]
+            sink = None if down_parts is None else (lambda _s, q, tok=tok, slot=slot: down_parts.append((tok, slot, q)))
+            y = self.experts_down[e](h, sink)
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+        if down_parts:
+            capture(self.experts_down[0].site, _scatter_slots(down_parts, x.shape[0], a.num_experts_per_tok))
+        return out
+
+    def forward(self, x, batch, kv, rope, capture) -> torch.Tensor:
+        eps = self.arch.rms_norm_eps
+        x = x + self.attention(rms_norm(x, self.input_norm, eps), batch, kv, rope, capture)
+        return x + self.mlp(rms_norm(x, self.post_norm, eps), capture)
+
+
+def _scatter_slots(parts, num_tokens: int, top_k: int):
+    """Per-expert quantized down inputs -> one [T, top_k, K] NVFP4 record."""
+    from megatron_trace.fp4.nvfp4 import NVFP4Tensor
+
+    q0 = parts[0][2]
+    data = torch.zeros(num_tokens, top_k, q0.data.shape[-1], dtype=torch.uint8)
+    scale = torch.zeros(num_tokens, top_k, q0.scale.shape[-1], dtype=torch.uint8)
+    gs = torch.ones(num_tokens, top_k, dtype=torch.float32)
+    for tok, slot, q in parts:
+        data[tok, slot], scale[tok, slot] = q.data, q.scale
+        gs[tok, slot] = q.global_scale if q.global_scale.dim() else q.global_scale.expand(tok.numel())
+    return NVFP4Tensor(data, scale, gs)
+
+
+def _attend(q, k, v, mask, num_kv_heads) -> torch.Tensor:
+    """q [B, n, H, D], k/v [B, L, Hkv, D], mask [B, n, L] (True = visible) -> [B, n, H, D]."""
+    b, n, h, d = q.shape
+    g = h // num_kv_heads
+    qg = q.reshape(b, n, num_kv_heads, g, d)
+    scores = torch.einsum("bnkgd,blkd->bkgnl", qg, k) * (d ** -0.5)
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("bkgnl,blkd->bnkgd", probs, v).reshape(b, n, h, d)
+
+
+def _prefill_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int) -> torch.Tensor:
+    outs = []
+    for (s, e), slots in zip(batch.spans, batch.read_slots):
+        k, v = kv.read(layer, 0, slots), kv.read(layer, 1, slots)
+        pos = batch.positions[s:e]
+        mask = torch.arange(slots.numel())[None, :] <= pos[:, None]
+        outs.append(_attend(q[None, s:e], k[None], v[None], mask[None], kv.kv_heads)[0])
+    return torch.cat(outs)
+
+
+def _decode_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int) -> torch.Tensor:
+    lens = torch.tensor([s.numel() for s in batch.read_slots])
+    width = int(lens.max())
+    idx = torch.zeros(len(lens), width, dtype=torch.long)
+    for i, s in enumerate(batch.read_slots):
+        idx[i, : s.numel()] = s
+    mask = torch.arange(width)[None, :] < lens[:, None]
+    flat = idx.flatten()
+    k = kv.read(layer, 0, flat).reshape(len(lens), width, kv.kv_heads, -1)
+    v = kv.read(layer, 1, flat).reshape(len(lens), width, kv.kv_heads, -1)
+    return _attend(q[:, None], k, v, mask[:, None], kv.kv_heads)[:, 0]
+
+
+class QwenEngineModel(nn.Module):
+    def __init__(self, arch: ModelArch, policy: QuantPolicy, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.arch, self.policy, self.dtype = arch, policy, dtype
+        self.embed = nn.Parameter(torch.zeros(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(_Layer(arch, policy, i, dtype) for i in range(arch.num_layers))
+        self.final_norm = nn.Parameter(torch.ones(arch.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = (self.embed if arch.tie_word_embeddings else
+                        nn.Parameter(torch.zeros(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False))
+        self.rope = Rope(arch.head_dim, arch.rope_theta)
+
+    def linears(self):
+        return [m for m in self.modules() if isinstance(m, EngineLinear)]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache, capture: CaptureFn | None = None) -> torch.Tensor:
+        """Returns fp32 logits [len(logits_rows), vocab] (default: each sequence's last token)."""
+        x = F.embedding(batch.input_ids, self.embed)
+        for layer in self.layers:
+            x = layer(x, batch, kv, self.rope, capture)
+        rows = batch.logits_rows if batch.logits_rows is not None else [e - 1 for _, e in batch.spans]
+        h = rms_norm(x[rows], self.final_norm, self.arch.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
