@@ -4,6 +4,7 @@ import os
 # Triton fixes interpreter mode when its jit decorators run (at kernel-module import), so this
 # must precede any triton import; scripts/test.sh exports it too, this covers direct pytest runs.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build their models; nothing comes from a hub
 
 from hypothesis import settings  # noqa: E402
 

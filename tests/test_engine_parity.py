@@ -1,0 +1,40 @@
+"""The embedded engine with FP4 off against HF transformers (the model reference), fp32."""
+import pytest
+import torch
+
+from megatron_trace.models import make_tiny_checkpoint
+from sglang_backend.local import Engine
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [11, 12, 13], [200, 17, 5, 9, 31]]
+NEW = 10
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "qwen3_moe"])
+def ckpt(request, tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=3)
+
+
+def _hf_greedy(path, prompt):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, output_scores=True,
+                      return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    ids = out.sequences[0, len(prompt):].tolist()
+    return ids, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, ids)]
+
+
+def test_greedy_tokens_and_logprobs_match_hf(ckpt):
+    eng = Engine(str(ckpt))
+    try:
+        outs = eng.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": NEW,
+                                                                "ignore_eos": True}, return_logprob=True)
+    finally:
+        eng.shutdown()
+    for prompt, out in zip(PROMPTS, outs):
+        ids, lps = _hf_greedy(ckpt, prompt)
+        assert out["output_ids"] == ids
+        mine = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+        assert [t[1] for t in out["meta_info"]["output_token_logprobs"]] == ids
+        assert max(abs(a - b) for a, b in zip(mine, lps)) <= 1e-4
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": NEW}
