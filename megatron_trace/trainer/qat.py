@@ -1,0 +1,225 @@
+"""Quantization-aware forward in Megatron's linears and on K/V, driven by the rollout's policy.
+
+    mode off     : BF16 trainer, nothing quantized (the naive FP4-rollout baseline)
+    mode rtn     : plain QAT, weights and activations fake-quantized with round-to-nearest
+    mode guided  : TRACE, activations and K/V rounded to the rollout's recorded codewords
+                   (where a guidance record covers the position; rtn elsewhere)
+Weights use the exporter's quantizer (one global amax over the full, TP-gathered fused weight),
+so trainer and rollout weights are bit-identical. Backward is straight-through everywhere.
+
+Megatron lays activations out [seq, batch, hidden]; a micro-batch's guidance is assembled into
+that layout once per site (`MicroBatchGuidance`), with each sample's positions 0..T-1 in its
+batch column. Row-parallel inputs hold a K slice per TP rank: per-token amax is all-reduced
+(MAX) over TP and the guidance is sliced along K, so every rank rounds exactly like the
+rollout's full-width quantizer.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_trace.fp4 import RolloutRounding, guided_quantize, straight_through, unpack_fp4, unpack_mantissa_bits
+from megatron_trace.fp4 import nvfp4
+from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.models import ModelArch, QuantPolicy
+
+MODES = ("off", "rtn", "guided")
+_LINEAR_SITES = {
+    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.qkv_proj"),
+    "self_attention.linear_proj": ("self_attn.o_proj", "self_attn.o_proj"),
+    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.gate_up_proj"),
+    "mlp.linear_fc2": ("mlp.down_proj", "mlp.down_proj"),
+}
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_(fc1|fc2)$")
+KV_SCALE = 1.0  # per-layer K/V S_enc, the engine's default (SGLang's k_scale/v_scale = 1.0)
+
+
+@dataclass
+class MicroBatchGuidance:
+    """Rollout records for the samples of one micro-batch ([seq, batch] layout, batch column b)."""
+
+    records: list[GuidanceRecord | None]
+    seq_len: int
+    _cache: dict = field(default_factory=dict)
+
+    def site(self, name: str, k_slice: slice | None, dev) -> tuple[RolloutRounding, torch.Tensor] | None:
+        """Rounding tensors [S*B, ..., K_local/...] and the mask of covered rows, or None."""
+        key = (name, None if k_slice is None else (k_slice.start, k_slice.stop))
+        if key in self._cache:
+            return self._cache[key]
+        present = [r for r in self.records if r is not None and name in r.sites]
+        if not present:
+            self._cache[key] = None
+            return None
+        ref = present[0].sites[name]
+        full = present[0].mode == "full"
+        s, b = self.seq_len, len(self.records)
+        inner = tuple(ref.scale.shape[1:-1])
+        scale = torch.zeros(s, b, *inner, ref.scale.shape[-1], dtype=torch.uint8)
+        payload = torch.zeros(s, b, *inner, ref.payload.shape[-1], dtype=torch.uint8)
+        gs = torch.ones(s, b, *inner, dtype=torch.float32)
+        mask = torch.zeros(s, b, dtype=torch.bool)
+        for j, rec in enumerate(self.records):
+            if rec is None or name not in rec.sites:
+                continue
+            site = rec.sites[name]
+            t = min(site.positions(), s)
+            scale[:t, j], payload[:t, j] = site.scale[:t], site.payload[:t]
+            gs[:t, j] = site.global_scale if site.global_scale.dim() == 0 else site.global_scale[:t]
+            mask[:t, j] = True
+        if k_slice is not None:
+            k0, k1 = k_slice.start, k_slice.stop
+            scale = scale[..., k0 // 16 : k1 // 16]
+            per = 2 if full else 8
+            payload = payload[..., k0 // per : k1 // per]
+        flat = lambda t: t.reshape(s * b, *t.shape[2:]).contiguous().to(dev)  # noqa: E731
+        rr = RolloutRounding(flat(scale), flat(gs), codes=flat(payload) if full else None,
+                             mantissa=None if full else flat(payload))
+        out = (rr, mask.reshape(-1).to(dev))
+        self._cache[key] = out
+        return out
+
+
+class QATState:
+    """Owns the mode, the current micro-batch's guidance and the agreement counters."""
+
+    def __init__(self, arch: ModelArch, policy: QuantPolicy, mode: str, tp_group=None):
+        if mode not in MODES:
+            raise ValueError(f"trainer.qat_mode must be one of {', '.join(MODES)}; got {mode!r}")
+        self.arch, self.policy, self.mode, self.tp_group = arch, policy, mode, tp_group
+        self.guidance: MicroBatchGuidance | None = None
+        self.agree = defaultdict(lambda: [0, 0])  # site -> [agreeing elements, compared elements]
+
+    def tp_size(self) -> int:
+        return dist.get_world_size(self.tp_group) if self.tp_group is not None and dist.is_initialized() else 1
+
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.tp_group) if self.tp_group is not None and dist.is_initialized() else 0
+
+    def _all_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.tp_size() > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return t
+
+    # -- the three quantization sites ------------------------------------------------------
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        """Fake-quantized weight: one global amax over the TP-gathered (fused) weight."""
+        amax = self._all_max(nvfp4.nan_free_amax(w.detach().float()).reshape(1)).reshape(())
+        q = nvfp4.quantize(w.detach(), global_amax=amax)
+        return straight_through(w, nvfp4.dequantize(q, w.dtype))
+
+    def activation(self, x: torch.Tensor, site: str, k_slice: slice | None) -> torch.Tensor:
+        """Per-token NVFP4 of x [S, B, K_local]; guided rows follow the rollout's codes."""
+        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        amax = nvfp4.nan_free_amax(rows, dim=-1)
+        if k_slice is not None:  # row-parallel: the token's amax spans every TP rank's slice
+            amax = self._all_max(amax)
+        q = nvfp4.quantize(rows, global_scale=nvfp4.encode_scale_from_amax(amax))
+        return straight_through(x, self._guide(rows, q, site, k_slice).reshape(x.shape).to(x.dtype))
+
+    def kv(self, t: torch.Tensor, site: str) -> torch.Tensor:
+        """K or V [S, B, groups_local, D] as cached: NVFP4 along D with the per-layer scale."""
+        rows = t.detach().float().reshape(-1, t.shape[-2], t.shape[-1])
+        q = nvfp4.quantize(rows, global_scale=torch.tensor(KV_SCALE))
+        groups = t.shape[-2]
+        g0 = self.tp_rank() * groups
+        return straight_through(t, self._guide(rows, q, site, None, heads=slice(g0, g0 + groups)).reshape(t.shape).to(t.dtype))
+
+    def _guide(self, rows, q, site, k_slice, heads: slice | None = None) -> torch.Tensor:
+        deq = nvfp4.dequantize(q)
+        got = self.guidance.site(site, k_slice, rows.device) if self.guidance is not None and site else None
+        if got is None:
+            return deq
+        rr, mask = got
+        if heads is not None:
+            rr = RolloutRounding(rr.scale[:, heads], rr.global_scale, rr.codes[:, heads] if rr.codes is not None else None,
+                                 rr.mantissa[:, heads] if rr.mantissa is not None else None)
+        if self.mode != "guided":
+            self._count(site, q, rr, mask)
+            return deq
+        g = guided_quantize(rows, rr.scale, rr.global_scale, codes=rr.codes, mantissa=rr.mantissa)
+        self._count(site, g, rr, mask)
+        m = mask.reshape(-1, *([1] * (deq.dim() - 1)))
+        return torch.where(m, nvfp4.dequantize(g), deq)
+
+    def _count(self, site, q, rr: RolloutRounding, mask) -> None:
+        """Codeword agreement of this mode's rounding with the rollout's, on covered rows."""
+        if not mask.any():
+            return
+        mine = unpack_fp4(q.data)[mask]
+        if rr.codes is not None:
+            same = mine == unpack_fp4(rr.codes)[mask]
+        else:  # mantissa guidance: the bit and the block scale must both agree
+            same = (mine & 1) == unpack_mantissa_bits(rr.mantissa)[mask]
+            same &= (q.scale[mask] == rr.scale[mask]).repeat_interleave(16, dim=-1)
+        c = self.agree[site]
+        c[0] += int(same.sum())
+        c[1] += same.numel()
+
+    def agreement(self) -> dict[str, float]:
+        return {s: a / n for s, (a, n) in sorted(self.agree.items()) if n}
+
+
+def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, layer_offsets: list[int], tp_group=None) -> QATState:
+    """Wrap the FP4 linears and the K/V inputs of attention of each Megatron model chunk.
+
+    layer_offsets[i]: the global index of chunk i's first decoder layer (pipeline stages).
+    """
+    state = QATState(arch, policy, mode, tp_group)
+    if mode == "off" or not policy.enabled:
+        return state
+    for chunk, offset in zip(model_chunks, layer_offsets):
+        for name, module in chunk.named_modules():
+            parts = name.split(".")
+            if len(parts) < 4 or parts[0] != "decoder" or parts[1] != "layers":
+                continue
+            layer = offset + int(parts[2])
+            local = ".".join(parts[3:])
+            prefix = f"model.layers.{layer}."
+            expert = _EXPERT.match(local)
+            if expert:  # routed experts: tokens arrive permuted, so rtn only (no guidance lookup)
+                e, which = int(expert.group(1)), expert.group(2)
+                hf = f"mlp.experts.{e}.{'gate_proj' if which == 'fc1' else 'down_proj'}"
+                if policy.linear_is_fp4(prefix + hf, arch.num_layers):
+                    _wrap_linear(module, state, None, policy.activations == "fp4", row_parallel=which == "fc2")
+            elif local in _LINEAR_SITES:
+                hf_module, site = _LINEAR_SITES[local]
+                if policy.linear_is_fp4(prefix + hf_module, arch.num_layers):
+                    _wrap_linear(module, state, prefix + site, policy.activations == "fp4", row_parallel=local.endswith(("linear_proj", "linear_fc2")))
+            elif local == "self_attention.core_attention" and policy.kv_is_fp4(layer, arch.num_layers):
+                _wrap_attention(module, state, prefix + "self_attn.")
+    return state
+
+
+def _wrap_linear(module, state: QATState, site: str, quantize_input: bool, row_parallel: bool) -> None:
+    inner = module.forward
+
+    def forward(input_, *args, **kwargs):
+        if quantize_input:
+            k = input_.shape[-1]
+            k_slice = slice(state.tp_rank() * k, (state.tp_rank() + 1) * k) if row_parallel and state.tp_size() > 1 else None
+            input_ = state.activation(input_, site, k_slice if row_parallel else None)
+        param = module._parameters["weight"]
+        module._parameters["weight"] = state.weight(param)  # swapped for this call only
+        try:
+            return inner(input_, *args, **kwargs)
+        finally:
+            module._parameters["weight"] = param
+
+    module.forward = forward
+
+
+def _wrap_attention(module, state: QATState, prefix: str) -> None:
+    inner = module.forward
+
+    def forward(query, key, value, *args, **kwargs):
+        key = state.kv(key, prefix + "k_cache")
+        value = state.kv(value, prefix + "v_cache")
+        return inner(query, key, value, *args, **kwargs)
+
+    module.forward = forward
