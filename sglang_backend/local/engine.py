@@ -236,6 +236,9 @@ class Engine:
                 "kv_bytes_per_token": self.kv.bytes_per_token(), "guided_layers": self.guided,
                 "guidance_mode": self.guidance_mode}
 
+    def is_alive(self) -> bool:
+        return not self._closed and self._worker.is_alive()
+
     def shutdown(self) -> None:
         with self._cv:
             self._closed = True

@@ -1,0 +1,374 @@
+"""SGLang's native HTTP endpoints over the embedded `Engine`, on stdlib `ThreadingHTTPServer`.
+
+    srv = serve(engine, host="127.0.0.1", port=0, api_key="k")   # background thread
+    srv.url  ->  "http://127.0.0.1:54321";  srv.shutdown()
+
+Endpoints (as sglang 0.5.x): POST /generate; GET /health, /health_generate; GET /model_info
+(/get_model_info); GET|POST /flush_cache; POST /pause_generation, /continue_generation,
+/update_weights_from_disk, /update_weights_from_tensor, /init_weights_update_group,
+/update_weights_from_distributed, /destroy_weights_update_group, /update_weight_version;
+our extension POST /get_guidance {"handle"} -> application/octet-stream record bytes.
+
+Deliberate difference from SGLang — NO PICKLE: SGLang's /update_weights_from_tensor takes
+pickled CUDA-IPC handles, which would let any caller run code here. This server accepts either
+  * JSON `{"serialized_named_tensors": [<base64 safetensors>, ...], "weight_version", "flush_cache"}`
+    (each payload is safetensors bytes, e.g. `WeightBucket.to_bytes()`; all are merged), or
+  * a raw `Content-Type: application/octet-stream` body holding one `WeightBucket.to_bytes()`;
+    the version comes from the bucket header, `?flush_cache=false` in the query string.
+Errors are SGLang's: 400 with {"error": {"message", "code"}} ({"error": "<text>"} on /generate),
+401 {"error": "Unauthorized"} (every path but /health* needs `Authorization: Bearer <key>` when a
+key is configured), weight updates answer {"success", "message"} with 200 or 400.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import torch
+from safetensors import safe_open
+
+from megatron_trace.models import ModelArch
+from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
+
+from .engine import Engine
+from .http_util import Body, HTTPError, as_version, check_auth, is_loopback, send, want
+from .loader import checkpoint_files
+from .weight_group import WeightGroup, dtype_from_name
+
+OPEN_PATHS = {"/health", "/health_generate"}
+
+
+class RolloutServer:
+    """Routes + state (pause flag, weight groups) shared by all handler threads."""
+
+    def __init__(self, engine: Engine, host: str, port: int, api_key: str | None, max_body_bytes: int,
+                 request_timeout_s: float | None = None, dist_timeout_s: float = 300.0):
+        if not is_loopback(host) and not api_key:
+            raise ValueError(f"refusing to serve on non-loopback host {host!r} without an API key: "
+                             "pass --api-key (anyone who can reach the port could replace the weights)")
+        self.engine, self.api_key, self.max_body_bytes = engine, api_key, int(max_body_bytes)
+        self.request_timeout_s, self.dist_timeout_s = request_timeout_s, dist_timeout_s
+        self.paused = False
+        self.closing = False
+        self.groups: dict[str, WeightGroup] = {}
+        self._lock = threading.Lock()
+        self.routes = {
+            "/generate": ({"POST"}, self.generate), "/health": ({"GET", "POST"}, self.health),
+            "/health_generate": ({"GET", "POST"}, self.health_generate),
+            "/model_info": ({"GET"}, self.model_info), "/get_model_info": ({"GET"}, self.model_info),
+            "/flush_cache": ({"GET", "POST"}, self.flush_cache),
+            "/pause_generation": ({"POST"}, self.pause), "/continue_generation": ({"POST"}, self.resume),
+            "/update_weights_from_disk": ({"POST"}, self.update_from_disk),
+            "/update_weights_from_tensor": ({"POST"}, self.update_from_tensor),
+            "/init_weights_update_group": ({"POST"}, self.init_group),
+            "/update_weights_from_distributed": ({"POST"}, self.update_from_distributed),
+            "/destroy_weights_update_group": ({"POST"}, self.destroy_group),
+            "/update_weight_version": ({"POST"}, self.update_weight_version),
+            "/get_guidance": ({"POST"}, self.get_guidance),
+        }
+        self.httpd = ThreadingHTTPServer((host, port), _handler_for(self))
+        self.httpd.daemon_threads = True  # a hung client never blocks shutdown
+        self.host, self.port = host, self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="rollout-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> RolloutServer:
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        """Stop serving HTTP (503 on /health meanwhile); the engine's lifetime is the caller's."""
+        self.closing = True
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        for g in self.groups.values():
+            g.close()
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, h, body: Body, query):
+        d = body.json(required=True)
+        if d.get("text") is not None:
+            raise HTTPError(400, "'text' is not supported: this server has no tokenizer; send input_ids", "text")
+        ids = want(d, "input_ids", list, style="text")
+        batch = bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        for i, p in enumerate(prompts):
+            if not isinstance(p, list) or not p or not all(type(t) is int for t in p):
+                where = f"input_ids[{i}]" if batch else "input_ids"
+                raise HTTPError(400, f"{where} must be a non-empty list of int token ids", "text")
+        sp = d.get("sampling_params")
+        sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+        rid = d.get("rid")
+        rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+        if len(sps) != len(prompts) or len(rids) != len(prompts):
+            raise HTTPError(400, f"sampling_params / rid lists must have one entry per prompt ({len(prompts)})", "text")
+        ret_lp = bool(d.get("return_logprob", False))
+        vocab = self.engine.arch.vocab_size
+        reqs = []
+        for p, s, r in zip(prompts, sps, rids):
+            if s is not None and not isinstance(s, dict):
+                raise HTTPError(400, f"sampling_params must be an object; got {type(s).__name__}", "text")
+            if r is not None and not isinstance(r, str):
+                raise HTTPError(400, f"rid must be a string; got {type(r).__name__}", "text")
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:  # checked for all prompts before any is queued: a batch is all or nothing
+                raise HTTPError(400, f"input_ids hold tokens outside the vocabulary [0, {vocab}): {bad[:5]}", "text")
+            try:
+                params = SamplingParams.from_dict(s)
+            except (ValueError, TypeError) as e:
+                raise HTTPError(400, str(e), "text") from None
+            reqs.append(GenerateRequest(p, params, r, ret_lp, bool(d.get("return_guidance", False))))
+        submitted: list[str] = []
+        try:
+            for r in reqs:
+                submitted += self.engine.submit(r)
+        except (ValueError, RuntimeError) as e:
+            if submitted:  # collect the already-queued ones so their results don't pile up
+                threading.Thread(target=self.engine.wait, args=(submitted,), daemon=True).start()
+            raise HTTPError(400, str(e), "text") from None
+        # While paused the engine queues these; this thread waits for resume, as SGLang's does.
+        try:
+            out = self.engine.wait(submitted, timeout=self.request_timeout_s)
+        except TimeoutError as e:
+            raise HTTPError(504, str(e), "text") from None
+        if not ret_lp:
+            for o in out:
+                o["meta_info"].pop("output_token_logprobs", None)
+        send(h, 200, out if batch or len(out) > 1 else out[0])
+
+    def get_guidance(self, h, body: Body, query):
+        handle = want(body.json(required=True), "handle", str)
+        try:
+            data = self.engine.fetch_guidance(handle)
+        except KeyError as e:
+            raise HTTPError(404, str(e.args[0])) from None
+        send(h, 200, data, content_type="application/octet-stream")
+
+    # -- health & info ---------------------------------------------------------------------------
+    def _alive(self) -> bool:
+        alive = getattr(self.engine, "is_alive", None)  # a dead scheduler thread means no answers
+        return not self.closing and (alive is None or alive())
+
+    def health(self, h, body, query):
+        send(h, 200 if self._alive() else 503)
+
+    def health_generate(self, h, body, query):
+        if not self._alive():
+            return send(h, 503)
+        if self.paused:  # alive, just held: a probe generation would wait for resume
+            return send(h, 200)
+        try:
+            rids = self.engine.submit(GenerateRequest([0], SamplingParams(max_new_tokens=1), return_logprob=False))
+            res = self.engine.wait(rids, timeout=30)
+            ok = res[0]["meta_info"]["finish_reason"].get("type") != "abort"
+        except Exception:
+            ok = False
+        send(h, 200 if ok else 503)
+
+    def model_info(self, h, body, query):
+        info = self.engine.get_model_info()
+        info.update(paused=self.paused, weight_update_groups=sorted(self.groups), max_body_bytes=self.max_body_bytes)
+        send(h, 200, info)
+
+    # -- control ---------------------------------------------------------------------------------
+    def flush_cache(self, h, body, query):
+        body.read()
+        if self.engine.flush_cache():
+            send(h, 200, "Cache flushed.\n", content_type="text/plain")
+        else:
+            send(h, 400, "Cache not flushed: there are running or waiting requests.\n", content_type="text/plain")
+
+    def pause(self, h, body: Body, query):
+        mode = want(body.json(), "mode", str, "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise HTTPError(400, f"mode must be one of abort, retract, in_place; got {mode!r}")
+        # All three hold the batch in place here: the embedded engine keeps in-flight requests
+        # (their KV stays reserved) and finishes them after /continue_generation.
+        self.engine.pause_generation()
+        self.paused = True
+        send(h, 200, {"message": "Generation paused successfully.", "status": "ok"})
+
+    def resume(self, h, body: Body, query):
+        body.read()
+        self.engine.continue_generation()
+        self.paused = False
+        send(h, 200, {"message": "Generation continued successfully.", "status": "ok"})
+
+    # -- weights ---------------------------------------------------------------------------------
+    def _apply(self, h, named, flush: bool, version: int | None, what: str) -> bool:
+        ok, msg = self.engine.update_weights_from_tensor(named, flush_cache=flush, weight_version=version)
+        send(h, 200 if ok else 400, {"success": ok, "message": f"{what}: {msg}"})
+        return ok
+
+    def update_from_tensor(self, h, body: Body, query):
+        ctype = h.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if ctype == "application/octet-stream":
+            try:
+                bucket = WeightBucket.from_bytes(body.read())
+            except ValueError as e:
+                raise HTTPError(400, str(e)) from None
+            flush = query.get("flush_cache", ["true"])[0].lower() not in ("0", "false", "no")
+            return self._apply(h, bucket.tensors, flush, bucket.version, "octet-stream bucket")
+        d = body.json(required=True)
+        payloads = want(d, "serialized_named_tensors", list)
+        named: dict[str, torch.Tensor] = {}
+        for i, p in enumerate(payloads):
+            if not isinstance(p, str):
+                raise HTTPError(400, f"serialized_named_tensors[{i}] must be a base64 safetensors string "
+                                     "(this server accepts no pickle)")
+            try:
+                named.update(WeightBucket.from_bytes(base64.b64decode(p, validate=True)).tensors)
+            except (ValueError, binascii.Error) as e:
+                raise HTTPError(400, f"serialized_named_tensors[{i}]: {e}") from None
+        self._apply(h, named, bool(want(d, "flush_cache", bool, True)), as_version(d.get("weight_version")),
+                    f"{len(payloads)} safetensors payloads")
+
+    def update_from_disk(self, h, body: Body, query):
+        d = body.json(required=True)
+        path = Path(want(d, "model_path", str))
+        fmt = d.get("load_format")
+        if fmt not in (None, "auto", "safetensors"):
+            raise HTTPError(400, f"load_format must be auto or safetensors; got {fmt!r}")
+        version = as_version(d.get("weight_version"))
+        try:  # same architecture only: a new checkpoint of the served model, not a new model
+            if ModelArch.from_hf_config(path) != self.engine.arch:
+                raise ValueError(f"{path} holds a different model than the one served ({self.engine.model_path})")
+            named = []
+            for f in checkpoint_files(path):
+                with safe_open(str(f), framework="pt") as fh:
+                    named += [(k, fh.get_tensor(k)) for k in fh.keys()]
+        except Exception as e:  # missing dir, bad config, corrupt file: all a refusal, not a crash
+            return send(h, 400, {"success": False, "message": f"cannot load {path}: {e}; "
+                                                              f"still serving version {self.engine.weight_version}"})
+        if self._apply(h, named, bool(want(d, "flush_cache", bool, True)), version, f"from disk {path}"):
+            self.engine.model_path = path
+
+    def init_group(self, h, body: Body, query):
+        d = body.json(required=True)
+        addr, port = want(d, "master_address", str), want(d, "master_port", int)
+        offset, world = want(d, "rank_offset", int), want(d, "world_size", int)
+        name = want(d, "group_name", str, "weight_update_group")
+        backend = want(d, "backend", str, "gloo")
+        # tp = 1: this server is exactly one rank, `rank_offset`; rank 0 is the trainer.
+        if not (1 <= offset < world):
+            raise HTTPError(400, f"rank_offset {offset} / world_size {world} do not fit this server: it is one "
+                                 "rank (tp=1) and rank 0 is the trainer, so need 1 <= rank_offset < world_size")
+        if backend != "gloo":
+            raise HTTPError(400, f"backend {backend!r} is not supported by the embedded server; use 'gloo'")
+        with self._lock:
+            if name in self.groups:
+                raise HTTPError(400, f"weight update group {name!r} already exists; destroy it first")
+        try:
+            group = WeightGroup(addr, port, offset, world, name, self.dist_timeout_s)
+        except Exception as e:
+            return send(h, 400, {"success": False, "message": f"init of group {name!r} failed: {e}"})
+        with self._lock:
+            self.groups[name] = group
+        send(h, 200, {"success": True, "message": f"joined {name!r} as rank {offset} of {world}"})
+
+    def update_from_distributed(self, h, body: Body, query):
+        d = body.json(required=True)
+        names, dtypes, shapes = want(d, "names", list), want(d, "dtypes", list), want(d, "shapes", list)
+        name = want(d, "group_name", str, "weight_update_group")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise HTTPError(400, f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        try:
+            dts = [dtype_from_name(x) for x in dtypes]
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        for n, s in zip(names, shapes):
+            if not isinstance(n, str) or not isinstance(s, list) or not all(type(x) is int and x >= 0 for x in s):
+                raise HTTPError(400, f"bad entry {n!r}: names are strings, shapes lists of ints >= 0")
+        version = as_version(d.get("weight_version"))
+        group = self.groups.get(name)
+        if group is None:
+            raise HTTPError(400, f"no weight update group {name!r}; call /init_weights_update_group first")
+        try:  # everything arrives before anything loads: a broken transfer changes nothing
+            named = group.receive(names, dts, shapes)
+        except Exception as e:
+            with self._lock:  # its broadcast sequence is out of step now; the trainer must re-init
+                self.groups.pop(name, None)
+            group.close()
+            return send(h, 400, {"success": False, "message": f"transfer failed ({e}); group {name!r} dropped; "
+                                                              f"still serving version {self.engine.weight_version}"})
+        self._apply(h, named, bool(want(d, "flush_cache", bool, True)), version, f"{len(named)} tensors from {name!r}")
+
+    def destroy_group(self, h, body: Body, query):
+        name = want(body.json(), "group_name", str, "weight_update_group")
+        with self._lock:
+            group = self.groups.pop(name, None)
+        if group is None:
+            return send(h, 400, {"success": False, "message": f"no weight update group {name!r}"})
+        group.close()
+        send(h, 200, {"success": True, "message": f"destroyed {name!r}"})
+
+    def update_weight_version(self, h, body: Body, query):
+        v = as_version(want(body.json(required=True), "new_version", (str, int)), "new_version")
+        self.engine.weight_version = v
+        send(h, 200, {"success": True, "message": f"weight version is {v}"})
+
+
+def _handler_for(server: RolloutServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        timeout = 300  # socket reads: a stalled client frees its thread eventually
+        server_version = "sglang-backend-local"
+
+        def log_message(self, fmt: str, *args: Any) -> None:  # quiet: tests and trainers log themselves
+            pass
+
+        def _dispatch(self) -> None:
+            body, allow = None, None
+            try:
+                parts = urlsplit(self.path)
+                route = server.routes.get(parts.path.rstrip("/") or "/")
+                if route is None:
+                    raise HTTPError(404, f"no endpoint {parts.path!r}")
+                methods, fn = route
+                if self.command not in methods:
+                    allow = {"Allow": ", ".join(sorted(methods))}
+                    raise HTTPError(405, f"{parts.path} allows {', '.join(sorted(methods))}; got {self.command}")
+                if parts.path not in OPEN_PATHS:
+                    check_auth(self, server.api_key)
+                body = Body(self, server.max_body_bytes)
+                fn(self, body, parse_qs(parts.query))
+            except HTTPError as e:
+                if body is not None:
+                    body.discard()
+                elif self.headers.get("Content-Length") not in (None, "0"):
+                    self.close_connection = True
+                    _drain(self, server.max_body_bytes)
+                send(self, e.status, e.body(), headers=allow)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+            except Exception as e:  # a bug in a handler answers 500; the server lives on
+                self.close_connection = True
+                try:
+                    send(self, 500, {"error": {"message": f"internal error: {type(e).__name__}: {e}", "code": 500}})
+                except OSError:
+                    pass
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch
+
+    return Handler
+
+
+def _drain(h: BaseHTTPRequestHandler, limit: int) -> None:
+    try:
+        Body(h, limit).discard()
+    except HTTPError:
+        pass
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+          max_body_bytes: int = 64 << 20, **kwargs: Any) -> RolloutServer:
+    """Start serving `engine` in a background thread; returns the server (`.url`, `.shutdown()`)."""
+    return RolloutServer(engine, host, port, api_key, max_body_bytes, **kwargs).start()
