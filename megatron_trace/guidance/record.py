@@ -101,6 +101,14 @@ class GuidanceRecord:
             return RolloutRounding(s.scale, s.global_scale, codes=s.payload)
         return RolloutRounding(s.scale, s.global_scale, mantissa=s.payload)
 
+    def to_mantissa(self) -> GuidanceRecord:
+        """The compact record a mantissa-mode rollout would have written (from full codes)."""
+        if self.mode == "mantissa":
+            return self
+        sites = {n: SiteRecord(s.scale, s.global_scale, mantissa_bits(unpack_fp4(s.payload)))
+                 for n, s in self.sites.items()}
+        return GuidanceRecord(self.sample_id, "mantissa", self.num_positions, sites)
+
     def to_bytes(self) -> bytes:
         tensors = {}
         for name, s in self.sites.items():

@@ -137,8 +137,9 @@ class QATState:
             return deq
         rr, mask = got
         if heads is not None:
-            rr = RolloutRounding(rr.scale[:, heads], rr.global_scale, rr.codes[:, heads] if rr.codes is not None else None,
-                                 rr.mantissa[:, heads] if rr.mantissa is not None else None)
+            pick = lambda t: None if t is None else t[:, heads]  # noqa: E731
+            gs = rr.global_scale[:, heads] if rr.global_scale.dim() > 1 else rr.global_scale
+            rr = RolloutRounding(pick(rr.scale), gs, pick(rr.codes), pick(rr.mantissa))
         if self.mode != "guided":
             self._count(site, q, rr, mask)
             return deq
@@ -161,6 +162,12 @@ class QATState:
         c[0] += int(same.sum())
         c[1] += same.numel()
 
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"trainer.qat_mode must be one of {', '.join(MODES)}; got {mode!r}")
+        self.mode = mode
+        self.agree.clear()
+
     def agreement(self) -> dict[str, float]:
         return {s: a / n for s, (a, n) in sorted(self.agree.items()) if n}
 
@@ -168,11 +175,13 @@ class QATState:
 def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, layer_offsets: list[int], tp_group=None) -> QATState:
     """Wrap the FP4 linears and the K/V inputs of attention of each Megatron model chunk.
 
+    The wrappers read `state.mode` at every call, so one installed model can switch modes.
+
     layer_offsets[i]: the global index of chunk i's first decoder layer (pipeline stages).
     """
     state = QATState(arch, policy, mode, tp_group)
-    if mode == "off" or not policy.enabled:
-        return state
+    if not policy.enabled:
+        return state  # nothing is FP4 (a BF16 rollout): the trainer runs plain
     for chunk, offset in zip(model_chunks, layer_offsets):
         for name, module in chunk.named_modules():
             parts = name.split(".")
@@ -200,6 +209,8 @@ def _wrap_linear(module, state: QATState, site: str, quantize_input: bool, row_p
     inner = module.forward
 
     def forward(input_, *args, **kwargs):
+        if state.mode == "off":
+            return inner(input_, *args, **kwargs)
         if quantize_input:
             k = input_.shape[-1]
             k_slice = slice(state.tp_rank() * k, (state.tp_rank() + 1) * k) if row_parallel and state.tp_size() > 1 else None
@@ -218,6 +229,8 @@ def _wrap_attention(module, state: QATState, prefix: str) -> None:
     inner = module.forward
 
     def forward(query, key, value, *args, **kwargs):
+        if state.mode == "off":
+            return inner(query, key, value, *args, **kwargs)
         key = state.kv(key, prefix + "k_cache")
         value = state.kv(value, prefix + "v_cache")
         return inner(query, key, value, *args, **kwargs)

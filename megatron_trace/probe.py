@@ -1,0 +1,210 @@
+"""How far apart are the FP4 rollout and the trainer? Run this before trusting FP4 rollout.
+
+    python -m megatron_trace.probe --model-path HF_DIR [--quantization nvfp4] [--kv-cache-dtype nvfp4]
+    torchrun --nproc-per-node 2 -m megatron_trace.probe --model-path HF_DIR --tp 2
+
+    prompts ─► rollout engine (FP4 policy, --rollout-dtype, full guidance recorded)
+            ─► trainer recompute on Megatron (TP/PP) in modes off | rtn | guided-full | guided-mantissa
+            ─► per mode: |Δlogp| mean/max, K3 KL, IS ratio mean/max, codeword agreement per site,
+               guidance bytes per token, mean |Δlogp| by response position
+The engine runs in bfloat16 by default while the trainer runs fp32: real deployments differ at
+that level (other GEMM kernels, fused ops), and with bitwise-identical sides plain QAT would
+already be perfect and nothing could be shown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.models import ModelArch, QuantPolicy
+from megatron_trace.rl import mismatch_metrics
+
+MODES = ("off", "rtn", "guided-full", "guided-mantissa")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m megatron_trace.probe", description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    ap.add_argument("--quantization", default="nvfp4", choices=["nvfp4", "w4a16_nvfp4"])
+    ap.add_argument("--kv-cache-dtype", default="nvfp4", choices=["nvfp4", "bf16"])
+    ap.add_argument("--targets", default=None, help="comma-separated module patterns (default: MLP + experts)")
+    # All layers by default: an unguided layer's round-to-nearest flips cascade into every later
+    # layer, so "last_half" (the RL default, for memory) shows how much the early flips cost.
+    ap.add_argument("--guided-layers", default="all", help="all | last_half | none | N (last N)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=12)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--rollout-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    for name in ("max_new_tokens", "num_prompts", "prompt_len", "tp", "pp", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.temperature <= 0:
+        ap.error("--temperature must be > 0 (the logprobs compared are those of a sampling policy)")
+    if args.guided_layers.isdigit():
+        args.guided_layers = int(args.guided_layers)
+    return args
+
+
+def synthetic_prompts(arch: ModelArch, n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, arch.vocab_size, (n, length), generator=g).tolist()
+
+
+def rollout(args, policy: QuantPolicy) -> list[dict]:
+    """Generate on this process's embedded engine; each sample carries its full guidance bytes."""
+    from sglang_backend.local import Engine
+
+    arch = ModelArch.from_hf_config(args.model_path)
+    eng = Engine(args.model_path, dtype=args.rollout_dtype, quant_policy=policy, guidance_mode="full",
+                 guided_layers=args.guided_layers, random_seed=args.seed)
+    try:
+        prompts = synthetic_prompts(arch, args.num_prompts, args.prompt_len, args.seed)
+        params = [{"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
+                   "sampling_seed": args.seed * 10_000 + i} for i in range(len(prompts))]
+        outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, return_guidance=True)
+        samples = []
+        for prompt, out in zip(prompts, outs):
+            handle = out["meta_info"]["guidance_handle"]
+            samples.append({"prompt": prompt, "response": out["output_ids"],
+                            "logprobs": [t[0] for t in out["meta_info"]["output_token_logprobs"]],
+                            "guidance": eng.fetch_guidance(handle)})
+        return samples
+    finally:
+        eng.shutdown()
+
+
+def _share(samples: list[dict] | None) -> list[dict]:
+    """Rank 0's samples to every rank, as JSON + safetensors bytes (no pickle between processes)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return samples
+    if dist.get_rank() == 0:
+        meta = json.dumps([{k: v for k, v in s.items() if k != "guidance"} for s in samples]).encode()
+        blobs = [meta] + [s["guidance"] for s in samples]
+    else:
+        blobs = None
+    blobs = _broadcast_blobs(blobs)
+    out = json.loads(blobs[0].decode())
+    for s, g in zip(out, blobs[1:]):
+        s["guidance"] = g
+    return out
+
+
+def _broadcast_blobs(blobs: list[bytes] | None) -> list[bytes]:
+    sizes = torch.tensor([len(b) for b in blobs] if blobs else [], dtype=torch.long)
+    n = torch.tensor([sizes.numel()], dtype=torch.long)
+    dist.broadcast(n, 0)
+    if dist.get_rank() != 0:
+        sizes = torch.empty(int(n), dtype=torch.long)
+    dist.broadcast(sizes, 0)
+    buf = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if blobs else torch.empty(int(sizes.sum()), dtype=torch.uint8)
+    dist.broadcast(buf, 0)
+    data, out, off = buf.numpy().tobytes(), [], 0
+    for s in sizes.tolist():
+        out.append(data[off : off + s])
+        off += s
+    return out
+
+
+def probe(args) -> dict:
+    from megatron_trace.trainer.actor import Actor, ActorConfig, Sample
+    from megatron_trace.trainer.parallel import destroy, init_distributed
+
+    arch = ModelArch.from_hf_config(args.model_path)
+    targets = tuple(args.targets.split(",")) if args.targets else QuantPolicy().targets
+    acts = "bf16" if args.quantization.startswith("w4a16") else "fp4"
+    policy = QuantPolicy(format="nvfp4", weights="fp4", activations=acts, kv=args.kv_cache_dtype, targets=targets)
+    init_distributed(tp=args.tp, pp=args.pp, seed=args.seed)
+    try:
+        t0 = time.perf_counter()
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        samples = _share(rollout(args, policy) if rank0 else None)
+        t_rollout = time.perf_counter() - t0
+        full = [GuidanceRecord.from_bytes(s["guidance"]) for s in samples]
+        records = {"full": full, "mantissa": [r.to_mantissa() for r in full]}
+        actor = Actor(arch, policy, ActorConfig(qat_mode="off", micro_batch_size=args.micro_batch_size,
+                                                temperature=args.temperature), hf_path=args.model_path)
+        rollout_lp = [s["logprobs"] for s in samples]
+        results = {}
+        for mode in MODES:
+            kind = "mantissa" if mode == "guided-mantissa" else "full"
+            batch = [Sample(f"s{i}", s["prompt"], s["response"], s["logprobs"], 0.0, records[kind][i])
+                     for i, s in enumerate(samples)]
+            actor.qat.set_mode(mode.split("-")[0])
+            train_lp = actor.compute_logprobs(batch)
+            m = mismatch_metrics(rollout_lp, [t.tolist() for t in train_lp])
+            m["agreement"] = _reduce_agreement(actor.qat.agreement())
+            m["guidance_bytes_per_token"] = sum(r.nbytes() for r in records[kind]) / sum(r.num_positions for r in records[kind])
+            results[mode] = m
+        return {"model_path": str(args.model_path), "policy": policy.to_dict(), "rollout_dtype": args.rollout_dtype,
+                "trainer_dtype": "float32", "tp": args.tp, "pp": args.pp, "num_prompts": args.num_prompts,
+                "max_new_tokens": args.max_new_tokens, "rollout_seconds": t_rollout,
+                "total_seconds": time.perf_counter() - t0, "modes": results}
+    finally:
+        destroy()
+
+
+def _reduce_agreement(local: dict[str, float]) -> dict[str, float]:
+    """Every rank counted its own sites (its pipeline stage, its TP slice); merge to rank 0's view."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    blobs = [json.dumps(local).encode()]
+    gathered = [None] * dist.get_world_size()
+    sizes = torch.tensor([len(blobs[0])])
+    all_sizes = [torch.zeros(1, dtype=torch.long) for _ in gathered]
+    dist.all_gather(all_sizes, sizes)
+    width = int(max(s.item() for s in all_sizes))
+    buf = torch.zeros(width, dtype=torch.uint8)
+    buf[: len(blobs[0])] = torch.frombuffer(bytearray(blobs[0]), dtype=torch.uint8)
+    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in gathered]
+    dist.all_gather(bufs, buf)
+    merged: dict[str, list[float]] = {}
+    for b, s in zip(bufs, all_sizes):
+        for site, v in json.loads(b[: int(s)].numpy().tobytes().decode()).items():
+            merged.setdefault(site, []).append(v)
+    return {site: sum(v) / len(v) for site, v in sorted(merged.items())}
+
+
+def format_table(res: dict) -> str:
+    lines = ["| mode | mean abs dlogp | max abs dlogp | K3 KL | ratio mean | ratio max | min site agreement | guidance B/token |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode, m in res["modes"].items():
+        agree = min(m["agreement"].values()) if m["agreement"] else float("nan")
+        lines.append(f"| {mode} | {m['mean_abs_dlogp']:.4g} | {m['max_abs_dlogp']:.4g} | {m['k3_kl']:.3g} | "
+                     f"{m['ratio_mean']:.4f} | {m['ratio_max']:.4f} | {agree:.4%} | {m['guidance_bytes_per_token']:.0f} |")
+    pos = [k for k in res["modes"]["off"] if k.startswith("dlogp_pos_")]
+    lines += ["", "| mode | " + " | ".join(p.removeprefix("dlogp_pos_").replace("_", "-") for p in pos) + " |",
+              "|---|" + "---:|" * len(pos)]
+    for mode, m in res["modes"].items():
+        lines.append(f"| {mode} | " + " | ".join(f"{m[p]:.4g}" for p in pos) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    res = probe(args)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"rollout {args.quantization} + KV {args.kv_cache_dtype} in {args.rollout_dtype}; trainer fp32 "
+              f"TP{args.tp} PP{args.pp}; {res['num_prompts']} prompts x {res['max_new_tokens']} tokens; "
+              f"{res['total_seconds']:.1f} s")
+        print(format_table(res))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The actor: FP4-aware logprob recompute and the policy update on Megatron-Core.
+
+    samples (prompt, response, rollout logprobs, advantage, guidance record)
+      ─► micro-batches [mbs, S] (right-padded; input = tokens[:-1], labels = tokens[1:])
+      ─► Megatron pipeline schedule; before each micro-batch's forward the QAT state gets that
+         micro-batch's guidance, laid out [S, mbs] like Megatron's activations
+      ─► logp of each response token at the rollout's temperature
+      ─► (train) policy loss summed over response tokens / all response tokens of the batch,
+         STE backward, DDP/TP grad reduction, grad clipping, Adam step
+Every rank passes the same samples; logprobs come back on every rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.models import ModelArch, QuantPolicy, pp_layer_range
+from megatron_trace.rl import LossConfig, policy_loss
+
+from .gpt import _unwrap, build_model, load_hf_weights
+from .qat import MicroBatchGuidance, install_qat
+
+
+@dataclass
+class ActorConfig:
+    qat_mode: str = "guided"  # off | rtn | guided
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    micro_batch_size: int = 4
+    temperature: float = 1.0
+    dtype: str = "float32"
+
+
+@dataclass
+class Sample:
+    sample_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    advantage: float = 0.0
+    guidance: GuidanceRecord | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+
+@dataclass
+class _MicroBatch:
+    ids: torch.Tensor
+    labels: torch.Tensor
+    resp_mask: torch.Tensor
+    rollout_lp: torch.Tensor
+    adv: torch.Tensor
+    guidance: MicroBatchGuidance | None
+    count: int  # real samples (the rest is padding)
+    extra: dict = field(default_factory=dict)
+
+
+class Actor:
+    def __init__(self, arch: ModelArch, policy: QuantPolicy, cfg: ActorConfig, hf_path=None):
+        """Call `parallel.init_distributed` first. Loads `hf_path` (an HF checkpoint) when given."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.arch, self.policy, self.cfg = arch, policy, cfg
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        chunks = build_model(arch, dtype=dtype)
+        if hf_path is not None:
+            load_hf_weights(chunks, hf_path, arch)
+        model = chunks[0]
+        model.config.finalize_model_grads_func = finalize_model_grads  # TP-replicated grads (q/k norms)
+        self.ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=False), model)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
+                            bf16=dtype == torch.bfloat16, fp16=False, use_distributed_optimizer=False),
+            [self.ddp])
+        start, _ = pp_layer_range(arch.num_layers, ps.get_pipeline_model_parallel_world_size(),
+                                  ps.get_pipeline_model_parallel_rank())
+        self.qat = install_qat([_unwrap(model)], arch, policy, cfg.qat_mode, [start],
+                               tp_group=ps.get_tensor_model_parallel_group())
+
+    @property
+    def chunks(self) -> list:
+        return [self.ddp]
+
+    # -- batching ------------------------------------------------------------------------------
+    def _micro_batches(self, samples: list[Sample]) -> tuple[list[_MicroBatch], int]:
+        mbs = self.cfg.micro_batch_size
+        seq = max(len(s.tokens) - 1 for s in samples)
+        out = []
+        for i in range(0, len(samples), mbs):
+            part = samples[i : i + mbs]
+            ids = torch.zeros(mbs, seq, dtype=torch.long)
+            labels = torch.zeros(mbs, seq, dtype=torch.long)
+            mask = torch.zeros(mbs, seq)
+            lp = torch.zeros(mbs, seq)
+            adv = torch.zeros(mbs, seq)
+            for j, s in enumerate(part):
+                t = torch.tensor(s.tokens)
+                n, p = len(t) - 1, len(s.prompt_ids)
+                if len(s.rollout_logprobs) != len(s.response_ids):
+                    raise ValueError(f"sample {s.sample_id}: {len(s.rollout_logprobs)} rollout logprobs "
+                                     f"for {len(s.response_ids)} response tokens")
+                ids[j, :n], labels[j, :n] = t[:-1], t[1:]
+                mask[j, p - 1 : n] = 1
+                lp[j, p - 1 : n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+                adv[j, p - 1 : n] = s.advantage
+                if s.guidance is not None:
+                    s.guidance.validate(n)
+            records = [s.guidance for s in part] + [None] * (mbs - len(part))
+            guidance = MicroBatchGuidance(records, seq) if any(r is not None for r in records) else None
+            out.append(_MicroBatch(ids, labels, mask, lp, adv, guidance, len(part)))
+        return out, seq
+
+    def _run(self, micro: list[_MicroBatch], seq: int, forward_only: bool, loss_cfg: LossConfig | None, total: float):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        vocab = self.arch.vocab_size
+        pos = torch.arange(seq).expand(self.cfg.micro_batch_size, seq)
+        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            self.qat.guidance = mb.guidance
+            out = model(mb.ids, pos, causal)
+
+            def loss_func(logits):
+                logp = torch.log_softmax(logits[..., :vocab].float() / self.cfg.temperature, dim=-1)
+                tok_lp = logp.gather(-1, mb.labels.unsqueeze(-1)).squeeze(-1)
+                if forward_only:
+                    return torch.zeros(()), {"logp": tok_lp.detach().clone()}
+                m = mb.resp_mask.flatten()
+                loss, metrics = policy_loss(tok_lp.flatten(), mb.rollout_lp.flatten(), mb.adv.flatten(), m, loss_cfg)
+                # Sum over tokens / the batch's response tokens; the schedule divides by #micro-batches.
+                scaled = loss * len(micro) / total
+                metrics = {k: torch.tensor(v * float(m.sum())) for k, v in metrics.items()}
+                metrics["loss_sum"] = loss.detach().clone()
+                metrics["tokens"] = m.sum()
+                return scaled, metrics
+
+            return out, loss_func
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=self.chunks,
+            num_microbatches=len(micro), seq_length=seq, micro_batch_size=self.cfg.micro_batch_size,
+            forward_only=forward_only)
+
+    # -- public --------------------------------------------------------------------------------
+    def compute_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """Per sample, the trainer's logprob of each response token (fp32), on every rank."""
+        from megatron.core import parallel_state as ps
+
+        micro, seq = self._micro_batches(samples)
+        self.ddp.eval()
+        try:
+            with torch.no_grad():
+                store = self._run(micro, seq, True, None, 1.0)
+        finally:
+            self.ddp.train()
+            self.qat.guidance = None
+        mbs = self.cfg.micro_batch_size
+        if ps.is_pipeline_last_stage():
+            full = torch.cat([d["logp"] for d in store])
+        else:
+            full = torch.empty(len(micro) * mbs, seq)
+        _broadcast_from_last_stage(full)
+        out = []
+        for i, s in enumerate(samples):
+            p, n = len(s.prompt_ids), len(s.tokens) - 1
+            out.append(full[i, p - 1 : n].clone())
+        return out
+
+    def train_step(self, samples: list[Sample], loss_cfg: LossConfig) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        micro, seq = self._micro_batches(samples)
+        total = float(sum(len(s.response_ids) for s in samples))
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        try:
+            store = self._run(micro, seq, False, loss_cfg, max(total, 1.0))
+        finally:
+            self.qat.guidance = None
+        ok, grad_norm, _ = self.optimizer.step()
+        sums = torch.zeros(6)
+        if ps.is_pipeline_last_stage() and store:
+            keys = ("loss_sum", "clipped_frac", "is_clipped_frac", "masked_frac", "ratio_mean", "tokens")
+            sums = torch.tensor([sum(float(d[k]) for d in store) for k in keys])
+        _broadcast_from_last_stage(sums)
+        n = max(float(sums[5]), 1.0)
+        return {"loss": float(sums[0]) / n, "clipped_frac": float(sums[1]) / n, "is_clipped_frac": float(sums[2]) / n,
+                "masked_frac": float(sums[3]) / n, "ratio_mean": float(sums[4]) / n,
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "update_ok": bool(ok)}
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, root: str | os.PathLike, step: int, extra: dict | None = None) -> Path:
+        """Write root/step_N atomically: every rank writes into step_N.tmp, then rank 0 renames it
+        and points root/latest at it. A crash mid-save leaves the previous checkpoint as latest."""
+        root = Path(root)
+        final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        torch.save({"model": _unwrap(self.ddp).state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "rng": torch.get_rng_state()}, tmp / f"rank_{rank:05d}.pt")
+        _barrier()
+        if rank == 0:
+            (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": _world(), **(extra or {})}))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            latest_tmp = root / "latest.tmp"
+            latest_tmp.write_text(final.name)
+            os.replace(latest_tmp, root / "latest")
+        _barrier()
+        return final
+
+    def load_checkpoint(self, root: str | os.PathLike) -> dict:
+        """Load root/latest; returns its meta (step and what the caller stored)."""
+        root = Path(root)
+        pointer = root / "latest"
+        if not pointer.exists():
+            raise FileNotFoundError(f"no checkpoint under {root} (missing 'latest')")
+        ckpt = root / pointer.read_text().strip()
+        meta = json.loads((ckpt / "meta.json").read_text())
+        if meta.get("world_size") != _world():
+            raise ValueError(f"checkpoint {ckpt} was saved by {meta.get('world_size')} ranks; this run has {_world()}")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        try:
+            state = torch.load(ckpt / f"rank_{rank:05d}.pt", weights_only=False)
+        except Exception as e:
+            raise ValueError(f"checkpoint shard {ckpt}/rank_{rank:05d}.pt is unreadable: {e}") from None
+        _unwrap(self.ddp).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        return meta
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast_from_last_stage(t: torch.Tensor) -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        group = ps.get_pipeline_model_parallel_group()
+        dist.broadcast(t, src=dist.get_global_rank(group, dist.get_world_size(group) - 1), group=group)
