@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.rl import mismatch_metrics
+from megatron_trace.trainer.comm import all_gather_json, broadcast_blobs, broadcast_json
 
 MODES = ("off", "rtn", "guided-full", "guided-mantissa")
 
@@ -88,34 +89,11 @@ def rollout(args, policy: QuantPolicy) -> list[dict]:
 
 def _share(samples: list[dict] | None) -> list[dict]:
     """Rank 0's samples to every rank, as JSON + safetensors bytes (no pickle between processes)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return samples
-    if dist.get_rank() == 0:
-        meta = json.dumps([{k: v for k, v in s.items() if k != "guidance"} for s in samples]).encode()
-        blobs = [meta] + [s["guidance"] for s in samples]
-    else:
-        blobs = None
-    blobs = _broadcast_blobs(blobs)
-    out = json.loads(blobs[0].decode())
-    for s, g in zip(out, blobs[1:]):
+    meta = broadcast_json([{k: v for k, v in s.items() if k != "guidance"} for s in samples] if samples else None)
+    blobs = broadcast_blobs([s["guidance"] for s in samples] if samples else None)
+    for s, g in zip(meta, blobs):
         s["guidance"] = g
-    return out
-
-
-def _broadcast_blobs(blobs: list[bytes] | None) -> list[bytes]:
-    sizes = torch.tensor([len(b) for b in blobs] if blobs else [], dtype=torch.long)
-    n = torch.tensor([sizes.numel()], dtype=torch.long)
-    dist.broadcast(n, 0)
-    if dist.get_rank() != 0:
-        sizes = torch.empty(int(n), dtype=torch.long)
-    dist.broadcast(sizes, 0)
-    buf = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if blobs else torch.empty(int(sizes.sum()), dtype=torch.uint8)
-    dist.broadcast(buf, 0)
-    data, out, off = buf.numpy().tobytes(), [], 0
-    for s in sizes.tolist():
-        out.append(data[off : off + s])
-        off += s
-    return out
+    return meta
 
 
 def probe(args) -> dict:
@@ -157,22 +135,10 @@ def probe(args) -> dict:
 
 
 def _reduce_agreement(local: dict[str, float]) -> dict[str, float]:
-    """Every rank counted its own sites (its pipeline stage, its TP slice); merge to rank 0's view."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return local
-    blobs = [json.dumps(local).encode()]
-    gathered = [None] * dist.get_world_size()
-    sizes = torch.tensor([len(blobs[0])])
-    all_sizes = [torch.zeros(1, dtype=torch.long) for _ in gathered]
-    dist.all_gather(all_sizes, sizes)
-    width = int(max(s.item() for s in all_sizes))
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[: len(blobs[0])] = torch.frombuffer(bytearray(blobs[0]), dtype=torch.uint8)
-    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in gathered]
-    dist.all_gather(bufs, buf)
+    """Every rank counted its own sites (its pipeline stage, its TP slice); merge them."""
     merged: dict[str, list[float]] = {}
-    for b, s in zip(bufs, all_sizes):
-        for site, v in json.loads(b[: int(s)].numpy().tobytes().decode()).items():
+    for part in all_gather_json(local):
+        for site, v in part.items():
             merged.setdefault(site, []).append(v)
     return {site: sum(v) / len(v) for site, v in sorted(merged.items())}
 

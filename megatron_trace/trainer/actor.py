@@ -147,6 +147,7 @@ class Actor:
                 metrics = {k: torch.tensor(v * float(m.sum())) for k, v in metrics.items()}
                 metrics["loss_sum"] = loss.detach().clone()
                 metrics["tokens"] = m.sum()
+                metrics["logp"] = tok_lp.detach().clone()
                 return scaled, metrics
 
             return out, loss_func
@@ -169,19 +170,21 @@ class Actor:
         finally:
             self.ddp.train()
             self.qat.guidance = None
-        mbs = self.cfg.micro_batch_size
+        return self._response_logprobs(store, micro, seq, samples)
+
+    def _response_logprobs(self, store, micro, seq, samples) -> list[torch.Tensor]:
+        from megatron.core import parallel_state as ps
+
         if ps.is_pipeline_last_stage():
             full = torch.cat([d["logp"] for d in store])
         else:
-            full = torch.empty(len(micro) * mbs, seq)
+            full = torch.empty(len(micro) * self.cfg.micro_batch_size, seq)
         _broadcast_from_last_stage(full)
-        out = []
-        for i, s in enumerate(samples):
-            p, n = len(s.prompt_ids), len(s.tokens) - 1
-            out.append(full[i, p - 1 : n].clone())
-        return out
+        return [full[i, len(s.prompt_ids) - 1 : len(s.tokens) - 1].clone() for i, s in enumerate(samples)]
 
-    def train_step(self, samples: list[Sample], loss_cfg: LossConfig) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], loss_cfg: LossConfig) -> tuple[dict[str, float], list[torch.Tensor]]:
+        """One optimizer step; returns its metrics and the trainer's pre-update response logprobs
+        (the same forward the loss used: what mismatch metrics compare with the rollout's)."""
         from megatron.core import parallel_state as ps
 
         micro, seq = self._micro_batches(samples)
@@ -195,13 +198,14 @@ class Actor:
         ok, grad_norm, _ = self.optimizer.step()
         sums = torch.zeros(6)
         if ps.is_pipeline_last_stage() and store:
-            keys = ("loss_sum", "clipped_frac", "is_clipped_frac", "masked_frac", "ratio_mean", "tokens")
+            keys = ("loss_sum", "clipped_frac", "is_clipped_frac", "masked_frac", "ratio_mean", "tokens")  # summed
             sums = torch.tensor([sum(float(d[k]) for d in store) for k in keys])
         _broadcast_from_last_stage(sums)
         n = max(float(sums[5]), 1.0)
-        return {"loss": float(sums[0]) / n, "clipped_frac": float(sums[1]) / n, "is_clipped_frac": float(sums[2]) / n,
-                "masked_frac": float(sums[3]) / n, "ratio_mean": float(sums[4]) / n,
-                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "update_ok": bool(ok)}
+        metrics = {"loss": float(sums[0]) / n, "clipped_frac": float(sums[1]) / n, "is_clipped_frac": float(sums[2]) / n,
+                   "masked_frac": float(sums[3]) / n, "ratio_mean": float(sums[4]) / n,
+                   "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "update_ok": bool(ok)}
+        return metrics, self._response_logprobs(store, micro, seq, samples)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, root: str | os.PathLike, step: int, extra: dict | None = None) -> Path:

@@ -1,0 +1,227 @@
+"""One typed config tree for a run, loaded from YAML and overridden as `section.key=value`.
+
+    configs/tiny_cpu.yaml ──► Config.load(path, ["algo.loss=tis", "trainer.lr=3e-4"]) ──► validated tree
+Every field has a default and a one-line help; unknown sections/keys, wrong types and values
+outside the allowed set are errors that name the key and what is allowed. Nothing else in the
+project reads argv or environment variables for settings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_trace.models import QuantPolicy
+
+
+def opt(default, help: str, choices: tuple | None = None, low: float | None = None):
+    """A field with its help text, allowed values and lower bound (checked at load)."""
+    meta = {"help": help, "choices": choices, "low": low}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    path: str = opt("", "HF checkpoint dir; empty builds the tiny model below (embedded default)")
+    family: str = opt("qwen2", "tiny model family", ("qwen2", "qwen3", "qwen3_moe"))
+    tiny: dict = opt({}, "overrides of the tiny HF config (hidden_size, num_hidden_layers, ...)")
+    tokenizer: str = opt("char", "'char' (the arithmetic task's tokenizer) or an HF tokenizer dir")
+
+
+@dataclass
+class QuantConfig:
+    format: str = opt("nvfp4", "FP4 format of the rollout", ("nvfp4", "mxfp4", "bf16"))
+    weights: str = opt("fp4", "weight precision of targeted linears", ("fp4", "bf16"))
+    activations: str = opt("fp4", "activation precision (fp4 = W4A4, bf16 = W4A16)", ("fp4", "bf16"))
+    kv: str = opt("nvfp4", "KV cache format", ("nvfp4", "mxfp4", "bf16"))
+    targets: list = opt(["*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj", "*.mlp.experts.*"],
+                        "module patterns that are FP4")
+    bf16_layers_start: int = opt(0, "first N layers stay BF16", low=0)
+    bf16_layers_end: int = opt(0, "last N layers stay BF16", low=0)
+    activation_scale: str = opt("per_token", "activation global scale", ("per_token", "static"))
+
+    def policy(self) -> QuantPolicy:
+        return QuantPolicy.from_dict({**dataclasses.asdict(self), "targets": tuple(self.targets)})
+
+
+@dataclass
+class GuidanceConfig:
+    mode: str = opt("mantissa", "what the rollout records per element", ("full", "mantissa"))
+    layers: Any = opt("last_half", "guided layers: last_half | all | none | N (last N) | [indices]")
+    memory_budget_mb: float = opt(256.0, "host memory for guidance before spilling to disk", low=0)
+    spill_dir: str = opt("", "spill directory (default: <run_dir>/guidance_spill)")
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = opt("local", "local (embedded, in-process) or http (servers below)", ("local", "http"))
+    urls: list = opt([], "rollout server URLs for backend=http")
+    api_key: str = opt("", "bearer key of the rollout servers")
+    dtype: str = opt("bfloat16", "engine compute dtype", ("bfloat16", "float32"))
+    prompts: str = opt("arithmetic", "'arithmetic' (synthetic, verifiable) or a JSONL path with prompt/answer")
+    reward: str = opt("exact_match", "reward function", ("exact_match", "math"))
+    prompts_per_step: int = opt(8, "prompts per RL step", low=1)
+    n_samples: int = opt(4, "samples per prompt (the GRPO group)", low=1)
+    temperature: float = opt(1.0, "sampling temperature", low=0)
+    top_p: float = opt(1.0, "nucleus sampling mass", low=0)
+    max_new_tokens: int = opt(8, "response length cap", low=1)
+    max_prompt_len: int = opt(256, "longer prompts are rejected or truncated (counted)", low=1)
+    long_prompts: str = opt("reject", "what to do with prompts over max_prompt_len", ("reject", "truncate"))
+    max_running: int = opt(64, "engine batch capacity", low=1)
+    eval_prompts: int = opt(32, "held-out prompts scored greedily at eval", low=0)
+
+
+@dataclass
+class TrainerConfig:
+    tp: int = opt(1, "tensor parallel size", low=1)
+    pp: int = opt(1, "pipeline parallel size", low=1)
+    lr: float = opt(1e-4, "Adam learning rate", low=0)
+    clip_grad: float = opt(1.0, "global grad-norm clip", low=0)
+    micro_batch_size: int = opt(8, "sequences per micro-batch", low=1)
+    qat_mode: str = opt("guided", "trainer forward: off (BF16), rtn (plain QAT), guided (TRACE)", ("off", "rtn", "guided"))
+    dtype: str = opt("float32", "trainer params dtype (float32 on CPU)", ("float32", "bfloat16"))
+    steps: int = opt(20, "RL steps", low=0)
+    save_every: int = opt(10, "checkpoint every N steps (0: only at the end)", low=0)
+    warm_start_steps: int = opt(0, "supervised steps on the task before RL (cached by config)", low=0)
+    warm_start_lr: float = opt(3e-3, "learning rate of the warm start", low=0)
+    seed: int = opt(0, "seed of data order, sampling and init")
+
+
+@dataclass
+class AlgoConfig:
+    loss: str = opt("ppo_clip", "policy loss", ("ppo_clip", "tis", "mis", "none"))
+    is_clip: float = opt(5.0, "token-level importance-ratio clip (dual clip), as in TRACE", low=1)
+    eps_low: float = opt(0.2, "PPO clip below 1", low=0)
+    eps_high: float = opt(0.28, "PPO clip above 1", low=0)
+    tis_cap: float = opt(2.0, "TIS truncation", low=0)
+    mis_low: float = opt(0.5, "MIS/IcePop lower ratio bound", low=0)
+    mis_high: float = opt(2.0, "MIS/IcePop upper ratio bound", low=1)
+    async_rollout: bool = opt(False, "overlap rollout of step k+1 with training of step k")
+    max_version_diff: int = opt(1, "drop samples older than this many weight versions (async)", low=0)
+
+
+@dataclass
+class TransferConfig:
+    transport: str = opt("inprocess", "weight sync path", ("inprocess", "http", "distributed", "disk"))
+    bucket_mb: float = opt(64.0, "bucket byte budget", low=0)
+
+
+@dataclass
+class ClusterConfig:
+    trainer_nodes: int = opt(1, "nodes running Megatron", low=1)
+    rollout_nodes: int = opt(0, "nodes running SGLang servers", low=0)
+    gpus_per_node: int = opt(0, "0 on CPU", low=0)
+    sglang_tp: int = opt(1, "tensor parallel size of each SGLang server", low=1)
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = opt("runs/tiny_cpu", "where logs, TensorBoard events and checkpoints go")
+    tensorboard: bool = opt(True, "write TensorBoard event files")
+    progress: bool = opt(True, "show a progress bar")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    guidance: GuidanceConfig = field(default_factory=GuidanceConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+        raw: dict = {}
+        if path is not None:
+            text = Path(path).read_text()
+            try:
+                raw = yaml.safe_load(text) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(f"{path}: not valid YAML: {e}") from None
+            if not isinstance(raw, dict):
+                raise ValueError(f"{path}: the top level must be a mapping of sections")
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep or "." not in key:
+                raise ValueError(f"override {item!r} must look like section.key=value")
+            section, name = key.split(".", 1)
+            raw.setdefault(section, {})
+            if not isinstance(raw[section], dict):
+                raise ValueError(f"config section {section!r} must be a mapping")
+            raw[section][name] = yaml.safe_load(value) if value != "" else ""
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Config:
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(sections))
+        if unknown:
+            raise ValueError(f"unknown config sections {unknown}; allowed: {sorted(sections)}")
+        hints = typing.get_type_hints(cls)
+        cfg = cls(**{name: _build(name, hints[name], raw.get(name) or {}) for name in sections})
+        cfg.quant.policy()  # the policy's own cross-field checks
+        return cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _build(section: str, cls, values: dict):
+    if not isinstance(values, dict):
+        raise ValueError(f"config section {section!r} must be a mapping; got {type(values).__name__}")
+    fields_ = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields_))
+    if unknown:
+        raise ValueError(f"unknown keys {[f'{section}.{k}' for k in unknown]}; allowed: {sorted(fields_)}")
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for name, value in values.items():
+        out[name] = _check(f"{section}.{name}", hints[name], fields_[name].metadata, value)
+    return cls(**out)
+
+
+def _check(key: str, typ, meta, value):
+    if typ is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{key} must be a number; got {value!r}") from None
+    if typ is Any:
+        pass
+    elif typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    elif typ is list and isinstance(value, tuple):
+        value = list(value)
+    elif not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ValueError(f"{key} must be {typ.__name__}; got {value!r} ({type(value).__name__})")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ValueError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
+    low = meta.get("low")
+    if low is not None and value < low:
+        raise ValueError(f"{key} must be >= {low}; got {value!r}")
+    return value
+
+
+def describe() -> str:
+    """Every key with its default and help, for --help."""
+    lines = []
+    for sec in dataclasses.fields(Config):
+        for f in dataclasses.fields(typing.get_type_hints(Config)[sec.name]):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            choices = f" [{'|'.join(map(str, f.metadata['choices']))}]" if f.metadata.get("choices") else ""
+            lines.append(f"  {sec.name}.{f.name}={default!r}{choices}  {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""The RL step, sync or async, from prompts to the next weight version.
+
+    prompts(step) ─► rollout: n samples per prompt (FP4 W/A/KV, logprobs, guidance handles)
+      ─► rewards ─► GRPO advantages ─► guidance bytes ─► GuidanceStore (memory → disk, by sample id)
+      ─► Actor.train_step: FP4-aware recompute (QAT guided by the store's records) + policy loss
+      ─► weight transfer (version + 1) ─► metrics (rollout/ train/ mismatch/ perf/ eval/)
+Async (`algo.async_rollout`): the rollout of step k+1 runs while step k trains; samples more than
+`algo.max_version_diff` versions old are dropped and counted. Rank 0 owns the rollout, the data
+and the store; every trainer rank receives the step's samples as JSON + safetensors bytes.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_trace.config import Config
+from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.rl import LossConfig, mismatch_metrics
+from megatron_trace.trainer.actor import Sample
+from megatron_trace.trainer.comm import broadcast_blobs, broadcast_json
+from sglang_backend.api import GenerateRequest, SamplingParams
+
+
+@dataclass
+class RolloutBatch:
+    step: int
+    version: int  # weight version the rollout started from
+    samples: list[dict]  # prompt_id, prompt, response, logprobs, reward, advantage, sample_id
+    guidance: list[bytes | None]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def grpo_advantages(rewards: list[float], group: int) -> list[float]:
+    """(r - group mean) / (group std + 1e-6); a group with one reward value teaches nothing: 0."""
+    out = []
+    for i in range(0, len(rewards), group):
+        g = torch.tensor(rewards[i : i + group], dtype=torch.float64)
+        std = g.std(unbiased=False)
+        adv = (g - g.mean()) / (std + 1e-6) if std > 0 else torch.zeros_like(g)
+        out += adv.tolist()
+    return out
+
+
+class Rollout:
+    """Rank 0's side of a step: prompts, generation, rewards (a raising reward scores 0, counted)."""
+
+    def __init__(self, cfg: Config, backend, tokenizer, prompts, reward_fn):
+        self.cfg, self.backend, self.tok, self.prompts, self.reward_fn = cfg, backend, tokenizer, prompts, reward_fn
+        self.want_guidance = cfg.trainer.qat_mode == "guided" and cfg.quant.format == "nvfp4"
+
+    def _encode(self, text: str, stats: dict) -> list[int] | None:
+        ids = self.tok.encode_prompt(text)
+        limit = self.cfg.rollout.max_prompt_len
+        if len(ids) > limit:
+            if self.cfg.rollout.long_prompts == "reject":
+                stats["prompts_rejected"] += 1
+                return None
+            stats["prompts_truncated"] += 1
+            ids = ids[-limit:]
+        return ids
+
+    def run(self, step: int, version: int) -> RolloutBatch:
+        from megatron_trace.data import score
+
+        rc, stats = self.cfg.rollout, {"prompts_rejected": 0, "prompts_truncated": 0, "reward_errors": 0}
+        reqs, kept = [], []
+        for i, p in enumerate(self.prompts.sample(rc.prompts_per_step, step)):
+            ids = self._encode(p.text, stats)
+            if ids is None:
+                continue
+            sp = SamplingParams(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
+                                n=rc.n_samples, sampling_seed=(self.cfg.trainer.seed * 1_000_003 + step) * 1009 + i * rc.n_samples)
+            reqs.append(GenerateRequest(ids, sp, rid=f"{p.prompt_id}-v{version}", return_guidance=self.want_guidance))
+            kept.append((p, ids))
+        results = self.backend.generate(reqs) if reqs else []
+        samples, guidance = [], []
+        for j, res in enumerate(results):
+            p, ids = kept[j // rc.n_samples]
+            text = self.decode(res.output_ids)
+            reward, err = score(self.reward_fn, text, p.answer)
+            stats["reward_errors"] += err is not None
+            samples.append({"sample_id": res.rid, "prompt_id": p.prompt_id, "prompt": ids, "response": res.output_ids,
+                            "logprobs": res.output_logprobs, "reward": reward, "version": res.weight_version})
+            guidance.append(self.backend.fetch_guidance(res.guidance_handle) if res.guidance_handle else None)
+        for s, a in zip(samples, grpo_advantages([s["reward"] for s in samples], rc.n_samples)):
+            s["advantage"] = a
+        return RolloutBatch(step, version, samples, guidance, stats)
+
+    def evaluate(self, n: int) -> float:
+        """Greedy accuracy on a fixed held-out prompt set (negative steps never appear in training)."""
+        if n == 0:
+            return float("nan")
+        from megatron_trace.data import score
+
+        prompts = self.prompts.sample(n, step=-1_000_000)
+        reqs = [GenerateRequest(self.tok.encode_prompt(p.text), SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens,
+                temperature=0.0), rid=f"eval-{i}-{time.monotonic_ns()}") for i, p in enumerate(prompts)]
+        res = self.backend.generate(reqs)
+        return sum(score(self.reward_fn, self.decode(r.output_ids), p.answer)[0] for r, p in zip(res, prompts)) / n
+
+    def decode(self, ids: list[int]) -> str:
+        # Models often have more embedding rows than the tokenizer has tokens: such ids are junk.
+        return self.tok.decode([i for i in ids if i < self.tok.vocab_size])
+
+
+def share_batch(batch: RolloutBatch | None) -> RolloutBatch:
+    """Rank 0's batch to every trainer rank (JSON + record bytes; no pickle)."""
+    meta = broadcast_json(None if batch is None else {"step": batch.step, "version": batch.version,
+                                                       "samples": batch.samples, "stats": batch.stats,
+                                                       "has": [g is not None for g in batch.guidance]})
+    blobs = broadcast_blobs(None if batch is None else [g for g in batch.guidance if g is not None])
+    it = iter(blobs)
+    guidance = [next(it) if has else None for has in meta["has"]]
+    return RolloutBatch(meta["step"], meta["version"], meta["samples"], guidance, meta["stats"])
+
+
+class StepRunner:
+    """Trains one batch: guidance to the store, recompute + update, mismatch metrics."""
+
+    def __init__(self, cfg: Config, actor, store, rank0: bool):
+        self.cfg, self.actor, self.store, self.rank0 = cfg, actor, store, rank0
+        a = cfg.algo
+        self.loss_cfg = LossConfig(kind=a.loss, eps_low=a.eps_low, eps_high=a.eps_high, is_clip=a.is_clip,
+                                   tis_cap=a.tis_cap, mis_low=a.mis_low, mis_high=a.mis_high)
+
+    def train(self, batch: RolloutBatch, current_version: int) -> tuple[dict, list[torch.Tensor]]:
+        limit = self.cfg.algo.max_version_diff
+        keep = [i for i, s in enumerate(batch.samples) if current_version - min(s["version"], batch.version) <= limit]
+        dropped = len(batch.samples) - len(keep)
+        records = []
+        for i in keep:
+            s, g = batch.samples[i], batch.guidance[i]
+            if g is not None and self.store is not None:
+                self.store.put(s["sample_id"], batch.step, g)
+            records.append(None)
+        for n, i in enumerate(keep):
+            if batch.guidance[i] is not None:
+                sid = batch.samples[i]["sample_id"]
+                records[n] = self.store.get(sid) if self.store is not None else GuidanceRecord.from_bytes(batch.guidance[i])
+        samples = [Sample(batch.samples[i]["sample_id"], batch.samples[i]["prompt"], batch.samples[i]["response"],
+                          batch.samples[i]["logprobs"], batch.samples[i]["advantage"], records[n])
+                   for n, i in enumerate(keep)]
+        if not samples:
+            return {"rollout/dropped_stale": dropped, "train/skipped": 1}, []
+        self.actor.qat.agree.clear()
+        metrics, train_lp = self.actor.train_step(samples, self.loss_cfg)
+        if self.store is not None:
+            self.store.release_step(batch.step)
+        m = mismatch_metrics([s.rollout_logprobs for s in samples], [t.tolist() for t in train_lp], is_clip=self.cfg.algo.is_clip)
+        out = {f"train/{k}": float(v) for k, v in metrics.items()}
+        out["rollout/dropped_stale"] = dropped
+        out["_mismatch"] = m
+        out["_records"] = [r for r in records if r is not None]
+        return out, [t - torch.tensor(s.rollout_logprobs) for t, s in zip(train_lp, samples)]
+
+
+def async_executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")

@@ -1,0 +1,103 @@
+"""Metrics behind one interface: TensorBoard event files, a JSONL log, and a progress line.
+
+Namespaces (DESIGN.md): rollout/, train/, mismatch/, perf/, eval/. `mismatch/` always carries
+mean and max |logp_rollout - logp_train|, the K3 KL estimate, importance-ratio mean/max and
+clipped fraction, per-layer codeword disagreement and guidance bytes per token.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+NAMESPACES = ("rollout", "train", "mismatch", "perf", "eval")
+REQUIRED_MISMATCH = ("mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "ratio_mean", "ratio_max", "clipped_frac",
+                     "guidance_bytes_per_token")
+
+
+class Logger(Protocol):
+    def scalars(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def histogram(self, step: int, name: str, values: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardLogger:
+    def __init__(self, run_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir))
+
+    def scalars(self, step, metrics) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def histogram(self, step, name, values) -> None:
+        if values.numel():
+            self.writer.add_histogram(name, values.float(), step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class JsonlLogger:
+    """metrics.jsonl in the run dir: one line per step, what scripts and tests read back."""
+
+    def __init__(self, run_dir: str | Path, append: bool = False):
+        self.f = open(Path(run_dir) / "metrics.jsonl", "a" if append else "w")
+
+    def scalars(self, step, metrics) -> None:
+        self.f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.f.flush()
+
+    def histogram(self, step, name, values) -> None:
+        pass
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class MetricsHub:
+    """Fans metrics out to every logger; checks namespaces so typos don't become new charts."""
+
+    def __init__(self, loggers: list[Logger]):
+        self.loggers = loggers
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        bad = [k for k in metrics if k.split("/", 1)[0] not in NAMESPACES]
+        if bad:
+            raise ValueError(f"metric names must start with one of {NAMESPACES}: {bad}")
+        clean = {k: float(v) for k, v in metrics.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        for lg in self.loggers:
+            lg.scalars(step, clean)
+
+    def histogram(self, step: int, name: str, values: torch.Tensor) -> None:
+        for lg in self.loggers:
+            lg.histogram(step, name, values)
+
+    def close(self) -> None:
+        for lg in self.loggers:
+            lg.close()
+
+
+def mismatch_scalars(m: dict, agreement: dict[str, float], bytes_per_token: float) -> dict[str, float]:
+    """Probe/loop mismatch dict -> mismatch/* scalars, with per-layer codeword disagreement."""
+    out = {f"mismatch/{k}": m[k] for k in ("mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "ratio_mean", "ratio_max",
+                                           "clipped_frac")}
+    out["mismatch/guidance_bytes_per_token"] = bytes_per_token
+    per_layer: dict[int, list[float]] = {}
+    for site, a in agreement.items():
+        per_layer.setdefault(int(site.split(".")[2]), []).append(a)
+    for layer, vals in sorted(per_layer.items()):
+        out[f"mismatch/codeword_disagreement/layer_{layer}"] = 1 - sum(vals) / len(vals)
+    if per_layer:
+        out["mismatch/codeword_disagreement/mean"] = 1 - sum(sum(v) for v in per_layer.values()) / sum(len(v) for v in per_layer.values())
+    for k, v in m.items():
+        if k.startswith("dlogp_pos_"):
+            out[f"mismatch/{k}"] = v
+    return out

@@ -1,0 +1,248 @@
+"""`python -m megatron_trace.train --config FILE [--resume] [section.key=value ...]`: one RL run.
+
+    config ─► warm start (cached) ─► Megatron actor + rollout backend + guidance store
+           ─► for each step: rollout ─► train ─► transfer weights ─► log ─► checkpoint
+           ─► summary (reward before/after, mismatch, time split)
+Multi-process (`torchrun --nproc-per-node N -m megatron_trace.train ... trainer.tp=2`): rank 0
+owns the rollout, data, store and logs; every rank trains.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_trace.config import Config, describe
+from megatron_trace.loop import Rollout, RolloutBatch, StepRunner, async_executor, share_batch
+from megatron_trace.metrics import JsonlLogger, MetricsHub, TensorBoardLogger, mismatch_scalars
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m megatron_trace.train", description=__doc__.splitlines()[0],
+                                 epilog="config keys:\n" + describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None, help="YAML run config (configs/*.yaml)")
+    ap.add_argument("--resume", action="store_true", help="continue from <run_dir>/checkpoints/latest")
+    ap.add_argument("overrides", nargs="*", help="section.key=value")
+    args = ap.parse_args(argv)
+    try:
+        cfg = Config.load(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(str(e))
+    return cfg, args.resume
+
+
+class Run:
+    def __init__(self, cfg: Config, resume: bool):
+        from megatron_trace.data import ArithmeticTask, CharTokenizer, JsonlPrompts, get_reward_fn, load_tokenizer
+        from megatron_trace.models import ModelArch
+        from megatron_trace.trainer.actor import Actor, ActorConfig
+        from megatron_trace.trainer.parallel import init_distributed
+
+        self.cfg, self.t0 = cfg, time.perf_counter()
+        self.run_dir = Path(cfg.logging.run_dir)
+        init_distributed(tp=cfg.trainer.tp, pp=cfg.trainer.pp, seed=cfg.trainer.seed)
+        self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        tok = CharTokenizer() if cfg.model.tokenizer == "char" else load_tokenizer(cfg.model.tokenizer)
+        prompts = (ArithmeticTask(seed=cfg.trainer.seed, tokenizer=tok) if cfg.rollout.prompts == "arithmetic"
+                   else JsonlPrompts(cfg.rollout.prompts, tokenizer=tok, shuffle_seed=cfg.trainer.seed))
+        model_path = self._model_path(tok, prompts)
+        self.arch = ModelArch.from_hf_config(model_path)
+        self.actor = Actor(self.arch, cfg.quant.policy(), ActorConfig(
+            qat_mode=cfg.trainer.qat_mode, lr=cfg.trainer.lr, clip_grad=cfg.trainer.clip_grad,
+            micro_batch_size=cfg.trainer.micro_batch_size, temperature=cfg.rollout.temperature,
+            dtype=cfg.trainer.dtype), hf_path=model_path)
+        self.start_step, self.version = 0, 0
+        if resume:
+            meta = self.actor.load_checkpoint(self.run_dir / "checkpoints")
+            self.start_step, self.version = meta["step"] + 1, meta["version"]
+        self.backend = self.rollout = self.store = self.hub = None
+        if self.rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.save(self.run_dir / "config.yaml")
+            self.backend = self._backend(model_path)
+            self.rollout = Rollout(cfg, self.backend, tok, prompts, get_reward_fn(cfg.rollout.reward))
+            self.store = self._store()
+            loggers = [JsonlLogger(self.run_dir, append=resume)]
+            if cfg.logging.tensorboard:
+                loggers.append(TensorBoardLogger(self.run_dir))
+            self.hub = MetricsHub(loggers)
+        self.runner = StepRunner(cfg, self.actor, self.store, self.rank0)
+        if resume or self.version:
+            self.sync_weights()  # the rollout serves what the checkpoint holds
+
+    def _model_path(self, tok, prompts) -> Path:
+        if self.cfg.model.path:
+            return Path(self.cfg.model.path)
+        from megatron_trace.warm_start import build_warm_start
+        from megatron_trace.trainer.comm import broadcast_json
+
+        path = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            cache = Path(self.cfg.logging.run_dir).parent / ".warm_start_cache"
+            t = self.cfg.trainer
+            path = str(build_warm_start(cache, self.cfg.model.family, tok, prompts, overrides=self.cfg.model.tiny,
+                                        steps=t.warm_start_steps, lr=t.warm_start_lr, seed=t.seed,
+                                        log=lambda m: print(m, flush=True)))
+        return Path(broadcast_json(path))
+
+    def _backend(self, model_path: Path):
+        rc = self.cfg.rollout
+        if rc.backend == "http":
+            from sglang_backend.client import RolloutClient
+
+            return RolloutClient(rc.urls, api_key=rc.api_key or None)
+        from sglang_backend.local import Engine, InProcessBackend
+
+        g = self.cfg.guidance
+        return InProcessBackend(Engine(str(model_path), dtype=rc.dtype, quant_policy=self.cfg.quant.policy(),
+                                       guidance_mode=g.mode, guided_layers=g.layers, max_running_requests=rc.max_running,
+                                       random_seed=self.cfg.trainer.seed))
+
+    def _store(self):
+        from megatron_trace.guidance import GuidanceStore
+
+        g = self.cfg.guidance
+        return GuidanceStore(int(g.memory_budget_mb * 2**20), g.spill_dir or str(self.run_dir / "guidance_spill"))
+
+    # -- the step ------------------------------------------------------------------------------
+    def sync_weights(self) -> float:
+        """Trainer weights -> rollout as the next version; returns seconds."""
+        from megatron_trace.transfer.sync import sync_weights
+
+        t = time.perf_counter()
+        sync_weights(self.actor.chunks, self.arch, self.cfg, self.backend, self.version)
+        return time.perf_counter() - t
+
+    def produce(self, step: int) -> RolloutBatch | None:
+        if not self.rank0:
+            return None
+        t = time.perf_counter()
+        batch = self.rollout.run(step, self.version)
+        batch.stats["rollout_s"] = time.perf_counter() - t
+        return batch
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        steps = range(self.start_step, cfg.trainer.steps)
+        evals = {}
+        if self.rank0 and cfg.rollout.eval_prompts:
+            evals["before"] = self.rollout.evaluate(cfg.rollout.eval_prompts)
+            self.hub.log(self.start_step, {"eval/accuracy": evals["before"]})
+        pool = async_executor() if cfg.algo.async_rollout and self.rank0 else None
+        pending = pool.submit(self.produce, steps.start) if pool and len(steps) else None
+        bar = _progress(len(steps), self.rank0 and cfg.logging.progress)
+        totals = {"rollout_s": 0.0, "train_s": 0.0, "transfer_s": 0.0}
+        history = []
+        for step in steps:
+            t_step = time.perf_counter()
+            batch = pending.result() if pending else self.produce(step)
+            if pool and step + 1 < cfg.trainer.steps:
+                pending = pool.submit(self.produce, step + 1)  # overlaps this step's training
+            batch = share_batch(batch)
+            t = time.perf_counter()
+            out, deltas = self.runner.train(batch, self.version)
+            train_s = time.perf_counter() - t
+            self.version += 1
+            transfer_s = self.sync_weights()
+            if self.rank0:
+                metrics = self._metrics(batch, out, deltas, train_s, transfer_s, time.perf_counter() - t_step)
+                history.append(metrics)
+                for k in totals:
+                    totals[k] += metrics[f"perf/{k}"]
+                bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.2f}",
+                                dlogp=f"{metrics.get('mismatch/mean_abs_dlogp', 0):.3f}")
+                bar.update(1)
+            if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 or step + 1 == cfg.trainer.steps:
+                self.actor.save_checkpoint(self.run_dir / "checkpoints", step, {"version": self.version})
+        bar.close()
+        if pool:
+            pool.shutdown(wait=True)
+        if self.rank0 and cfg.rollout.eval_prompts:
+            evals["after"] = self.rollout.evaluate(cfg.rollout.eval_prompts)
+            self.hub.log(cfg.trainer.steps, {"eval/accuracy": evals["after"]})
+        return self._summary(history, evals, totals)
+
+    def _metrics(self, batch, out, deltas, train_s, transfer_s, step_s) -> dict:
+        rewards = [s["reward"] for s in batch.samples]
+        tokens = sum(len(s["response"]) for s in batch.samples)
+        m = {"rollout/reward_mean": sum(rewards) / max(len(rewards), 1),
+             "rollout/response_len_mean": tokens / max(len(rewards), 1),
+             "rollout/weight_version": batch.version, "rollout/samples": len(rewards)}
+        m.update({f"rollout/{k}": v for k, v in batch.stats.items() if k != "rollout_s"})
+        m.update({k: v for k, v in out.items() if not k.startswith("_")})
+        if "_mismatch" in out:
+            recs = out["_records"]
+            bpt = sum(r.nbytes() for r in recs) / max(sum(r.num_positions for r in recs), 1)
+            m.update(mismatch_scalars(out["_mismatch"], self.actor.qat.agreement(), bpt))
+            d = torch.cat(deltas) if deltas else torch.zeros(0)
+            self.hub.histogram(batch.step, "mismatch/abs_dlogp", d.abs())
+            self.hub.histogram(batch.step, "mismatch/importance_ratio", d.exp())
+        st = self.store.stats() if self.store is not None else {}
+        m.update({"perf/rollout_s": batch.stats.get("rollout_s", 0.0), "perf/train_s": train_s,
+                  "perf/transfer_s": transfer_s, "perf/step_s": step_s,
+                  "perf/rollout_tokens_per_s": tokens / max(batch.stats.get("rollout_s", 1e-9), 1e-9),
+                  "perf/guidance_spilled_bytes": st.get("bytes_spilled_total", 0),
+                  "perf/guidance_bytes_per_token": st.get("bytes_per_token", 0.0)})
+        self.hub.log(batch.step, m)
+        return m
+
+    def _summary(self, history, evals, totals) -> dict:
+        if not self.rank0:
+            return {}
+        total = sum(totals.values()) or 1.0
+        mean = lambda k: sum(h.get(k, 0.0) for h in history) / max(len(history), 1)  # noqa: E731
+        summary = {"steps": len(history), "eval_accuracy_before": evals.get("before"), "eval_accuracy_after": evals.get("after"),
+                   "reward_first_step": history[0]["rollout/reward_mean"] if history else None,
+                   "reward_last_step": history[-1]["rollout/reward_mean"] if history else None,
+                   "mean_abs_dlogp": mean("mismatch/mean_abs_dlogp"), "max_abs_dlogp": max((h.get("mismatch/max_abs_dlogp", 0) for h in history), default=0),
+                   "k3_kl": mean("mismatch/k3_kl"), "clipped_frac": mean("mismatch/clipped_frac"),
+                   "guidance_bytes_per_token": mean("mismatch/guidance_bytes_per_token"),
+                   "time_split": {k: v / total for k, v in totals.items()}, "wall_s": time.perf_counter() - self.t0}
+        self.hub.close()
+        if self.store is not None:
+            self.store.close()
+        if hasattr(self.backend, "engine"):
+            self.backend.engine.shutdown()
+        return summary
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="RL steps", dynamic_ncols=True)
+
+
+def print_summary(s: dict) -> None:
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    print("\n== summary ==")
+    print(f"eval accuracy (greedy): before {fmt(s['eval_accuracy_before'])} -> after {fmt(s['eval_accuracy_after'])}")
+    print(f"reward (sampled): first step {fmt(s['reward_first_step'])} -> last step {fmt(s['reward_last_step'])}")
+    print(f"mismatch: mean |dlogp| {s['mean_abs_dlogp']:.4f}, max {s['max_abs_dlogp']:.4f}, K3 KL {s['k3_kl']:.2e}, "
+          f"clipped {s['clipped_frac']:.2%}, guidance {s['guidance_bytes_per_token']:.0f} B/token")
+    split = ", ".join(f"{k.removesuffix('_s')} {v:.0%}" for k, v in s["time_split"].items())
+    print(f"time split: {split}; wall {s['wall_s']:.0f} s")
+
+
+def main(argv=None) -> int:
+    cfg, resume = parse_args(argv)
+    from megatron_trace.trainer.parallel import destroy
+
+    try:
+        run = Run(cfg, resume)
+        summary = run.run()
+        if run.rank0:
+            print_summary(summary)
+            import json
+
+            (Path(cfg.logging.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    finally:
+        destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

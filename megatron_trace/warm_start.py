@@ -1,0 +1,81 @@
+"""The embedded default's starting point: a tiny Qwen model taught the task for a few hundred
+supervised steps, so RL starts with a nonzero reward. Cached by everything that determines it.
+
+    tiny config + tokenizer + task + steps/lr/seed ──hash──► <cache>/<key>/ (HF checkpoint + tokenizer)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from megatron_trace.data.prompts import ArithmeticTask
+from megatron_trace.models import tiny_hf_config
+
+
+def tiny_config_for(family: str, tokenizer, overrides: dict) -> dict:
+    """The tiny HF config sized to the tokenizer (its vocab and special ids)."""
+    base = {"vocab_size": tokenizer.vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+            "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    return tiny_hf_config(family, **{**base, **overrides})
+
+
+def cache_key(hf_cfg: dict, tokenizer, task: ArithmeticTask, steps: int, lr: float, seed: int) -> str:
+    blob = json.dumps({"cfg": hf_cfg, "vocab": tokenizer.vocab_size, "chars": getattr(tokenizer, "chars", ""),
+                       "task": [task.max_operand, task.ops, task.template], "steps": steps, "lr": lr, "seed": seed},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_warm_start(cache_root: str | Path, family: str, tokenizer, task: ArithmeticTask, *, overrides: dict,
+                     steps: int, lr: float, seed: int, batch: int = 64, log=print) -> Path:
+    """Return the cached checkpoint dir, training it first when missing (atomic: tmp + rename)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = tiny_config_for(family, tokenizer, overrides)
+    out = Path(cache_root) / cache_key(hf_cfg, tokenizer, task, steps, lr, seed)
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**hf_cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if steps:
+        _train(model, tokenizer, task, steps=steps, lr=lr, batch=batch, seed=seed, log=log)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save(str(tmp))
+    tmp.replace(out)
+    return out
+
+
+def _train(model, tokenizer, task: ArithmeticTask, *, steps: int, lr: float, batch: int, seed: int, log) -> None:
+    """Teacher forcing on prompt + answer + eos, loss on the answer tokens only."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
+    model.train()
+    for step in range(steps):
+        prompts = task.sample(batch, step=-(seed * 100_000 + step + 1))  # disjoint from RL steps >= 0
+        seqs, masks = [], []
+        for p in prompts:
+            prompt = tokenizer.encode_prompt(p.text)
+            answer = tokenizer.encode(p.answer) + [tokenizer.eos_id]
+            seqs.append(prompt + answer)
+            masks.append([0] * len(prompt) + [1] * len(answer))
+        width = max(map(len, seqs))
+        ids = torch.full((batch, width), tokenizer.pad_id)
+        labels = torch.full((batch, width), -100)
+        for i, (s, m) in enumerate(zip(seqs, masks)):
+            ids[i, : len(s)] = torch.tensor(s)
+            labels[i, : len(s)] = torch.where(torch.tensor(m) == 1, torch.tensor(s), torch.tensor(-100))
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"warm start step {step}/{steps}: loss {loss.item():.3f}")
