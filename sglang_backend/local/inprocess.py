@@ -13,7 +13,13 @@ class InProcessBackend:
         self.engine = engine
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        rids = [self.engine.submit(r) for r in requests]
+        # Submit the whole batch while the scheduler is held, so every run admits the same
+        # groups together: batch composition, hence every rounding, is reproducible.
+        self.engine.pause_generation()
+        try:
+            rids = [self.engine.submit(r) for r in requests]
+        finally:
+            self.engine.continue_generation()
         flat = self.engine.wait([r for rs in rids for r in rs])
         return [GenerateResult.from_sglang(d) for d in flat]
 

@@ -1,0 +1,305 @@
+"""GuidanceStore: async put/get from memory and spill shards, release, back-pressure, ENOSPC."""
+import errno
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_trace.fp4 import nvfp4
+from megatron_trace.guidance import GuidanceRecord, GuidanceStore, make_site
+from megatron_trace.guidance.store import GuidanceStoreError
+
+SITES = ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj")
+
+
+def make_record(sample_id: str, positions: int = 5, k: int = 64, mode: str = "full", seed: int = 0):
+    """A real record: NVFP4-quantized random activations, per-token global scale."""
+    g = torch.Generator().manual_seed(seed)
+    sites = {}
+    for name in SITES:
+        q = nvfp4.quantize(torch.randn(positions, k, generator=g), per_row_global=True)
+        sites[name] = make_site(q.scale, q.global_scale, q.data, mode)
+    return GuidanceRecord(sample_id, mode, positions, sites)
+
+
+def assert_same(a: GuidanceRecord, b: GuidanceRecord):
+    assert (a.sample_id, a.mode, a.num_positions) == (b.sample_id, b.mode, b.num_positions)
+    assert a.sites.keys() == b.sites.keys()
+    for n in a.sites:
+        for f in ("scale", "global_scale", "payload"):
+            assert torch.equal(getattr(a.sites[n], f), getattr(b.sites[n], f)), (n, f)
+
+
+def shard_files(store):
+    if store._dir is None or not os.path.isdir(store._dir):
+        return []
+    return sorted(os.listdir(store._dir))
+
+
+@pytest.fixture
+def store_factory(tmp_path):
+    made = []
+
+    def make(**kw):
+        kw.setdefault("memory_budget_bytes", 1 << 30)
+        kw.setdefault("spill_dir", tmp_path / "spill")
+        s = GuidanceStore(**kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_round_trip_in_memory(store_factory):
+    store = store_factory()
+    recs = [make_record(f"r{i}", seed=i, mode=("full", "mantissa")[i % 2]) for i in range(4)]
+    for r in recs:
+        store.put(r.sample_id, 0, r.to_bytes())
+    for r in recs:
+        assert_same(store.get(r.sample_id), r)
+    st = store.stats()
+    assert st["records"] == 4 and st["bytes_spilled_total"] == 0 and st["bytes_on_disk"] == 0
+    assert st["bytes_in_memory"] == sum(len(r.to_bytes()) for r in recs)
+    assert store._dir is None  # never spilled: no disk touched
+
+
+def test_spill_past_budget_round_trip(store_factory):
+    recs = [make_record(f"r{i}", seed=i) for i in range(6)]
+    size = len(recs[0].to_bytes())
+    store = store_factory(memory_budget_bytes=2 * size, shard_bytes=2 * size)
+    for r in recs:
+        store.put(r.sample_id, 0, r.to_bytes())
+    store.flush()
+    st = store.stats()
+    assert st["records"] == 6
+    assert st["bytes_in_memory"] == 2 * size
+    assert st["bytes_spilled_total"] == 4 * size == st["bytes_on_disk"]
+    assert len(shard_files(store)) == 2  # two sealed shards of two records each
+    for r in recs:
+        assert_same(store.get(r.sample_id), r)
+    assert store._entries["r0"].data is not None and store._entries["r5"].data is None
+
+
+def test_zero_budget_spills_everything(store_factory):
+    store = store_factory(memory_budget_bytes=0)
+    r = make_record("only")
+    store.put_record(r, step=3)
+    assert_same(store.get("only"), r)
+    assert store.stats()["bytes_in_memory"] == 0 and store.stats()["bytes_on_disk"] == len(r.to_bytes())
+
+
+def test_release_step_deletes_records_and_shards(store_factory):
+    recs = {step: [make_record(f"s{step}-{i}", seed=10 * step + i) for i in range(3)] for step in range(3)}
+    size = len(recs[0][0].to_bytes())
+    # Budget for one record, and shards that seal after each record: one shard file per spill.
+    store = store_factory(memory_budget_bytes=size, shard_bytes=1)
+    for step, rs in recs.items():
+        for r in rs:
+            store.put(r.sample_id, step, r.to_bytes())
+    store.flush()
+    assert len(shard_files(store)) == 8  # 9 records, the first in memory
+    assert store.release_step(1) == 3
+    assert len(shard_files(store)) == 5
+    for r in recs[1]:
+        with pytest.raises(KeyError, match=r.sample_id):
+            store.get(r.sample_id)
+    for step in (0, 2):
+        for r in recs[step]:
+            assert_same(store.get(r.sample_id), r)
+    assert store.release_step(0) == 3 and store.release_step(2) == 3
+    assert shard_files(store) == [] and store.stats()["bytes_on_disk"] == 0
+    assert store.stats()["records"] == 0 and store.stats()["bytes_in_memory"] == 0
+    assert store.release_step(7) == 0
+
+
+def test_shared_shard_removed_only_when_all_released(store_factory):
+    a, b = make_record("a", seed=1), make_record("b", seed=2)
+    store = store_factory(memory_budget_bytes=0, shard_bytes=2 * len(a.to_bytes()))
+    store.put("a", 0, a.to_bytes())
+    store.put("b", 1, b.to_bytes())
+    store.flush()
+    assert len(shard_files(store)) == 1  # both in one (now sealed) shard
+    store.release_step(0)
+    assert len(shard_files(store)) == 1
+    assert_same(store.get("b"), b)
+    store.release_step(1)
+    assert shard_files(store) == []
+
+
+def test_fully_released_active_shard_is_replaced(store_factory):
+    r = make_record("x")
+    store = store_factory(memory_budget_bytes=0)  # default shard size: never seals here
+    for step in range(5):
+        store.put(f"x{step}", step, r.to_bytes())
+        store.flush()
+        store.release_step(step)
+    # One shard, holding only the last (released) record: each append after a full release
+    # starts a new shard instead of growing the old one to 5 records.
+    assert len(shard_files(store)) == 1
+    assert store.stats()["bytes_on_disk"] == len(r.to_bytes())
+
+
+def test_get_waits_for_pending_put_and_unknown_key(store_factory):
+    store = store_factory()
+    gate = threading.Event()
+    real = store._store
+
+    def slow_store(*args):
+        gate.wait(5)
+        real(*args)
+
+    store._store = slow_store  # the writer calls self._store: hold it until the gate opens
+    r = make_record("late")
+    store.put("late", 0, r.to_bytes())
+    assert "late" in store
+    threading.Timer(0.2, gate.set).start()
+    t0 = time.monotonic()
+    assert_same(store.get("late"), r)
+    assert time.monotonic() - t0 >= 0.15
+    with pytest.raises(KeyError, match="'nope'"):
+        store.get("nope")
+    with pytest.raises(ValueError, match="already in the store"):
+        store.put("late", 0, r.to_bytes())
+
+
+def test_back_pressure_blocks_put(store_factory):
+    store = store_factory(max_queue=2)
+    gate = threading.Event()
+    real = store._store
+    store._store = lambda *a: (gate.wait(5), real(*a))
+    data = make_record("r").to_bytes()
+    # One record is held by the writer, two fill the queue: the fourth put must block.
+    for i in range(3):
+        store.put(f"r{i}", 0, data)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (store.put("r3", 0, data), done.set()))
+    t.start()
+    assert not done.wait(0.3), "put returned although the queue was full"
+    gate.set()
+    assert done.wait(5)
+    t.join()
+    store.flush()
+    assert store.stats()["records"] == 4
+
+
+def test_enospc_surfaces_as_clear_error(store_factory, tmp_path):
+    store = store_factory(memory_budget_bytes=0)
+
+    def full_disk(fh, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store._write = full_disk
+    data = make_record("r").to_bytes()
+    store.put("r0", 0, data)  # accepted: the failure happens in the writer
+    spill = str(tmp_path / "spill")
+    with pytest.raises(GuidanceStoreError, match="ENOSPC") as e:
+        store.get("r0")
+    assert spill in str(e.value)
+    with pytest.raises(GuidanceStoreError, match="disk is full"):
+        store.put("r1", 0, data)
+    with pytest.raises(GuidanceStoreError):
+        store.flush()
+    assert isinstance(store.stats(), dict)  # stats keep working for the error report
+    store.close()
+
+
+def test_enospc_wakes_a_put_blocked_on_full_queue(store_factory):
+    store = store_factory(memory_budget_bytes=0, max_queue=1)
+    gate = threading.Event()
+
+    def full_disk(fh, data):
+        gate.wait(5)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store._write = full_disk
+    data = make_record("r").to_bytes()
+    store.put("r0", 0, data)
+    store.put("r1", 0, data)
+    errors = []
+
+    def blocked():
+        try:
+            store.put("r2", 0, data)
+        except GuidanceStoreError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.1)
+    gate.set()
+    t.join(5)
+    assert not t.is_alive() and len(errors) == 1 and "spill" in str(errors[0])
+
+
+def test_corrupt_bytes_rejected_at_put(store_factory):
+    store = store_factory()
+    with pytest.raises(ValueError, match="truncated"):
+        store.put("bad", 0, b"\x01")
+    assert "bad" not in store
+
+
+def test_stats_bytes_per_token(store_factory):
+    store = store_factory(memory_budget_bytes=0)
+    recs = [make_record(f"r{i}", positions=p, seed=i) for i, p in enumerate((3, 7))]
+    for r in recs:
+        store.put_record(r, 0)
+    store.flush()
+    st = store.stats()
+    total = sum(len(r.to_bytes()) for r in recs)
+    assert st["bytes_total"] == total and st["positions_total"] == 10
+    assert st["bytes_per_token"] == pytest.approx(total / 10)
+
+
+def test_concurrent_producers_and_consumers(store_factory):
+    size = len(make_record("x").to_bytes())
+    store = store_factory(memory_budget_bytes=10 * size, max_queue=4, shard_bytes=3 * size)
+    n_threads, per = 4, 12
+    recs = {f"t{t}-{i}": make_record(f"t{t}-{i}", seed=100 * t + i) for t in range(n_threads) for i in range(per)}
+    errors = []
+    queued = {sid: threading.Event() for sid in recs}  # put returned: the id is known to the store
+
+    def producer(t):
+        for i in range(per):
+            sid = f"t{t}-{i}"
+            store.put(sid, i % 3, recs[sid].to_bytes())
+            queued[sid].set()
+
+    def consumer(t):
+        try:
+            for i in range(per):
+                sid = f"t{t}-{i}"
+                assert queued[sid].wait(10)
+                assert_same(store.get(sid), recs[sid])  # may still be pending in the queue
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=producer, args=(t,)) for t in range(n_threads)]
+    threads += [threading.Thread(target=consumer, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not errors, errors[:3]
+    store.flush()
+    assert store.stats()["records"] == n_threads * per
+    assert store.stats()["bytes_spilled_total"] > 0
+    released = sum(store.release_step(s) for s in range(3))
+    assert released == n_threads * per
+    assert len(shard_files(store)) <= 1  # at most the unsealed active shard remains
+
+
+def test_close_removes_spill_files_and_rejects_use(tmp_path):
+    store = GuidanceStore(0, tmp_path / "spill")
+    store.put("a", 0, make_record("a").to_bytes())
+    store.flush()
+    private = store._dir
+    assert os.listdir(private)
+    store.close()
+    assert not os.path.exists(private) and os.path.isdir(tmp_path / "spill")
+    with pytest.raises(GuidanceStoreError, match="closed"):
+        store.put("b", 0, make_record("b").to_bytes())
+    store.close()  # idempotent
