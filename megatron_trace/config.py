@@ -158,7 +158,7 @@ class Config:
             raw.setdefault(section, {})
             if not isinstance(raw[section], dict):
                 raise ValueError(f"config section {section!r} must be a mapping")
-            raw[section][name] = yaml.safe_load(value) if value != "" else ""
+            raw[section][name] = _Raw(value)  # typed once the field's type is known
         return cls.from_dict(raw)
 
     @classmethod
@@ -193,7 +193,19 @@ def _build(section: str, cls, values: dict):
     return cls(**out)
 
 
+class _Raw(str):
+    """A command-line value, parsed by the type of the field it lands in."""
+
+
 def _check(key: str, typ, meta, value):
+    if isinstance(value, _Raw):
+        value = str(value) if typ is str else (yaml.safe_load(value) if value else "")
+    if typ is str and isinstance(value, bool):  # YAML 1.1 reads off/on/yes/no as booleans
+        word = {False: "off", True: "on"}[value]
+        if meta.get("choices") and word in meta["choices"]:
+            value = word
+        else:
+            raise ValueError(f"{key} must be a string; YAML read {value!r} (quote it)")
     if typ is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
         try:
             value = float(value)

@@ -14,7 +14,7 @@ def init_distributed(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> No
     """Initialize torch.distributed and Megatron's TP/PP/EP groups, and seed every RNG.
 
     Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT as set by torchrun; without
-    them it starts a single-process world (127.0.0.1, MASTER_PORT or 29500). Backend: nccl on
+    them it starts a single-process world on an in-memory store (no port). Backend: nccl on
     CUDA (one device per LOCAL_RANK), gloo otherwise, where `apply_cpu_workarounds()` runs first.
     The data-parallel size is what is left: world / (tp * pp). Safe to call when torch.distributed
     is already initialized (the existing process group is reused).
@@ -23,18 +23,15 @@ def init_distributed(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> No
     if not cuda:
         apply_cpu_workarounds()
     if not dist.is_initialized():
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        launched = "WORLD_SIZE" in os.environ  # torchrun (or srun + torchrun) sets the rendezvous
         if cuda:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        dist.init_process_group(
-            backend="nccl" if cuda else "gloo",
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-        )
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        if launched:
+            dist.init_process_group(backend="nccl" if cuda else "gloo", rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+        else:
+            # A single process needs no rendezvous port: two runs on one machine must not collide.
+            dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")

@@ -1,0 +1,87 @@
+"""The README's main command, shortened: TensorBoard read-back, async mode, kill + resume."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_trace.metrics import REQUIRED_MISMATCH
+
+BASE = ["--config", "configs/tiny_cpu.yaml", "trainer.warm_start_steps=40", "rollout.prompts_per_step=4",
+        "rollout.n_samples=4", "rollout.eval_prompts=8", "logging.progress=false"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")  # one warm-start cache for the module
+
+
+def _train(run_dir, *extra, wait=True):
+    cmd = [sys.executable, "-m", "megatron_trace.train", *BASE, f"logging.run_dir={run_dir}", *extra]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def _metrics(run_dir) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "rollout/reward_mean" in r}  # last line per step wins
+
+
+def test_main_command_writes_every_mismatch_scalar_to_tensorboard(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = runs / "main"
+    out = _train(run_dir, "trainer.steps=3")
+    assert "== summary ==" in out and "eval accuracy" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and 0 <= summary["eval_accuracy_after"] <= 1
+    assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints" / "latest").exists()
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for name in REQUIRED_MISMATCH:
+        assert f"mismatch/{name}" in tags, name
+        assert len(acc.Scalars(f"mismatch/{name}")) == 3
+    assert any(t.startswith("mismatch/codeword_disagreement/layer_") for t in tags)
+    for ns in ("rollout/reward_mean", "train/loss", "train/grad_norm", "perf/step_s", "eval/accuracy"):
+        assert ns in tags, ns
+    assert "mismatch/abs_dlogp" in acc.Tags()["histograms"]
+    bpt = [e.value for e in acc.Scalars("mismatch/guidance_bytes_per_token")]
+    assert all(v > 0 for v in bpt)
+
+
+def test_async_mode_counts_stale_samples(runs):
+    run_dir = runs / "async"
+    _train(run_dir, "trainer.steps=3", "algo.async_rollout=true", "algo.max_version_diff=0")
+    m = _metrics(run_dir)
+    assert m[0]["rollout/dropped_stale"] == 0  # the first batch was made with version 0
+    assert m[1]["rollout/dropped_stale"] > 0  # made while step 0 trained: one version old
+
+
+def test_kill_mid_step_then_resume_matches_uninterrupted(runs):
+    full, cut = runs / "full", runs / "cut"
+    extra = ["trainer.steps=4", "trainer.save_every=2", "rollout.eval_prompts=0"]
+    _train(full, *extra)
+    proc = _train(cut, *extra, wait=False)
+    deadline = time.time() + 400
+    latest = cut / "checkpoints" / "latest"
+    while time.time() < deadline and not (latest.exists() and latest.read_text() == "step_1"):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    assert latest.exists(), "the run never checkpointed step 1"
+    os.killpg(proc.pid, signal.SIGKILL)  # mid-step 2 (or 3): whatever was in flight is lost
+    proc.wait()
+    _train(cut, *extra, "--resume")
+    a, b = _metrics(full), _metrics(cut)
+    for step in (2, 3):
+        for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "mismatch/mean_abs_dlogp"):
+            assert b[step][key] == a[step][key], (step, key)
