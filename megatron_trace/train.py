@@ -59,13 +59,17 @@ class Run:
         if resume:
             meta = self.actor.load_checkpoint(self.run_dir / "checkpoints")
             self.start_step, self.version = meta["step"] + 1, meta["version"]
-        self.backend = self.rollout = self.store = self.hub = None
+        self.backend = self.rollout = self.store = self.hub = self.transport = None
+        self.wire_bytes = 0
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / "config.yaml")
             self.backend = self._backend(model_path)
             self.rollout = Rollout(cfg, self.backend, tok, prompts, get_reward_fn(cfg.rollout.reward))
             self.store = self._store()
+            from megatron_trace.transfer.sync import make_transport
+
+            self.transport = make_transport(cfg, self.backend, self.run_dir, self.arch)
             loggers = [JsonlLogger(self.run_dir, append=resume)]
             if cfg.logging.tensorboard:
                 loggers.append(TensorBoardLogger(self.run_dir))
@@ -114,7 +118,9 @@ class Run:
         from megatron_trace.transfer.sync import sync_weights
 
         t = time.perf_counter()
-        sync_weights(self.actor.chunks, self.arch, self.cfg, self.backend, self.version)
+        stats = sync_weights(self.actor.chunks, self.arch, self.cfg, self.transport, self.version)
+        if stats is not None:
+            self.wire_bytes = stats.bytes
         return time.perf_counter() - t
 
     def produce(self, step: int) -> RolloutBatch | None:
@@ -183,7 +189,7 @@ class Run:
             self.hub.histogram(batch.step, "mismatch/importance_ratio", d.exp())
         st = self.store.stats() if self.store is not None else {}
         m.update({"perf/rollout_s": batch.stats.get("rollout_s", 0.0), "perf/train_s": train_s,
-                  "perf/transfer_s": transfer_s, "perf/step_s": step_s,
+                  "perf/transfer_s": transfer_s, "perf/step_s": step_s, "perf/transfer_wire_bytes": self.wire_bytes,
                   "perf/rollout_tokens_per_s": tokens / max(batch.stats.get("rollout_s", 1e-9), 1e-9),
                   "perf/guidance_spilled_bytes": st.get("bytes_spilled_total", 0),
                   "perf/guidance_bytes_per_token": st.get("bytes_per_token", 0.0)})

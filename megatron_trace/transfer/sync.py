@@ -1,19 +1,33 @@
-"""The loop's weight sync: trainer shards -> rollout tensors -> buckets -> backend, as one version.
+"""The loop's weight sync: trainer shards -> rollout tensors -> buckets -> transport, one version.
 
-Every trainer rank calls it (the gather is collective); rank 0 sends. FP4 linears travel as
-ModelOpt NVFP4 tensors quantized here with the same fp4 code the trainer's QAT uses.
+Every trainer rank calls `sync_weights` (the gather is collective); global rank 0 owns the
+transport and sends. FP4 linears travel as ModelOpt NVFP4 tensors quantized here by the same
+fp4 code the trainer's QAT uses, so rollout and trainer weights are bit-identical.
 """
 from __future__ import annotations
 
-import torch.distributed as dist
+from pathlib import Path
 
-from sglang_backend.api import WeightBucket
+from .pipeline import push_weights
+from .transports import DiskTransport, DistributedTransport, HttpTransport, InProcessTransport, TransferStats
 
 
-def sync_weights(model_chunks, arch, cfg, backend, version: int) -> None:
-    from megatron_trace.trainer.gpt import export_hf_state_dict
+def make_transport(cfg, backend, run_dir: Path, arch):
+    """The configured transport (rank 0 only): `transfer.transport` over the rollout backend."""
+    kind = cfg.transfer.transport
+    if kind == "inprocess":
+        if cfg.rollout.backend != "local":
+            raise ValueError("transfer.transport=inprocess needs rollout.backend=local")
+        return InProcessTransport(backend)
+    if cfg.rollout.backend != "http":
+        raise ValueError(f"transfer.transport={kind} sends to servers: set rollout.backend=http and rollout.urls")
+    if kind == "http":
+        return HttpTransport(backend)
+    if kind == "distributed":
+        return DistributedTransport(cfg.rollout.urls, api_key=cfg.rollout.api_key or None)
+    return DiskTransport(backend, run_dir / "weights", arch.to_hf_config())
 
-    hf = export_hf_state_dict(model_chunks, arch)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    backend.update_weights(WeightBucket(hf, version))
+
+def sync_weights(model_chunks, arch, cfg, transport, version: int) -> TransferStats | None:
+    """Collective; returns the sender's stats (bytes, seconds) on rank 0, None elsewhere."""
+    return push_weights(model_chunks, arch, cfg.quant.policy(), transport, version, bucket_mb=cfg.transfer.bucket_mb)

@@ -1,0 +1,304 @@
+"""Ways to move one weight version's buckets to the rollout: `Transport.send(buckets, version) -> stats`.
+
+Atomicity ("never a mix of versions"): the rollout engine commits each update call all or
+nothing, and the version moves only with a committed call. So every transport here makes ONE
+receiver commit per version:
+
+* InProcessTransport: the buckets are merged (references, no copy) into one `update_weights`
+  call. Costs holding the whole rollout model on the trainer side; in-process the engine holds
+  it anyway.
+* HttpTransport: the buckets are merged into one safetensors body (`/update_weights_from_tensor`
+  octet-stream). Bounded by the server's body limit (`max_body_bytes` in /model_info, checked
+  before sending); beyond it use DistributedTransport or DiskTransport.
+* DistributedTransport: one `/update_weights_from_distributed` POST announces every tensor of the
+  version (names/dtypes/shapes from a manifest computed from the architecture, no data needed),
+  then the buckets are broadcast one after another while the server receives everything before
+  loading. This is the only transport that really streams (trainer memory ~ one bucket). A
+  failure mid-stream (NaN, dead sender, broken stream) closes the group; the server's receive
+  fails, it drops the group and keeps the previous version; the next send re-creates the group.
+* DiskTransport: an HF-style directory per version, then `/update_weights_from_disk`.
+
+Staging buckets on the receiver and committing on the last one would let HTTP stream too; that
+needs an engine change (a `stage` flag on update_weights_from_tensor), so it is not used here.
+After every send the rollout must report `version`, else `TransferError`.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sglang_backend.api import WeightBucket
+
+from .quantize import NonFiniteWeightError
+
+Manifest = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+class TransferError(RuntimeError):
+    """A version was not committed; the rollout still serves the previous one."""
+
+
+@dataclass
+class TransferStats:
+    version: int
+    buckets: int = 0
+    tensors: int = 0
+    bytes: int = 0  # bytes on the wire (tensor payload; HTTP: the body)
+    seconds: float = 0.0
+
+
+class Transport:
+    """Sends all buckets of one version so that the rollout commits them as one update."""
+
+    def send(self, buckets: Iterable[WeightBucket], version: int, *, manifest: Manifest | None = None
+             ) -> TransferStats:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _merge(buckets: Iterable[WeightBucket], version: int, stats: TransferStats) -> WeightBucket:
+    merged: dict[str, torch.Tensor] = {}
+    for b in buckets:
+        if b.version != version:
+            raise TransferError(f"bucket carries version {b.version}, transfer is version {version}")
+        dup = set(b.tensors) & set(merged)
+        if dup:
+            raise TransferError(f"tensor {sorted(dup)[0]!r} sent twice in version {version}")
+        merged.update(b.tensors)
+        stats.buckets += 1
+    stats.tensors = len(merged)
+    return WeightBucket(merged, version)
+
+
+class InProcessTransport(Transport):
+    """Any object with `update_weights(bucket)` (+ `model_info()` for the version check)."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    def send(self, buckets, version, *, manifest=None) -> TransferStats:
+        stats, t0 = TransferStats(version), time.perf_counter()
+        merged = _merge(buckets, version, stats)  # raises (NaN, ...) before the backend sees anything
+        stats.bytes = merged.nbytes()
+        self.backend.update_weights(merged)
+        info = getattr(self.backend, "model_info", None)
+        if info is not None and int(info().get("weight_version") or 0) != version:
+            raise TransferError(f"rollout reports version {info().get('weight_version')} after sending {version}")
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+
+class HttpTransport(Transport):
+    """`RolloutClient` -> every server's `/update_weights_from_tensor`, one body per version."""
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    def send(self, buckets, version, *, manifest=None) -> TransferStats:
+        stats, t0 = TransferStats(version), time.perf_counter()
+        raw = _merge(buckets, version, stats).to_bytes()
+        limit = self.client.model_info().get("max_body_bytes")
+        if limit is not None and len(raw) > int(limit):
+            raise TransferError(f"version {version} is {len(raw)} bytes, over the server's body limit {limit}; "
+                                "raise --max-body-mb or use DistributedTransport / DiskTransport")
+        self.client.update_weights(_RawBucket(raw, version))  # then RolloutClient checks every version
+        stats.bytes, stats.seconds = len(raw), time.perf_counter() - t0
+        return stats
+
+
+class _RawBucket(WeightBucket):
+    """A bucket already serialized (avoids a second serialization inside RolloutClient)."""
+
+    def __init__(self, raw: bytes, version: int):
+        super().__init__({}, version)
+        self._raw = raw
+
+    def to_bytes(self) -> bytes:
+        return self._raw
+
+
+def _post(url: str, path: str, payload: dict, api_key: str | None, timeout: float) -> dict:
+    """One JSON POST without retries (a retried blocking broadcast endpoint would hang)."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url + path, data=json.dumps(payload).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        try:
+            d = json.loads(body)
+        except ValueError:
+            d = {"message": body.decode(errors="replace")}
+        err = d.get("error")
+        msg = d.get("message") or (err.get("message") if isinstance(err, dict) else err) or f"HTTP {e.code}"
+        return {"success": False, "message": f"HTTP {e.code}: {msg}"}
+
+
+def _get_json(url: str, path: str, api_key: str | None, timeout: float = 30.0) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers), timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class _Call(threading.Thread):
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args, self.result, self.error = fn, args, None, None
+
+    def run(self):
+        try:
+            self.result = self.fn(*self.args)
+        except Exception as e:  # reported by the caller after join
+            self.error = e
+
+
+class DistributedTransport(Transport):
+    """SGLang's `/init_weights_update_group` + `/update_weights_from_distributed`; trainer = rank 0."""
+
+    def __init__(self, urls: list[str] | str, api_key: str | None = None, master_address: str = "127.0.0.1",
+                 master_port: int = 29600, group_name: str = "weight_update_group", timeout_s: float = 300.0):
+        self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
+        self.api_key, self.address, self.port = api_key, master_address, int(master_port)
+        self.group_name, self.timeout_s = group_name, timeout_s
+        self.sender = None
+
+    def connect(self) -> None:
+        """Every server joins (POSTs in threads) while we create the master store (rank 0)."""
+        from sglang_backend.local.weight_group import WeightSender
+
+        world = len(self.urls) + 1
+        calls = [_Call(_post, u, "/init_weights_update_group",
+                       {"master_address": self.address, "master_port": self.port, "rank_offset": i + 1,
+                        "world_size": world, "group_name": self.group_name, "backend": "gloo"},
+                       self.api_key, self.timeout_s) for i, u in enumerate(self.urls)]
+        for c in calls:
+            c.start()
+        try:
+            self.sender = WeightSender(self.address, self.port, world, self.group_name, self.timeout_s)
+        finally:
+            for c in calls:
+                c.join()
+        bad = [(u, c.error or c.result.get("message")) for u, c in zip(self.urls, calls)
+               if c.error or not c.result.get("success")]
+        if bad:
+            self._drop()
+            raise TransferError(f"init_weights_update_group failed: {bad}")
+
+    def _drop(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+            gc.collect()  # frees the gloo pairs now: the servers' pending receives fail at once
+
+    def send(self, buckets, version, *, manifest=None) -> TransferStats:
+        if manifest is None:  # no plan: materialize the version (memory: the whole rollout model)
+            buckets = list(buckets)
+            manifest = [(n, t.dtype, tuple(t.shape)) for b in buckets for n, t in b.tensors.items()]
+        if self.sender is None:
+            self.connect()
+        stats, t0 = TransferStats(version), time.perf_counter()
+        payload = {"names": [m[0] for m in manifest], "dtypes": [str(m[1]).removeprefix("torch.") for m in manifest],
+                   "shapes": [list(m[2]) for m in manifest], "group_name": self.group_name,
+                   "weight_version": str(version), "flush_cache": True}
+        calls = [_Call(_post, u, "/update_weights_from_distributed", payload, self.api_key, self.timeout_s)
+                 for u in self.urls]
+        for c in calls:
+            c.start()
+        i = 0
+        try:
+            for b in buckets:
+                for name, t in b.tensors.items():  # the server allocates from the manifest: must agree
+                    if i >= len(manifest) or manifest[i][0] != name or manifest[i][1] != t.dtype \
+                            or tuple(t.shape) != manifest[i][2]:
+                        want = manifest[i] if i < len(manifest) else "end of manifest"
+                        raise TransferError(f"stream diverged from the manifest at #{i}: got {name} "
+                                            f"{t.dtype} {tuple(t.shape)}, announced {want}")
+                    i += 1
+                self.sender.send(b.tensors)
+                stats.buckets += 1
+                stats.bytes += b.nbytes()
+            if i != len(manifest):
+                raise TransferError(f"stream ended after {i} of {len(manifest)} announced tensors")
+        except BaseException as e:
+            self._drop()  # the servers' receives fail; they keep the previous version
+            for c in calls:
+                c.join(self.timeout_s)
+            if isinstance(e, (TransferError, NonFiniteWeightError)):
+                raise
+            raise TransferError(f"version {version} aborted after {i} tensors: {e}") from e
+        for c in calls:
+            c.join()
+        bad = [(u, c.error or c.result.get("message")) for u, c in zip(self.urls, calls)
+               if c.error or not c.result.get("success")]
+        if bad:
+            self._drop()
+            raise TransferError(f"version {version} refused: {bad}")
+        stats.tensors, stats.seconds = i, time.perf_counter() - t0
+        self._check(version)
+        return stats
+
+    def _check(self, version: int) -> None:
+        got = {u: int(_get_json(u, "/model_info", self.api_key).get("weight_version") or 0) for u in self.urls}
+        if any(v != version for v in got.values()):
+            raise TransferError(f"servers report versions {got} after sending {version}")
+
+    def close(self) -> None:
+        if self.sender is not None:
+            for u in self.urls:
+                _post(u, "/destroy_weights_update_group", {"group_name": self.group_name}, self.api_key, 30)
+        self._drop()
+
+
+class DiskTransport(Transport):
+    """Writes `dir/v{version}` (HF layout + config) and has every server load it from disk."""
+
+    def __init__(self, client: Any, directory: str | Path, hf_config: dict, keep: int = 2):
+        self.client, self.dir, self.hf_config, self.keep = client, Path(directory), dict(hf_config), keep
+
+    def send(self, buckets, version, *, manifest=None) -> TransferStats:
+        from safetensors.torch import save_file
+
+        stats, t0 = TransferStats(version), time.perf_counter()
+        final, tmp = self.dir / f"v{version}", self.dir / f"v{version}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        files: list[tuple[str, list[str]]] = []
+        for b in buckets:  # one shard per bucket: streams, a failure leaves only the .tmp dir
+            fname = f"bucket-{len(files) + 1:05d}.safetensors"
+            save_file({k: v.contiguous() for k, v in b.tensors.items()}, str(tmp / fname))
+            files.append((fname, list(b.tensors)))
+            stats.buckets += 1
+            stats.tensors += len(b.tensors)
+            stats.bytes += b.nbytes()
+        weight_map = {n: f for f, names in files for n in names}
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": stats.bytes}, "weight_map": weight_map}))
+        (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        self.client.update_weights_from_disk(str(final), version)  # raises unless every server reports it
+        self._prune(version)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _prune(self, version: int) -> None:
+        olds = sorted((int(p.name[1:]), p) for p in self.dir.glob("v*") if p.name[1:].isdigit())
+        for v, p in olds[: max(len(olds) - self.keep, 0)]:
+            if v != version:
+                shutil.rmtree(p, ignore_errors=True)
