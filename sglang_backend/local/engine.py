@@ -105,15 +105,23 @@ class Engine:
                 try:
                     finished = self.scheduler.step()
                 except Exception as e:  # a bad batch fails its requests, never the server
+                    self._abort_waiting(f"engine error: {e}")  # before abort_all empties `waiting`
                     finished = self.scheduler.abort_all(f"engine error: {e}")
-                    self._abort_waiting(str(e))
                 for s in finished:
-                    handle = None
-                    if s.want_guidance and s.finish_reason.get("type") != "abort":
-                        handle = s.rid
-                        self._guidance[handle] = guidance_record(s, self.guidance_mode).to_bytes()
-                    self._results[s.rid] = to_result(s, self.weight_version, handle).to_sglang()
+                    self._results[s.rid] = self._result(s)
                 self._cv.notify_all()
+
+    def _result(self, s) -> dict:
+        """A finished sequence's result; a failure here aborts that request, never the worker."""
+        try:
+            handle = None
+            if s.want_guidance and s.finish_reason.get("type") != "abort":
+                self._guidance[s.rid] = guidance_record(s, self.guidance_mode).to_bytes()
+                handle = s.rid
+            return to_result(s, self.weight_version, handle).to_sglang()
+        except Exception as e:
+            self._guidance.pop(s.rid, None)
+            return _aborted(s.rid, len(s.prompt), self.weight_version, f"engine error: {e}")
 
     def _abort_waiting(self, message: str) -> None:
         for g in self.scheduler.waiting:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_trace.fp4 import mxfp4, nvfp4
+from megatron_trace.fp4 import fast, mxfp4, nvfp4
 
 KV_DTYPES = ("auto", "bf16", "nvfp4", "mxfp4")
 MX_KV_BLOCK, MX_KV_RULE = 16, "ceil"
@@ -66,24 +66,28 @@ class PagedKVCache:
     def quantize(self, layer: int, which: int, x: torch.Tensor):
         """x [T, kv_heads, head_dim] -> the quantized form written to the cache (None for bf16)."""
         if self.fmt == "nvfp4":
-            return nvfp4.quantize(x, global_scale=self.global_scale[layer, which])
+            return fast.quantize_dequantize(x, global_scale=self.global_scale[layer, which])[0]
         if self.fmt == "mxfp4":
             return mxfp4.quantize(x, rule=MX_KV_RULE, block=MX_KV_BLOCK)
         return None
 
-    def write(self, layer: int, which: int, slots: torch.Tensor, x: torch.Tensor, q=None) -> torch.Tensor:
+    def write(self, layer: int, which: int, slots: torch.Tensor, x: torch.Tensor, q=None,
+              return_values: bool = True) -> torch.Tensor | None:
         """Store x at slots; returns the values attention will read back (dequantized for FP4)."""
         if self.fmt == "bf16":
-            self.values[layer, which, slots] = x.to(self.dtype)
-            return x.to(self.dtype)
+            self.values[layer, which].index_copy_(0, slots, x.to(self.dtype))  # index_* beat x[idx] on CPU
+            return x.to(self.dtype) if return_values else None
         q = self.quantize(layer, which, x) if q is None else q
-        self.codes[layer, which, slots] = q.data
-        self.scales[layer, which, slots] = q.scale
-        return self._dequant(layer, which, q.data, q.scale)
+        self.codes[layer, which].index_copy_(0, slots, q.data)
+        self.scales[layer, which].index_copy_(0, slots, q.scale)
+        return self._dequant(layer, which, q.data, q.scale) if return_values else None
 
     def read(self, layer: int, which: int, slots: torch.Tensor) -> torch.Tensor:
         if self.fmt == "bf16":
-            return self.values[layer, which, slots]
+            return self.values[layer, which].index_select(0, slots)
+        if self.fmt == "nvfp4":  # gather + dequantize in one pass over the read slots only
+            return fast.dequantize_rows(self.codes[layer, which], self.scales[layer, which], slots,
+                                        self.global_scale[layer, which], self.dtype)
         return self._dequant(layer, which, self.codes[layer, which, slots], self.scales[layer, which, slots])
 
     def _dequant(self, layer: int, which: int, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kernels.dispatch import nvfp4_quantize
-from megatron_trace.fp4 import mxfp4, nvfp4
+from megatron_trace.fp4 import fast, mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 
 # site name, quantized input (NVFP4Tensor), or None when the site is not captured
@@ -32,14 +32,22 @@ class Rope:
     def __init__(self, head_dim: int, theta: float, device: torch.device | str = "cpu"):
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D], positions [T]."""
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] of positions [T]: one forward computes them once for all layers."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] (q and k may share one call: the rotation is per head)."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D], positions [T]."""
+        return self.apply(x, *self.tables(positions, x.dtype))
 
 
 class EngineLinear(nn.Module):
@@ -140,10 +148,15 @@ class EngineLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, capture: CaptureFn | None = None, site: str | None = None) -> torch.Tensor:
         if self.act_fmt is not None:
-            q = self.quantize_input(x)
+            if self.act_fmt == "nvfp4" and x.device.type == "cpu":  # fused quantize + dequantize, same bits
+                gs = self.input_global_scale
+                q, xq = fast.quantize_dequantize(x, per_row_global=gs is None, global_scale=gs, dequant_dtype=x.dtype)
+            else:
+                q = self.quantize_input(x)
+                xq = mxfp4.dequantize(q, x.dtype) if self.act_fmt == "mxfp4" else nvfp4.dequantize(q, x.dtype)
             if capture is not None and isinstance(q, nvfp4.NVFP4Tensor):
                 capture(site or self.site, q)
-            x = (mxfp4.dequantize(q, x.dtype) if self.act_fmt == "mxfp4" else nvfp4.dequantize(q, x.dtype))
+            x = xq
         return nn.functional.linear(x, self.weight, self.bias)
 
     def shard_view(self, shard: str, y: torch.Tensor) -> torch.Tensor:

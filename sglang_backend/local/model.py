@@ -30,10 +30,24 @@ class ForwardBatch:
     write_slots: torch.Tensor  # [T] KV slot of each new token
     read_slots: list[torch.Tensor]  # per sequence, KV slots of positions 0..last new token
     logits_rows: list[int] | None = None  # rows whose logits are wanted (default: each span's last)
+    read_index: torch.Tensor | None = None  # decode: [B, W] slots, row i valid up to read_lens[i]
+    read_lens: torch.Tensor | None = None  # decode: [B]
 
-    @property
-    def is_decode(self) -> bool:
-        return all(e - s == 1 for s, e in self.spans)
+    def __post_init__(self):
+        self.is_decode = all(e - s == 1 for s, e in self.spans)
+        self._gather = None
+
+    def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat slot index [B*W], visibility mask [B, W]) of a decode batch: built once per forward."""
+        if self._gather is None:
+            idx, lens = self.read_index, self.read_lens
+            if idx is None:
+                lens = torch.tensor([s.numel() for s in self.read_slots])
+                idx = torch.nn.utils.rnn.pad_sequence(self.read_slots, batch_first=True)
+            width = int(lens.max())
+            idx = idx[:, :width]
+            self._gather = (idx.reshape(-1), torch.arange(width)[None, :] < lens[:, None])
+        return self._gather
 
 
 class _Layer(nn.Module):
@@ -41,6 +55,7 @@ class _Layer(nn.Module):
         super().__init__()
         self.idx, self.arch = idx, arch
         p = f"model.layers.{idx}."
+        self.kv_sites = (p + "self_attn.k_cache", p + "self_attn.v_cache")
         h, d = arch.hidden_size, arch.head_dim
 
         def linear(hf_module, site, shards, k, bias=False):
@@ -72,20 +87,23 @@ class _Layer(nn.Module):
             self.gate_up = linear("mlp.gate_proj", "mlp.gate_up_proj", {"gate": ffn, "up": ffn}, h)
             self.down = linear("mlp.down_proj", "mlp.down_proj", {"down": h}, ffn)
 
-    def attention(self, x, batch: ForwardBatch, kv: PagedKVCache, rope: Rope, capture) -> torch.Tensor:
+    def attention(self, x, batch: ForwardBatch, kv: PagedKVCache, rot, capture) -> torch.Tensor:
         a = self.arch
         qkv = self.qkv(x, capture)
-        q = qkv[:, : a.q_size].reshape(-1, a.num_heads, a.head_dim)
-        k = qkv[:, a.q_size : a.q_size + a.kv_size].reshape(-1, a.num_kv_heads, a.head_dim)
         v = qkv[:, a.q_size + a.kv_size :].reshape(-1, a.num_kv_heads, a.head_dim)
         if a.qk_norm:
+            q = qkv[:, : a.q_size].reshape(-1, a.num_heads, a.head_dim)
+            k = qkv[:, a.q_size : a.q_size + a.kv_size].reshape(-1, a.num_kv_heads, a.head_dim)
             q, k = rms_norm(q, self.q_norm, a.rms_norm_eps), rms_norm(k, self.k_norm, a.rms_norm_eps)
-        q, k = rope(q, batch.positions), rope(k, batch.positions)
+            q, k = Rope.apply(q, *rot), Rope.apply(k, *rot)
+        else:  # one rotation over q's and k's heads together (elementwise: same values)
+            qk = Rope.apply(qkv[:, : a.q_size + a.kv_size].reshape(-1, a.num_heads + a.num_kv_heads, a.head_dim), *rot)
+            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         for which, t in ((0, k), (1, v)):
             qt = kv.quantize(self.idx, which, t)
             if capture is not None and qt is not None and kv.fmt == "nvfp4":
-                capture(f"model.layers.{self.idx}.self_attn.{('k_cache', 'v_cache')[which]}", qt)
-            kv.write(self.idx, which, batch.write_slots, t, qt)
+                capture(self.kv_sites[which], qt)
+            kv.write(self.idx, which, batch.write_slots, t, qt, return_values=False)
         out = _decode_attention(q, batch, kv, self.idx) if batch.is_decode else _prefill_attention(q, batch, kv, self.idx)
         return self.o_proj(out.reshape(-1, a.q_size), capture)
 
@@ -123,9 +141,9 @@ class _Layer(nn.Module):
             capture(self.experts_down[0].site, _scatter_slots(down_parts, x.shape[0], a.num_experts_per_tok))
         return out
 
-    def forward(self, x, batch, kv, rope, capture) -> torch.Tensor:
+    def forward(self, x, batch, kv, rot, capture) -> torch.Tensor:
         eps = self.arch.rms_norm_eps
-        x = x + self.attention(rms_norm(x, self.input_norm, eps), batch, kv, rope, capture)
+        x = x + self.attention(rms_norm(x, self.input_norm, eps), batch, kv, rot, capture)
         return x + self.mlp(rms_norm(x, self.post_norm, eps), capture)
 
 
@@ -165,15 +183,10 @@ def _prefill_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int) -> 
 
 
 def _decode_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int) -> torch.Tensor:
-    lens = torch.tensor([s.numel() for s in batch.read_slots])
-    width = int(lens.max())
-    idx = torch.zeros(len(lens), width, dtype=torch.long)
-    for i, s in enumerate(batch.read_slots):
-        idx[i, : s.numel()] = s
-    mask = torch.arange(width)[None, :] < lens[:, None]
-    flat = idx.flatten()
-    k = kv.read(layer, 0, flat).reshape(len(lens), width, kv.kv_heads, -1)
-    v = kv.read(layer, 1, flat).reshape(len(lens), width, kv.kv_heads, -1)
+    flat, mask = batch.decode_gather()
+    b, w = mask.shape
+    k = kv.read(layer, 0, flat).reshape(b, w, kv.kv_heads, -1)
+    v = kv.read(layer, 1, flat).reshape(b, w, kv.kv_heads, -1)
     return _attend(q[:, None], k, v, mask[:, None], kv.kv_heads)[:, 0]
 
 
@@ -195,8 +208,9 @@ class QwenEngineModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, capture: CaptureFn | None = None) -> torch.Tensor:
         """Returns fp32 logits [len(logits_rows), vocab] (default: each sequence's last token)."""
         x = F.embedding(batch.input_ids, self.embed)
+        rot = self.rope.tables(batch.positions, x.dtype)  # cos/sin once for every layer's q and k
         for layer in self.layers:
-            x = layer(x, batch, kv, self.rope, capture)
+            x = layer(x, batch, kv, rot, capture)
         rows = batch.logits_rows if batch.logits_rows is not None else [e - 1 for _, e in batch.spans]
         h = rms_norm(x[rows], self.final_norm, self.arch.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_trace.guidance import GuidanceRecord, SiteRecord, concat_sites, make_site
+from megatron_trace.guidance import GuidanceRecord, SiteRecord, make_site
 
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams
 
 from .kv_cache import PagedKVCache
 from .model import ForwardBatch, QwenEngineModel
-from .sampling import sample_token
+from .sampling import sample_batch
 
 
 @dataclass
@@ -31,8 +31,11 @@ class Sequence:
     want_guidance: bool
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    guidance_parts: dict[str, list[SiteRecord]] = field(default_factory=dict)
     finish_reason: dict | None = None
+    guidance_rows: list[int] = field(default_factory=list)  # this sample's rows in the scheduler's GuidanceLog
+    guidance: dict[str, SiteRecord] | None = None  # gathered when the sample finishes
+    guidance_error: str | None = None
+    slot_table: torch.Tensor | None = None  # KV slot of each reserved position (pages never change)
 
     @property
     def tokens(self) -> list[int]:
@@ -46,6 +49,68 @@ class Group:
     seqs: list[Sequence] = field(default_factory=list)
 
 
+class GuidanceLog:
+    """Quantized inputs of the guided sites, step by step, for the samples that want guidance.
+
+    A step only keeps references to its quantizer outputs (no per-sample work while decoding);
+    a sample holds the global row numbers of its positions. When samples finish, the pending
+    steps are concatenated once per site, converted to the record mode once, and each finished
+    sample's rows are gathered with one index per site. Rows nobody alive needs are dropped.
+    """
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.rows = 0  # global row counter
+        self.pending: list[tuple[int, dict]] = []  # (first row, {site: NVFP4Tensor}) per step
+        self.base, self.chunk = 0, None  # consolidated rows [base, base + len) per site: SiteRecord
+
+    def add_step(self, store: dict, num_rows: int) -> int:
+        first = self.rows
+        self.pending.append((first, store))
+        self.rows += num_rows
+        return first
+
+    def _consolidate(self, keep_from: int) -> None:
+        parts: dict[str, list[SiteRecord]] = {}  # site -> row blocks, oldest first
+        if self.chunk is not None:
+            n = next(iter(self.chunk.values())).positions() if self.chunk else 0
+            cut = min(max(keep_from - self.base, 0), n)
+            self.base += cut
+            parts = {site: [r.select(cut, n)] for site, r in self.chunk.items()}
+        elif self.pending:
+            self.base = self.pending[0][0]
+        if self.pending:  # one mode conversion per site over every pending step
+            for site in self.pending[0][1]:
+                qs = [store[site] for _, store in self.pending]
+                gs = qs[0].global_scale if qs[0].global_scale.dim() == 0 else torch.cat([q.global_scale for q in qs])
+                rec = make_site(torch.cat([q.scale for q in qs]), gs, torch.cat([q.data for q in qs]), self.mode)
+                parts.setdefault(site, []).append(rec)
+        self.pending = []
+        self.chunk = {}
+        for site, ps in parts.items():
+            gs = ps[0].global_scale if ps[0].global_scale.dim() == 0 else torch.cat([p.global_scale for p in ps])
+            self.chunk[site] = SiteRecord(torch.cat([p.scale for p in ps]), gs, torch.cat([p.payload for p in ps]))
+
+    def gather(self, finished: list[Sequence], alive: list[Sequence]) -> None:
+        """Set s.guidance for each finished sample; then drop what no alive sample needs."""
+        keep_from = min([s.guidance_rows[0] for s in finished + alive if s.guidance_rows] or [self.rows])
+        self._consolidate(keep_from)
+        lens = [len(s.guidance_rows) for s in finished]
+        idx = torch.tensor([r - self.base for s in finished for r in s.guidance_rows], dtype=torch.long)
+        per_seq = [dict() for _ in finished]
+        for site, rec in self.chunk.items():
+            gs = rec.global_scale
+            cols = [rec.scale.index_select(0, idx).split(lens), rec.payload.index_select(0, idx).split(lens),
+                    [gs] * len(lens) if gs.dim() == 0 else gs.index_select(0, idx).split(lens)]
+            for d, sc, pl, g in zip(per_seq, cols[0], cols[1], cols[2]):
+                d[site] = SiteRecord(sc, g, pl)
+        for s, d in zip(finished, per_seq):
+            s.guidance, s.guidance_rows = d, []
+        alive_rows = [s.guidance_rows[0] for s in alive if s.guidance_rows]
+        if not alive_rows:  # nothing left to serve: forget everything
+            self.pending, self.chunk = [], None
+
+
 class Scheduler:
     def __init__(self, model: QwenEngineModel, kv: PagedKVCache, *, max_running: int, context_length: int,
                  eos_ids: list[int], guided_layers: list[int], guidance_mode: str, seed: int):
@@ -55,7 +120,11 @@ class Scheduler:
         self.guided_layers = set(guided_layers)
         self.waiting: list[Group] = []
         self.running: list[Sequence] = []
+        self.in_flight: list[Sequence] = []  # admitted for this step's prefill: neither waiting nor running
         self.seed_counter = itertools.count(seed * 1_000_003)
+        self.log = GuidanceLog(guidance_mode)
+        self._guided_site: dict[str, bool] = {}
+        self._table_cache: tuple[list[Sequence], torch.Tensor] | None = None
 
     # -- admission ---------------------------------------------------------------------------
     def reserve_pages(self, req: GenerateRequest) -> int:
@@ -87,43 +156,65 @@ class Scheduler:
             if self.reserve_pages(g.request) > len(self.kv.free_pages):
                 break
             self.waiting.pop(0)
-            total = min(len(g.request.input_ids) + g.request.sampling_params.max_new_tokens, self.context_length)
-            for i, rid in enumerate(g.rids):
-                pages = self.kv.allocate(self.kv.pages_needed(total))
-                g.seqs.append(Sequence(rid, list(g.request.input_ids), g.request.sampling_params,
-                                       self._generator(g.request.sampling_params, i), pages, g.request.return_guidance))
             admitted.append(g)
+            total = min(len(g.request.input_ids) + g.request.sampling_params.max_new_tokens, self.context_length)
+            g.seqs = [Sequence(rid, list(g.request.input_ids), g.request.sampling_params,
+                               self._generator(g.request.sampling_params, i), [], g.request.return_guidance)
+                      for i, rid in enumerate(g.rids)]
+            self.in_flight += g.seqs  # from here on a failure still answers every rid of the group
+            for s in g.seqs:
+                s.pages = self.kv.allocate(self.kv.pages_needed(total))
+                s.slot_table = self.kv.slots(s.pages, 0, len(s.pages) * self.kv.page_size)
         return admitted
 
     # -- one iteration -----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Prefill newly admitted groups, or decode every running sequence; returns finished ones."""
+        self.in_flight = []
         admitted = self._admit()
         if admitted:
-            return self._prefill(admitted)
-        if self.running:
-            return self._decode()
-        return []
+            finished = self._prefill(admitted)
+        elif self.running:
+            finished = self._decode()
+        else:
+            return []
+        self.in_flight = []
+        wanted = [s for s in finished if s.want_guidance and s.finish_reason.get("type") != "abort"]
+        if wanted:
+            try:
+                self.log.gather(wanted, [s for s in self.running if s.want_guidance])
+            except Exception as e:  # fails these records only (their requests abort), not the batch
+                for s in wanted:
+                    s.guidance_error = f"guidance capture failed: {e}"
+                self.log = GuidanceLog(self.guidance_mode)
+                for s in self.running:
+                    s.guidance_rows = []
+                    if s.want_guidance:
+                        s.guidance_error = f"guidance capture failed: {e}"
+        return finished
 
-    def _capture(self, seqs_spans: list[tuple[list[Sequence], int, int]]):
-        if not any(s.want_guidance for seqs, _, _ in seqs_spans for s in seqs):
+    def _capture(self, seqs_rows: list[tuple[list[Sequence], int, int]], num_rows: int):
+        """capture fn and a commit fn that logs the step's sites and each sample's rows."""
+        if not any(s.want_guidance for seqs, _, _ in seqs_rows for s in seqs):
             return None, None
         store: dict[str, object] = {}
+        guided = self._guided_site
 
         def capture(site: str, q) -> None:
-            if int(site.split(".")[2]) in self.guided_layers:
+            g = guided.get(site)
+            if g is None:
+                g = guided[site] = int(site.split(".")[2]) in self.guided_layers
+            if g:
                 store[site] = q
 
-        def distribute() -> None:
-            for seqs, a, b in seqs_spans:
-                for site, q in store.items():
-                    gs = q.global_scale if q.global_scale.dim() == 0 else q.global_scale[a:b]
-                    rec = make_site(q.scale[a:b], gs, q.data[a:b], self.guidance_mode)
-                    for s in seqs:
-                        if s.want_guidance:
-                            s.guidance_parts.setdefault(site, []).append(rec)
+        def commit() -> None:
+            first = self.log.add_step(store, num_rows)
+            for seqs, a, b in seqs_rows:
+                for s in seqs:
+                    if s.want_guidance:
+                        s.guidance_rows.extend(range(first + a, first + b))
 
-        return capture, distribute
+        return capture, commit
 
     def _prefill(self, groups: list[Group]) -> list[Sequence]:
         ids, pos, spans, write, read, off = [], [], [], [], [], 0
@@ -132,70 +223,84 @@ class Scheduler:
             ids += lead.prompt
             pos += range(p)
             spans.append((off, off + p))
-            slots = self.kv.slots(lead.pages, 0, p)
+            slots = lead.slot_table[:p]
             write.append(slots)
             read.append(slots)
             off += p
         batch = ForwardBatch(torch.tensor(ids), torch.tensor(pos), spans, torch.cat(write), read)
-        capture, distribute = self._capture([(g.seqs, a, b) for g, (a, b) in zip(groups, spans)])
+        capture, commit = self._capture([(g.seqs, a, b) for g, (a, b) in zip(groups, spans)], off)
         logits = self.model(batch, self.kv, capture)
-        if distribute:
-            distribute()
-        finished = []
-        for g, row, slots in zip(groups, logits, read):
+        if commit:
+            commit()
+        for g, slots in zip(groups, read):
             for s in g.seqs[1:]:  # shared prefill: the other samples copy the prompt's KV
-                self.kv.copy_slots(slots, self.kv.slots(s.pages, 0, len(s.prompt)))
-            for s in g.seqs:
-                finished += self._append(s, row)
-        return finished
+                self.kv.copy_slots(slots, s.slot_table[: len(s.prompt)])
+        seqs = [s for g in groups for s in g.seqs]
+        rows = torch.tensor([i for i, g in enumerate(groups) for _ in g.seqs])
+        return self._append_all(seqs, logits.index_select(0, rows))
 
     def _decode(self) -> list[Sequence]:
         seqs = self.running
-        pos = [len(s.tokens) - 1 for s in seqs]
-        write = torch.cat([self.kv.slots(s.pages, p, p + 1) for s, p in zip(seqs, pos)])
-        read = [self.kv.slots(s.pages, 0, p + 1) for s, p in zip(seqs, pos)]
-        batch = ForwardBatch(torch.tensor([s.tokens[-1] for s in seqs]), torch.tensor(pos),
-                             [(i, i + 1) for i in range(len(seqs))], write, read)
-        capture, distribute = self._capture([([s], i, i + 1) for i, s in enumerate(seqs)])
+        pos = [len(s.prompt) + len(s.output_ids) - 1 for s in seqs]
+        cached = self._table_cache
+        if cached is None or len(cached[0]) != len(seqs) or any(a is not b for a, b in zip(cached[0], seqs)):
+            # the batch changed: re-pad its slot tables (kept while the same sequences decode)
+            self._table_cache = (list(seqs), torch.nn.utils.rnn.pad_sequence([s.slot_table for s in seqs], batch_first=True))
+        table = self._table_cache[1]
+        pos_t = torch.tensor(pos)
+        write = table.gather(1, pos_t[:, None])[:, 0]
+        batch = ForwardBatch(torch.tensor([s.output_ids[-1] for s in seqs]), pos_t,
+                             [(i, i + 1) for i in range(len(seqs))], write, [], read_index=table, read_lens=pos_t + 1)
+        capture, commit = self._capture([([s], i, i + 1) for i, s in enumerate(seqs)], len(seqs))
         logits = self.model(batch, self.kv, capture)
-        if distribute:
-            distribute()
-        self.running = []
+        if commit:
+            commit()
+        return self._append_all(seqs, logits)
+
+    def _append_all(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        """Sample one token for each sequence (row i of logits); the survivors form the next batch."""
+        toks, lps = sample_batch(logits, [s.params for s in seqs], [s.gen for s in seqs])
+        running = [] if seqs is self.running else list(self.running)  # prefill: new samples join
         finished = []
-        for s, row in zip(seqs, logits):
-            finished += self._append(s, row)
+        for s, tok, lp in zip(seqs, toks, lps):
+            s.output_ids.append(tok)
+            s.logprobs.append(lp)
+            p = s.params
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+                s.finish_reason = {"type": "stop", "matched": tok}
+            elif len(s.output_ids) >= p.max_new_tokens or len(s.prompt) + len(s.output_ids) >= self.context_length:
+                s.finish_reason = {"type": "length", "length": len(s.output_ids)}
+            if s.finish_reason is None:
+                running.append(s)
+            else:
+                finished.append(s)
+        for s in finished:
+            self.kv.release(s.pages)
+            s.pages = []
+        self.running = running
         return finished
 
-    def _append(self, s: Sequence, logits: torch.Tensor) -> list[Sequence]:
-        tok, lp = sample_token(logits, s.params, s.gen)
-        s.output_ids.append(tok)
-        s.logprobs.append(lp)
-        p = s.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
-            s.finish_reason = {"type": "stop", "matched": tok}
-        elif len(s.output_ids) >= p.max_new_tokens or len(s.tokens) >= self.context_length:
-            s.finish_reason = {"type": "length", "length": len(s.output_ids)}
-        if s.finish_reason is None:
-            self.running.append(s)
-            return []
-        self.kv.release(s.pages)
-        s.pages = []
-        return [s]
-
     def abort_all(self, message: str) -> list[Sequence]:
-        out = []
-        for s in self.running + [s for g in self.waiting for s in g.seqs]:
+        """Fail every admitted sequence: running, waiting and those caught mid-prefill."""
+        out, seen = [], set()
+        for s in self.running + self.in_flight + [s for g in self.waiting for s in g.seqs]:
+            if id(s) in seen:
+                continue
+            seen.add(id(s))
             s.finish_reason = {"type": "abort", "message": message}
             self.kv.release(s.pages)
             s.pages = []
             out.append(s)
-        self.running, self.waiting = [], []
+        self.running, self.waiting, self.in_flight = [], [], []
+        self.log = GuidanceLog(self.guidance_mode)
+        self._table_cache = None
         return out
 
 
 def guidance_record(s: Sequence, mode: str) -> GuidanceRecord:
-    sites = {name: concat_sites(parts) for name, parts in s.guidance_parts.items()}
-    rec = GuidanceRecord(s.rid, mode, len(s.tokens) - 1, sites)
+    if s.guidance_error:
+        raise RuntimeError(s.guidance_error)
+    rec = GuidanceRecord(s.rid, mode, len(s.tokens) - 1, dict(s.guidance or {}))
     rec.validate()
     return rec
 

@@ -1,0 +1,212 @@
+"""Fused CPU fast paths of NVFP4, bit-identical to `nvfp4.quantize` / `nvfp4.dequantize`.
+
+A rollout decode step quantizes a few dozen tiny activations; the torch reference spends ~50
+small ops on each. These helpers do quantize (+ dequantize) of a whole tensor, and the
+gather + dequantize of FP4 KV slots, in one C call each. The C source below is built once
+with the system C compiler into ~/.cache/megatron_trace (`CACHE_DIR`) and loaded with ctypes; it repeats the reference's fp32 steps in
+the same order (no FMA contraction, no fast-math), so every byte and float matches. Without
+a compiler, on non-CPU tensors, on NaN inputs, or with `ENABLED = False`, the helpers fall back
+to the reference itself.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import nvfp4
+from .codecs import _boundaries, e2m1_grid
+
+_SRC = r"""
+#include <stdint.h>
+#include <math.h>
+#include <float.h>
+
+static inline uint8_t e4m3_enc(float v) {  /* v >= 0, not NaN: clamp to 448, round to nearest even */
+    if (v > 448.f) v = 448.f;
+    if (v < 0.015625f) return (uint8_t)nearbyintf(v * 512.f);  /* subnormals: steps of 2^-9 */
+    int e; float m = frexpf(v, &e);   /* v = m * 2^e, m in [0.5, 1) */
+    float mant = nearbyintf(m * 16.f); /* 3 mantissa bits, 8..16 */
+    int E = e - 1;
+    if (mant >= 16.f) { mant = 8.f; E += 1; }
+    return (uint8_t)(((E + 7) << 3) | ((int)mant - 8));
+}
+
+static inline int e2m1_code(float z, const float* b) {
+    float m = fabsf(z);
+    int c = (m > b[0]) + (m > b[1]) + (m > b[2]) + (m > b[3]) + (m > b[4]) + (m > b[5]) + (m > b[6]);
+    return signbit(z) ? (c | 8) : c;
+}
+
+/* x [R, K] -> data [R, K/2], scale [R, K/16], gs_out [R] (per-row S_enc; gs_in NULL) and optionally
+   xhat [R, K] (the dequantized values). Returns 1 (outputs undefined) when x holds a NaN. */
+int nvfp4_qdq(const float* x, int64_t R, int64_t K, const float* gs_in, const float* lut, const float* grid,
+              const float* bnd, float one_sixth, uint8_t* data, uint8_t* scale, float* gs_out, float* xhat) {
+    const int64_t nb = K / 16;
+    float bam[nb > 0 ? nb : 1];
+    for (int64_t r = 0; r < R; r++) {
+        const float* xr = x + r * K;
+        float ramax = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            float m = 0.f;
+            for (int j = 0; j < 16; j++) {
+                float a = fabsf(xr[b * 16 + j]);
+                if (isnan(a)) return 1;
+                if (a > m) m = a;
+            }
+            bam[b] = m;
+            if (m > ramax) ramax = m;
+        }
+        float s;
+        if (gs_in == 0) {
+            s = 2688.f / ramax;
+            if (s > FLT_MAX) s = FLT_MAX;
+            if (ramax == 0.f || s == 0.f) s = 1.f;
+            gs_out[r] = s;
+        } else {
+            s = gs_in[0];
+        }
+        const float sdec = (float)(1.0 / (double)s);
+        const float s6 = s * one_sixth;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t sf = e4m3_enc(bam[b] * s6);
+            scale[r * nb + b] = sf;
+            const float sfd = lut[sf];
+            float enc = 1.0f / (sfd * sdec);
+            if (enc > FLT_MAX) enc = FLT_MAX;
+            const float* xb = xr + b * 16;
+            uint8_t* db = data + r * (K / 2) + b * 8;
+            for (int j = 0; j < 8; j++) {
+                int c0 = e2m1_code(xb[2 * j] * enc, bnd), c1 = e2m1_code(xb[2 * j + 1] * enc, bnd);
+                db[j] = (uint8_t)(c0 | (c1 << 4));
+                if (xhat) {
+                    float* ob = xhat + r * K + b * 16;
+                    ob[2 * j] = (grid[c0] * sfd) * sdec;
+                    ob[2 * j + 1] = (grid[c1] * sfd) * sdec;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[n] = dequantize(codes[idx[n]], scales[idx[n]]) for rows of `row` elements (16 per scale byte). */
+void nvfp4_gather_dequant(const uint8_t* codes, const uint8_t* scales, const int64_t* idx, int64_t N,
+                          int64_t row, int64_t cstride, int64_t sstride, float sdec, const float* lut,
+                          const float* grid, float* out) {
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t* c = codes + idx[n] * cstride;
+        const uint8_t* sc = scales + idx[n] * sstride;
+        float* o = out + n * row;
+        for (int64_t b = 0; b < row / 16; b++) {
+            const float sfd = lut[sc[b]];
+            for (int j = 0; j < 8; j++) {
+                uint8_t byte = c[b * 8 + j];
+                o[b * 16 + 2 * j] = (grid[byte & 15] * sfd) * sdec;
+                o[b * 16 + 2 * j + 1] = (grid[byte >> 4] * sfd) * sdec;
+            }
+        }
+    }
+}
+"""
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_state: dict = {}
+ENABLED = True  # set False (before first use) to force the torch reference, e.g. when bisecting
+CACHE_DIR = Path.home() / ".cache" / "megatron_trace"
+
+
+def _build():
+    digest = hashlib.sha256(_SRC.encode()).hexdigest()[:16]
+    root = CACHE_DIR
+    so = root / f"fp4fast_{digest}.so"
+    if not so.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            src, out = Path(tmp) / "fp4fast.c", Path(tmp) / "fp4fast.so"
+            src.write_text(_SRC)
+            subprocess.run(["cc", "-O2", "-std=c99", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC",
+                            "-o", str(out), str(src), "-lm"], check=True, capture_output=True, timeout=120)
+            os.replace(out, so)
+    lib = ctypes.CDLL(str(so))
+    lib.nvfp4_qdq.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P]
+    lib.nvfp4_qdq.restype = ctypes.c_int
+    lib.nvfp4_gather_dequant.argtypes = [_P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P]
+    lib.nvfp4_gather_dequant.restype = None
+    return lib
+
+
+def _lib():
+    """The compiled helpers, or None (no compiler, disabled): callers then use the reference."""
+    if "lib" not in _state:
+        lib = None
+        if ENABLED:
+            try:
+                lib = _build()
+            except Exception:  # no compiler or a read-only cache: the reference path still works
+                lib = None
+        _state["lib"] = lib
+        lut = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+        _state["tables"] = (lut.contiguous(), e2m1_grid("cpu").contiguous(), _boundaries(torch.device("cpu")).contiguous())
+    return _state["lib"]
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def quantize_dequantize(x: torch.Tensor, *, per_row_global: bool = False, global_scale: torch.Tensor | None = None,
+                        dequant_dtype: torch.dtype | None = None):
+    """(nvfp4.quantize(x, per_row_global=..., global_scale=...), its nvfp4.dequantize(., dequant_dtype)
+    or None when dequant_dtype is None), bit for bit, in one pass."""
+    lib = _lib()
+    gs_t = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32)
+    ok = (lib is not None and x.device.type == "cpu" and x.is_floating_point() and x.dim() > 0
+          and x.shape[-1] % nvfp4.BLOCK == 0 and per_row_global != (gs_t is not None)
+          and (gs_t is None or (gs_t.dim() == 0 and gs_t.device.type == "cpu")))
+    if ok and gs_t is not None:
+        g = float(gs_t)
+        ok = g > 0 and g != float("inf")
+    if ok:
+        xf = x.to(torch.float32).contiguous()
+        k = xf.shape[-1]
+        rows = xf.numel() // k
+        data = torch.empty(*xf.shape[:-1], k // 2, dtype=torch.uint8)
+        scale = torch.empty(*xf.shape[:-1], k // nvfp4.BLOCK, dtype=torch.uint8)
+        gs_out = torch.empty(xf.shape[:-1], dtype=torch.float32) if gs_t is None else gs_t
+        xhat = torch.empty_like(xf) if dequant_dtype is not None else None
+        lut, grid, bnd = _state["tables"]
+        nan = lib.nvfp4_qdq(xf.data_ptr(), rows, k, None if gs_t is None else gs_t.data_ptr(), lut.data_ptr(),
+                            grid.data_ptr(), bnd.data_ptr(), nvfp4._ONE_SIXTH, data.data_ptr(), scale.data_ptr(),
+                            gs_out.data_ptr() if gs_t is None else None, None if xhat is None else xhat.data_ptr())
+        if not nan:
+            q = nvfp4.NVFP4Tensor(data, scale, gs_out)
+            return q, (None if xhat is None else xhat.to(dequant_dtype))
+    q = nvfp4.quantize(x, per_row_global=per_row_global, global_scale=global_scale)
+    return q, (None if dequant_dtype is None else nvfp4.dequantize(q, dequant_dtype))
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, global_scale: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """nvfp4.dequantize(NVFP4Tensor(codes[idx], scales[idx], global_scale), dtype) for a 0-d global
+    scale and contiguous codes [S, ..., K/2] / scales [S, ..., K/16]: the gather and dequantize fused."""
+    lib = _lib()
+    if (lib is None or codes.device.type != "cpu" or not codes.is_contiguous() or not scales.is_contiguous()
+            or global_scale.dim() != 0):
+        return nvfp4.dequantize(nvfp4.NVFP4Tensor(codes[idx], scales[idx], global_scale), dtype)
+    idx = idx.to(torch.int64).contiguous()
+    row = codes[0].numel() * 2
+    out = torch.empty(*idx.shape, *codes.shape[1:-1], codes.shape[-1] * 2, dtype=torch.float32)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= codes.shape[0]):
+        raise IndexError(f"slot index out of range for {codes.shape[0]} slots")
+    sdec = float(nvfp4.decode_scale(global_scale))
+    lut, grid, _ = _state["tables"]
+    lib.nvfp4_gather_dequant(codes.data_ptr(), scales.data_ptr(), idx.data_ptr(), idx.numel(), row,
+                             row // 2, row // nvfp4.BLOCK, sdec, lut.data_ptr(), grid.data_ptr(), out.data_ptr())
+    return out.to(dtype)
