@@ -89,17 +89,25 @@ class Rollout:
             s["advantage"] = a
         return RolloutBatch(step, version, samples, guidance, stats)
 
-    def evaluate(self, n: int) -> float:
-        """Greedy accuracy on a fixed held-out prompt set (negative steps never appear in training)."""
+    def evaluate(self, n: int, samples: int = 4) -> dict[str, float]:
+        """On a fixed held-out prompt set (a step that training never draws): greedy accuracy,
+        and the mean reward of `samples` answers per prompt at the rollout's temperature."""
         if n == 0:
-            return float("nan")
+            return {}
         from megatron_trace.data import score
 
         prompts = self.prompts.sample(n, step=-1_000_000)
-        reqs = [GenerateRequest(self.tok.encode_prompt(p.text), SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens,
-                temperature=0.0), rid=f"eval-{i}-{time.monotonic_ns()}") for i, p in enumerate(prompts)]
-        res = self.backend.generate(reqs)
-        return sum(score(self.reward_fn, self.decode(r.output_ids), p.answer)[0] for r, p in zip(res, prompts)) / n
+        rc = self.cfg.rollout
+        tag = time.monotonic_ns()
+        greedy = [GenerateRequest(self.tok.encode_prompt(p.text), SamplingParams(max_new_tokens=rc.max_new_tokens,
+                  temperature=0.0), rid=f"eval-g{i}-{tag}") for i, p in enumerate(prompts)]
+        sampled = [GenerateRequest(self.tok.encode_prompt(p.text), SamplingParams(
+                   max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p, n=samples,
+                   sampling_seed=7_777_777 + i * samples), rid=f"eval-s{i}-{tag}") for i, p in enumerate(prompts)]
+        res = self.backend.generate(greedy + sampled)
+        answers = [p.answer for p in prompts] + [p.answer for p in prompts for _ in range(samples)]
+        rewards = [score(self.reward_fn, self.decode(r.output_ids), a)[0] for r, a in zip(res, answers)]
+        return {"eval/accuracy": sum(rewards[:n]) / n, "eval/reward_sampled": sum(rewards[n:]) / (n * samples)}
 
     def decode(self, ids: list[int]) -> str:
         # Models often have more embedding rows than the tokenizer has tokens: such ids are junk.

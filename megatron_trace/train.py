@@ -137,7 +137,7 @@ class Run:
         evals = {}
         if self.rank0 and cfg.rollout.eval_prompts:
             evals["before"] = self.rollout.evaluate(cfg.rollout.eval_prompts)
-            self.hub.log(self.start_step, {"eval/accuracy": evals["before"]})
+            self.hub.log(self.start_step, evals["before"])
         pool = async_executor() if cfg.algo.async_rollout and self.rank0 else None
         pending = pool.submit(self.produce, steps.start) if pool and len(steps) else None
         bar = _progress(len(steps), self.rank0 and cfg.logging.progress)
@@ -169,7 +169,7 @@ class Run:
             pool.shutdown(wait=True)
         if self.rank0 and cfg.rollout.eval_prompts:
             evals["after"] = self.rollout.evaluate(cfg.rollout.eval_prompts)
-            self.hub.log(cfg.trainer.steps, {"eval/accuracy": evals["after"]})
+            self.hub.log(cfg.trainer.steps, evals["after"])
         return self._summary(history, evals, totals)
 
     def _metrics(self, batch, out, deltas, train_s, transfer_s, step_s) -> dict:
@@ -201,7 +201,11 @@ class Run:
             return {}
         total = sum(totals.values()) or 1.0
         mean = lambda k: sum(h.get(k, 0.0) for h in history) / max(len(history), 1)  # noqa: E731
-        summary = {"steps": len(history), "eval_accuracy_before": evals.get("before"), "eval_accuracy_after": evals.get("after"),
+        ev = lambda when, k: evals.get(when, {}).get(k)  # noqa: E731
+        summary = {"steps": len(history), "eval_accuracy_before": ev("before", "eval/accuracy"),
+                   "eval_accuracy_after": ev("after", "eval/accuracy"),
+                   "eval_reward_before": ev("before", "eval/reward_sampled"),
+                   "eval_reward_after": ev("after", "eval/reward_sampled"),
                    "reward_first_step": history[0]["rollout/reward_mean"] if history else None,
                    "reward_last_step": history[-1]["rollout/reward_mean"] if history else None,
                    "mean_abs_dlogp": mean("mismatch/mean_abs_dlogp"), "max_abs_dlogp": max((h.get("mismatch/max_abs_dlogp", 0) for h in history), default=0),
@@ -225,6 +229,8 @@ def _progress(total: int, enabled: bool):
 def print_summary(s: dict) -> None:
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     print("\n== summary ==")
+    print(f"task reward on held-out prompts (sampled, T=rollout): before {fmt(s['eval_reward_before'])} -> "
+          f"after {fmt(s['eval_reward_after'])}")
     print(f"eval accuracy (greedy): before {fmt(s['eval_accuracy_before'])} -> after {fmt(s['eval_accuracy_after'])}")
     print(f"reward (sampled): first step {fmt(s['reward_first_step'])} -> last step {fmt(s['reward_last_step'])}")
     print(f"mismatch: mean |dlogp| {s['mean_abs_dlogp']:.4f}, max {s['max_abs_dlogp']:.4f}, K3 KL {s['k3_kl']:.2e}, "

@@ -49,14 +49,15 @@ def load(run_dir: Path) -> tuple[list[dict], dict]:
 
 
 def table(results: dict[str, tuple[list[dict], dict]]) -> str:
-    head = ("| method | eval acc before → after | final reward (last 5 steps) | mean abs dlogp | max abs dlogp | K3 KL "
+    head = ("| method | held-out reward before → after | greedy acc before → after | train reward (last 5 steps) | mean abs dlogp | max abs dlogp | K3 KL "
             "| clipped frac | guidance B/token | step time (s) |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, (rows, s) in results.items():
         tail = rows[-5:]
         mean = lambda k: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
         lines.append(
-            f"| {name} | {s['eval_accuracy_before']:.3f} → {s['eval_accuracy_after']:.3f} "
+            f"| {name} | {s['eval_reward_before']:.3f} → {s['eval_reward_after']:.3f} "
+            f"| {s['eval_accuracy_before']:.3f} → {s['eval_accuracy_after']:.3f} "
             f"| {sum(r['rollout/reward_mean'] for r in tail) / len(tail):.3f} | {mean('mismatch/mean_abs_dlogp'):.4f} "
             f"| {max(r.get('mismatch/max_abs_dlogp', 0) for r in rows):.3f} | {mean('mismatch/k3_kl'):.2e} "
             f"| {mean('mismatch/clipped_frac'):.4f} | {mean('mismatch/guidance_bytes_per_token'):.0f} | {mean('perf/step_s'):.2f} |")

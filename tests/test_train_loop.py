@@ -12,7 +12,7 @@ import pytest
 from megatron_trace.metrics import REQUIRED_MISMATCH
 
 BASE = ["--config", "configs/tiny_cpu.yaml", "trainer.warm_start_steps=40", "rollout.prompts_per_step=4",
-        "rollout.n_samples=4", "rollout.eval_prompts=8", "logging.progress=false"]
+        "rollout.n_samples=4", "rollout.eval_prompts=8", "trainer.micro_batch_size=16", "logging.progress=false"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
