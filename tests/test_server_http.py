@@ -350,7 +350,7 @@ def test_launch_local_and_sglang_stub(ckpts, capsys):
     from sglang_backend.launch import main
 
     assert main(["--backend", "sglang", "--model-path", str(ckpts[0])]) == 2
-    assert "cluster issue" in capsys.readouterr().err
+    assert "'sglang' package" in capsys.readouterr().err  # not installed on CPU boxes
     with pytest.raises(SystemExit):
         main(["--model-path", str(ckpts[0]), "--kv-cache-dtype", "fp8"])
     assert "--kv-cache-dtype" in capsys.readouterr().err

@@ -93,6 +93,7 @@ class QATState:
         self.arch, self.policy, self.mode, self.tp_group = arch, policy, mode, tp_group
         self.guidance: MicroBatchGuidance | None = None
         self.agree = defaultdict(lambda: [0, 0])  # site -> [agreeing elements, compared elements]
+        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (probs, routing_map)
 
     def tp_size(self) -> int:
         return dist.get_world_size(self.tp_group) if self.tp_group is not None and dist.is_initialized() else 1
@@ -113,14 +114,15 @@ class QATState:
         q = nvfp4.quantize(w.detach(), global_amax=amax)
         return straight_through(w, nvfp4.dequantize(q, w.dtype))
 
-    def activation(self, x: torch.Tensor, site: str, k_slice: slice | None) -> torch.Tensor:
-        """Per-token NVFP4 of x [S, B, K_local]; guided rows follow the rollout's codes."""
+    def activation(self, x: torch.Tensor, site: str, k_slice: slice | None, select=None) -> torch.Tensor:
+        """Per-token NVFP4 of x [S, B, K_local] (or [n, K] rows picked by `select`, a function of
+        the site's [S*B, ...] guidance tensors); guided rows follow the rollout's codes."""
         rows = x.detach().reshape(-1, x.shape[-1]).float()
         amax = nvfp4.nan_free_amax(rows, dim=-1)
         if k_slice is not None:  # row-parallel: the token's amax spans every TP rank's slice
             amax = self._all_max(amax)
         q = nvfp4.quantize(rows, global_scale=nvfp4.encode_scale_from_amax(amax))
-        return straight_through(x, self._guide(rows, q, site, k_slice).reshape(x.shape).to(x.dtype))
+        return straight_through(x, self._guide(rows, q, site, k_slice, select=select).reshape(x.shape).to(x.dtype))
 
     def kv(self, t: torch.Tensor, site: str) -> torch.Tensor:
         """K or V [S, B, groups_local, D] as cached: NVFP4 along D with the per-layer scale."""
@@ -130,12 +132,14 @@ class QATState:
         g0 = self.tp_rank() * groups
         return straight_through(t, self._guide(rows, q, site, None, heads=slice(g0, g0 + groups)).reshape(t.shape).to(t.dtype))
 
-    def _guide(self, rows, q, site, k_slice, heads: slice | None = None) -> torch.Tensor:
+    def _guide(self, rows, q, site, k_slice, heads: slice | None = None, select=None) -> torch.Tensor:
         deq = nvfp4.dequantize(q)
         got = self.guidance.site(site, k_slice, rows.device) if self.guidance is not None and site else None
         if got is None:
             return deq
-        rr, mask = got
+        rr, mask = got if select is None else select(*got)
+        if mask.numel() != rows.shape[0]:
+            return deq  # rows this rank can't map to the rollout's (see _expert_rows)
         if heads is not None:
             pick = lambda t: None if t is None else t[:, heads]  # noqa: E731
             gs = rr.global_scale[:, heads] if rr.global_scale.dim() > 1 else rr.global_scale
@@ -191,11 +195,16 @@ def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, l
             local = ".".join(parts[3:])
             prefix = f"model.layers.{layer}."
             expert = _EXPERT.match(local)
-            if expert:  # routed experts: tokens arrive permuted, so rtn only (no guidance lookup)
+            if expert:
                 e, which = int(expert.group(1)), expert.group(2)
                 hf = f"mlp.experts.{e}.{'gate_proj' if which == 'fc1' else 'down_proj'}"
                 if policy.linear_is_fp4(prefix + hf, arch.num_layers):
-                    _wrap_linear(module, state, None, policy.activations == "fp4", row_parallel=which == "fc2")
+                    site = prefix + ("mlp.experts.gate_up_proj" if which == "fc1" else "mlp.experts.down_proj")
+                    select = _expert_rows(state, layer, e, which == "fc2")
+                    _wrap_linear(module, state, site, policy.activations == "fp4", row_parallel=which == "fc2",
+                                 select=select)
+            elif local == "mlp.router":
+                module.register_forward_hook(_remember_routing(state, layer))
             elif local in _LINEAR_SITES:
                 hf_module, site = _LINEAR_SITES[local]
                 if policy.linear_is_fp4(prefix + hf_module, arch.num_layers):
@@ -205,7 +214,42 @@ def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, l
     return state
 
 
-def _wrap_linear(module, state: QATState, site: str, quantize_input: bool, row_parallel: bool) -> None:
+def _remember_routing(state: QATState, layer: int):
+    def hook(_module, _inputs, output):
+        probs, routing_map = output
+        state.routing[layer] = (probs.detach(), routing_map.detach())
+
+    return hook
+
+
+def _expert_rows(state: QATState, layer: int, expert: int, per_slot: bool):
+    """Pick expert `expert`'s rows of a site's guidance: Megatron hands each expert its tokens in
+    increasing token order (as the engine does); down_proj inputs are per (token, top-k slot),
+    the slot being the expert's rank by router probability, as torch.topk orders it. Only for
+    experts whose tokens are all local (TP=1; EP=1 for now): elsewhere the experts use rtn."""
+
+    def select(rr: RolloutRounding, mask: torch.Tensor):
+        if state.tp_size() > 1 or layer not in state.routing:
+            return rr, torch.zeros(0, dtype=torch.bool)  # tokens not local to this rank: rtn
+        probs, routing_map = state.routing[layer]
+        tokens = routing_map[:, expert].nonzero().squeeze(-1)
+        pick = lambda t: None if t is None else t[tokens]  # noqa: E731
+        sel = RolloutRounding(pick(rr.scale), pick(rr.global_scale), pick(rr.codes), pick(rr.mantissa))
+        if per_slot:
+            mine = probs[tokens, expert].unsqueeze(-1)
+            chosen = routing_map[tokens]
+            slot = ((probs[tokens] > mine) & chosen).sum(-1)
+            at = lambda t: None if t is None else t[torch.arange(len(tokens)), slot]  # noqa: E731
+            # Megatron scales the expert's activation by its routing weight BEFORE linear_fc2 (the
+            # engine, like HF, after it): same codes under per-token scaling, S_enc divided by it.
+            gs = at(sel.global_scale) / mine.squeeze(-1).float()
+            sel = RolloutRounding(at(sel.scale), gs, at(sel.codes), at(sel.mantissa))
+        return sel, mask[tokens]
+
+    return select
+
+
+def _wrap_linear(module, state: QATState, site: str, quantize_input: bool, row_parallel: bool, select=None) -> None:
     inner = module.forward
 
     def forward(input_, *args, **kwargs):
@@ -214,7 +258,7 @@ def _wrap_linear(module, state: QATState, site: str, quantize_input: bool, row_p
         if quantize_input:
             k = input_.shape[-1]
             k_slice = slice(state.tp_rank() * k, (state.tp_rank() + 1) * k) if row_parallel and state.tp_size() > 1 else None
-            input_ = state.activation(input_, site, k_slice if row_parallel else None)
+            input_ = state.activation(input_, site, k_slice if row_parallel else None, select=select)
         param = module._parameters["weight"]
         module._parameters["weight"] = state.weight(param)  # swapped for this call only
         try:

@@ -1,0 +1,139 @@
+"""NVFP4 KV cache writes with TRACE's quantizer, recorded into a preallocated capture buffer.
+
+Targets SGLang 0.5.23's KV quant-method contract (python/sglang/srt/layers/quantization/
+fp4_kv_cache_quant_method.py, `KVCacheQuantMethodBase.quantize_and_store(k_buffer, v_buffer,
+k_scale_buffer, v_scale_buffer, loc, cache_k, cache_v, k_scale=None, v_scale=None)`), called by
+the KV pool's `set_kv_buffer`. Buffers are per layer: codes uint8 [size, heads, head_dim/2],
+scales uint8 (E4M3 bytes) [size, heads, head_dim/16]. `k_scale`/`v_scale` are the per-layer
+global scales in the decode direction (x = fp4 * block_scale * global_scale); we quantize with
+S_enc = encode_scale_from_decode(global_scale), the same bits as `PagedKVCache` (per-layer S_enc,
+E4M3 per 16 along head_dim).
+
+`TraceNVFP4KVMethod` is the standalone (CPU-testable) method; `sglang_kv_method_class()` mixes
+the same write path into SGLang's own NVFP4 method so its buffers, dequant and attention-access
+rules stay SGLang's.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from megatron_trace.fp4 import fast, nvfp4
+from megatron_trace.fp4.modelopt import encode_scale_from_decode
+
+KV_METHOD_MODULES = ("sglang.srt.layers.quantization.fp4_kv_cache_quant_method",
+                     "sglang.srt.layers.quantization.kv_cache_quant_method")
+
+
+def quantize_kv(x: torch.Tensor, global_scale_dec) -> nvfp4.NVFP4Tensor:
+    """x [T, heads, head_dim] -> NVFP4 (data [T, H, D/2], scale [T, H, D/16], S_enc 0-d)."""
+    s_dec = torch.as_tensor(1.0 if global_scale_dec is None else global_scale_dec, dtype=torch.float32)
+    s_enc = encode_scale_from_decode(s_dec.detach().reshape(-1)[:1].reshape(()).cpu()).to(x.device)
+    if x.device.type == "cpu":
+        return fast.quantize_dequantize(x, global_scale=s_enc)[0]
+    from kernels.dispatch import nvfp4_quantize
+    return nvfp4_quantize(x, global_scale=s_enc)
+
+
+class KVCaptureBuffer:
+    """Codes/scales of K and V for `capacity` KV slots of each layer; slots >= capacity are skipped."""
+
+    def __init__(self, *, num_layers: int, capacity: int, heads: int, head_dim: int, device="cpu"):
+        if head_dim % 16:
+            raise ValueError(f"NVFP4 KV needs head_dim divisible by 16; got {head_dim}")
+        self.capacity = capacity
+        shape = (num_layers, 2, capacity + 1, heads)  # row `capacity` is the dump row
+        self.codes = torch.zeros(*shape, head_dim // 2, dtype=torch.uint8, device=device)
+        self.scales = torch.zeros(*shape, head_dim // 16, dtype=torch.uint8, device=device)
+        self.global_scale = torch.ones(num_layers, 2, dtype=torch.float32, device=device)
+
+    def write(self, layer: int, which: int, loc: torch.Tensor, q: nvfp4.NVFP4Tensor) -> None:
+        loc = loc.to(torch.long)
+        rows = torch.where((loc >= 0) & (loc < self.capacity), loc, torch.full_like(loc, self.capacity))
+        self.codes[layer, which].index_copy_(0, rows, q.data)
+        self.scales[layer, which].index_copy_(0, rows, q.scale)
+        self.global_scale[layer, which] = q.global_scale.reshape(())
+
+    def read(self, layer: int, which: int, loc: torch.Tensor) -> nvfp4.NVFP4Tensor:
+        return nvfp4.NVFP4Tensor(self.codes[layer, which, loc], self.scales[layer, which, loc], self.global_scale[layer, which])
+
+
+class TraceKVQuantMixin:
+    """quantize_and_store with TRACE's NVFP4 rules, plus optional capture. Mix in before a base method."""
+
+    name = "nvfp4"
+    SCALE_BLOCK_SIZE = 16
+    capture: KVCaptureBuffer | None = None
+
+    def bind_layers(self, k_buffers, v_buffers=None) -> None:
+        """Remember which layer each per-layer buffer belongs to (the capture is keyed by layer)."""
+        self._layer_of = {t.data_ptr(): i for i, t in enumerate(k_buffers)}
+
+    def create_buffers(self, size: int, head_num: int, head_dim: int, layer_num: int, device: str) -> dict:
+        bufs = super().create_buffers(size, head_num, head_dim, layer_num, device)
+        self.bind_layers(bufs["k_buffer"], bufs["v_buffer"])
+        return bufs
+
+    def quantize_and_store(self, k_buffer, v_buffer, k_scale_buffer, v_scale_buffer, loc, cache_k, cache_v,
+                           k_scale=None, v_scale=None) -> None:
+        qk, qv = quantize_kv(cache_k, k_scale), quantize_kv(cache_v, v_scale)
+        loc = loc.to(torch.long)
+        for buf, sbuf, q in ((k_buffer, k_scale_buffer, qk), (v_buffer, v_scale_buffer, qv)):
+            buf.view(torch.uint8).index_copy_(0, loc, q.data.reshape((loc.shape[0], *buf.shape[1:])))
+            sbuf.view(torch.uint8).index_copy_(0, loc, q.scale.reshape((loc.shape[0], *sbuf.shape[1:])))
+        layer = getattr(self, "_layer_of", {}).get(k_buffer.data_ptr())
+        if self.capture is not None and layer is not None:
+            self.capture.write(layer, 0, loc, qk)
+            self.capture.write(layer, 1, loc, qv)
+
+
+class _PlainNVFP4KVBase:
+    """Buffers and dequantization of the NVFP4 KV layout in plain torch (no SGLang)."""
+
+    def __init__(self, num_layers: int = 1, device: str = "cpu", **_):
+        self.num_layers, self.device = num_layers, device
+        self.k_scales_gpu = torch.ones(num_layers, dtype=torch.float32, device=device)  # decode direction
+        self.v_scales_gpu = torch.ones(num_layers, dtype=torch.float32, device=device)
+
+    def needs_global_scale(self) -> bool:
+        return True
+
+    def create_buffers(self, size, head_num, head_dim, layer_num, device) -> dict:
+        mk = lambda d: [torch.zeros(size, head_num, d, dtype=torch.uint8, device=device) for _ in range(layer_num)]  # noqa: E731
+        return {"k_buffer": mk(head_dim // 2), "v_buffer": mk(head_dim // 2), "k_scale_buffer": mk(head_dim // 16),
+                "v_scale_buffer": mk(head_dim // 16), "dq_k_buffer": None, "dq_v_buffer": None, "store_dtype": torch.uint8}
+
+    def dequantize_prev_kv(self, k_fp4, k_scales, v_fp4, v_scales, layer_id: int, dtype=torch.bfloat16):
+        def dq(data, scale, s_dec):
+            s_enc = encode_scale_from_decode(s_dec.cpu()).to(data.device)
+            return nvfp4.dequantize(nvfp4.NVFP4Tensor(data.view(torch.uint8), scale.view(torch.uint8), s_enc), dtype)
+        return dq(k_fp4, k_scales, self.k_scales_gpu[layer_id]), dq(v_fp4, v_scales, self.v_scales_gpu[layer_id])
+
+    def compute_cell_size(self, head_num: int, head_dim: int, num_layers: int, kv_size: int) -> int:
+        return head_num * (head_dim // 2 + head_dim // 16) * num_layers * 2 * kv_size
+
+
+class TraceNVFP4KVMethod(TraceKVQuantMixin, _PlainNVFP4KVBase):
+    """Standalone method: the same writes as inside SGLang, testable on CPU."""
+
+
+def sglang_nvfp4_base():
+    """SGLang's NVFP4 KV method class and the module holding KV_CACHE_QUANT_REGISTRY (None, None if absent)."""
+    for mod_name in KV_METHOD_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception:  # noqa: BLE001
+            continue
+        base = getattr(mod, "NVFP4KVCacheMethod", None) or getattr(mod, "NVFP4Method", None)
+        if base is not None and hasattr(mod, "KV_CACHE_QUANT_REGISTRY"):
+            return base, mod
+    return None, None
+
+
+def sglang_kv_method_class():
+    """SGLang's NVFP4 KV method with TRACE's quantize_and_store (None without SGLang)."""
+    base, _ = sglang_nvfp4_base()
+    if base is None:
+        return None
+    return type("TraceSGLangNVFP4KVCacheMethod", (TraceKVQuantMixin, base), {"name": getattr(base, "name", "nvfp4")})

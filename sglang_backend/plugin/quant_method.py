@@ -1,0 +1,377 @@
+"""`trace_fp4` / `trace_mxfp4`: SGLang quantization configs and linear methods with TRACE's FP4 rules.
+
+Targets SGLang 0.5.23 (`QuantizationConfig` / `LinearMethodBase` in
+python/sglang/srt/layers/quantization/base_config.py). Without SGLang the classes derive from
+`object` and stay usable on CPU with any `torch.nn.Module` as the layer.
+
+NVFP4 (W4A4) loads our exported ModelOpt checkpoints: per layer `weight` uint8 [N, K/2],
+`weight_scale` float8_e4m3fn [N, K/16], `weight_scale_2` and `input_scale` fp32, one per fused
+output partition (q/k/v, gate/up). The loaders write each shard's rows in place, so these four
+Parameters keep their storage across weight updates; everything derived from them (per-row
+S_enc, swizzled scales, alpha, the dequantized weight of the fallback GEMM) is recomputed from
+them by `process_weights_after_loading` and, lazily, by the first `apply` after a load.
+Activations are quantized per token (or with the checkpoint's static input_scale) exactly as
+`sglang_backend.local.layers.EngineLinear` does; the GEMM is SGLang's native FP4 GEMM on SM100+,
+else `kernels.dispatch.fp4_linear` (Triton W4A16 on the dequantized activation) on CUDA when it
+exists, else dequantize + F.linear (bit-identical to EngineLinear on CPU).
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+import importlib
+import logging
+import os
+
+import torch
+from torch import nn
+
+from megatron_trace.fp4 import fast, mxfp4, nvfp4
+from megatron_trace.fp4.modelopt import encode_scale_from_decode
+from megatron_trace.fp4.swizzle import swizzle_scales
+
+from . import capture
+
+log = logging.getLogger(__name__)
+
+try:  # SGLang's bases when it is installed; plain objects otherwise (CPU tests, trainer nodes)
+    from sglang.srt.layers.quantization.base_config import LinearMethodBase as _LinearBase
+    from sglang.srt.layers.quantization.base_config import QuantizationConfig as _ConfigBase
+    HAVE_SGLANG = True
+except Exception:  # noqa: BLE001 - a broken SGLang install must not break the import
+    _LinearBase = _ConfigBase = object
+    HAVE_SGLANG = False
+
+PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+_SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
+_ACTIVE = {"on": False}  # set by register(): claim `modelopt` NVFP4 checkpoints
+
+
+def set_active(on: bool = True) -> None:
+    _ACTIVE["on"] = bool(on)
+
+
+def _sglang_attr(module: str, name: str):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def is_modelopt_nvfp4(cfg) -> bool:
+    """True for a ModelOpt NVFP4 quant config (config.json's or hf_quant_config.json's)."""
+    if not isinstance(cfg, dict):
+        return False
+    q = cfg.get("quantization", cfg) if isinstance(cfg.get("quantization"), dict) else cfg
+    method = str(q.get("quant_method", cfg.get("quant_method", "modelopt"))).lower()
+    algo = str(q.get("quant_algo", "")).upper()
+    return method in ("modelopt_fp4", "trace_fp4") or (method == "modelopt" and "FP4" in algo)
+
+
+class TraceFP4Config(_ConfigBase):
+    NAME, FMT = "trace_fp4", "nvfp4"
+
+    def __init__(self, *, group_size: int | None = None, exclude_modules=(), trace_targets=(), activation_scale: str = "per_token",
+                 kv_cache_quant_algo: str | None = None, packed_modules_mapping: dict | None = None,
+                 mx_rule: str = "floor"):
+        if _ConfigBase is not object:
+            super().__init__()
+        block = 16 if self.FMT == "nvfp4" else mxfp4.BLOCK
+        group_size = block if group_size is None else group_size
+        if group_size != block:
+            raise ValueError(f"{self.NAME} needs group_size {block}; the checkpoint says {group_size}")
+        self.group_size, self.exclude_modules = group_size, list(exclude_modules or [])
+        self.trace_targets, self.activation_scale = list(trace_targets or []), activation_scale
+        self.kv_cache_quant_algo, self.mx_rule = kv_cache_quant_algo, mx_rule
+        self.packed_modules_mapping = dict(packed_modules_mapping or PACKED_MODULES)
+
+    # -- QuantizationConfig --------------------------------------------------------------------
+    @classmethod
+    def get_name(cls) -> str:
+        return cls.NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80  # the dequantizing fallback runs anywhere; the native FP4 GEMM needs SM100
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return ["hf_quant_config.json"]
+
+    @classmethod
+    def from_config(cls, config: dict) -> TraceFP4Config:
+        q = config.get("quantization") if isinstance(config.get("quantization"), dict) else config
+        if cls.FMT == "nvfp4" and q.get("quant_algo") is not None and "FP4" not in str(q["quant_algo"]).upper():
+            raise ValueError(f"{cls.NAME} loads NVFP4 checkpoints; quant_algo is {q['quant_algo']!r}")
+        return cls(group_size=int(q.get("group_size", 16 if cls.FMT == "nvfp4" else mxfp4.BLOCK)),
+                   exclude_modules=q.get("exclude_modules") or q.get("ignore") or [],
+                   trace_targets=q.get("trace_targets") or [], activation_scale=q.get("activation_scale", "per_token"),
+                   kv_cache_quant_algo=q.get("kv_cache_quant_algo"),
+                   packed_modules_mapping=config.get("packed_modules_mapping"), mx_rule=q.get("mx_rule", "floor"))
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, *_, **__) -> str | None:
+        """Claim `modelopt` NVFP4 checkpoints while the plugin is active, unless modelopt_fp4 was asked for."""
+        if cls.FMT != "nvfp4" or not is_modelopt_nvfp4(hf_quant_cfg):
+            return None
+        if user_quant == cls.NAME or (_ACTIVE["on"] and user_quant in (None, "modelopt")):
+            return cls.NAME
+        return None
+
+    def get_scaled_act_names(self) -> list[str]:
+        return []
+
+    def is_layer_excluded(self, prefix: str) -> bool:
+        head, _, last = prefix.rpartition(".")
+        members = self.packed_modules_mapping.get(last, [last])
+        names = [f"{head}.{m}" if head else m for m in members]
+        cands = lambda n: (n, n.removeprefix("language_model."), n.removeprefix("model."))  # noqa: E731
+        hits = [any(fnmatch.fnmatchcase(c, p) for c in cands(n) for p in self.exclude_modules) for n in names]
+        if any(hits) and not all(hits):
+            raise ValueError(f"{prefix}: fused shards {members} are partly excluded from FP4; quantize all or none")
+        return bool(hits) and all(hits)
+
+    def linear_method(self, site: str | None = None):
+        return (TraceFP4LinearMethod if self.FMT == "nvfp4" else TraceMXFP4LinearMethod)(self, site=site)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str):
+        linear_base = _sglang_attr("sglang.srt.layers.linear", "LinearBase")
+        if linear_base is not None and not isinstance(layer, linear_base):
+            return None  # attention/MoE/embeddings keep SGLang's defaults (the KV path is kv_capture)
+        if self.is_layer_excluded(prefix):
+            unquant = _sglang_attr("sglang.srt.layers.quantization.unquant", "UnquantizedLinearMethod")
+            return unquant() if unquant is not None else None
+        return self.linear_method(site=prefix)
+
+
+class TraceMXFP4Config(TraceFP4Config):
+    """W4A4 MXFP4 (OCP blocks of 32) quantized at load time from a BF16 checkpoint."""
+    NAME, FMT = "trace_mxfp4", "mxfp4"
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+
+# -- linear methods ---------------------------------------------------------------------------
+def _tp(layer) -> tuple[int, int]:
+    return int(getattr(layer, "tp_rank", 0) or 0), int(getattr(layer, "tp_size", 1) or 1)
+
+
+def _narrow_tp(t: torch.Tensor, dim: int, want: int, layer, what: str) -> torch.Tensor:
+    """This rank's `want` rows/cols of a full tensor (replicated KV heads share a chunk)."""
+    full = t.shape[dim]
+    if full == want:
+        return t
+    rank, size = _tp(layer)
+    if want == 0 or full % want or full // want > size:
+        raise ValueError(f"{what}: checkpoint size {full} along dim {dim} does not split into {want} per rank (tp={size})")
+    chunk = rank * (full // want) // size
+    return t.narrow(dim, chunk * want, want)
+
+
+def _set_derived(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """Write a derived buffer in place when the shape allows (CUDA graphs keep its address)."""
+    cur = getattr(layer, name, None)
+    if value is None:
+        setattr(layer, name, None)
+    elif isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype and cur.device == value.device:
+        cur.copy_(value)
+    elif name in layer._buffers or cur is None:
+        layer.register_buffer(name, value, persistent=False)
+    else:
+        setattr(layer, name, value)
+
+
+class _TraceLinearBase(_LinearBase):
+    def __init__(self, quant_config: TraceFP4Config | None = None, site: str | None = None):
+        self.quant_config = quant_config or (TraceFP4Config() if self.FMT == "nvfp4" else TraceMXFP4Config())
+        self.site = site
+
+    FMT = "nvfp4"
+
+    def _common(self, layer, k, output_partition_sizes, input_size, params_dtype):
+        if k % self.quant_config.group_size:
+            raise ValueError(f"{self.site}: in_features per partition {k} is not a multiple of {self.quant_config.group_size}")
+        layer.logical_widths = list(output_partition_sizes)
+        layer.input_size_per_partition, layer.output_size_per_partition = k, sum(output_partition_sizes)
+        layer.params_dtype, layer.trace_site, layer.trace_input_size = params_dtype, self.site, input_size
+        layer._trace_dirty = True
+
+    def _param(self, layer, name: str, data: torch.Tensor) -> None:
+        p = nn.Parameter(data, requires_grad=False)
+        p.trace_name = name
+        p.weight_loader = functools.partial(self.load_shard, layer)
+        if data.dim() == 2:
+            p.output_dim, p.input_dim = 0, 1
+        layer.register_parameter(name, p)
+
+    @staticmethod
+    def _shard(layer, shard_id) -> tuple[int, int, int | None]:
+        widths = layer.logical_widths
+        if shard_id is None:
+            return 0, sum(widths), None
+        idx = _SHARD_INDEX.get(shard_id, -1) if isinstance(shard_id, str) else int(shard_id)
+        if not 0 <= idx < len(widths):
+            raise KeyError(f"{layer.trace_site}: unknown shard {shard_id!r}; partitions {widths}")
+        return sum(widths[:idx]), widths[idx], idx
+
+    def _load_rows(self, layer, param, loaded: torch.Tensor, shard_id) -> None:
+        off, rows, _ = self._shard(layer, shard_id)
+        what = f"{layer.trace_site}:{shard_id}.{param.trace_name}"
+        t = _narrow_tp(loaded, 0, rows, layer, what)
+        t = _narrow_tp(t, 1, param.shape[1], layer, what)
+        if tuple(t.shape) != (rows, param.shape[1]):
+            raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != model shape {(rows, param.shape[1])}")
+        param.data[off:off + rows].copy_(t.to(param.device))
+        layer._trace_dirty = True
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.refresh(layer)
+
+
+class TraceFP4LinearMethod(_TraceLinearBase):
+    FMT = "nvfp4"
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        k, n, parts = input_size_per_partition, sum(output_partition_sizes), len(output_partition_sizes)
+        self._common(layer, k, output_partition_sizes, input_size, params_dtype)
+        self._param(layer, "weight", torch.zeros(n, k // 2, dtype=torch.uint8))
+        self._param(layer, "weight_scale", torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn))
+        self._param(layer, "weight_scale_2", torch.zeros(parts, dtype=torch.float32))
+        self._param(layer, "input_scale", torch.zeros(parts, dtype=torch.float32))  # 0 = absent: per-token scaling
+
+    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """The weight_loader of all four tensors: one shard's (or an unfused layer's) tensor, written in place."""
+        name = param.trace_name
+        if name in ("weight_scale_2", "input_scale"):
+            v = loaded.detach().reshape(-1).to(torch.float32)
+            _, _, idx = self._shard(layer, shard_id)
+            if v.numel() == 1:
+                (param.data if idx is None else param.data[idx:idx + 1]).copy_(v.expand(param.numel() if idx is None else 1))
+            elif idx is None and v.numel() == param.numel():
+                param.data.copy_(v)
+            else:
+                raise ValueError(f"{layer.trace_site}:{shard_id}.{name}: expected a scalar, got shape {tuple(loaded.shape)}")
+            layer._trace_dirty = True
+            return
+        if name == "weight" and loaded.dtype != torch.uint8:
+            raise TypeError(f"{layer.trace_site}:{shard_id}.weight must be packed uint8 FP4; got {loaded.dtype}")
+        if name == "weight_scale":
+            loaded = loaded.view(torch.float8_e4m3fn) if loaded.dtype == torch.uint8 else loaded
+            if loaded.dtype != torch.float8_e4m3fn:
+                raise TypeError(f"{layer.trace_site}:{shard_id}.weight_scale must be float8_e4m3fn; got {loaded.dtype}")
+        self._load_rows(layer, param, loaded, shard_id)
+
+    # -- derived state --------------------------------------------------------------------------
+    def refresh(self, layer: nn.Module) -> None:
+        """Recompute every derived buffer from the (in-place) ModelOpt tensors."""
+        s2, si = layer.weight_scale_2.data, layer.input_scale.data
+        if not bool((s2 > 0).all()):  # `not >` also catches NaN
+            raise ValueError(f"{layer.trace_site}: weight_scale_2 missing for partitions {(s2 <= 0).nonzero().flatten().tolist()}")
+        static = si > 0
+        if bool(static.any()) and not bool(static.all()):
+            raise ValueError(f"{layer.trace_site}: input_scale given for some fused shards only")
+        if not bool((s2 == s2[0]).all()):
+            log.warning("%s: fused shards carry different weight_scale_2 %s; the native GEMM uses their max",
+                        layer.trace_site, s2.tolist())
+        gs = torch.cat([encode_scale_from_decode(s2[i].cpu()).expand(w) for i, w in enumerate(layer.logical_widths)])
+        _set_derived(layer, "trace_weight_global_scale", gs.to(s2.device))
+        in_gs = encode_scale_from_decode(si.max().cpu()).to(si.device) if bool(static.all()) else None
+        _set_derived(layer, "trace_input_global_scale", in_gs)
+        alpha = (s2.max() * si.max()) if in_gs is not None else s2.max()
+        _set_derived(layer, "trace_alpha", alpha.to(torch.float32).reshape(()))
+        _set_derived(layer, "trace_weight_scale_swizzled", swizzle_scales(layer.weight_scale.data.view(torch.uint8)))
+        kernel = layer.weight.is_cuda and _sglang_free_fp4_linear() is not None
+        wdeq = None if self._native(layer) or kernel else nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype)
+        _set_derived(layer, "trace_weight_dequant", wdeq)
+        layer._trace_dirty = False
+
+    def quantized_weight(self, layer) -> nvfp4.NVFP4Tensor:
+        return nvfp4.NVFP4Tensor(layer.weight.data, layer.weight_scale.data.view(torch.uint8), layer.trace_weight_global_scale)
+
+    @staticmethod
+    def _native(layer) -> bool:
+        mode = os.environ.get("TRACE_FP4_NATIVE", "auto")
+        if mode == "0" or not layer.weight.is_cuda or not HAVE_SGLANG:
+            return False
+        ok = torch.cuda.get_device_capability(layer.weight.device)[0] >= 10 and _sglang_attr(
+            "sglang.srt.layers.quantization.modelopt_quant", "fp4_gemm") is not None
+        aligned = layer.weight.shape[0] % 32 == 0 and layer.weight.shape[1] % 16 == 0
+        return ok and aligned
+
+    # -- forward --------------------------------------------------------------------------------
+    def quantize_input(self, layer, x: torch.Tensor, want_dequant: bool = True):
+        """(NVFP4Tensor, dequantized x or None): per token, or the static input scale; EngineLinear's bits."""
+        gs = layer.trace_input_global_scale
+        if x.device.type == "cpu":
+            return fast.quantize_dequantize(x, per_row_global=gs is None, global_scale=gs, dequant_dtype=x.dtype)
+        from kernels.dispatch import nvfp4_quantize
+        q = nvfp4_quantize(x, global_scale=gs) if gs is not None else nvfp4_quantize(x, per_row_global=True)
+        return q, (nvfp4.dequantize(q, x.dtype) if want_dequant else None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer._trace_dirty:
+            self.refresh(layer)
+        lead, x2 = x.shape[:-1], (x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
+        native = self._native(layer)
+        q, xq = self.quantize_input(layer, x2, want_dequant=not native)
+        capture.record(layer.trace_site, q)
+        if native:
+            y = self._native_gemm(layer, q, x.dtype)
+            y = y + bias if bias is not None else y
+        else:
+            fp4_linear = _sglang_free_fp4_linear() if x.is_cuda else None
+            if fp4_linear is not None and layer.trace_weight_dequant is None:
+                y = fp4_linear(xq, self.quantized_weight(layer), bias=bias)
+            else:
+                y = nn.functional.linear(xq, layer.trace_weight_dequant, bias)
+        return y if x.dim() == 2 else y.reshape(*lead, y.shape[-1])
+
+    @staticmethod
+    def _native_gemm(layer, q: nvfp4.NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """SGLang's CUTLASS/FlashInfer FP4 GEMM; a per-token S_dec is applied to the output rows."""
+        fp4_gemm = _sglang_attr("sglang.srt.layers.quantization.modelopt_quant", "fp4_gemm")
+        m, n = q.data.shape[0], layer.weight.shape[0]
+        x_sf = swizzle_scales(q.scale).view(torch.float8_e4m3fn)
+        w_sf = layer.trace_weight_scale_swizzled.view(torch.float8_e4m3fn)
+        y = fp4_gemm(q.data, layer.weight.data, x_sf, w_sf, layer.trace_alpha.reshape(1), out_dtype, n)[:m, :n]
+        if q.global_scale.dim():  # per-token activation scale: alpha held only the weight's S_dec
+            y = (y.float() * nvfp4.decode_scale(q.global_scale).unsqueeze(-1)).to(out_dtype)
+        return y
+
+
+def _sglang_free_fp4_linear():
+    """kernels.dispatch.fp4_linear(x_dequant, weight: NVFP4Tensor, bias=None) when that kernel exists."""
+    return _sglang_attr("kernels.dispatch", "fp4_linear")
+
+
+class TraceMXFP4LinearMethod(_TraceLinearBase):
+    """W4A4 MXFP4: BF16 weights quantized at load (rule from the config), activations per block of 32."""
+    FMT = "mxfp4"
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        self._common(layer, input_size_per_partition, output_partition_sizes, input_size, params_dtype)
+        self._param(layer, "weight", torch.zeros(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype))
+
+    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        self._load_rows(layer, param, loaded.to(param.dtype), shard_id)
+
+    def refresh(self, layer: nn.Module) -> None:
+        q = mxfp4.quantize(layer.weight.data.float(), rule=self.quant_config.mx_rule)
+        _set_derived(layer, "trace_weight_codes", q.data)
+        _set_derived(layer, "trace_weight_scales", q.scale)
+        _set_derived(layer, "trace_weight_dequant", mxfp4.dequantize(q, layer.params_dtype))
+        layer._trace_dirty = False
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer._trace_dirty:
+            self.refresh(layer)
+        xq = mxfp4.dequantize(mxfp4.quantize(x, rule=self.quant_config.mx_rule), x.dtype)
+        return nn.functional.linear(xq, layer.trace_weight_dequant, bias)

@@ -1,0 +1,182 @@
+"""SGLang plugin entry point: `[sglang.srt.plugins] trace_fp4 = sglang_backend.plugin.register:register`.
+
+Targets SGLang 0.5.23. `sglang.srt.plugins.load_plugins()` (called by `python -m
+sglang.launch_server` before it parses the CLI, and early in every SGLang process; filter with
+SGLANG_PLUGINS=trace_fp4) calls `register()`, which, each step guarded and logged when this
+SGLang lacks the hook:
+
+1. quantization: puts `trace_fp4` / `trace_mxfp4` at the FRONT of
+   `sglang.srt.layers.quantization.QUANTIZATION_METHODS` (the dict is mutated in place, never
+   rebound). ModelConfig._verify_quantization asks each config's override_quantization_method
+   in dict order and takes the first answer; ModelOpt's own configs would otherwise claim our
+   exported NVFP4 checkpoints before we are asked.
+2. CLI: `sglang.srt.server_args.add_quantization_method_choices` (or QUANTIZATION_CHOICES).
+3. KV cache: SGLang's NVFP4 KV method with TRACE's quantize_and_store replaces the `nvfp4` entry
+   of KV_CACHE_QUANT_REGISTRY (TRACE_FP4_KV=0 keeps SGLang's).
+4. HTTP: `POST /get_guidance` on `sglang.srt.entrypoints.http_server.app` (main process only).
+5. Capture: an AROUND hook on ModelRunner.forward (sglang.srt.plugins.hook_registry.HookRegistry)
+   that tells guided linears which request slot and position each token row is.
+"""
+from __future__ import annotations
+
+import base64
+import importlib
+import logging
+import multiprocessing
+import os
+import sys
+
+from . import capture
+from .kv_capture import sglang_kv_method_class, sglang_nvfp4_base
+from .quant_method import TraceFP4Config, TraceMXFP4Config, set_active
+
+log = logging.getLogger(__name__)
+
+TARGET_SGLANG_VERSION = "0.5.23"
+CONFIGS = {TraceFP4Config.NAME: TraceFP4Config, TraceMXFP4Config.NAME: TraceMXFP4Config}
+FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - any failure means "this SGLang lacks it"
+        log.warning("trace_fp4: cannot import %s (%s: %s)", name, type(e).__name__, e)
+        return None
+
+
+def register_quantization() -> bool:
+    mod = _import("sglang.srt.layers.quantization")
+    methods = getattr(mod, "QUANTIZATION_METHODS", None) if mod else None
+    if not isinstance(methods, dict):
+        log.warning("trace_fp4: this SGLang has no QUANTIZATION_METHODS dict (targeted %s); quantization "
+                    "'trace_fp4' is NOT registered", TARGET_SGLANG_VERSION)
+        return False
+    rest = [(k, v) for k, v in methods.items() if k not in CONFIGS]
+    methods.clear()  # same dict object, ours first: see the module docstring
+    methods.update(CONFIGS)
+    methods.update(rest)
+    return True
+
+
+def register_cli_choices() -> bool:
+    mod = _import("sglang.srt.server_args")
+    if mod is None:
+        return False
+    choices = getattr(mod, "QUANTIZATION_CHOICES", None)
+    missing = [n for n in CONFIGS if not (isinstance(choices, list) and n in choices)]
+    add = getattr(mod, "add_quantization_method_choices", None)
+    if callable(add):
+        if missing:
+            add(missing)
+        return True
+    if isinstance(choices, list):
+        choices.extend(missing)
+        return True
+    log.warning("trace_fp4: server_args has neither add_quantization_method_choices nor QUANTIZATION_CHOICES; "
+                "--quantization trace_fp4 may be rejected by the CLI")
+    return False
+
+
+def register_kv_method() -> bool:
+    if os.environ.get("TRACE_FP4_KV", "1") == "0":
+        log.info("trace_fp4: TRACE_FP4_KV=0, SGLang's nvfp4 KV method is kept")
+        return False
+    _, mod = sglang_nvfp4_base()
+    cls = sglang_kv_method_class()
+    if mod is None or cls is None:
+        log.warning("trace_fp4: no KV_CACHE_QUANT_REGISTRY with an NVFP4 method in this SGLang; nvfp4 KV writes "
+                    "use SGLang's quantizer and are not captured")
+        return False
+    mod.KV_CACHE_QUANT_REGISTRY[cls.name] = cls
+    return True
+
+
+def guidance_response(body: dict) -> dict:
+    """The JSON for POST /get_guidance {"rid": ...}: per site base64 codes/scales/global_scale."""
+    recs = capture.load_published(str(body.get("rid", "")), pop=bool(body.get("pop", True)))
+    b64 = lambda t: base64.b64encode(t.contiguous().numpy().tobytes()).decode("ascii")  # noqa: E731
+    return {"rid": body["rid"], "sites": {
+        s: {"tokens": int(q.data.shape[0]), "in_features": int(q.data.shape[-1] * 2), "codes": b64(q.data),
+            "scales": b64(q.scale), "global_scale": b64(q.global_scale)} for s, q in recs.items()}}
+
+
+def register_http_route(app=None) -> bool:
+    if app is None:
+        if multiprocessing.parent_process() is not None:
+            return False  # scheduler/detokenizer processes serve no HTTP
+        mod = _import("sglang.srt.entrypoints.http_server")
+        app = getattr(mod, "app", None) if mod else None
+    if app is None or not hasattr(app, "post"):
+        log.warning("trace_fp4: no FastAPI app at sglang.srt.entrypoints.http_server.app; POST /get_guidance "
+                    "is not served")
+        return False
+    if any(getattr(r, "path", None) == "/get_guidance" for r in getattr(getattr(app, "router", None), "routes", [])):
+        return True
+
+    async def get_guidance(request):
+        from fastapi.responses import JSONResponse
+
+        try:
+            body = await request.json()
+            return JSONResponse(guidance_response(body if isinstance(body, dict) else {}))
+        except KeyError as e:
+            return JSONResponse({"error": str(e)}, status_code=404)
+        except (ValueError, TypeError) as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+
+    from fastapi import Request
+
+    get_guidance.__annotations__ = {"request": Request}
+    app.post("/get_guidance")(get_guidance)
+    return True
+
+
+def _token_slots(forward_batch):
+    import torch
+
+    slots = forward_batch.req_pool_indices
+    mode = getattr(forward_batch, "forward_mode", None)
+    if mode is not None and hasattr(mode, "is_decode") and not mode.is_decode():
+        lens = getattr(forward_batch, "extend_seq_lens", None)
+        slots = torch.repeat_interleave(slots, lens) if lens is not None else slots
+    return slots, forward_batch.positions
+
+
+def _forward_with_capture(original, self, forward_batch, *args, **kwargs):
+    if capture.get_capture_buffer() is None:
+        return original(self, forward_batch, *args, **kwargs)
+    try:
+        slots, positions = _token_slots(forward_batch)
+    except Exception:  # noqa: BLE001 - an unexpected batch layout disables capture, never the forward
+        log.exception("trace_fp4: cannot map tokens to request slots; this forward is not captured")
+        return original(self, forward_batch, *args, **kwargs)
+    with capture.capture_batch(slots, positions):
+        return original(self, forward_batch, *args, **kwargs)
+
+
+def register_capture_hook() -> bool:
+    mod = _import("sglang.srt.plugins.hook_registry")
+    reg, kinds = (getattr(mod, "HookRegistry", None), getattr(mod, "HookType", None)) if mod else (None, None)
+    if reg is None or kinds is None:
+        log.warning("trace_fp4: no HookRegistry in this SGLang; guidance is not captured")
+        return False
+    reg.register(FORWARD_TARGET, _forward_with_capture, kinds.AROUND)
+    return True
+
+
+def register() -> dict[str, bool]:
+    """Run every registration step; returns which succeeded (each failure is logged)."""
+    done = {}
+    for name, step in (("quantization", register_quantization), ("cli_choices", register_cli_choices),
+                       ("kv_cache", register_kv_method), ("http_route", register_http_route),
+                       ("capture_hook", register_capture_hook)):
+        try:
+            done[name] = bool(step())
+        except Exception:  # noqa: BLE001 - a plugin must not take the server down with it
+            log.exception("trace_fp4: registration step %s failed", name)
+            done[name] = False
+    set_active(done["quantization"])
+    version = getattr(sys.modules.get("sglang"), "__version__", "unknown")
+    log.info("trace_fp4 plugin registered on SGLang %s (targeted %s): %s", version, TARGET_SGLANG_VERSION, done)
+    return done
