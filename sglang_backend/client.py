@@ -8,9 +8,17 @@ Speaks SGLang's native endpoints (our embedded server, or SGLang with our plugin
 goes to the server with the fewest outstanding requests (ties rotate), so a slow server gets
 less work. Connection errors and 5xx are retried on another server with exponential backoff;
 a 4xx is the caller's mistake and raises `RolloutError` at once. Stdlib only (`urllib`).
+
+Dead servers: a connection failure (refused, reset, timed out) marks the server dead; it gets no
+traffic and weight updates skip it. A background thread probes its `/health` every
+`probe_interval` s; once it answers, the server is brought to the current weight version (the
+client replays the last update it pushed: the serialized bucket, or the disk path; or a
+`readmit_hook(url, version)` pushes them, e.g. for a transport that bypasses this client) and is
+re-admitted only after its `/model_info` reports that version. `dead()` lists them.
 """
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import threading
@@ -18,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from sglang_backend.api import GenerateRequest, GenerateResult, WeightBucket
 
@@ -32,7 +40,11 @@ class RolloutError(RuntimeError):
 
 
 class _Retryable(Exception):
-    pass
+    """5xx (the server is up but failing) or, with `dead=True`, no usable connection."""
+
+    def __init__(self, message: str, dead: bool = False):
+        super().__init__(message)
+        self.dead = dead
 
 
 def _message(status: int, data: bytes) -> str:
@@ -54,7 +66,8 @@ def _message(status: int, data: bytes) -> str:
 
 class RolloutClient:
     def __init__(self, urls: list[str] | str, api_key: str | None = None, timeout: float = 600.0,
-                 retries: int = 3, backoff: float = 0.5, max_workers: int = 64):
+                 retries: int = 3, backoff: float = 0.5, max_workers: int = 64, probe_interval: float = 2.0,
+                 keep_last_weights: bool = True, readmit_hook: Callable[[str, int], None] | None = None):
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         if not self.urls:
             raise ValueError("RolloutClient needs at least one server URL")
@@ -66,6 +79,16 @@ class RolloutClient:
         self._rotate = itertools.count()
         self._handles: dict[str, str] = {}  # guidance handle -> the server holding its record
         self.served = {u: 0 for u in self.urls}  # requests each server answered (for balancing checks)
+        self.failures = {u: 0 for u in self.urls}  # failed attempts per server (each retried elsewhere)
+        # Dead-server handling: see the module docstring.
+        self.probe_interval, self.keep_last_weights, self.readmit_hook = probe_interval, keep_last_weights, readmit_hook
+        self._dead: set[str] = set()
+        self._weights_lock = threading.Lock()  # updates and re-admissions never interleave
+        self._version: int | None = None  # the last version pushed through this client
+        self._last_push: tuple[str, Any] | None = None  # ("tensor", raw bytes, flush) or ("disk", payload)
+        self._prober: threading.Thread | None = None
+        self._closed = threading.Event()
+        self.events: list[tuple[float, str, str]] = []  # (monotonic time, url, "dead"/"readmitted"/...)
 
     # -- transport -------------------------------------------------------------------------------
     def _http(self, url: str, path: str, payload: Any = None, *, method: str | None = None,
@@ -90,8 +113,8 @@ class RolloutClient:
             if e.code >= 500:
                 raise _Retryable(f"HTTP {e.code}: {_message(e.code, body)}") from None
             return e.code, body
-        except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
-            raise _Retryable(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, cut off
+            raise _Retryable(f"{type(e).__name__}: {getattr(e, 'reason', e)}", dead=True) from None
 
     def _call(self, url: str, path: str, payload: Any = None, **kw) -> bytes:
         """Same server, with retries (weight updates must reach *this* server); 4xx raises."""
@@ -109,12 +132,15 @@ class RolloutClient:
             return body
         raise RolloutError(f"failed after {self.retries + 1} attempts: {last}", None, url + path)
 
-    def _pick(self, avoid: set[str]) -> str:
-        """Least outstanding requests among healthy servers not yet tried for this request."""
+    def _pick(self, avoid: set[str]) -> str | None:
+        """Least outstanding requests among live servers not yet tried for this request (None: all dead)."""
         now = time.monotonic()
         with self._lock:
-            pool = [u for u in self.urls if u not in avoid and self._down_until[u] <= now] \
-                or [u for u in self.urls if u not in avoid] or list(self.urls)
+            live = [u for u in self.urls if u not in self._dead]
+            if not live:
+                return None
+            pool = [u for u in live if u not in avoid and self._down_until[u] <= now] \
+                or [u for u in live if u not in avoid] or live
             k = next(self._rotate)
             pool = pool[k % len(pool):] + pool[:k % len(pool)]
             url = min(pool, key=lambda u: self._outstanding[u])
@@ -131,13 +157,21 @@ class RolloutClient:
         last = ""
         for attempt in range(self.retries + 1):
             url = self._pick(tried)
+            if url is None:  # every server is dead: wait for the prober to re-admit one
+                last = "no live server (all marked dead; probing /health)"
+                if attempt < self.retries:
+                    time.sleep(self.backoff * 2**attempt)
+                continue
             try:
                 status, body = self._http(url, "/generate", payload)
             except _Retryable as e:
                 last = f"{url}: {e}"
                 tried.add(url)
                 with self._lock:
+                    self.failures[url] += 1
                     self._down_until[url] = time.monotonic() + self.backoff * 2**attempt
+                if e.dead:
+                    self._mark_dead(url, str(e))
                 if len(tried) == len(self.urls):
                     tried.clear()  # every server failed once: go round again after the backoff
                 if attempt < self.retries:
@@ -180,48 +214,151 @@ class RolloutClient:
         raise RolloutError(f"no server holds guidance record {handle!r}", 404)
 
     # -- weights ---------------------------------------------------------------------------------
-    def _each(self, fn) -> list:
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            return list(pool.map(fn, self.urls))
+    def _each(self, fn, urls: list[str] | None = None) -> list:
+        urls = self.urls if urls is None else urls
+        if not urls:
+            return []
+        with ThreadPoolExecutor(len(urls)) as pool:
+            return list(pool.map(fn, urls))
 
-    def _check_versions(self, version: int) -> None:
+    def _live(self) -> list[str]:
+        with self._lock:
+            return [u for u in self.urls if u not in self._dead]
+
+    def _check_versions(self, version: int, urls: list[str] | None = None) -> None:
         got = self.weight_versions()
-        wrong = {u: v for u, v in got.items() if v != version}
+        wrong = {u: v for u, v in got.items() if v != version and (urls is None or u in urls)}
         if wrong:
             raise RolloutError(f"weight version mismatch after update: expected {version}, servers report {wrong}")
 
-    def _weight_call(self, path: str, payload=None, raw=None):
+    def _push_one(self, url: str, path: str, payload=None, raw=None) -> None:
+        d = json.loads(self._call(url, path, payload, raw=raw))
+        if not d.get("success", False):
+            raise RolloutError(d.get("message", "update failed"), 400, url + path)
+
+    def _weight_call(self, path: str, payload=None, raw=None) -> list[str]:
+        """Push to every live server; one that cannot be reached is marked dead (and caught up on
+        re-admission). A refusal (4xx / success false) raises. Returns the servers updated."""
         def one(url):
-            d = json.loads(self._call(url, path, payload, raw=raw))
-            if not d.get("success", False):
-                raise RolloutError(d.get("message", "update failed"), 400, url + path)
-        self._each(one)
+            try:
+                self._push_one(url, path, payload, raw)
+                return True
+            except RolloutError as e:
+                if e.status is not None:
+                    raise
+                self._mark_dead(url, str(e))
+                return False
+        live = self._live()
+        done = [u for u, ok in zip(live, self._each(one, live)) if ok]
+        if not done:
+            raise RolloutError(f"no live server took the weight update ({path}); dead: {self.dead()}")
+        return done
 
     def update_weights(self, bucket: WeightBucket, *, flush_cache: bool = True) -> None:
-        """Push one bucket to every server (octet-stream safetensors), then verify each version."""
+        """Push one bucket to every live server (octet-stream safetensors), then verify each version."""
         raw = bucket.to_bytes()
-        self._weight_call(f"/update_weights_from_tensor?flush_cache={'true' if flush_cache else 'false'}", raw=raw)
-        self._check_versions(bucket.version)
+        path = f"/update_weights_from_tensor?flush_cache={'true' if flush_cache else 'false'}"
+        with self._weights_lock:
+            done = self._weight_call(path, raw=raw)
+            self._check_versions(bucket.version, done)
+            self._version = bucket.version
+            self._last_push = ("tensor", (path, raw)) if self.keep_last_weights else None
 
     def update_weights_from_disk(self, path: str, version: int, *, flush_cache: bool = True) -> None:
-        self._weight_call("/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version),
-                                                         "flush_cache": flush_cache})
-        self._check_versions(version)
+        payload = {"model_path": str(path), "weight_version": str(version), "flush_cache": flush_cache}
+        with self._weights_lock:
+            done = self._weight_call("/update_weights_from_disk", payload)
+            self._check_versions(version, done)
+            self._version = version
+            self._last_push = ("disk", ("/update_weights_from_disk", payload))
 
-    def weight_versions(self) -> dict[str, int]:
-        infos = self._each(lambda u: json.loads(self._call(u, "/model_info")))
-        return {u: int(i.get("weight_version") or 0) for u, i in zip(self.urls, infos)}
+    def weight_versions(self, urls: list[str] | None = None) -> dict[str, int]:
+        """Each server's reported version (default: the live ones)."""
+        urls = self._live() if urls is None else urls
+        infos = self._each(lambda u: json.loads(self._call(u, "/model_info")), urls)
+        return {u: int(i.get("weight_version") or 0) for u, i in zip(urls, infos)}
+
+    def note_version(self, version: int) -> None:
+        """The rollout now serves `version`, pushed past this client (e.g. DistributedTransport): a
+        re-admitted server must report it; with nothing to replay and no `readmit_hook`, a stale
+        server stays out (never serves old weights) until a later push through the client."""
+        with self._weights_lock:
+            if version != self._version:
+                self._version, self._last_push = version, None
+
+    # -- dead servers ----------------------------------------------------------------------------
+    def dead(self) -> list[str]:
+        with self._lock:
+            return [u for u in self.urls if u in self._dead]
+
+    def _mark_dead(self, url: str, why: str) -> None:
+        with self._lock:
+            if url in self._dead:
+                return
+            self._dead.add(url)
+            self.events.append((time.monotonic(), url, f"dead: {why}"))
+            if self._prober is None:
+                self._prober = threading.Thread(target=self._probe_loop, name="rollout-prober", daemon=True)
+                self._prober.start()
+
+    def _probe_loop(self) -> None:
+        while not self._closed.wait(self.probe_interval):
+            with self._lock:
+                dead = [u for u in self.urls if u in self._dead]
+                if not dead:  # under the lock: a server marked dead from now on starts a new prober
+                    self._prober = None
+                    return
+            for url in dead:
+                try:
+                    self._try_readmit(url)
+                except Exception as e:  # still down or not yet loadable: try again next round
+                    with self._lock:
+                        self.events.append((time.monotonic(), url, f"probe failed: {e}"))
+
+    def _try_readmit(self, url: str) -> bool:
+        """Health, then the current weights, then the version check; only then traffic."""
+        try:
+            if self._http(url, "/health", timeout=min(self.timeout, 10))[0] != 200:
+                return False
+        except _Retryable:
+            return False
+        with self._weights_lock:
+            version, push = self._version, self._last_push
+            if version is not None:
+                got = int(json.loads(self._call(url, "/model_info")).get("weight_version") or 0)
+                if got != version:
+                    if self.readmit_hook is not None:
+                        self.readmit_hook(url, version)
+                    elif push is not None:
+                        kind, (path, body) = push
+                        self._push_one(url, path, body if kind == "disk" else None,
+                                       body if kind == "tensor" else None)
+                    else:
+                        raise RolloutError(f"server reports version {got}, current is {version}, and there are "
+                                           "no weights to replay (keep_last_weights=False and no readmit_hook)")
+                    got = int(json.loads(self._call(url, "/model_info")).get("weight_version") or 0)
+                    if got != version:
+                        raise RolloutError(f"after catch-up the server reports version {got}, expected {version}")
+            with self._lock:
+                self._dead.discard(url)
+                self._down_until[url] = 0.0
+                self.events.append((time.monotonic(), url, f"readmitted at version {version}"))
+        return True
+
+    def close(self) -> None:
+        """Stop probing dead servers."""
+        self._closed.set()
 
     # -- control ---------------------------------------------------------------------------------
     def pause(self, mode: str = "in_place") -> None:
-        self._each(lambda u: self._call(u, "/pause_generation", {"mode": mode}))
+        self._each(lambda u: self._call(u, "/pause_generation", {"mode": mode}), self._live())
 
     def resume(self) -> None:
-        self._each(lambda u: self._call(u, "/continue_generation", {}))
+        self._each(lambda u: self._call(u, "/continue_generation", {}), self._live())
 
     def flush_cache(self) -> None:
-        """Every server drops its KV cache; RolloutError if one refuses (requests running)."""
-        self._each(lambda u: self._call(u, "/flush_cache", {}))
+        """Every live server drops its KV cache; RolloutError if one refuses (requests running)."""
+        self._each(lambda u: self._call(u, "/flush_cache", {}), self._live())
 
     def health(self) -> bool:
         def ok(u):
@@ -232,5 +369,6 @@ class RolloutClient:
         return all(self._each(ok))
 
     def model_info(self) -> dict[str, Any]:
-        """The first server's /model_info (all serve one model; see weight_versions for each)."""
-        return json.loads(self._call(self.urls[0], "/model_info"))
+        """The first live server's /model_info (all serve one model; see weight_versions for each)."""
+        live = self._live()
+        return json.loads(self._call((live or self.urls)[0], "/model_info"))
