@@ -121,6 +121,8 @@ class Run:
         stats = sync_weights(self.actor.chunks, self.arch, self.cfg, self.transport, self.version)
         if stats is not None:
             self.wire_bytes = stats.bytes
+        if hasattr(self.backend, "note_version"):  # a rollout server that died is re-admitted at this version
+            self.backend.note_version(self.version)
         return time.perf_counter() - t
 
     def produce(self, step: int) -> RolloutBatch | None:
@@ -217,6 +219,8 @@ class Run:
             self.store.close()
         if hasattr(self.backend, "engine"):
             self.backend.engine.shutdown()
+        if hasattr(self.backend, "close"):  # RolloutClient: stop probing dead servers
+            self.backend.close()
         return summary
 
 
