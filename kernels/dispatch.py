@@ -9,7 +9,9 @@ import importlib
 
 import torch
 
-from megatron_trace.fp4 import nvfp4
+from megatron_trace.fp4 import mxfp4, nvfp4
+from megatron_trace.fp4.codecs import unpack_fp4
+from megatron_trace.fp4.guided import mantissa_bits
 
 BACKENDS = ("auto", "triton", "reference")
 
@@ -79,3 +81,136 @@ def nvfp4_quantize(
     if isinstance(x, torch.Tensor):
         _require_runnable(x, mod)
     return mod.quantize_triton(x, global_amax=global_amax, per_row_global=per_row_global, global_scale=global_scale)
+
+
+# -- FP4 GEMM, paged FP4 attention, quantize + guidance ---------------------------------------
+# Torch references live here (importable without triton); the kernels in kernels/fp4_gemm.py,
+# kernels/fp4_attention.py and kernels/nvfp4_guidance.py reproduce them.
+
+def _kernel_module(name: str):
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs the triton package; it is not importable here")
+    return importlib.import_module(f"kernels.{name}")
+
+
+def _pick(backend: str, x, name: str, kernel_ok: bool = True):
+    """The kernel module for backend ('triton' or CUDA under 'auto'), or None for the reference."""
+    _check_backend(backend)
+    if backend == "reference" or (backend == "auto" and not (
+            kernel_ok and isinstance(x, torch.Tensor) and x.is_cuda and triton_available())):
+        return None
+    mod = _kernel_module(name)
+    _require_runnable(x, mod)
+    return mod
+
+
+def fp4_linear_reference(x, w, bias=None, *, out_dtype=None):
+    """F.linear(x, dequantize(w), bias) computed in fp32, cast to out_dtype (default x.dtype)."""
+    deq = nvfp4.dequantize(w) if isinstance(w, nvfp4.NVFP4Tensor) else mxfp4.dequantize(w)
+    y = torch.nn.functional.linear(x.to(torch.float32), deq.to(x.device),
+                                   None if bias is None else bias.to(torch.float32))
+    return y.to(out_dtype or x.dtype)
+
+
+def fp4_linear(x, w, bias=None, *, out_dtype=None, backend: str = "auto", **cfg):
+    """W4A16 linear with an FP4 weight: x [..., K] @ dequantize(w)^T + bias -> [..., N].
+
+    backend as `nvfp4_quantize`; the kernel takes NVFP4 weights only (MXFP4 weights use the
+    reference under "auto"). Kernel and reference agree to fp32 summation order (~1e-6 rel).
+    """
+    mod = _pick(backend, x, "fp4_gemm", isinstance(w, nvfp4.NVFP4Tensor))
+    if mod is None:
+        return fp4_linear_reference(x, w, bias, out_dtype=out_dtype)
+    return mod.fp4_linear_triton(x, w, bias, out_dtype=out_dtype, **cfg)
+
+
+def fp4_linear_w4a4_reference(x, w, bias=None, *, input_global_scale=None, out_dtype=None):
+    if input_global_scale is None:
+        q = nvfp4.quantize(x, per_row_global=True)
+    else:
+        q = nvfp4.quantize(x, global_scale=input_global_scale)
+    return fp4_linear_reference(nvfp4.dequantize(q), w, bias, out_dtype=out_dtype or x.dtype)
+
+
+def fp4_linear_w4a4(x, w, bias=None, *, input_global_scale=None, out_dtype=None, backend: str = "auto", **cfg):
+    """W4A4 linear: x quantized to NVFP4 per token (or with the static S_enc input_global_scale)
+    with the reference rules, then multiplied with the NVFP4 weight. FP4 MMA is Blackwell-only;
+    the kernel runs bf16 MMAs on exactly dequantized tiles (see kernels/fp4_gemm.py)."""
+    mod = _pick(backend, x, "fp4_gemm", isinstance(w, nvfp4.NVFP4Tensor))
+    if mod is None:
+        return fp4_linear_w4a4_reference(x, w, bias, input_global_scale=input_global_scale, out_dtype=out_dtype)
+    return mod.fp4_linear_w4a4_triton(x, w, bias, input_global_scale=input_global_scale, out_dtype=out_dtype, **cfg)
+
+
+ATTN_FORMATS = ("nvfp4", "mxfp4", "bf16")
+
+
+def _dequant_pages(codes, scales, gs, fmt):
+    if fmt == "nvfp4":
+        g = torch.as_tensor(gs if gs is not None else 1.0, dtype=torch.float32, device=codes.device)
+        return nvfp4.dequantize(nvfp4.NVFP4Tensor(codes, scales, g.reshape(())))
+    if fmt == "mxfp4":
+        return mxfp4.dequantize(mxfp4.MXFP4Tensor(codes, scales, 16))
+    return codes.to(torch.float32)  # "bf16": codes holds the values [slots, kv_heads, D]
+
+
+def paged_decode_attention_reference(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, slot_table, lens,
+                                     fmt="nvfp4", sm_scale=None):
+    """Gather each sequence's slots, dequantize with the fp4 reference, fp32 softmax attention.
+    q [B, H, D]; pages [slots, kv_heads, D/2] codes + [slots, kv_heads, D/16] scales (fmt "bf16":
+    k_codes/v_codes are [slots, kv_heads, D] values, scales unused); H % kv_heads == 0, head h
+    reads kv head h // (H / kv_heads). Returns [B, H, D] in q.dtype."""
+    if fmt not in ATTN_FORMATS:
+        raise ValueError(f"fmt must be one of {ATTN_FORMATS}; got {fmt!r}")
+    b_, h_, d = q.shape
+    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+    out = torch.zeros(b_, h_, d, dtype=torch.float32, device=q.device)
+    for b in range(b_):
+        n = int(lens[b])
+        if n == 0:
+            continue
+        sl = slot_table[b, :n].long()
+        k = _dequant_pages(k_codes[sl], None if fmt == "bf16" else k_scales[sl], k_gs, fmt)
+        v = _dequant_pages(v_codes[sl], None if fmt == "bf16" else v_scales[sl], v_gs, fmt)
+        g = h_ // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [n, H, D]
+        s = torch.einsum("hd,nhd->hn", q[b].to(torch.float32), k) * sm_scale
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
+    return out.to(q.dtype)
+
+
+def paged_decode_attention(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, slot_table, lens,
+                           fmt="nvfp4", sm_scale=None, *, backend: str = "auto", **cfg):
+    """Decode attention over paged FP4 K/V, dequantized inside the kernel (arguments as
+    `paged_decode_attention_reference`; k_gs/v_gs are the per-layer NVFP4 S_enc, ignored for
+    MXFP4). Sequences with lens 0 give zeros."""
+    mod = _pick(backend, q, "fp4_attention")
+    if mod is None:
+        return paged_decode_attention_reference(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs,
+                                                slot_table, lens, fmt, sm_scale)
+    return mod.paged_decode_attention_triton(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs,
+                                             slot_table, lens, fmt, sm_scale, **cfg)
+
+
+GUIDANCE_MODES = ("full", "mantissa")
+
+
+def nvfp4_quantize_with_guidance_reference(x, *, mode="full", global_amax=None, per_row_global=False,
+                                           global_scale=None):
+    if mode not in GUIDANCE_MODES:
+        raise ValueError(f"guidance mode must be one of {GUIDANCE_MODES}; got {mode!r}")
+    q = nvfp4.quantize(x, global_amax=global_amax, per_row_global=per_row_global, global_scale=global_scale)
+    return q, (q.data if mode == "full" else mantissa_bits(unpack_fp4(q.data)))
+
+
+def nvfp4_quantize_with_guidance(x, *, mode="full", global_amax=None, per_row_global=False,
+                                 global_scale=None, backend: str = "auto"):
+    """NVFP4-quantize x and capture TRACE guidance in the same pass: returns (NVFP4Tensor,
+    guidance), guidance = the packed codes [..., K/2] (mode "full", the same tensor as q.data) or
+    the packed mantissa bits [..., K/8] (mode "mantissa", `megatron_trace.fp4.mantissa_bits`
+    layout). Bit-identical to nvfp4.quantize + mantissa_bits(unpack_fp4(q.data))."""
+    mod = _pick(backend, x, "nvfp4_guidance")
+    kw = dict(mode=mode, global_amax=global_amax, per_row_global=per_row_global, global_scale=global_scale)
+    if mod is None:
+        return nvfp4_quantize_with_guidance_reference(x, **kw)
+    return mod.quantize_with_guidance_triton(x, **kw)

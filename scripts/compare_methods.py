@@ -31,8 +31,11 @@ METHODS = {
 }
 
 
-def run_method(name: str, out: Path, steps: int, base: list[str]) -> Path:
+def run_method(name: str, out: Path, steps: int, base: list[str], reuse: bool = False) -> Path:
     run_dir = out / "runs" / name
+    if reuse and (run_dir / "summary.json").exists():
+        print(f"[{name}] reusing {run_dir}", flush=True)
+        return run_dir
     cmd = [sys.executable, "-m", "megatron_trace.train", "--config", str(ROOT / "configs/tiny_cpu.yaml"),
            f"trainer.steps={steps}", f"logging.run_dir={run_dir}", "logging.progress=false", *base, *METHODS[name]]
     print(f"[{name}] {' '.join(cmd[3:])}", flush=True)
@@ -102,6 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/compare")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    ap.add_argument("--reuse", action="store_true", help="keep runs that already finished (same settings!)")
     ap.add_argument("base", nargs="*", help="extra section.key=value overrides for every run")
     args = ap.parse_args(argv)
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
@@ -109,7 +113,7 @@ def main(argv=None) -> None:
         ap.error(f"unknown methods {unknown}; allowed: {', '.join(METHODS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {m: load(run_method(m, out, args.steps, args.base)) for m in args.methods.split(",")}
+    results = {m: load(run_method(m, out, args.steps, args.base, args.reuse)) for m in args.methods.split(",")}
     md = table(results)
     (out / "table.md").write_text(md + "\n")
     plots(results, out)
