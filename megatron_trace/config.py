@@ -86,6 +86,8 @@ class TrainerConfig:
     micro_batch_size: int = opt(8, "sequences per micro-batch", low=1)
     qat_mode: str = opt("guided", "trainer forward: off (BF16), rtn (plain QAT), guided (TRACE)", ("off", "rtn", "guided"))
     dtype: str = opt("float32", "trainer params dtype (float32 on CPU)", ("float32", "bfloat16"))
+    sequence_parallel: bool = opt(False, "GPU/TE only: Megatron sequence parallelism (needs tp > 1)")
+    distributed_optimizer: bool = opt(False, "GPU/TE only: shard optimizer state across data-parallel ranks")
     steps: int = opt(20, "RL steps", low=0)
     save_every: int = opt(10, "checkpoint every N steps (0: only at the end)", low=0)
     warm_start_steps: int = opt(0, "supervised steps on the task before RL (cached by config)", low=0)

