@@ -112,6 +112,9 @@ class AlgoConfig:
 class TransferConfig:
     transport: str = opt("inprocess", "weight sync path", ("inprocess", "http", "distributed", "disk"))
     bucket_mb: float = opt(64.0, "bucket byte budget", low=0)
+    master_address: str = opt("127.0.0.1", "distributed transport: the sending trainer's host as servers reach it ('auto': its hostname)")
+    master_port: int = opt(29600, "distributed transport: port of the weight-update group's store", low=1)
+    group_backend: str = opt("gloo", "distributed transport: nccl on GPU clusters, gloo elsewhere", ("gloo", "nccl"))
 
 
 @dataclass

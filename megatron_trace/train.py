@@ -54,7 +54,8 @@ class Run:
         self.actor = Actor(self.arch, cfg.quant.policy(), ActorConfig(
             qat_mode=cfg.trainer.qat_mode, lr=cfg.trainer.lr, clip_grad=cfg.trainer.clip_grad,
             micro_batch_size=cfg.trainer.micro_batch_size, temperature=cfg.rollout.temperature,
-            dtype=cfg.trainer.dtype), hf_path=model_path)
+            dtype=cfg.trainer.dtype, sequence_parallel=cfg.trainer.sequence_parallel,
+            distributed_optimizer=cfg.trainer.distributed_optimizer), hf_path=model_path)
         self.start_step, self.version = 0, 0
         if resume:
             meta = self.actor.load_checkpoint(self.run_dir / "checkpoints")

@@ -102,6 +102,8 @@ SGLANG_TP=${SGLANG_TP:-$CFG_SGLANG_TP}
 DP=${DP:-1}
 SERVER_PORT=${SERVER_PORT:-30000}; ROUTER_PORT=${ROUTER_PORT:-29900}
 RDZV_PORT=${RDZV_PORT:-29500}; TB_PORT=${TB_PORT:-6006}
+# SGLang receives weights into CUDA tensors: NCCL on GPUs; the CPU embedded server speaks gloo.
+if [[ $CPU_MODE == 1 ]]; then GROUP_BACKEND=gloo; else GROUP_BACKEND=${GROUP_BACKEND:-nccl}; fi
 SERVER_TIMEOUT=${SERVER_TIMEOUT:-1800}
 
 # -- nodes ---------------------------------------------------------------------------------------
@@ -278,7 +280,7 @@ trainer=(srun --nodes "$TRAINER_NODES" --ntasks "$TRAINER_NODES" --ntasks-per-no
   --rdzv-endpoint "$MASTER:$RDZV_PORT" --rdzv-id "${SLURM_JOB_ID:-dry}"
   -m megatron_trace.train --config "$CONFIG" "${RESUME[@]}" "${OVERRIDES[@]}" "model.path=$MODEL_PATH"
   rollout.backend=http "rollout.urls=$URL_LIST" "rollout.api_key=$API_KEY" "transfer.transport=$TRANSPORT"
-  "logging.run_dir=$RUN_DIR")
+  transfer.master_address=auto "transfer.group_backend=$GROUP_BACKEND" "logging.run_dir=$RUN_DIR")
 show "${trainer[@]}"
 [[ $DRY_RUN == 1 ]] && exit 0
 "${trainer[@]}" > >(tee -a "$LOG_DIR/trainer.log") 2>&1 &

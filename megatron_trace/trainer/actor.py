@@ -38,6 +38,8 @@ class ActorConfig:
     micro_batch_size: int = 4
     temperature: float = 1.0
     dtype: str = "float32"
+    sequence_parallel: bool = False  # GPU + TE only
+    distributed_optimizer: bool = False  # GPU only: Megatron's distributed optimizer rejects CPU params
 
 
 @dataclass
@@ -75,15 +77,19 @@ class Actor:
 
         self.arch, self.policy, self.cfg = arch, policy, cfg
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-        chunks = build_model(arch, dtype=dtype)
+        if cfg.distributed_optimizer and not torch.cuda.is_available():
+            raise ValueError("trainer.distributed_optimizer needs CUDA (Megatron rejects CPU parameters); "
+                             "set it false on this machine")
+        chunks = build_model(arch, dtype=dtype, sequence_parallel=cfg.sequence_parallel)
         if hf_path is not None:
             load_hf_weights(chunks, hf_path, arch)
         model = chunks[0]
         model.config.finalize_model_grads_func = finalize_model_grads  # TP-replicated grads (q/k norms)
-        self.ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=False), model)
+        dist_opt = cfg.distributed_optimizer
+        self.ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt), model)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
-                            bf16=dtype == torch.bfloat16, fp16=False, use_distributed_optimizer=False),
+                            bf16=dtype == torch.bfloat16, fp16=False, use_distributed_optimizer=dist_opt),
             [self.ddp])
         start, _ = pp_layer_range(arch.num_layers, ps.get_pipeline_model_parallel_world_size(),
                                   ps.get_pipeline_model_parallel_rank())

@@ -46,7 +46,16 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def build_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32, vocab_divisible_by: int = 128) -> list:
+def _sequence_parallel(wanted: bool, tp: int) -> bool:
+    """The local spec's norms refuse sequence parallelism: it needs the TE layer spec (CUDA)."""
+    if wanted and not _use_te():
+        raise ValueError("trainer.sequence_parallel needs CUDA and Transformer Engine (the local layer "
+                         "spec's norms do not support it); set it false on this machine")
+    return wanted and tp > 1
+
+
+def build_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32, vocab_divisible_by: int = 128,
+                sequence_parallel: bool = False) -> list:
     """This rank's model chunks (one GPTModel; pre/post-process set by its pipeline stage).
 
     The vocab is padded to a multiple of `vocab_divisible_by * TP` as Megatron-LM does (pass 1 to
@@ -83,7 +92,7 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32, vocab_di
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-        sequence_parallel=False,  # impossible with the local spec; optional with TE, left off
+        sequence_parallel=_sequence_parallel(sequence_parallel, tp),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

@@ -6,6 +6,7 @@ fp4 code the trainer's QAT uses, so rollout and trainer weights are bit-identica
 """
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 from .pipeline import push_weights
@@ -24,7 +25,11 @@ def make_transport(cfg, backend, run_dir: Path, arch):
     if kind == "http":
         return HttpTransport(backend)
     if kind == "distributed":
-        return DistributedTransport(cfg.rollout.urls, api_key=cfg.rollout.api_key or None)
+        t = cfg.transfer
+        # "auto": this host (global rank 0 lands on whichever node the rendezvous picked).
+        address = socket.gethostname() if t.master_address == "auto" else t.master_address
+        return DistributedTransport(cfg.rollout.urls, api_key=cfg.rollout.api_key or None, master_address=address,
+                                    master_port=t.master_port, backend=t.group_backend)
     return DiskTransport(backend, run_dir / "weights", arch.to_hf_config())
 
 

@@ -172,10 +172,11 @@ class DistributedTransport(Transport):
     """SGLang's `/init_weights_update_group` + `/update_weights_from_distributed`; trainer = rank 0."""
 
     def __init__(self, urls: list[str] | str, api_key: str | None = None, master_address: str = "127.0.0.1",
-                 master_port: int = 29600, group_name: str = "weight_update_group", timeout_s: float = 300.0):
+                 master_port: int = 29600, group_name: str = "weight_update_group", timeout_s: float = 300.0,
+                 backend: str = "gloo"):
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         self.api_key, self.address, self.port = api_key, master_address, int(master_port)
-        self.group_name, self.timeout_s = group_name, timeout_s
+        self.group_name, self.timeout_s, self.backend = group_name, timeout_s, backend
         self.sender = None
 
     def connect(self) -> None:
@@ -185,12 +186,12 @@ class DistributedTransport(Transport):
         world = len(self.urls) + 1
         calls = [_Call(_post, u, "/init_weights_update_group",
                        {"master_address": self.address, "master_port": self.port, "rank_offset": i + 1,
-                        "world_size": world, "group_name": self.group_name, "backend": "gloo"},
+                        "world_size": world, "group_name": self.group_name, "backend": self.backend},
                        self.api_key, self.timeout_s) for i, u in enumerate(self.urls)]
         for c in calls:
             c.start()
         try:
-            self.sender = WeightSender(self.address, self.port, world, self.group_name, self.timeout_s)
+            self.sender = WeightSender(self.address, self.port, world, self.group_name, self.timeout_s, self.backend)
         finally:
             for c in calls:
                 c.join()

@@ -37,12 +37,18 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 
 def _make_group(address: str, port: int, rank: int, world_size: int, group_name: str,
-                timeout_s: float) -> tuple[dist.Store, dist.ProcessGroup]:
+                timeout_s: float, backend: str = "gloo") -> tuple[dist.Store, dist.ProcessGroup]:
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size, is_master=(rank == 0), timeout=timeout,
                           wait_for_workers=False)
     # A prefix per group name: two groups on one store never read each other's keys.
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "nccl":  # what a real SGLang server on GPUs joins with (CUDA tensors)
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    elif backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    else:
+        raise ValueError(f"weight-update group backend must be gloo or nccl; got {backend!r}")
     return store, pg
 
 
@@ -79,9 +85,9 @@ class WeightSender:
     """
 
     def __init__(self, master_address: str, master_port: int, world_size: int,
-                 group_name: str = "weight_update_group", timeout_s: float = 300.0):
-        self.world_size, self.group_name = world_size, group_name
-        self._store, self._pg = _make_group(master_address, master_port, 0, world_size, group_name, timeout_s)
+                 group_name: str = "weight_update_group", timeout_s: float = 300.0, backend: str = "gloo"):
+        self.world_size, self.group_name, self.backend = world_size, group_name, backend
+        self._store, self._pg = _make_group(master_address, master_port, 0, world_size, group_name, timeout_s, backend)
 
     @staticmethod
     def describe(named: dict[str, torch.Tensor]) -> dict[str, list]:
@@ -91,7 +97,9 @@ class WeightSender:
 
     def send(self, named: dict[str, torch.Tensor]) -> None:
         for t in named.values():
-            self._pg.broadcast(_wire(t.detach().contiguous().cpu()), 0).wait()
+            t = t.detach().contiguous()
+            t = t.cuda() if self.backend == "nccl" else _wire(t.cpu())  # NCCL moves float8 natively
+            self._pg.broadcast(t, 0).wait()
 
     def close(self) -> None:
         self._pg = None
