@@ -73,4 +73,5 @@ def test_moe_experts_follow_the_rollout(tmp_path_factory, tmp_path):
     assert len(experts) == 2 * 4
     # Not 100%: a bf16 engine and an fp32 trainer route a few tokens to different experts
     # (TRACE pairs guidance with routing replay for that).
-    assert min(experts.values()) > 0.95 and max(m["rtn"]["agreement"].values()) < 0.9
+    rtn_experts = [v for k, v in m["rtn"]["agreement"].items() if ".mlp.experts." in k]
+    assert min(experts.values()) > 0.95 and sum(rtn_experts) / len(rtn_experts) < 0.8
