@@ -233,6 +233,18 @@ def _check(key: str, typ, meta, value):
     return value
 
 
+def parse_cli(ap, argv=None):
+    """Add --config and the section.key=value overrides to `ap`, parse, load: (cfg, args).
+    A bad file or value exits through `ap.error` with the message naming the key."""
+    ap.add_argument("--config", default=None, help="YAML run config (configs/*.yaml)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value")
+    args = ap.parse_args(argv)
+    try:
+        return Config.load(args.config, args.overrides), args
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(str(e))
+
+
 def describe() -> str:
     """Every key with its default and help, for --help."""
     lines = []

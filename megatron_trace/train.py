@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_trace.config import Config, describe
+from megatron_trace.config import Config, describe, parse_cli
 from megatron_trace.loop import Rollout, RolloutBatch, StepRunner, async_executor, share_batch
 from megatron_trace.metrics import JsonlLogger, MetricsHub, TensorBoardLogger, mismatch_scalars
 
@@ -24,14 +24,8 @@ from megatron_trace.metrics import JsonlLogger, MetricsHub, TensorBoardLogger, m
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m megatron_trace.train", description=__doc__.splitlines()[0],
                                  epilog="config keys:\n" + describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=None, help="YAML run config (configs/*.yaml)")
     ap.add_argument("--resume", action="store_true", help="continue from <run_dir>/checkpoints/latest")
-    ap.add_argument("overrides", nargs="*", help="section.key=value")
-    args = ap.parse_args(argv)
-    try:
-        cfg = Config.load(args.config, args.overrides)
-    except (ValueError, FileNotFoundError) as e:
-        ap.error(str(e))
+    cfg, args = parse_cli(ap, argv)
     return cfg, args.resume
 
 
@@ -82,16 +76,12 @@ class Run:
     def _model_path(self, tok, prompts) -> Path:
         if self.cfg.model.path:
             return Path(self.cfg.model.path)
-        from megatron_trace.warm_start import build_warm_start
         from megatron_trace.trainer.comm import broadcast_json
+        from megatron_trace.warm_start import warm_start_for
 
         path = None
         if not dist.is_initialized() or dist.get_rank() == 0:
-            cache = Path(self.cfg.logging.run_dir).parent / ".warm_start_cache"
-            t = self.cfg.trainer
-            path = str(build_warm_start(cache, self.cfg.model.family, tok, prompts, overrides=self.cfg.model.tiny,
-                                        steps=t.warm_start_steps, lr=t.warm_start_lr, seed=t.seed,
-                                        log=lambda m: print(m, flush=True)))
+            path = str(warm_start_for(self.cfg, tok, prompts, log=lambda m: print(m, flush=True)))
         return Path(broadcast_json(path))
 
     def _backend(self, model_path: Path):

@@ -53,6 +53,14 @@ def build_warm_start(cache_root: str | Path, family: str, tokenizer, task: Arith
     return out
 
 
+def warm_start_for(cfg, tokenizer, task: ArithmeticTask, log=print) -> Path:
+    """The run's cached starting checkpoint (next to its run dir), built on first use."""
+    t = cfg.trainer
+    return build_warm_start(Path(cfg.logging.run_dir).parent / ".warm_start_cache", cfg.model.family, tokenizer,
+                            task, overrides=cfg.model.tiny, steps=t.warm_start_steps, lr=t.warm_start_lr,
+                            seed=t.seed, log=log)
+
+
 def _train(model, tokenizer, task: ArithmeticTask, *, steps: int, lr: float, batch: int, seed: int, log) -> None:
     """Teacher forcing on prompt + answer + eos, loss on the answer tokens only."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -88,29 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from megatron_trace.config import Config
+    from megatron_trace.config import parse_cli
     from megatron_trace.data import ArithmeticTask, CharTokenizer, load_tokenizer
 
     ap = argparse.ArgumentParser(prog="python -m megatron_trace.warm_start",
-                         description="Build (or find) the run's starting checkpoint; print its directory.")
-    ap.add_argument("--config", default=None, help="YAML run config (configs/*.yaml)")
-    ap.add_argument("overrides", nargs="*", help="section.key=value")
-    args = ap.parse_args(argv)
-    try:
-        cfg = Config.load(args.config, args.overrides)
-    except (ValueError, FileNotFoundError) as e:
-        ap.error(str(e))
+                                 description="Build (or find) the run's starting checkpoint; print its directory.")
+    cfg, _ = parse_cli(ap, argv)
     if cfg.model.path:  # a real checkpoint: nothing to build
         print(cfg.model.path)
         return 0
     if cfg.rollout.prompts != "arithmetic":
         ap.error("the tiny warm start trains on the arithmetic task; set model.path for other prompts")
     tok = CharTokenizer() if cfg.model.tokenizer == "char" else load_tokenizer(cfg.model.tokenizer)
-    task = ArithmeticTask(seed=cfg.trainer.seed, tokenizer=tok)
-    t = cfg.trainer
-    out = build_warm_start(Path(cfg.logging.run_dir).parent / ".warm_start_cache", cfg.model.family, tok, task,
-                           overrides=cfg.model.tiny, steps=t.warm_start_steps, lr=t.warm_start_lr, seed=t.seed,
-                           log=lambda m: print(m, file=sys.stderr, flush=True))
+    out = warm_start_for(cfg, tok, ArithmeticTask(seed=cfg.trainer.seed, tokenizer=tok),
+                         log=lambda m: print(m, file=sys.stderr, flush=True))
     print(out, flush=True)
     return 0
 

@@ -69,11 +69,11 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32, vocab_di
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if arch.rope_scaling:
-        raise NotImplementedError(f"rope scaling {arch.rope_scaling} is not mapped to Megatron")
+        raise ValueError(f"unsupported: rope scaling {arch.rope_scaling} is not mapped to Megatron")
     tp = ps.get_tensor_model_parallel_world_size()
     moe = arch.is_moe
     if moe and (arch.mlp_only_layers or arch.decoder_sparse_step != 1):
-        raise NotImplementedError("MoE models with dense layers (mlp_only_layers / decoder_sparse_step)")
+        raise ValueError("unsupported: MoE models with dense layers (mlp_only_layers / decoder_sparse_step)")
     cpu = not torch.cuda.is_available()
     cfg = TransformerConfig(
         num_layers=arch.num_layers,
@@ -176,7 +176,7 @@ def _ranks() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
     if ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size():
-        raise NotImplementedError("expert tensor parallel size != tensor parallel size")
+        raise ValueError("unsupported: expert tensor parallel size != tensor parallel size")
     return dict(
         tp_size=ps.get_tensor_model_parallel_world_size(),
         tp_rank=ps.get_tensor_model_parallel_rank(),

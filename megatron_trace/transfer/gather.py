@@ -100,7 +100,7 @@ def _groups():
     from megatron.core import parallel_state as ps
 
     if ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size():
-        raise NotImplementedError("expert tensor parallel size != tensor parallel size")
+        raise ValueError("unsupported: expert tensor parallel size != tensor parallel size")
     return ps
 
 

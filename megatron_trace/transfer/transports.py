@@ -24,6 +24,8 @@ After every send the rollout must report `version`, else `TransferError`.
 """
 from __future__ import annotations
 
+import abc
+
 import gc
 import json
 import shutil
@@ -58,12 +60,12 @@ class TransferStats:
     seconds: float = 0.0
 
 
-class Transport:
+class Transport(abc.ABC):
     """Sends all buckets of one version so that the rollout commits them as one update."""
 
+    @abc.abstractmethod
     def send(self, buckets: Iterable[WeightBucket], version: int, *, manifest: Manifest | None = None
-             ) -> TransferStats:
-        raise NotImplementedError
+             ) -> TransferStats: ...
 
     def close(self) -> None:
         pass
