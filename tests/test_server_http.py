@@ -21,7 +21,7 @@ from megatron_trace.models.tiny import make_tiny_checkpoint  # noqa: E402
 from sglang_backend.api import WeightBucket  # noqa: E402
 from sglang_backend.local import Engine  # noqa: E402
 from sglang_backend.local.server import serve  # noqa: E402
-from sglang_backend.local.weight_group import WeightGroup, WeightSender  # noqa: E402
+from sglang_backend.weight_group import WeightGroup, WeightSender  # noqa: E402
 
 KEY = "test-key"
 GREEDY = {"max_new_tokens": 6, "temperature": 0}

@@ -183,7 +183,7 @@ class DistributedTransport(Transport):
 
     def connect(self) -> None:
         """Every server joins (POSTs in threads) while we create the master store (rank 0)."""
-        from sglang_backend.local.weight_group import WeightSender
+        from sglang_backend.weight_group import WeightSender
 
         world = len(self.urls) + 1
         calls = [_Call(_post, u, "/init_weights_update_group",

@@ -38,7 +38,7 @@ from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
 from .engine import Engine
 from .http_util import Body, HTTPError, as_version, check_auth, is_loopback, send, want
 from .loader import checkpoint_files
-from .weight_group import WeightGroup, dtype_from_name
+from sglang_backend.weight_group import WeightGroup, dtype_from_name
 
 OPEN_PATHS = {"/health", "/health_generate"}
 
