@@ -126,6 +126,8 @@ def probe(args) -> dict:
             m["agreement"] = _reduce_agreement(actor.qat.agreement())
             m["guidance_bytes_per_token"] = sum(r.nbytes() for r in records[kind]) / sum(r.num_positions for r in records[kind])
             results[mode] = m
+        if not rank0:
+            return {}  # only rank 0 reports (and writes --json): the others return before destroy()
         return {"model_path": str(args.model_path), "policy": policy.to_dict(), "rollout_dtype": args.rollout_dtype,
                 "trainer_dtype": "float32", "tp": args.tp, "pp": args.pp, "num_prompts": args.num_prompts,
                 "max_new_tokens": args.max_new_tokens, "rollout_seconds": t_rollout,
@@ -161,7 +163,7 @@ def format_table(res: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     res = probe(args)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if res:  # rank 0
         print(f"rollout {args.quantization} + KV {args.kv_cache_dtype} in {args.rollout_dtype}; trainer fp32 "
               f"TP{args.tp} PP{args.pp}; {res['num_prompts']} prompts x {res['max_new_tokens']} tokens; "
               f"{res['total_seconds']:.1f} s")
