@@ -28,13 +28,13 @@ from .nvfp4_quantize import (
     FLT_MAX,
     INTERPRETED,  # noqa: F401  (re-exported for the dispatcher's runnability check)
     ONE_SIXTH,
-    SENC_NUM,
     _clean_abs,
     _e2m1_rn_satfinite,
     _e4m3_decode,
     _e4m3_rn_satfinite,
     _FUSED_ROW,
     _launch_shape,
+    _row_encode_scales,
     _PER_ROW,
     _SCALAR,
     _tensor_amax,
@@ -60,27 +60,8 @@ def _quantize_guidance_kernel(
     x_row = x_ptr + rows64 * stride_xm
     k_first = pid_k * k_tiles_per_prog * BLOCK_K
 
-    if MODE == 2:  # per-row S_enc from the row's own amax (first pass)
-        row_amax = tl.zeros([BLOCK_M, 1, 1], dtype=tl.float32)
-        for t in range(0, k_tiles_per_prog):
-            col = k_first + t * BLOCK_K + blk * 16 + 2 * pair
-            ok = row_ok & (col < K)
-            xe = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
-            xo = tl.load(x_row + col + 1, mask=ok, other=0.0).to(tl.float32)
-            a = tl.maximum(_clean_abs(xe), _clean_abs(xo))
-            a = tl.max(tl.max(a, axis=2, keep_dims=True), axis=1, keep_dims=True)
-            row_amax = tl.maximum(row_amax, a)
-        s = tl.math.div_rn(tl.full([BLOCK_M, 1, 1], SENC_NUM, tl.float32), row_amax)
-        s = tl.where(s > FLT_MAX, FLT_MAX, s)
-        s_enc = tl.where((row_amax == 0.0) | (s == 0.0) | (s != s), 1.0, s)
-        s_dec = (1.0 / s_enc.to(tl.float64)).to(tl.float32)
-        tl.store(senc_out_ptr + rows64, s_enc, mask=row_ok)
-    elif MODE == 1:
-        s_enc = tl.load(senc_ptr + rows64, mask=row_ok, other=1.0)
-        s_dec = tl.load(sdec_ptr + rows64, mask=row_ok, other=1.0)
-    else:
-        s_enc = tl.load(senc_ptr)
-        s_dec = tl.load(sdec_ptr)
+    s_enc, s_dec = _row_encode_scales(x_row, senc_ptr, sdec_ptr, senc_out_ptr, rows64, row_ok, blk, pair,
+                                      k_first, K, k_tiles_per_prog, MODE, BLOCK_M, BLOCK_K)
     s6 = s_enc * ONE_SIXTH
 
     half_k = K // 2

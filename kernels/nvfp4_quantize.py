@@ -100,22 +100,10 @@ def _e2m1_rn_satfinite(z):
 
 
 @triton.jit
-def _nvfp4_quantize_kernel(
-    x_ptr, data_ptr, scale_ptr, senc_ptr, sdec_ptr, senc_out_ptr,
-    M, K, stride_xm, k_tiles_per_prog,
-    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    NB: tl.constexpr = BLOCK_K // 16
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None]  # [BM, 1, 1]
-    row_ok = rows < M
-    rows64 = rows.to(tl.int64)  # M*K may exceed 2^31
-    blk = tl.arange(0, NB)[None, :, None]  # [1, NB, 1]
-    pair = tl.arange(0, 8)[None, None, :]  # [1, 1, 8]
-    x_row = x_ptr + rows64 * stride_xm
-    k_first = pid_k * k_tiles_per_prog * BLOCK_K
-
+def _row_encode_scales(x_row, senc_ptr, sdec_ptr, senc_out_ptr, rows64, row_ok, blk, pair, k_first, K,
+                       k_tiles_per_prog, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """S_enc and S_dec of each row: fused from the row's amax (MODE 2), given per row (1) or per
+    tensor (0). Shared by the quantize and the quantize+guidance kernels."""
     if MODE == 2:
         # Fused per-row S_enc: a first pass over the row for its amax (NaN ignored); the second
         # pass below re-reads the row, mostly from L2.
@@ -139,6 +127,28 @@ def _nvfp4_quantize_kernel(
     else:
         s_enc = tl.load(senc_ptr)
         s_dec = tl.load(sdec_ptr)
+    return s_enc, s_dec
+
+
+@triton.jit
+def _nvfp4_quantize_kernel(
+    x_ptr, data_ptr, scale_ptr, senc_ptr, sdec_ptr, senc_out_ptr,
+    M, K, stride_xm, k_tiles_per_prog,
+    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    NB: tl.constexpr = BLOCK_K // 16
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None]  # [BM, 1, 1]
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)  # M*K may exceed 2^31
+    blk = tl.arange(0, NB)[None, :, None]  # [1, NB, 1]
+    pair = tl.arange(0, 8)[None, None, :]  # [1, 1, 8]
+    x_row = x_ptr + rows64 * stride_xm
+    k_first = pid_k * k_tiles_per_prog * BLOCK_K
+
+    s_enc, s_dec = _row_encode_scales(x_row, senc_ptr, sdec_ptr, senc_out_ptr, rows64, row_ok, blk, pair,
+                                      k_first, K, k_tiles_per_prog, MODE, BLOCK_M, BLOCK_K)
     s6 = s_enc * ONE_SIXTH
 
     half_k = K // 2

@@ -197,11 +197,15 @@ class DistributedTransport(Transport):
         finally:
             for c in calls:
                 c.join()
+        self._raise_if_failed(calls, "init_weights_update_group failed")
+
+    def _raise_if_failed(self, calls: list, what: str) -> None:
+        """A server that errored or answered success=false drops the group: the next send rebuilds it."""
         bad = [(u, c.error or c.result.get("message")) for u, c in zip(self.urls, calls)
                if c.error or not c.result.get("success")]
         if bad:
             self._drop()
-            raise TransferError(f"init_weights_update_group failed: {bad}")
+            raise TransferError(f"{what}: {bad}")
 
     def _drop(self) -> None:
         if self.sender is not None:
@@ -247,11 +251,7 @@ class DistributedTransport(Transport):
             raise TransferError(f"version {version} aborted after {i} tensors: {e}") from e
         for c in calls:
             c.join()
-        bad = [(u, c.error or c.result.get("message")) for u, c in zip(self.urls, calls)
-               if c.error or not c.result.get("success")]
-        if bad:
-            self._drop()
-            raise TransferError(f"version {version} refused: {bad}")
+        self._raise_if_failed(calls, f"version {version} refused")
         stats.tensors, stats.seconds = i, time.perf_counter() - t0
         self._check(version)
         return stats
