@@ -26,6 +26,7 @@ _SRC = r"""
 #include <stdint.h>
 #include <math.h>
 #include <float.h>
+#include <string.h>
 
 static inline uint8_t e4m3_enc(float v) {  /* v >= 0, not NaN: clamp to 448, round to nearest even */
     if (v > 448.f) v = 448.f;
@@ -37,31 +38,30 @@ static inline uint8_t e4m3_enc(float v) {  /* v >= 0, not NaN: clamp to 448, rou
     return (uint8_t)(((E + 7) << 3) | ((int)mant - 8));
 }
 
-static inline int e2m1_code(float z, const float* b) {
-    float m = fabsf(z);
-    int c = (m > b[0]) + (m > b[1]) + (m > b[2]) + (m > b[3]) + (m > b[4]) + (m > b[5]) + (m > b[6]);
-    return signbit(z) ? (c | 8) : c;
-}
-
 /* x [R, K] -> data [R, K/2], scale [R, K/16], gs_out [R] (per-row S_enc; gs_in NULL) and optionally
-   xhat [R, K] (the dequantized values). Returns 1 (outputs undefined) when x holds a NaN. */
+   xhat [R, K] (the dequantized values). Returns 1 (outputs undefined) when x holds a NaN.
+   The per-element loops are branch-free so the compiler vectorizes them; every value is computed
+   by the same IEEE operations in the same order as the scalar reference. */
 int nvfp4_qdq(const float* x, int64_t R, int64_t K, const float* gs_in, const float* lut, const float* grid,
               const float* bnd, float one_sixth, uint8_t* data, uint8_t* scale, float* gs_out, float* xhat) {
     const int64_t nb = K / 16;
+    const float b0 = bnd[0], b1 = bnd[1], b2 = bnd[2], b3 = bnd[3], b4 = bnd[4], b5 = bnd[5], b6 = bnd[6];
     float bam[nb > 0 ? nb : 1];
     for (int64_t r = 0; r < R; r++) {
         const float* xr = x + r * K;
         float ramax = 0.f;
+        int nan = 0;
         for (int64_t b = 0; b < nb; b++) {
             float m = 0.f;
             for (int j = 0; j < 16; j++) {
-                float a = fabsf(xr[b * 16 + j]);
-                if (isnan(a)) return 1;
-                if (a > m) m = a;
+                const float a = fabsf(xr[b * 16 + j]);
+                nan |= a != a;
+                m = a > m ? a : m;
             }
             bam[b] = m;
-            if (m > ramax) ramax = m;
+            ramax = m > ramax ? m : ramax;
         }
+        if (nan) return 1;
         float s;
         if (gs_in == 0) {
             s = 2688.f / ramax;
@@ -80,18 +80,37 @@ int nvfp4_qdq(const float* x, int64_t R, int64_t K, const float* gs_in, const fl
             float enc = 1.0f / (sfd * sdec);
             if (enc > FLT_MAX) enc = FLT_MAX;
             const float* xb = xr + b * 16;
+            int32_t code[16];
+            for (int j = 0; j < 16; j++) {
+                const float z = xb[j] * enc, m = fabsf(z);
+                int32_t bits; memcpy(&bits, &z, 4);
+                code[j] = (m > b0) + (m > b1) + (m > b2) + (m > b3) + (m > b4) + (m > b5) + (m > b6)
+                          + ((bits >> 28) & 8);  /* the sign bit (signbit(z)) -> bit 3 */
+            }
             uint8_t* db = data + r * (K / 2) + b * 8;
-            for (int j = 0; j < 8; j++) {
-                int c0 = e2m1_code(xb[2 * j] * enc, bnd), c1 = e2m1_code(xb[2 * j + 1] * enc, bnd);
-                db[j] = (uint8_t)(c0 | (c1 << 4));
-                if (xhat) {
-                    float* ob = xhat + r * K + b * 16;
-                    ob[2 * j] = (grid[c0] * sfd) * sdec;
-                    ob[2 * j + 1] = (grid[c1] * sfd) * sdec;
-                }
+            for (int j = 0; j < 8; j++) db[j] = (uint8_t)(code[2 * j] | (code[2 * j + 1] << 4));
+            if (xhat) {
+                float* ob = xhat + r * K + b * 16;
+                for (int j = 0; j < 16; j++) ob[j] = (grid[code[j]] * sfd) * sdec;
             }
         }
     }
+    return 0;
+}
+
+/* Row t of x [T, n] (one S_enc) quantized straight into codes[slots[t]] [*, n/2] and
+   scales[slots[t]] [*, n/16] of S slots: a KV-cache write without temporaries. Returns 1 on a
+   NaN, 2 for a slot outside [0, S), 3 for an S_enc that is not finite and positive; on 2 and 3
+   nothing was written. */
+int nvfp4_quantize_to_slots(const float* x, int64_t T, int64_t n, const float* gs, const int64_t* slots, int64_t S,
+                            const float* lut, const float* grid, const float* bnd, float one_sixth,
+                            uint8_t* codes, uint8_t* scales) {
+    if (!(gs[0] > 0.f && gs[0] <= FLT_MAX)) return 3;
+    for (int64_t t = 0; t < T; t++) if (slots[t] < 0 || slots[t] >= S) return 2;
+    for (int64_t t = 0; t < T; t++)
+        if (nvfp4_qdq(x + t * n, 1, n, gs, lut, grid, bnd, one_sixth, codes + slots[t] * (n / 2),
+                      scales + slots[t] * (n / 16), 0, 0))
+            return 1;
     return 0;
 }
 
@@ -122,21 +141,46 @@ ENABLED = True  # set False (before first use) to force the torch reference, e.g
 CACHE_DIR = Path.home() / ".cache" / "megatron_trace"
 
 
-def _build():
-    digest = hashlib.sha256(_SRC.encode()).hexdigest()[:16]
-    root = CACHE_DIR
-    so = root / f"fp4fast_{digest}.so"
+def compile_library(source: str, stem: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build C `source` once into CACHE_DIR (keyed by source, flags and, with -march=native, this
+    CPU's feature flags) and load it. Raises when there is no compiler; callers fall back.
+
+    Shared with the engine's CPU kernels (`kernels/cpu_fused.py`): fp4 may import nothing else of
+    the project, so the one compile-and-cache helper lives here."""
+    key = source + "\0" + " ".join(flags)
+    if "-march=native" in flags:
+        key += "\0" + _cpu_flags()
+    so = CACHE_DIR / f"{stem}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     if not so.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root) as tmp:
-            src, out = Path(tmp) / "fp4fast.c", Path(tmp) / "fp4fast.so"
-            src.write_text(_SRC)
-            subprocess.run(["cc", "-O2", "-std=c99", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC",
-                            "-o", str(out), str(src), "-lm"], check=True, capture_output=True, timeout=120)
-            os.replace(out, so)
-    lib = ctypes.CDLL(str(so))
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+            src, out = Path(tmp) / f"{stem}.c", Path(tmp) / f"{stem}.so"
+            src.write_text(source)
+            subprocess.run(["cc", *flags, "-std=c99", "-shared", "-fPIC", "-o", str(out), str(src), "-lm"],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(out, so)  # atomic: concurrent builders (test workers) never load half a file
+    return ctypes.CDLL(str(so))
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _build():
+    lib = compile_library(_SRC, "fp4fast", ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math",
+                                             "-fno-trapping-math"))
     lib.nvfp4_qdq.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P]
     lib.nvfp4_qdq.restype = ctypes.c_int
+    lib.nvfp4_quantize_to_slots.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, ctypes.c_float, _P, _P]
+    lib.nvfp4_quantize_to_slots.restype = ctypes.c_int
     lib.nvfp4_gather_dequant.argtypes = [_P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P]
     lib.nvfp4_gather_dequant.restype = None
     return lib
@@ -154,7 +198,15 @@ def _lib():
         _state["lib"] = lib
         lut = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
         _state["tables"] = (lut.contiguous(), e2m1_grid("cpu").contiguous(), _boundaries(torch.device("cpu")).contiguous())
+        _state["table_ptrs"] = tuple(t.data_ptr() for t in _state["tables"])
     return _state["lib"]
+
+
+def decode_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 byte -> fp32 [256], E2M1 code -> fp32 [16]): what fused kernels decode NVFP4 with."""
+    _lib()
+    lut, grid, _ = _state["tables"]
+    return lut, grid
 
 
 def available() -> bool:
@@ -174,22 +226,47 @@ def quantize_dequantize(x: torch.Tensor, *, per_row_global: bool = False, global
         g = float(gs_t)
         ok = g > 0 and g != float("inf")
     if ok:
-        xf = x.to(torch.float32).contiguous()
-        k = xf.shape[-1]
+        # a decode step calls this dozens of times on tiny tensors: skip every no-op torch call
+        xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        lead, k = xf.shape[:-1], xf.shape[-1]
         rows = xf.numel() // k
-        data = torch.empty(*xf.shape[:-1], k // 2, dtype=torch.uint8)
-        scale = torch.empty(*xf.shape[:-1], k // nvfp4.BLOCK, dtype=torch.uint8)
-        gs_out = torch.empty(xf.shape[:-1], dtype=torch.float32) if gs_t is None else gs_t
+        data = torch.empty((*lead, k // 2), dtype=torch.uint8)
+        scale = torch.empty((*lead, k // nvfp4.BLOCK), dtype=torch.uint8)
+        gs_out = torch.empty(lead, dtype=torch.float32) if gs_t is None else gs_t
         xhat = torch.empty_like(xf) if dequant_dtype is not None else None
-        lut, grid, bnd = _state["tables"]
-        nan = lib.nvfp4_qdq(xf.data_ptr(), rows, k, None if gs_t is None else gs_t.data_ptr(), lut.data_ptr(),
-                            grid.data_ptr(), bnd.data_ptr(), nvfp4._ONE_SIXTH, data.data_ptr(), scale.data_ptr(),
+        lut, grid, bnd = _state["table_ptrs"]
+        nan = lib.nvfp4_qdq(xf.data_ptr(), rows, k, None if gs_t is None else gs_t.data_ptr(), lut, grid, bnd,
+                            nvfp4._ONE_SIXTH, data.data_ptr(), scale.data_ptr(),
                             gs_out.data_ptr() if gs_t is None else None, None if xhat is None else xhat.data_ptr())
         if not nan:
             q = nvfp4.NVFP4Tensor(data, scale, gs_out)
-            return q, (None if xhat is None else xhat.to(dequant_dtype))
+            if xhat is not None and dequant_dtype is not torch.float32:
+                xhat = xhat.to(dequant_dtype)
+            return q, xhat
     q = nvfp4.quantize(x, per_row_global=per_row_global, global_scale=global_scale)
     return q, (None if dequant_dtype is None else nvfp4.dequantize(q, dequant_dtype))
+
+
+def quantize_to_slots(x: torch.Tensor, global_scale: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      slots: torch.Tensor) -> bool:
+    """codes[slots], scales[slots] = nvfp4.quantize(x, global_scale=global_scale) (data, scale), bit
+    for bit, without temporaries: x [T, ..., K], codes [S, ..., K/2] and scales [S, ..., K/16]
+    contiguous, a finite positive 0-d global scale. False (nothing written) when the fast path
+    cannot take it (no compiler, other devices or layouts, NaN input): use the reference then."""
+    lib = _lib()
+    if (lib is None or x.device.type != "cpu" or not codes.is_contiguous() or not scales.is_contiguous()
+            or global_scale.dim() != 0 or global_scale.dtype is not torch.float32 or slots.dtype is not torch.int64
+            or x.shape[1:-1] != codes.shape[1:-1] or x.shape[-1] != 2 * codes.shape[-1] or x.shape[-1] % nvfp4.BLOCK
+            or slots.numel() != x.shape[0] or not slots.is_contiguous()):
+        return False
+    xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    lut, grid, bnd = _state["table_ptrs"]
+    n = xf[0].numel() if xf.shape[0] else 0
+    rc = lib.nvfp4_quantize_to_slots(xf.data_ptr(), xf.shape[0], n, global_scale.data_ptr(), slots.data_ptr(),
+                                     codes.shape[0], lut, grid, bnd, nvfp4._ONE_SIXTH, codes.data_ptr(), scales.data_ptr())
+    if rc == 2:
+        raise IndexError(f"KV slot out of range for {codes.shape[0]} slots")
+    return rc == 0  # NaN (1) or an unusable S_enc (3): the reference decides what to write
 
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, global_scale: torch.Tensor,

@@ -67,6 +67,19 @@ def mantissa_bits(codes: torch.Tensor) -> torch.Tensor:
     return (bits * weights).sum(-1).to(torch.uint8)
 
 
+def mantissa_bits_packed(packed: torch.Tensor) -> torch.Tensor:
+    """mantissa_bits(unpack_fp4(packed)) straight from packed codes [..., K/2] (low nibble first):
+    a few bytewise ops, no unpacked or int32 intermediates (guidance capture runs this per step)."""
+    if packed.dtype != torch.uint8 or packed.dim() == 0 or packed.shape[-1] % 4:
+        raise ValueError(
+            f"mantissa_bits_packed takes packed uint8 codes [..., K/2] with K a multiple of 8; "
+            f"got {packed.dtype} {tuple(packed.shape)}"
+        )
+    p = packed.reshape(*packed.shape[:-1], -1, 4)
+    pairs = (p & 1) | ((p >> 3) & 2)  # bit 0: element 2i (low nibble), bit 1: element 2i + 1 (high nibble)
+    return pairs[..., 0] | (pairs[..., 1] << 2) | (pairs[..., 2] << 4) | (pairs[..., 3] << 6)
+
+
 def unpack_mantissa_bits(packed: torch.Tensor) -> torch.Tensor:
     """[..., K/8] bytes -> [..., K] bits (uint8 0/1)."""
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)

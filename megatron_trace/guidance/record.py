@@ -19,10 +19,8 @@ import json
 from dataclasses import dataclass, field
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from megatron_trace.fp4 import RolloutRounding, mantissa_bits, unpack_fp4
+from megatron_trace.fp4 import RolloutRounding, mantissa_bits_packed
 
 MODES = ("full", "mantissa")
 KV_SITES = ("k_cache", "v_cache")
@@ -49,7 +47,7 @@ def make_site(scale, global_scale, codes_packed, mode: str) -> SiteRecord:
     """Build a site from a quantizer's output (packed codes), keeping what `mode` asks for."""
     if mode not in MODES:
         raise ValueError(f"guidance.mode must be one of {', '.join(MODES)}; got {mode!r}")
-    payload = codes_packed if mode == "full" else mantissa_bits(unpack_fp4(codes_packed))
+    payload = codes_packed if mode == "full" else mantissa_bits_packed(codes_packed)
     return SiteRecord(scale.contiguous(), global_scale.to(torch.float32).contiguous(), payload.contiguous())
 
 
@@ -105,24 +103,39 @@ class GuidanceRecord:
         """The compact record a mantissa-mode rollout would have written (from full codes)."""
         if self.mode == "mantissa":
             return self
-        sites = {n: SiteRecord(s.scale, s.global_scale, mantissa_bits(unpack_fp4(s.payload)))
+        sites = {n: SiteRecord(s.scale, s.global_scale, mantissa_bits_packed(s.payload))
                  for n, s in self.sites.items()}
         return GuidanceRecord(self.sample_id, "mantissa", self.num_positions, sites)
 
     def to_bytes(self) -> bytes:
-        tensors = {}
-        for name, s in self.sites.items():
-            tensors[f"{name}/scale"] = s.scale
-            tensors[f"{name}/global_scale"] = s.global_scale
-            tensors[f"{name}/payload"] = s.payload
+        """safetensors bytes (any safetensors reader loads them), written directly: a record is
+        dozens of tiny tensors, for which safetensors.torch.save's per-tensor overhead dominates."""
+        # float32 first (as safetensors orders by alignment): every tensor can be viewed in place
+        tensors = {f"{name}/global_scale": s.global_scale for name, s in self.sites.items()}
+        tensors.update({f"{name}/{k}": t for name, s in self.sites.items() for k, t in (("scale", s.scale),
+                                                                                        ("payload", s.payload))})
         meta = {"sample_id": self.sample_id, "mode": self.mode, "num_positions": str(self.num_positions),
                 "sites": json.dumps(list(self.sites))}
-        return st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
+        header: dict = {"__metadata__": meta}
+        blobs, offset = [], 0
+        for name, t in tensors.items():
+            if t.dtype not in _ST_DTYPES:
+                raise ValueError(f"guidance tensor {name} has dtype {t.dtype}; records hold uint8 and float32")
+            b = t.detach().cpu().contiguous().numpy().tobytes()
+            header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
+            blobs.append(b)
+            offset += len(b)
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # safetensors aligns the data section to 8 bytes
+        return b"".join([len(head).to_bytes(8, "little"), head, *blobs])
 
     @classmethod
     def from_bytes(cls, data: bytes) -> GuidanceRecord:
-        meta = _metadata(data)
-        tensors = st_load(data)
+        header = _header(data)
+        meta = _checked_meta(header.pop("__metadata__", {}))
+        base = 8 + int.from_bytes(data[:8], "little")
+        buf = bytearray(memoryview(data)[base:])  # one copy; every tensor is a view into it
+        tensors = {name: _tensor(name, info, buf) for name, info in header.items()}
         sites = {}
         for name in json.loads(meta["sites"]):
             try:
@@ -132,17 +145,55 @@ class GuidanceRecord:
         return cls(meta["sample_id"], meta["mode"], int(meta["num_positions"]), sites)
 
 
-def _metadata(data: bytes) -> dict[str, str]:
+_ST_DTYPES = {torch.uint8: "U8", torch.float32: "F32"}
+_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def _header(data: bytes) -> dict:
     if len(data) < 8:
         raise ValueError("guidance record bytes are truncated (no safetensors header)")
     n = int.from_bytes(data[:8], "little")
     if n > len(data) - 8:
         raise ValueError("guidance record bytes are truncated (header runs past the end)")
-    meta = json.loads(data[8 : 8 + n]).get("__metadata__", {})
-    missing = {"sample_id", "mode", "num_positions", "sites"} - set(meta)
+    try:
+        header = json.loads(bytes(data[8 : 8 + n]))
+    except ValueError:
+        raise ValueError("guidance record header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError("guidance record header is not a JSON object")
+    return header
+
+
+def _checked_meta(meta) -> dict[str, str]:
+    missing = {"sample_id", "mode", "num_positions", "sites"} - set(meta if isinstance(meta, dict) else {})
     if missing:
         raise ValueError(f"guidance record header lacks {sorted(missing)}")
     return meta
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The record's metadata (sample id, mode, positions, sites) without decoding any tensor."""
+    return _checked_meta(_header(data).get("__metadata__", {}))
+
+
+def _tensor(name: str, info, buf: bytearray) -> torch.Tensor:
+    """One tensor of the data section, checked: known dtype, offsets inside the data, size = shape."""
+    try:
+        dtype, shape, (start, end) = _ST_TORCH[info["dtype"]], [int(d) for d in info["shape"]], info["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"guidance tensor {name}: bad header entry {info!r} (U8/F32 with shape and offsets)") from None
+    numel = 1
+    for d in shape:
+        numel *= d
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= len(buf)) or min(shape, default=0) < 0:
+        raise ValueError(f"guidance tensor {name}: data offsets {[start, end]} outside the {len(buf)} data bytes")
+    if end - start != numel * (4 if dtype is torch.float32 else 1):
+        raise ValueError(f"guidance tensor {name}: {end - start} bytes do not hold shape {shape} of {info['dtype']}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    if dtype is torch.float32 and start % 4:  # safetensors aligns every tensor; a misaligned one is copied
+        return torch.frombuffer(bytearray(buf[start:end]), dtype=dtype).reshape(shape)
+    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=start).reshape(shape)
 
 
 def layer_of(site: str) -> int:

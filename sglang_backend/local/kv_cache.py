@@ -36,6 +36,10 @@ class PagedKVCache:
         else:
             self.codes = torch.zeros(*shape, head_dim // 2, dtype=torch.uint8, device=device)
             self.scales = torch.zeros(*shape, head_dim // 16, dtype=torch.uint8, device=device)
+        # Each layer's pages as views, made once: (K, V) values, or (K codes, K scales, V codes, V scales).
+        self.layer_pages = [(self.values[i, 0], self.values[i, 1]) if self.fmt == "bf16" else
+                            (self.codes[i, 0], self.scales[i, 0], self.codes[i, 1], self.scales[i, 1])
+                            for i in range(num_layers)]
         # Per-layer S_enc for NVFP4 K and V (1.0 unless a checkpoint or the trainer sets it).
         self.global_scale = torch.ones(num_layers, 2, dtype=torch.float32, device=device)
         self.free_pages = list(range(num_pages - 1, -1, -1))
@@ -77,6 +81,9 @@ class PagedKVCache:
         if self.fmt == "bf16":
             self.values[layer, which].index_copy_(0, slots, x.to(self.dtype))  # index_* beat x[idx] on CPU
             return x.to(self.dtype) if return_values else None
+        if q is None and self.fmt == "nvfp4" and not return_values and fast.quantize_to_slots(
+                x, self.global_scale[layer, which], self.codes[layer, which], self.scales[layer, which], slots):
+            return None  # quantized straight into the pages
         q = self.quantize(layer, which, x) if q is None else q
         self.codes[layer, which].index_copy_(0, slots, q.data)
         self.scales[layer, which].index_copy_(0, slots, q.scale)
@@ -94,6 +101,10 @@ class PagedKVCache:
         if self.fmt == "nvfp4":
             return nvfp4.dequantize(nvfp4.NVFP4Tensor(data, scale, self.global_scale[layer, which]), self.dtype)
         return mxfp4.dequantize(mxfp4.MXFP4Tensor(data, scale, MX_KV_BLOCK), self.dtype)
+
+    def decode_scales(self) -> list[list[float]]:
+        """NVFP4: per layer [S_dec of K, S_dec of V] as Python floats (one conversion per forward)."""
+        return nvfp4.decode_scale(self.global_scale).tolist()
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from src slots to dst slots (prompt pages shared by n samples)."""

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_fused
 from megatron_trace.models import ModelArch, QuantPolicy
 
 from .kv_cache import PagedKVCache
@@ -32,10 +33,27 @@ class ForwardBatch:
     logits_rows: list[int] | None = None  # rows whose logits are wanted (default: each span's last)
     read_index: torch.Tensor | None = None  # decode: [B, W] slots, row i valid up to read_lens[i]
     read_lens: torch.Tensor | None = None  # decode: [B]
+    kv_decode_scales: list | None = None  # NVFP4 KV: per layer [S_dec of K, S_dec of V], set by the model
 
     def __post_init__(self):
         self.is_decode = all(e - s == 1 for s, e in self.spans)
         self._gather = None
+        self._layout = None
+
+    def attention_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(slot table [S, >= W] with contiguous rows, sequence of each row [T], visible positions of
+        each row [T], W = the most any row sees) for the fused paged attention: prefill and decode
+        alike, built once per forward."""
+        if self._layout is None:
+            if self.read_index is not None:
+                table, row_seq = self.read_index, torch.arange(len(self.spans))
+            else:
+                table = torch.nn.utils.rnn.pad_sequence(self.read_slots, batch_first=True)
+                row_seq = torch.repeat_interleave(torch.arange(len(self.spans)),
+                                                  torch.tensor([e - s for s, e in self.spans]))
+            row_len = self.positions + 1
+            self._layout = (table.contiguous(), row_seq, row_len, int(row_len.max()))
+        return self._layout
 
     def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat slot index [B*W], visibility mask [B, W]) of a decode batch: built once per forward."""
@@ -99,13 +117,17 @@ class _Layer(nn.Module):
         else:  # one rotation over q's and k's heads together (elementwise: same values)
             qk = Rope.apply(qkv[:, : a.q_size + a.kv_size].reshape(-1, a.num_heads + a.num_kv_heads, a.head_dim), *rot)
             q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
-        for which, t in ((0, k), (1, v)):
-            qt = kv.quantize(self.idx, which, t)
-            if capture is not None and qt is not None and kv.fmt == "nvfp4":
-                capture(self.kv_sites[which], qt)
-            kv.write(self.idx, which, batch.write_slots, t, qt, return_values=False)
+        self._store_kv(k, v, batch, kv, capture)
         out = _decode_attention(q, batch, kv, self.idx) if batch.is_decode else _prefill_attention(q, batch, kv, self.idx)
         return self.o_proj(out.reshape(-1, a.q_size), capture)
+
+    def _store_kv(self, k, v, batch: ForwardBatch, kv: PagedKVCache, capture) -> None:
+        for which, t in ((0, k), (1, v)):
+            qt = None
+            if capture is not None and kv.fmt == "nvfp4":  # otherwise write() quantizes into the pages
+                qt = kv.quantize(self.idx, which, t)
+                capture(self.kv_sites[which], qt)
+            kv.write(self.idx, which, batch.write_slots, t, qt, return_values=False)
 
     def mlp(self, x, capture) -> torch.Tensor:
         if not self.moe:
@@ -145,6 +167,44 @@ class _Layer(nn.Module):
         eps = self.arch.rms_norm_eps
         x = x + self.attention(rms_norm(x, self.input_norm, eps), batch, kv, rot, capture)
         return x + self.mlp(rms_norm(x, self.post_norm, eps), capture)
+
+    def forward_fused(self, x, residual, batch, kv, rot, capture) -> torch.Tensor:
+        """The C-kernel path (CPU): x is the residual stream, updated in place with the previous
+        layer's pending `residual`; returns this layer's MLP output, still to be added."""
+        eps = self.arch.rms_norm_eps
+        h = cpu_fused.add_rmsnorm(x, residual, self.input_norm, eps)
+        h = cpu_fused.add_rmsnorm(x, self.attention_fused(h, batch, kv, rot, capture), self.post_norm, eps)
+        if self.moe:
+            return self._moe(h, capture)
+        # .forward, not __call__: module hooks cost more than these small GEMMs on a tiny model
+        return self.down.forward(cpu_fused.silu_mul(self.gate_up.forward(h, capture)), capture)
+
+    def attention_fused(self, h, batch: ForwardBatch, kv: PagedKVCache, rot, capture) -> torch.Tensor:
+        a = self.arch
+        qkv = self.qkv.forward(h, capture)
+        norms = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
+        table, row_seq, row_len, width = batch.attention_layout()
+        if kv.fmt == "bf16":  # K and V go straight into their cache slots
+            kc, vc = kv.layer_pages[self.idx]
+            q = cpu_fused.qkv_rope(qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, *norms, a.rms_norm_eps,
+                                   kc, vc, batch.write_slots)
+        else:  # FP4 pages: quantize (and capture) the new K/V first
+            k, v = (torch.empty(qkv.shape[0], a.num_kv_heads, a.head_dim, dtype=qkv.dtype) for _ in range(2))
+            q = cpu_fused.qkv_rope(qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, *norms, a.rms_norm_eps,
+                                   k, v, None)
+            self._store_kv(k, v, batch, kv, capture)
+        scale = a.head_dim ** -0.5
+        if kv.fmt == "nvfp4":  # attention decodes the pages itself
+            sdec_k, sdec_v = batch.kv_decode_scales[self.idx]
+            kd, ks, vd, vs = kv.layer_pages[self.idx]
+            out = cpu_fused.paged_attention_nvfp4(q, kd, ks, vd, vs, sdec_k, sdec_v, table, row_seq, row_len, scale)
+        else:
+            if kv.fmt == "mxfp4":  # attend over a dequantized gather of the rows in use
+                flat = table[:, :width].reshape(-1)
+                kc, vc = kv.read(self.idx, 0, flat), kv.read(self.idx, 1, flat)
+                table = torch.arange(flat.numel()).view(-1, width)
+            out = cpu_fused.paged_attention(q, kc, vc, table, row_seq, row_len, scale)
+        return self.o_proj.forward(out.view(qkv.shape[0], a.q_size), capture)
 
 
 def _scatter_slots(parts, num_tokens: int, top_k: int):
@@ -204,13 +264,32 @@ class QwenEngineModel(nn.Module):
     def linears(self):
         return [m for m in self.modules() if isinstance(m, EngineLinear)]
 
+    def uses_fused(self, kv: PagedKVCache) -> bool:
+        """The C kernels serve CPU float32/bfloat16 runs whose KV pages share the model's dtype."""
+        return (self.embed.device.type == "cpu" and cpu_fused.available(self.dtype)
+                and (kv.fmt != "bf16" or kv.values.dtype == self.dtype) and kv.dtype == self.dtype)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, capture: CaptureFn | None = None) -> torch.Tensor:
         """Returns fp32 logits [len(logits_rows), vocab] (default: each sequence's last token)."""
         x = F.embedding(batch.input_ids, self.embed)
         rot = self.rope.tables(batch.positions, x.dtype)  # cos/sin once for every layer's q and k
-        for layer in self.layers:
-            x = layer(x, batch, kv, rot, capture)
         rows = batch.logits_rows if batch.logits_rows is not None else [e - 1 for _, e in batch.spans]
-        h = rms_norm(x[rows], self.final_norm, self.arch.rms_norm_eps)
+        eps = self.arch.rms_norm_eps
+        # A capture fn may name the layers it records (`.layers`); the others skip capture work.
+        wanted = getattr(capture, "layers", None)
+        caps = [capture if wanted is None or i in wanted else None for i in range(len(self.layers))]
+        if self.uses_fused(kv):
+            rot = tuple(t[:, 0].float().contiguous() for t in rot)
+            if kv.fmt == "nvfp4":
+                batch.kv_decode_scales = kv.decode_scales()
+            residual = None
+            for layer, cap in zip(self.layers, caps):
+                residual = layer.forward_fused(x, residual, batch, kv, rot, cap)
+            rows_t = torch.tensor(rows)
+            h = cpu_fused.add_rmsnorm(x.index_select(0, rows_t), residual.index_select(0, rows_t), self.final_norm, eps)
+        else:
+            for layer, cap in zip(self.layers, caps):
+                x = layer(x, batch, kv, rot, cap)
+            h = rms_norm(x[rows], self.final_norm, eps)
         return F.linear(h, self.lm_head).float()

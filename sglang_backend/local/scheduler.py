@@ -207,12 +207,17 @@ class Scheduler:
             if g:
                 store[site] = q
 
+        capture.layers = self.guided_layers  # the model skips capture work in the other layers
+
         def commit() -> None:
             first = self.log.add_step(store, num_rows)
             for seqs, a, b in seqs_rows:
                 for s in seqs:
                     if s.want_guidance:
-                        s.guidance_rows.extend(range(first + a, first + b))
+                        if b - a == 1:  # a decode row
+                            s.guidance_rows.append(first + a)
+                        else:
+                            s.guidance_rows.extend(range(first + a, first + b))
 
         return capture, commit
 

@@ -1,0 +1,379 @@
+"""Fused C kernels for the embedded engine's forward on CPU: what a decode step spends its time on
+once the GEMMs are left to torch.
+
+    x ─► add_rmsnorm (residual add + RMSNorm, one pass) ─► qkv GEMM (torch)
+      ─► qkv_rope (q/k RMSNorm for Qwen3, RoPE, K/V stored straight into their cache slots)
+      ─► paged_attention (every row of every sequence over its KV slots: prefill and decode alike)
+      ─► o GEMM ─► add_rmsnorm ─► gate_up GEMM ─► silu_mul ─► down GEMM
+On a small model the torch version of this is ~40 tiny ops per layer at ~10 us of dispatch each;
+here it is four C calls. Each kernel computes in fp32 and rounds where HF's module rounds (so
+bfloat16 runs keep HF's rounding points); fp32 results match the torch reference to a few ulp
+(different summation order and a polynomial exp), never bit for bit. FP4 stays out of here:
+FP4 KV is dequantized by `megatron_trace.fp4.fast` before attention.
+
+Built with the system C compiler on first use (`fp4.fast.compile_library`); `available()` is False
+without one, for dtypes other than float32/bfloat16, or with ENABLED = False, and the engine then
+runs its torch reference path.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from megatron_trace.fp4.fast import compile_library, decode_tables
+
+ENABLED = True  # set False (before first use) to force the engine's torch path, e.g. when bisecting
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+_HEADER = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <stdlib.h>
+
+#define PREFETCH 4  /* KV rows ahead: each row is a separate (paged) load */
+
+static inline float ld_f32(float v) { return v; }
+static inline float st_f32(float v) { return v; }
+static inline float rnd_f32(float v) { return v; }
+static inline float ld_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t st_bf16(float f) {  /* round to nearest even, NaN stays NaN */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float rnd_bf16(float f) { return ld_bf16(st_bf16(f)); }
+
+/* e^x for x <= 88.7 to ~2 ulp: Cody-Waite reduction + degree-6 polynomial, vectorizable. */
+static inline float fexp(float x) {
+    x = x < -87.3f ? -87.3f : x;  /* not fminf/fmaxf: those stay library calls and block vectorizing */
+    x = x > 88.7f ? 88.7f : x;
+    float n = floorf(x * 1.44269504f + 0.5f);
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187e-06f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f; p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
+    union { int32_t i; float f; } s;  /* 2^n; a union (not memcpy) lets the loops vectorize */
+    s.i = ((int32_t)n + 127) << 23;
+    return p * s.f;
+}
+
+/* GCC/Clang vector extensions: explicit 8-lane SIMD that stays portable (AVX on x86, NEON pairs on Arm). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+static inline v8f ld8_f32(const float* p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+static inline v8f ld8_bf16(const uint16_t* p) {
+    v8h h; memcpy(&h, p, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f f; memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline float hsum8(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+static inline float sum(const float* a, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j];
+    float s = 0.f;
+    for (; i < n; i++) s += a[i];
+    return s + ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0.f;
+    for (; i < n; i++) s += a[i] * b[i];
+    return s + ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+"""
+
+_BODY = r"""
+/* x [T, N] is the residual stream: x += res first (rounded to the dtype) when res is given;
+   out = w * dtype(x * rsqrt(mean(x^2) + eps)), as HF's RMSNorm. */
+void add_rmsnorm_@S(@T* x, const @T* res, const @T* w, @T* out, int64_t T, int64_t N, float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        @T* xr = x + t * N;
+        if (res)
+            for (int64_t i = 0; i < N; i++) xr[i] = st_@S(ld_@S(xr[i]) + ld_@S(res[t * N + i]));
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, ss = 0.f;
+        int64_t i = 0;
+        for (; i + 8 <= N; i += 8)
+            for (int j = 0; j < 8; j++) { float v = ld_@S(xr[i + j]); acc[j] += v * v; }
+        for (; i < N; i++) { float v = ld_@S(xr[i]); ss += v * v; }
+        ss += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        const float r = 1.0f / sqrtf(ss / (float)N + eps);
+        @T* o = out + t * N;
+        for (i = 0; i < N; i++) o[i] = st_@S(ld_@S(w[i]) * rnd_@S(ld_@S(xr[i]) * r));
+    }
+}
+
+static void norm_rope_@S(const @T* x, const @T* nw, float eps, const float* c, const float* s, int64_t D, @T* o) {
+    float b[D];
+    for (int64_t i = 0; i < D; i++) b[i] = ld_@S(x[i]);
+    if (nw) {
+        float ss = 0.f;
+        for (int64_t i = 0; i < D; i++) ss += b[i] * b[i];
+        const float r = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t i = 0; i < D; i++) b[i] = rnd_@S(ld_@S(nw[i]) * rnd_@S(b[i] * r));
+    }
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) o[i] = st_@S(rnd_@S(b[i] * c[i]) + rnd_@S(-b[i + h] * s[i]));
+    for (int64_t i = h; i < D; i++) o[i] = st_@S(rnd_@S(b[i] * c[i]) + rnd_@S(b[i - h] * s[i]));
+}
+
+/* qkv [T, (H + 2 Hkv) D] -> q_out [T, H, D] with (q-norm and) RoPE; K (k-norm, RoPE) and V rows
+   of token t go to row slots[t] of kdst/vdst [*, Hkv, D] (row t when slots is NULL). */
+void qkv_rope_@S(const @T* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float* cs, const float* sn,
+                 const @T* qn, const @T* kn, float eps, @T* q_out, @T* kdst, @T* vdst, const int64_t* slots) {
+    const int64_t row = (H + 2 * Hkv) * D, kvrow = Hkv * D;
+    for (int64_t t = 0; t < T; t++) {
+        const @T* x = qkv + t * row;
+        const float *c = cs + t * D, *s = sn + t * D;
+        for (int64_t h = 0; h < H; h++) norm_rope_@S(x + h * D, qn, eps, c, s, D, q_out + (t * H + h) * D);
+        const int64_t dst = slots ? slots[t] : t;
+        for (int64_t h = 0; h < Hkv; h++) norm_rope_@S(x + (H + h) * D, kn, eps, c, s, D, kdst + dst * kvrow + h * D);
+        memcpy(vdst + dst * kvrow, x + (H + Hkv) * D, (size_t)kvrow * sizeof(@T));
+    }
+}
+
+static inline void axpy_@S(float* y, float a, const @T* x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v = ld8_f32(y + i) + a * ld8_@S(x + i);
+        memcpy(y + i, &v, sizeof v);
+    }
+    for (; i < n; i++) y[i] += a * ld_@S(x[i]);
+}
+
+static inline float dot_@S(const float* a, const @T* b, int64_t n) {
+    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc += ld8_f32(a + i) * ld8_@S(b + i);
+    float s = 0.f;
+    for (; i < n; i++) s += a[i] * ld_@S(b[i]);
+    return s + hsum8(acc);
+}
+
+/* Row t of q [T, H, D] belongs to sequence row_seq[t] and sees its first row_len[t] positions,
+   whose KV slots are table[row_seq[t] * ldt + j]; kc/vc [slots, Hkv, D]. out [T, H, D].
+   Each K and V row (all KV heads) is read once per query row, front to back, so the hardware
+   prefetcher streams the pages; query head h uses KV head h / (H / Hkv). */
+int paged_attention_@S(const @T* q, const @T* kc, const @T* vc, const int64_t* table, int64_t ldt,
+                       const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
+                       int64_t D, float scale, @T* out) {
+    const int64_t G = H / Hkv, kvrow = Hkv * D;
+    int64_t W = 1;
+    for (int64_t t = 0; t < T; t++) if (row_len[t] > W) W = row_len[t];
+    float* qf = malloc((size_t)(2 * H * D + H * W) * sizeof(float));  /* heap: long contexts overflow stacks */
+    if (!qf) return 1;
+    float *acc = qf + H * D, *sc = acc + H * D;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t* tab = table + row_seq[t] * ldt;
+        const int64_t L = row_len[t];
+        for (int64_t i = 0; i < H * D; i++) { qf[i] = ld_@S(q[t * H * D + i]) * scale; acc[i] = 0.f; }
+        for (int64_t j = 0; j < L; j++) {
+            const @T* kr = kc + tab[j] * kvrow;
+            if (j + PREFETCH < L) __builtin_prefetch(kc + tab[j + PREFETCH] * kvrow);
+            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
+                for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_@S(qf + h * D, kr + kh * D, D);
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float* p = sc + h * W;
+            float m = -INFINITY;
+            for (int64_t j = 0; j < L; j++) m = p[j] > m ? p[j] : m;
+            for (int64_t j = 0; j < L; j++) p[j] = fexp(p[j] - m);
+        }
+        for (int64_t j = 0; j < L; j++) {
+            const @T* vr = vc + tab[j] * kvrow;
+            if (j + PREFETCH < L) __builtin_prefetch(vc + tab[j + PREFETCH] * kvrow);
+            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
+                for (int64_t g = 0; g < G; g++, h++) axpy_@S(acc + h * D, sc[h * W + j], vr + kh * D, D);
+        }
+        @T* o = out + t * H * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float den = sum(sc + h * W, L), inv = den > 0.f ? 1.f / den : 0.f;
+            for (int64_t i = 0; i < D; i++) o[h * D + i] = st_@S(acc[h * D + i] * inv);
+        }
+    }
+    free(qf);
+    return 0;
+}
+
+/* The same attention over NVFP4 pages: codes [slots, Hkv, D/2] (low nibble first) and E4M3 block
+   scales [slots, Hkv, D/16] of K and V. Each element is decoded as fp4.nvfp4.dequantize does,
+   dtype((grid[code] * lut[scale]) * s_dec), one row at a time into a buffer, never a gathered copy. */
+static void nvfp4_row_@S(const uint8_t* c, const uint8_t* s, int64_t n, const float* lut, const float* grid,
+                         float sdec, float* out) {
+    for (int64_t b = 0; b < n / 16; b++) {
+        const float sf = lut[s[b]];
+        for (int j = 0; j < 8; j++) {
+            const uint8_t byte = c[b * 8 + j];
+            out[b * 16 + 2 * j] = rnd_@S((grid[byte & 15] * sf) * sdec);
+            out[b * 16 + 2 * j + 1] = rnd_@S((grid[byte >> 4] * sf) * sdec);
+        }
+    }
+}
+
+int paged_attention_nvfp4_@S(const @T* q, const uint8_t* kc, const uint8_t* ks, const uint8_t* vc,
+                             const uint8_t* vs, float sdec_k, float sdec_v, const float* lut, const float* grid,
+                             const int64_t* table, int64_t ldt, const int64_t* row_seq, const int64_t* row_len,
+                             int64_t T, int64_t H, int64_t Hkv, int64_t D, float scale, @T* out) {
+    const int64_t G = H / Hkv, n = Hkv * D;
+    int64_t W = 1;
+    for (int64_t t = 0; t < T; t++) if (row_len[t] > W) W = row_len[t];
+    float* qf = malloc((size_t)(2 * H * D + n + H * W) * sizeof(float));
+    if (!qf) return 1;
+    float *acc = qf + H * D, *row = acc + H * D, *sc = row + n;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t* tab = table + row_seq[t] * ldt;
+        const int64_t L = row_len[t];
+        for (int64_t i = 0; i < H * D; i++) { qf[i] = ld_@S(q[t * H * D + i]) * scale; acc[i] = 0.f; }
+        for (int64_t j = 0; j < L; j++) {
+            nvfp4_row_@S(kc + tab[j] * (n / 2), ks + tab[j] * (n / 16), n, lut, grid, sdec_k, row);
+            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
+                for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_f32(qf + h * D, row + kh * D, D);
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float* p = sc + h * W;
+            float m = -INFINITY;
+            for (int64_t j = 0; j < L; j++) m = p[j] > m ? p[j] : m;
+            for (int64_t j = 0; j < L; j++) p[j] = fexp(p[j] - m);
+        }
+        for (int64_t j = 0; j < L; j++) {
+            nvfp4_row_@S(vc + tab[j] * (n / 2), vs + tab[j] * (n / 16), n, lut, grid, sdec_v, row);
+            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
+                for (int64_t g = 0; g < G; g++, h++) axpy_f32(acc + h * D, sc[h * W + j], row + kh * D, D);
+        }
+        @T* o = out + t * H * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float den = sum(sc + h * W, L), inv = den > 0.f ? 1.f / den : 0.f;
+            for (int64_t i = 0; i < D; i++) o[h * D + i] = st_@S(acc[h * D + i] * inv);
+        }
+    }
+    free(qf);
+    return 0;
+}
+
+/* gu [T, 2F] = [gate | up] -> out [T, F] = dtype(silu(gate)) * up, as HF's MLP. */
+void silu_mul_@S(const @T* gu, int64_t T, int64_t F, @T* out) {
+    for (int64_t t = 0; t < T; t++) {
+        const @T *g = gu + t * 2 * F, *u = g + F;
+        @T* o = out + t * F;
+        for (int64_t i = 0; i < F; i++) {
+            const float a = ld_@S(g[i]);
+            o[i] = st_@S(rnd_@S(a / (1.f + fexp(-a))) * ld_@S(u[i]));
+        }
+    }
+}
+"""
+
+_SRC = _HEADER + "".join(_BODY.replace("@S", sfx).replace("@T", ctype)
+                         for sfx, ctype in (("f32", "float"), ("bf16", "uint16_t")))
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "add_rmsnorm": [_P, _P, _P, _P, _I, _I, _F],
+    "qkv_rope": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _P, _P],
+    "paged_attention": [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _P],
+    "silu_mul": [_P, _I, _I, _P],
+    "paged_attention_nvfp4": [_P, _P, _P, _P, _P, _F, _F, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _P],
+}
+_state: dict = {}
+
+
+def _lib():
+    if "lib" not in _state:
+        lib = None
+        if ENABLED:
+            try:
+                lib = compile_library(_SRC, "cpu_fused", ("-O3", "-march=native", "-ffp-contract=off",
+                                                           "-fno-math-errno", "-fno-trapping-math"))
+                for sfx in DTYPES.values():
+                    for name, args in _SIGNATURES.items():
+                        fn = getattr(lib, f"{name}_{sfx}")
+                        fn.argtypes = args
+                        fn.restype = ctypes.c_int if name.startswith("paged_attention") else None
+            except Exception:  # no compiler: the engine's torch path still works
+                lib = None
+        _state["lib"] = lib
+    return _state["lib"]
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    return dtype in DTYPES and _lib() is not None
+
+
+def _fn(name: str, dtype: torch.dtype):
+    return getattr(_lib(), f"{name}_{DTYPES[dtype]}")
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, N] contiguous, updated in place to x + residual; returns RMSNorm(x) * weight."""
+    t, n = x.shape
+    out = torch.empty_like(x)
+    _fn("add_rmsnorm", x.dtype)(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(), t, n, eps)
+    return out
+
+
+def qkv_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+             q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+             k_dst: torch.Tensor, v_dst: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+    """qkv [T, (H+2Hkv)D] contiguous; cos/sin fp32 [T, D]; K/V rows into k_dst/v_dst [*, Hkv, D] at
+    `slots` (int64 [T], or row t when None). Returns q [T, H, D] after (q-norm and) RoPE."""
+    t = qkv.shape[0]
+    q = torch.empty(t, heads, head_dim, dtype=qkv.dtype)
+    slots = None if slots is None else slots.to(torch.int64).contiguous()  # kept alive across the call
+    _fn("qkv_rope", qkv.dtype)(qkv.data_ptr(), t, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                               _ptr(q_norm), _ptr(k_norm), eps, q.data_ptr(), k_dst.data_ptr(), v_dst.data_ptr(),
+                               _ptr(slots))
+    return q
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                    row_seq: torch.Tensor, row_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, D]; k/v_cache [slots, Hkv, D] contiguous, q's dtype; table int64 [S, >= max row_len]
+    with contiguous rows; row_seq, row_len int64 [T]. Returns softmax(q k^T * scale) v over each
+    row's slots. The engine builds every index itself; nothing here is bounds-checked."""
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    if _fn("paged_attention", q.dtype)(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+                                       table.stride(0), row_seq.data_ptr(), row_len.data_ptr(), t, h,
+                                       k_cache.shape[-2], d, scale, out.data_ptr()):
+        raise MemoryError(f"paged_attention: no memory for the scores of {t} rows")
+    return out
+
+
+def paged_attention_nvfp4(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor,
+                          v_scales: torch.Tensor, sdec_k: float, sdec_v: float, table: torch.Tensor,
+                          row_seq: torch.Tensor, row_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_attention` over NVFP4 pages: codes uint8 [slots, Hkv, D/2], E4M3 scales uint8
+    [slots, Hkv, D/16], S_dec of K and V (fp4.nvfp4.decode_scale). Elements decode exactly as
+    fp4.nvfp4.dequantize(..., q.dtype) would."""
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    lut, grid = decode_tables()
+    if _fn("paged_attention_nvfp4", q.dtype)(
+            q.data_ptr(), k_codes.data_ptr(), k_scales.data_ptr(), v_codes.data_ptr(), v_scales.data_ptr(),
+            sdec_k, sdec_v, lut.data_ptr(), grid.data_ptr(), table.data_ptr(), table.stride(0), row_seq.data_ptr(),
+            row_len.data_ptr(), t, h, k_codes.shape[-2], d, scale, out.data_ptr()):
+        raise MemoryError(f"paged_attention_nvfp4: no memory for the scores of {t} rows")
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2F] contiguous -> silu(gate) * up [T, F]."""
+    t, f2 = gate_up.shape
+    out = torch.empty(t, f2 // 2, dtype=gate_up.dtype)
+    _fn("silu_mul", gate_up.dtype)(gate_up.data_ptr(), t, f2 // 2, out.data_ptr())
+    return out
