@@ -4,9 +4,9 @@
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout.py --quick    # smoke test, a few seconds
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout.py --profile  # + cProfile of the FP4 batch decode
 
-One random-init checkpoint (default: qwen2, hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim 32,
-vocab 512; `--hidden`, `--layers`, ... change it, `--model-path` benchmarks an existing one) and one
-markdown table:
+One random-init checkpoint (default: the project's tiny qwen2, the shape the main command trains:
+hidden 64, MLP 128, 4 layers, 4 heads / 2 KV heads, head_dim 16, vocab 320; `--hidden`, `--layers`,
+... change it, `--model-path` benchmarks an existing one) and one markdown table:
 
 1. Throughput: generated tokens / wall time of one `generate` call (prefill + decode, checkpoint
    load excluded) at batch 1 and batch `--batch` (same-length prompts, `--new-tokens` new tokens each,
@@ -15,7 +15,8 @@ markdown table:
    attention mask; EOS disabled so every row generates exactly `--new-tokens`). Both sides run in
    `--dtype` (float32) and decode greedily (`--sampling greedy`, default) or both sample at
    temperature 1 with no top-k/top-p (`--sampling random`). The engine also returns logprobs
-   (return_logprob=True, as a rollout does); HF does not. One warm-up, then the median of `--runs`.
+   (return_logprob=True, as a rollout does); HF does not. One warm-up, then `--runs` rounds in which
+   every contender runs once in turn; the median per contender.
 2. KV bytes per token (get_model_info()["kv_bytes_per_token"]) of dtype="bfloat16" engines: kv auto
    over nvfp4 and over mxfp4.
 3. Guidance capture overhead: the FP4 engine on the batch workload with return_guidance=True (and
@@ -69,17 +70,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 run: a smoke test")
     ap.add_argument("--model-path", help="benchmark this HF checkpoint instead of a random tiny one")
     ap.add_argument("--family", default="qwen2", choices=("qwen2", "qwen3", "qwen3_moe"))
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=384)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--intermediate", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--head-dim", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=320)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--runs", type=int, default=3, help="timed runs per cell (median), after one warm-up")
+    ap.add_argument("--runs", type=int, default=7, help="timed rounds (median), after one warm-up")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both engine and HF")
     ap.add_argument("--sampling", default="greedy", choices=("greedy", "random"))
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -106,17 +107,6 @@ def engine_params(args) -> dict:
     return sp
 
 
-def timed(fn, runs: int) -> tuple[float, object]:
-    """One warm-up call, then the median wall time of `runs` calls; returns (seconds, last result)."""
-    out = fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
 def make_engine(path: Path, args, **kw):
     from sglang_backend.local.engine import Engine
 
@@ -126,24 +116,40 @@ def make_engine(path: Path, args, **kw):
 
 
 # -- 1. throughput -----------------------------------------------------------------------------
-def engine_throughput(path: Path, args, prompts, cfg: dict) -> dict:
-    eng = make_engine(path, args, **cfg)
-    sp = engine_params(args)
-    out = {}
+def throughput(path: Path, args, prompts) -> tuple[dict, dict | None]:
+    """tok/s of every engine config and of HF at batch 1 and `--batch`: one warm-up each, then
+    `--runs` rounds, each timing every contender once in turn (drift on a shared machine then
+    hits all alike); the median per contender. Returns ({config: {b: (tok/s, ids)}}, HF's or None)."""
+    engines = {name: make_engine(path, args, **cfg) for name, cfg in ENGINE_CONFIGS.items()}
     try:
+        hf = None if args.skip_hf else hf_generate_fn(path, args)
+        sp = engine_params(args)
+        eng_out, hf_out = {name: {} for name in engines}, ({} if hf else None)
         for b in (1, args.batch):
             batch = prompts[:b]
-
-            def run():
-                return eng.generate(input_ids=batch, sampling_params=sp, return_logprob=True)
-
-            secs, res = timed(run, args.runs)
-            ntok = sum(len(r["output_ids"]) for r in res)
-            assert ntok == b * args.new_tokens, f"engine generated {ntok} tokens, expected {b * args.new_tokens}"
-            out[b] = (ntok / secs, [r["output_ids"] for r in res])
+            runs = {name: (lambda e=e: e.generate(input_ids=batch, sampling_params=sp, return_logprob=True))
+                    for name, e in engines.items()}
+            if hf:
+                runs["HF"] = lambda: hf(batch)
+            times, last = {k: [] for k in runs}, {k: f() for k, f in runs.items()}  # warm-up
+            for _ in range(args.runs):
+                for k, f in runs.items():
+                    t0 = time.perf_counter()
+                    last[k] = f()
+                    times[k].append(time.perf_counter() - t0)
+            for name in engines:
+                ids = [r["output_ids"] for r in last[name]]
+                ntok = sum(len(i) for i in ids)
+                assert ntok == b * args.new_tokens, f"engine generated {ntok} tokens, expected {b * args.new_tokens}"
+                eng_out[name][b] = (ntok / statistics.median(times[name]), ids)
+            if hf:
+                new = last["HF"]
+                assert new.shape == (b, args.new_tokens), f"HF generated {tuple(new.shape)}"
+                hf_out[b] = (new.numel() / statistics.median(times["HF"]), new.tolist())
     finally:
-        eng.shutdown()
-    return out
+        for e in engines.values():
+            e.shutdown()
+    return eng_out, hf_out
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +162,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def hf_throughput(path: Path, args, prompts) -> dict:
+def hf_generate_fn(path: Path, args):
+    """prompts -> the [B, new_tokens] ids HF `generate` appends (left-padded batch, EOS off)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype)).eval()
@@ -168,19 +175,13 @@ def hf_throughput(path: Path, args, prompts) -> dict:
         kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
     else:
         kw.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    out = {}
-    for b in (1, args.batch):
-        ids, mask = left_pad(prompts[:b], pad_id=0)
 
-        @torch.inference_mode()
-        def run():
-            return model.generate(ids, attention_mask=mask, **kw)
+    @torch.inference_mode()
+    def run(prompts):
+        ids, mask = left_pad(prompts, pad_id=0)
+        return model.generate(ids, attention_mask=mask, **kw)[:, ids.shape[1]:]
 
-        secs, res = timed(run, args.runs)
-        new = res[:, ids.shape[1]:]
-        assert new.shape == (b, args.new_tokens), f"HF generated {tuple(new.shape)}"
-        out[b] = (new.numel() / secs, new.tolist())
-    return out
+    return run
 
 
 # -- 2. KV bytes -------------------------------------------------------------------------------
@@ -321,8 +322,7 @@ def main(argv=None) -> str:
         arch = ModelArch.from_hf_config(path)
         prompts = make_prompts(args.batch, args.prompt_len, arch.vocab_size)
 
-        eng_tp = {name: engine_throughput(path, args, prompts, cfg) for name, cfg in ENGINE_CONFIGS.items()}
-        hf_tp = None if args.skip_hf else hf_throughput(path, args, prompts)
+        eng_tp, hf_tp = throughput(path, args, prompts)
         kv = kv_bytes(path, args)
         guid = {mode: guidance_overhead(path, args, prompts, mode) for mode in ("mantissa", "full")}
         prof = profile_engine(path, args, prompts, ENGINE_CONFIGS["FP4"]) if args.profile else None

@@ -38,3 +38,28 @@ def test_greedy_tokens_and_logprobs_match_hf(ckpt):
         assert [t[1] for t in out["meta_info"]["output_token_logprobs"]] == ids
         assert max(abs(a - b) for a, b in zip(mine, lps)) <= 1e-4
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": NEW}
+
+
+@pytest.mark.parametrize("kv, quant", [("auto", None), ("nvfp4", "nvfp4"), ("mxfp4", None)])
+def test_fused_cpu_path_equals_the_torch_reference_path(ckpt, kv, quant, monkeypatch):
+    """The C-kernel forward (the CPU default) against the model's torch ops (CUDA and fallback)."""
+    from kernels import cpu_fused
+    from sglang_backend.local.model import QwenEngineModel
+
+    if not cpu_fused.available():
+        pytest.skip("no C compiler here")
+    sp = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(QwenEngineModel, "uses_fused", lambda self, kv: False)
+        eng = Engine(str(ckpt), kv_cache_dtype=kv, quantization=quant)
+        try:
+            assert eng.model.uses_fused(eng.kv) == fused
+            runs.append(eng.generate(input_ids=PROMPTS, sampling_params=sp, return_logprob=True))
+        finally:
+            eng.shutdown()
+    for a, b in zip(*runs):
+        assert a["output_ids"] == b["output_ids"]
+        la, lb = ([t[0] for t in r["meta_info"]["output_token_logprobs"]] for r in (a, b))
+        assert max(abs(x - y) for x, y in zip(la, lb)) <= 1e-4

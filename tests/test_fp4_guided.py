@@ -138,3 +138,14 @@ def test_fake_quant_guided_and_mxfp4():
     assert torch.equal(x.grad, torch.ones_like(x))
     ym = fake_quant(x_train, fmt="mxfp4", mx_rule="ceil")
     assert torch.equal(ym, mxfp4.dequantize(mxfp4.quantize(x_train, rule="ceil")))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**16), st.integers(1, 4), st.integers(1, 6))
+def test_mantissa_bits_from_packed_codes_equal_the_unpacked_route(seed, rows, groups):
+    from megatron_trace.fp4 import mantissa_bits_packed, pack_fp4
+
+    codes = torch.randint(0, 16, (rows, 8 * groups), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    assert torch.equal(mantissa_bits_packed(pack_fp4(codes)), mantissa_bits(codes))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        mantissa_bits_packed(pack_fp4(codes)[..., :2] if groups == 1 else torch.zeros(3, 6, dtype=torch.uint8))

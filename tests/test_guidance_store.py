@@ -303,3 +303,40 @@ def test_close_removes_spill_files_and_rejects_use(tmp_path):
     with pytest.raises(GuidanceStoreError, match="closed"):
         store.put("b", 0, make_record("b").to_bytes())
     store.close()  # idempotent
+
+
+@pytest.mark.parametrize("mode", ["full", "mantissa"])
+def test_record_bytes_are_safetensors_and_round_trip(mode):
+    from safetensors.torch import load
+
+    rec = make_record("s0", positions=4, mode=mode, seed=2)
+    data = rec.to_bytes()
+    tensors = load(data)  # any safetensors reader takes the bytes
+    for name, site in rec.sites.items():
+        for f in ("scale", "global_scale", "payload"):
+            assert torch.equal(tensors[f"{name}/{f}"], getattr(site, f))
+    assert_same(GuidanceRecord.from_bytes(data), rec)
+
+
+def _rewrite_header(data: bytes, edit) -> bytes:
+    import json
+
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    head = json.dumps(header).encode()
+    return len(head).to_bytes(8, "little") + head + data[8 + n :]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: h[next(k for k in h if k.endswith("/payload"))].update(data_offsets=[0, 10**9]), "outside"),
+    (lambda h: h[next(k for k in h if k.endswith("/scale"))].update(shape=[999, 4]), "do not hold shape"),
+    (lambda h: h[next(k for k in h if k.endswith("/scale"))].update(dtype="F64"), "bad header entry"),
+    (lambda h: h["__metadata__"].pop("sites"), "lacks"),
+])
+def test_damaged_record_headers_are_refused_by_name(edit, message):
+    data = _rewrite_header(make_record("s0").to_bytes(), edit)
+    with pytest.raises(ValueError, match=message):
+        GuidanceRecord.from_bytes(data)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        GuidanceRecord.from_bytes((5).to_bytes(8, "little") + b"{nope")
