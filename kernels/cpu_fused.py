@@ -32,7 +32,10 @@ _HEADER = r"""
 #include <math.h>
 #include <stdlib.h>
 
-#define PREFETCH 4  /* KV rows ahead: each row is a separate (paged) load */
+#define PREFETCH 8  /* KV rows ahead: attention is bound by streaming the pages in */
+static inline void prefetch_row(const void* p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)p + o);
+}
 
 static inline float ld_f32(float v) { return v; }
 static inline float st_f32(float v) { return v; }
@@ -72,7 +75,38 @@ static inline v8f ld8_bf16(const uint16_t* p) {
     v8f f; memcpy(&f, &u, sizeof f);
     return f;
 }
+typedef int32_t v8i __attribute__((vector_size(32)));
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+/* [sum(a0), ..., sum(a7)]: eight horizontal sums in 12 vector ops instead of 8 x 7 scalar adds */
+static inline v8f hsum8x8(const v8f* a) {
+    v8f t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        u[i] = SHUF(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUF(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
 static inline float hsum8(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+
+/* Greedy pick of each row of fp32 logits [B, V] and its log-softmax: tok = first argmax,
+   lp = (x[tok] - max) - log(sum(exp(x - max))), log_softmax's formula. */
+void greedy_logprob(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp) {
+    for (int64_t b = 0; b < B; b++) {
+        const float* r = x + b * V;
+        int64_t best = 0;
+        for (int64_t i = 1; i < V; i++) if (r[i] > r[best]) best = i;
+        const float m = r[best];
+        double s = 0.0;
+        for (int64_t i = 0; i < V; i++) s += expf(r[i] - m);
+        tok[b] = best;
+        lp[b] = (float)(-log(s));
+    }
+}
 
 static inline float sum(const float* a, int64_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -132,11 +166,13 @@ static void norm_rope_@S(const @T* x, const @T* nw, float eps, const float* c, c
 /* qkv [T, (H + 2 Hkv) D] -> q_out [T, H, D] with (q-norm and) RoPE; K (k-norm, RoPE) and V rows
    of token t go to row slots[t] of kdst/vdst [*, Hkv, D] (row t when slots is NULL). */
 void qkv_rope_@S(const @T* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float* cs, const float* sn,
-                 const @T* qn, const @T* kn, float eps, @T* q_out, @T* kdst, @T* vdst, const int64_t* slots) {
+                 const int64_t* pos, const @T* qn, const @T* kn, float eps, @T* q_out, @T* kdst, @T* vdst,
+                 const int64_t* slots) {
     const int64_t row = (H + 2 * Hkv) * D, kvrow = Hkv * D;
     for (int64_t t = 0; t < T; t++) {
         const @T* x = qkv + t * row;
-        const float *c = cs + t * D, *s = sn + t * D;
+        const int64_t p = pos ? pos[t] : t;
+        const float *c = cs + p * D, *s = sn + p * D;
         for (int64_t h = 0; h < H; h++) norm_rope_@S(x + h * D, qn, eps, c, s, D, q_out + (t * H + h) * D);
         const int64_t dst = slots ? slots[t] : t;
         for (int64_t h = 0; h < Hkv; h++) norm_rope_@S(x + (H + h) * D, kn, eps, c, s, D, kdst + dst * kvrow + h * D);
@@ -162,6 +198,22 @@ static inline float dot_@S(const float* a, const @T* b, int64_t n) {
     return s + hsum8(acc);
 }
 
+/* Scores of every query head against 8 KV rows (pointers kr, D % 8 == 0) into sc[h * W + 0..7]. */
+static inline void scores8_@S(const float* qf, const @T* const* kr, int64_t H, int64_t G, int64_t D, float* sc,
+                              int64_t W) {
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t off = (h / G) * D;
+        v8f p[8];
+        for (int r = 0; r < 8; r++) {
+            v8f a = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t d = 0; d < D; d += 8) a += ld8_f32(qf + h * D + d) * ld8_@S(kr[r] + off + d);
+            p[r] = a;
+        }
+        const v8f s = hsum8x8(p);
+        memcpy(sc + h * W, &s, sizeof s);
+    }
+}
+
 /* Row t of q [T, H, D] belongs to sequence row_seq[t] and sees its first row_len[t] positions,
    whose KV slots are table[row_seq[t] * ldt + j]; kc/vc [slots, Hkv, D]. out [T, H, D].
    Each K and V row (all KV heads) is read once per query row, front to back, so the hardware
@@ -179,9 +231,17 @@ int paged_attention_@S(const @T* q, const @T* kc, const @T* vc, const int64_t* t
         const int64_t* tab = table + row_seq[t] * ldt;
         const int64_t L = row_len[t];
         for (int64_t i = 0; i < H * D; i++) { qf[i] = ld_@S(q[t * H * D + i]) * scale; acc[i] = 0.f; }
-        for (int64_t j = 0; j < L; j++) {
+        int64_t j0 = 0;
+        for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
+            const @T* kr[8];
+            for (int r = 0; r < 8; r++) kr[r] = kc + tab[j0 + r] * kvrow;
+            for (int r = 0; r < 8 && j0 + PREFETCH + r < L; r++)
+                prefetch_row(kc + tab[j0 + PREFETCH + r] * kvrow, kvrow * (int64_t)sizeof(@T));
+            scores8_@S(qf, kr, H, G, D, sc + j0, W);
+        }
+        for (int64_t j = j0; j < L; j++) {
             const @T* kr = kc + tab[j] * kvrow;
-            if (j + PREFETCH < L) __builtin_prefetch(kc + tab[j + PREFETCH] * kvrow);
+            if (j + PREFETCH < L) prefetch_row(kc + tab[j + PREFETCH] * kvrow, kvrow * (int64_t)sizeof(@T));
             for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
                 for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_@S(qf + h * D, kr + kh * D, D);
         }
@@ -193,7 +253,7 @@ int paged_attention_@S(const @T* q, const @T* kc, const @T* vc, const int64_t* t
         }
         for (int64_t j = 0; j < L; j++) {
             const @T* vr = vc + tab[j] * kvrow;
-            if (j + PREFETCH < L) __builtin_prefetch(vc + tab[j + PREFETCH] * kvrow);
+            if (j + PREFETCH < L) prefetch_row(vc + tab[j + PREFETCH] * kvrow, kvrow * (int64_t)sizeof(@T));
             for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
                 for (int64_t g = 0; g < G; g++, h++) axpy_@S(acc + h * D, sc[h * W + j], vr + kh * D, D);
         }
@@ -229,14 +289,23 @@ int paged_attention_nvfp4_@S(const @T* q, const uint8_t* kc, const uint8_t* ks, 
     const int64_t G = H / Hkv, n = Hkv * D;
     int64_t W = 1;
     for (int64_t t = 0; t < T; t++) if (row_len[t] > W) W = row_len[t];
-    float* qf = malloc((size_t)(2 * H * D + n + H * W) * sizeof(float));
+    float* qf = malloc((size_t)(2 * H * D + 8 * n + H * W) * sizeof(float));
     if (!qf) return 1;
-    float *acc = qf + H * D, *row = acc + H * D, *sc = row + n;
+    float *acc = qf + H * D, *row = acc + H * D, *sc = row + 8 * n;
     for (int64_t t = 0; t < T; t++) {
         const int64_t* tab = table + row_seq[t] * ldt;
         const int64_t L = row_len[t];
         for (int64_t i = 0; i < H * D; i++) { qf[i] = ld_@S(q[t * H * D + i]) * scale; acc[i] = 0.f; }
-        for (int64_t j = 0; j < L; j++) {
+        int64_t j0 = 0;
+        for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
+            const float* kr[8];
+            for (int r = 0; r < 8; r++) {
+                nvfp4_row_@S(kc + tab[j0 + r] * (n / 2), ks + tab[j0 + r] * (n / 16), n, lut, grid, sdec_k, row + r * n);
+                kr[r] = row + r * n;
+            }
+            scores8_f32(qf, kr, H, G, D, sc + j0, W);
+        }
+        for (int64_t j = j0; j < L; j++) {
             nvfp4_row_@S(kc + tab[j] * (n / 2), ks + tab[j] * (n / 16), n, lut, grid, sdec_k, row);
             for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
                 for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_f32(qf + h * D, row + kh * D, D);
@@ -275,12 +344,18 @@ void silu_mul_@S(const @T* gu, int64_t T, int64_t F, @T* out) {
 }
 """
 
-_SRC = _HEADER + "".join(_BODY.replace("@S", sfx).replace("@T", ctype)
-                         for sfx, ctype in (("f32", "float"), ("bf16", "uint16_t")))
+_SRC = None  # the C source: these kernels + cpu_layer's, per dtype, built on first use
+
+
+def _source() -> str:
+    from .cpu_layer import LAYER_BODY, LAYER_HEADER
+
+    return _HEADER + LAYER_HEADER + "".join((_BODY + LAYER_BODY).replace("@S", sfx).replace("@T", ctype)
+                                            for sfx, ctype in (("f32", "float"), ("bf16", "uint16_t")))
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rmsnorm": [_P, _P, _P, _P, _I, _I, _F],
-    "qkv_rope": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _P, _P],
+    "qkv_rope": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P],
     "paged_attention": [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _P],
     "silu_mul": [_P, _I, _I, _P],
     "paged_attention_nvfp4": [_P, _P, _P, _P, _P, _F, _F, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _P],
@@ -293,17 +368,25 @@ def _lib():
         lib = None
         if ENABLED:
             try:
-                lib = compile_library(_SRC, "cpu_fused", ("-O3", "-march=native", "-ffp-contract=off",
+                lib = compile_library(_source(), "cpu_fused", ("-O3", "-march=native", "-ffp-contract=off",
                                                            "-fno-math-errno", "-fno-trapping-math"))
                 for sfx in DTYPES.values():
                     for name, args in _SIGNATURES.items():
                         fn = getattr(lib, f"{name}_{sfx}")
                         fn.argtypes = args
                         fn.restype = ctypes.c_int if name.startswith("paged_attention") else None
+                    lib.greedy_logprob.argtypes, lib.greedy_logprob.restype = [_P, _I, _I, _P, _P], None
+                    layer = getattr(lib, f"decode_layer_{sfx}")
+                    layer.argtypes, layer.restype = [ctypes.c_void_p], ctypes.c_int
             except Exception:  # no compiler: the engine's torch path still works
                 lib = None
         _state["lib"] = lib
     return _state["lib"]
+
+
+def layer_fn(dtype: torch.dtype):
+    """The compiled `decode_layer` for dtype (see kernels/cpu_layer.py)."""
+    return _fn("decode_layer", dtype)
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
@@ -327,15 +410,16 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 
 def qkv_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-             q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+             positions: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
              k_dst: torch.Tensor, v_dst: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-    """qkv [T, (H+2Hkv)D] contiguous; cos/sin fp32 [T, D]; K/V rows into k_dst/v_dst [*, Hkv, D] at
-    `slots` (int64 [T], or row t when None). Returns q [T, H, D] after (q-norm and) RoPE."""
+    """qkv [T, (H+2Hkv)D] contiguous; cos/sin fp32 tables [P, D] read at row positions[t] (int64
+    [T], each < P; row t when None); K/V rows into k_dst/v_dst [*, Hkv, D] at `slots` (int64 [T],
+    or row t when None). Returns q [T, H, D] after (q-norm and) RoPE."""
     t = qkv.shape[0]
     q = torch.empty(t, heads, head_dim, dtype=qkv.dtype)
     slots = None if slots is None else slots.to(torch.int64).contiguous()  # kept alive across the call
     _fn("qkv_rope", qkv.dtype)(qkv.data_ptr(), t, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-                               _ptr(q_norm), _ptr(k_norm), eps, q.data_ptr(), k_dst.data_ptr(), v_dst.data_ptr(),
+                               _ptr(positions), _ptr(q_norm), _ptr(k_norm), eps, q.data_ptr(), k_dst.data_ptr(), v_dst.data_ptr(),
                                _ptr(slots))
     return q
 
@@ -369,6 +453,14 @@ def paged_attention_nvfp4(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
             row_len.data_ptr(), t, h, k_codes.shape[-2], d, scale, out.data_ptr()):
         raise MemoryError(f"paged_attention_nvfp4: no memory for the scores of {t} rows")
     return out
+
+
+def greedy_logprob(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """(argmax, log_softmax at the argmax) of each row of contiguous fp32 logits [B, V], as lists."""
+    b, v = logits.shape
+    tok, lp = torch.empty(b, dtype=torch.int64), torch.empty(b, dtype=torch.float32)
+    _lib().greedy_logprob(logits.data_ptr(), b, v, tok.data_ptr(), lp.data_ptr())
+    return tok.tolist(), lp.tolist()
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

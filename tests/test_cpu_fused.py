@@ -50,12 +50,13 @@ def test_qkv_rope_rotates_q_and_stores_k_v_in_their_slots(dtype, qk_norm):
     heads, kv_heads, d, t = 4, 2, 32, 5
     g = torch.Generator().manual_seed(2)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
-    cos, sin = Rope(d, 10000.0).tables(torch.tensor([0, 3, 4, 9, 17]), dtype)
+    rope, positions = Rope(d, 10000.0), torch.tensor([0, 3, 4, 9, 17])
+    cos, sin = rope.tables(positions, dtype)
     qn, kn = (torch.randn(d, generator=g).to(dtype) for _ in range(2)) if qk_norm else (None, None)
     kc, vc = (torch.zeros(12, kv_heads, d, dtype=dtype) for _ in range(2))
     slots = torch.tensor([7, 3, 11, 0, 5])
-    q = cpu_fused.qkv_rope(qkv, heads, kv_heads, d, cos[:, 0].float().contiguous(), sin[:, 0].float().contiguous(),
-                           qn, kn, 1e-6, kc, vc, slots)
+    q = cpu_fused.qkv_rope(qkv, heads, kv_heads, d, *rope.tables_upto(18, dtype), positions, qn, kn, 1e-6, kc, vc,
+                           slots)
     q_ref = qkv[:, : heads * d].reshape(t, heads, d)
     k_ref = qkv[:, heads * d : (heads + kv_heads) * d].reshape(t, kv_heads, d)
     if qk_norm:

@@ -209,6 +209,18 @@ def decode_tables() -> tuple[torch.Tensor, torch.Tensor]:
     return lut, grid
 
 
+def c_functions() -> dict | None:
+    """Addresses of the compiled quantizers and their tables, for fused kernels elsewhere that
+    call them through function pointers (FP4 math stays here); None without the library."""
+    lib = _lib()
+    if lib is None:
+        return None
+    lut, grid, bnd = _state["table_ptrs"]
+    return {"qdq": ctypes.cast(lib.nvfp4_qdq, ctypes.c_void_p).value,
+            "q2slots": ctypes.cast(lib.nvfp4_quantize_to_slots, ctypes.c_void_p).value,
+            "lut": lut, "grid": grid, "bnd": bnd, "one_sixth": nvfp4._ONE_SIXTH}
+
+
 def available() -> bool:
     return _lib() is not None
 

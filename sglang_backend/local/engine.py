@@ -8,6 +8,7 @@ requests, which join the running batch between decode steps.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import uuid
@@ -91,6 +92,8 @@ class Engine:
         self._paused = False
         self._closed = False
         self._rid = itertools.count()
+        _freeze_gc(+1)
+        self._gc_released = False
         self._worker = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._worker.start()
 
@@ -109,7 +112,8 @@ class Engine:
                     finished = self.scheduler.abort_all(f"engine error: {e}")
                 for s in finished:
                     self._results[s.rid] = self._result(s)
-                self._cv.notify_all()
+                if finished:  # waking the waiters every step would make them fight this thread for the GIL
+                    self._cv.notify_all()
 
     def _result(self, s) -> dict:
         """A finished sequence's result; a failure here aborts that request, never the worker."""
@@ -252,6 +256,29 @@ class Engine:
             self._closed = True
             self._cv.notify_all()
         self._worker.join(timeout=10)
+        if not self._gc_released:
+            self._gc_released = True
+            _freeze_gc(-1)
+
+
+_live_engines = [0]
+
+
+def _freeze_gc(delta: int) -> None:
+    """While engines run, the objects that existed at start-up are out of the cyclic GC's sight:
+    each decode step allocates hundreds of tensors, and every collection would otherwise walk the
+    whole long-lived model and library object graph (SGLang freezes too). The last shutdown thaws
+    them, so their finalizers run at exit as usual."""
+    with _GC_LOCK:
+        _live_engines[0] += delta
+        if delta > 0 and _live_engines[0] == 1:
+            gc.collect()
+            gc.freeze()
+        elif delta < 0 and _live_engines[0] == 0:
+            gc.unfreeze()
+
+
+_GC_LOCK = threading.Lock()
 
 
 def _aborted(rid: str, prompt_tokens: int, version: int, message: str) -> dict:

@@ -31,12 +31,23 @@ class Rope:
 
     def __init__(self, head_dim: int, theta: float, device: torch.device | str = "cpu"):
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] of positions [T]: one forward computes them once for all layers."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def tables_upto(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin [>= n, D] of positions 0, 1, ... holding `tables`' values (rounded to dtype
+        like HF), kept and grown by doubling: the C kernels index them by position."""
+        have = self._by_dtype.get(dtype)
+        if have is None or have[0].shape[0] < n:
+            size = max(64, 1 << max(n - 1, 1).bit_length())
+            cos, sin = self.tables(torch.arange(size, device=self.inv_freq.device), dtype)
+            have = self._by_dtype[dtype] = (cos[:, 0].float().contiguous(), sin[:, 0].float().contiguous())
+        return have
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -77,6 +88,7 @@ class EngineLinear(nn.Module):
         self.master = torch.zeros(off, in_features, dtype=torch.float32) if weight_fmt else None
         self._modelopt_rows: dict[str, dict[str, torch.Tensor]] = {}
         self.input_global_scale: torch.Tensor | None = None  # static activation S_enc
+        self._generation, self._wt_key, self._wt = 0, None, None  # weight_t() cache
 
     # -- loading -----------------------------------------------------------------------------
     def _rows(self, shard: str) -> tuple[int, int]:
@@ -104,6 +116,7 @@ class EngineLinear(nn.Module):
 
     def finalize(self) -> None:
         """Quantize (or adopt pre-quantized) weights once all shards are loaded."""
+        self._generation += 1  # shard loads write through .data, which no version counter sees
         if self.weight_fmt is None:
             if self._modelopt_rows:
                 raise ValueError(f"{self.site}: checkpoint holds FP4 tensors but the policy keeps it BF16")
@@ -158,6 +171,15 @@ class EngineLinear(nn.Module):
                 capture(site or self.site, q)
             x = xq
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def weight_t(self) -> torch.Tensor:
+        """The weight transposed to [in, out] (what the CPU layer kernel's GEMM reads), rebuilt
+        whenever the weight changed: a new tensor or any in-place write bumps its version."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, self._generation)  # loads bump _generation, load_state_dict _version
+        if self._wt_key != key:
+            self._wt, self._wt_key = w.detach().t().contiguous(), key
+        return self._wt
 
     def shard_view(self, shard: str, y: torch.Tensor) -> torch.Tensor:
         a, b = self._rows(shard)

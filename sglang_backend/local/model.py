@@ -17,6 +17,7 @@ from torch import nn
 from kernels import cpu_fused
 from megatron_trace.models import ModelArch, QuantPolicy
 
+from . import layer_c
 from .kv_cache import PagedKVCache
 from .layers import CaptureFn, EngineLinear, Rope, rms_norm
 
@@ -34,9 +35,10 @@ class ForwardBatch:
     read_index: torch.Tensor | None = None  # decode: [B, W] slots, row i valid up to read_lens[i]
     read_lens: torch.Tensor | None = None  # decode: [B]
     kv_decode_scales: list | None = None  # NVFP4 KV: per layer [S_dec of K, S_dec of V], set by the model
+    decode: bool | None = None  # every span one token (the scheduler knows; otherwise spans are scanned)
 
     def __post_init__(self):
-        self.is_decode = all(e - s == 1 for s, e in self.spans)
+        self.is_decode = self.decode if self.decode is not None else all(e - s == 1 for s, e in self.spans)
         self._gather = None
         self._layout = None
 
@@ -168,6 +170,13 @@ class _Layer(nn.Module):
         x = x + self.attention(rms_norm(x, self.input_norm, eps), batch, kv, rot, capture)
         return x + self.mlp(rms_norm(x, self.post_norm, eps), capture)
 
+    def runs_as_one_call(self, kv: PagedKVCache) -> bool:
+        """Whether this layer runs as a single C call (layer_c) over kv: decided once per cache."""
+        cached = self.__dict__.get("_one_call")
+        if cached is None or cached[0] is not kv:
+            cached = self.__dict__["_one_call"] = (kv, layer_c.supports(self, kv))
+        return cached[1]
+
     def forward_fused(self, x, residual, batch, kv, rot, capture) -> torch.Tensor:
         """The C-kernel path (CPU): x is the residual stream, updated in place with the previous
         layer's pending `residual`; returns this layer's MLP output, still to be added."""
@@ -186,12 +195,12 @@ class _Layer(nn.Module):
         table, row_seq, row_len, width = batch.attention_layout()
         if kv.fmt == "bf16":  # K and V go straight into their cache slots
             kc, vc = kv.layer_pages[self.idx]
-            q = cpu_fused.qkv_rope(qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, *norms, a.rms_norm_eps,
-                                   kc, vc, batch.write_slots)
+            q = cpu_fused.qkv_rope(qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, batch.positions, *norms,
+                                   a.rms_norm_eps, kc, vc, batch.write_slots)
         else:  # FP4 pages: quantize (and capture) the new K/V first
             k, v = (torch.empty(qkv.shape[0], a.num_kv_heads, a.head_dim, dtype=qkv.dtype) for _ in range(2))
-            q = cpu_fused.qkv_rope(qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, *norms, a.rms_norm_eps,
-                                   k, v, None)
+            q = cpu_fused.qkv_rope(qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, batch.positions, *norms,
+                                   a.rms_norm_eps, k, v, None)
             self._store_kv(k, v, batch, kv, capture)
         scale = a.head_dim ** -0.5
         if kv.fmt == "nvfp4":  # attention decodes the pages itself
@@ -273,22 +282,29 @@ class QwenEngineModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, capture: CaptureFn | None = None) -> torch.Tensor:
         """Returns fp32 logits [len(logits_rows), vocab] (default: each sequence's last token)."""
         x = F.embedding(batch.input_ids, self.embed)
-        rot = self.rope.tables(batch.positions, x.dtype)  # cos/sin once for every layer's q and k
         rows = batch.logits_rows if batch.logits_rows is not None else [e - 1 for _, e in batch.spans]
         eps = self.arch.rms_norm_eps
         # A capture fn may name the layers it records (`.layers`); the others skip capture work.
         wanted = getattr(capture, "layers", None)
         caps = [capture if wanted is None or i in wanted else None for i in range(len(self.layers))]
         if self.uses_fused(kv):
-            rot = tuple(t[:, 0].float().contiguous() for t in rot)
+            rot = self.rope.tables_upto(batch.attention_layout()[3], x.dtype)  # the kernels index by position
             if kv.fmt == "nvfp4":
                 batch.kv_decode_scales = kv.decode_scales()
             residual = None
             for layer, cap in zip(self.layers, caps):
-                residual = layer.forward_fused(x, residual, batch, kv, rot, cap)
-            rows_t = torch.tensor(rows)
-            h = cpu_fused.add_rmsnorm(x.index_select(0, rows_t), residual.index_select(0, rows_t), self.final_norm, eps)
+                if layer.runs_as_one_call(kv):
+                    residual = layer_c.run_layer(layer, x, residual, batch, kv, rot, cap)
+                else:
+                    residual = layer.forward_fused(x, residual, batch, kv, rot, cap)
+            if batch.is_decode and batch.logits_rows is None:  # every row's logits, in order
+                h = cpu_fused.add_rmsnorm(x, residual, self.final_norm, eps)
+            else:
+                rows_t = torch.tensor(rows)
+                h = cpu_fused.add_rmsnorm(x.index_select(0, rows_t), residual.index_select(0, rows_t),
+                                          self.final_norm, eps)
         else:
+            rot = self.rope.tables(batch.positions, x.dtype)  # cos/sin once for every layer's q and k
             for layer, cap in zip(self.layers, caps):
                 x = layer(x, batch, kv, rot, cap)
             h = rms_norm(x[rows], self.final_norm, eps)

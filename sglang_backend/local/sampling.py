@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_fused
 from sglang_backend.api import SamplingParams
 
 
@@ -40,6 +41,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     vocab = logits.shape[-1]
     greedy = [p.temperature == 0 for p in params]
     if all(greedy):
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_fused.available():
+            return cpu_fused.greedy_logprob(logits.contiguous())
         tok = logits.argmax(-1)
         lp = torch.log_softmax(logits, dim=-1).gather(1, tok[:, None])[:, 0]
         return tok.tolist(), lp.tolist()

@@ -255,8 +255,11 @@ class Scheduler:
         pos_t = torch.tensor(pos)
         write = table.gather(1, pos_t[:, None])[:, 0]
         batch = ForwardBatch(torch.tensor([s.output_ids[-1] for s in seqs]), pos_t,
-                             [(i, i + 1) for i in range(len(seqs))], write, [], read_index=table, read_lens=pos_t + 1)
-        capture, commit = self._capture([([s], i, i + 1) for i, s in enumerate(seqs)], len(seqs))
+                             [(i, i + 1) for i in range(len(seqs))], write, [], read_index=table, read_lens=pos_t + 1,
+                             decode=True)
+        capture = commit = None
+        if any(s.want_guidance for s in seqs):
+            capture, commit = self._capture([([s], i, i + 1) for i, s in enumerate(seqs)], len(seqs))
         logits = self.model(batch, self.kv, capture)
         if commit:
             commit()
@@ -266,19 +269,20 @@ class Scheduler:
         """Sample one token for each sequence (row i of logits); the survivors form the next batch."""
         toks, lps = sample_batch(logits, [s.params for s in seqs], [s.gen for s in seqs])
         running = [] if seqs is self.running else list(self.running)  # prefill: new samples join
-        finished = []
+        finished, eos, ctx = [], self.eos_ids, self.context_length
         for s, tok, lp in zip(seqs, toks, lps):
-            s.output_ids.append(tok)
+            out = s.output_ids
+            out.append(tok)
             s.logprobs.append(lp)
             p = s.params
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            if (p.stop_token_ids and tok in p.stop_token_ids) or (not p.ignore_eos and tok in eos):
                 s.finish_reason = {"type": "stop", "matched": tok}
-            elif len(s.output_ids) >= p.max_new_tokens or len(s.prompt) + len(s.output_ids) >= self.context_length:
-                s.finish_reason = {"type": "length", "length": len(s.output_ids)}
-            if s.finish_reason is None:
-                running.append(s)
+            elif len(out) >= p.max_new_tokens or len(s.prompt) + len(out) >= ctx:
+                s.finish_reason = {"type": "length", "length": len(out)}
             else:
-                finished.append(s)
+                running.append(s)
+                continue
+            finished.append(s)
         for s in finished:
             self.kv.release(s.pages)
             s.pages = []

@@ -1,0 +1,134 @@
+"""Runs a whole dense decoder layer as one C call (`kernels/cpu_layer.py`) on CPU.
+
+The per-forward work here is filling one argument struct per layer: pointers to the layer's
+weights (transposed for the GEMM), its KV pages, the batch's attention layout, and, for layers
+whose guidance is captured, buffers the quantizers write the codes into. Layers the kernel does
+not serve (MoE, MXFP4 activations or KV, shapes FP4 cannot block) return None and the caller
+runs the per-kernel path.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_layer
+from megatron_trace.fp4 import fast
+from megatron_trace.fp4.nvfp4 import NVFP4Tensor
+
+_LINEARS = ("qkv", "o_proj", "gate_up", "down")
+
+
+def supports(layer, kv) -> bool:
+    """Whether `layer` (a model._Layer) can run as one C call over this KV cache."""
+    if layer.moe or kv.fmt not in ("bf16", "nvfp4") or fast.c_functions() is None:
+        return False
+    for name in _LINEARS:
+        lin = getattr(layer, name)
+        if lin.act_fmt not in (None, "nvfp4") or (lin.act_fmt and lin.in_features % 16):
+            return False
+    return True
+
+
+def _static_args(layer, kv) -> cpu_layer.LayerArgs:
+    a, fns = layer.arch, fast.c_functions()
+    args = cpu_layer.LayerArgs(hidden=a.hidden_size, heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                               inter=layer.gate_up.out_features // 2, qkv_n=layer.qkv.out_features,
+                               eps=a.rms_norm_eps, attn_scale=a.head_dim ** -0.5, kv_fmt=int(kv.fmt == "nvfp4"),
+                               num_slots=kv.num_pages * kv.page_size, **fns)
+    pages = kv.layer_pages[layer.idx]
+    args.kc, args.vc = pages[0].data_ptr(), pages[-2 if kv.fmt == "nvfp4" else 1].data_ptr()
+    if kv.fmt == "nvfp4":
+        args.ks, args.vs = pages[1].data_ptr(), pages[3].data_ptr()
+    return args
+
+
+class _Plan:
+    """A layer's C arguments and the Python objects they point into, refreshed only when a weight
+    load (finalize) or load_state_dict changed one of its linears."""
+
+    def __init__(self, layer, kv):
+        self.kv, self.args = kv, _static_args(layer, kv)
+        self.linears = tuple(getattr(layer, n) for n in _LINEARS)
+        self.weights = tuple(lin.weight for lin in self.linears)
+        self.layer, self.key, self.keep = layer, None, None
+
+    def refresh(self) -> None:
+        key = tuple((lin._generation, w._version) for lin, w in zip(self.linears, self.weights))
+        if key == self.key:
+            return
+        layer, args = self.layer, self.args
+        keep = [lin.weight_t() for lin in self.linears]
+        args.qkv_wt, args.o_wt, args.gu_wt, args.down_wt = (w.data_ptr() for w in keep)
+        args.in_norm, args.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+        if layer.arch.qk_norm:
+            args.q_norm, args.k_norm = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
+        qkv, o = self.linears[0], self.linears[1]
+        args.qkv_b = qkv.bias.data_ptr() if qkv.bias is not None else None
+        args.o_b = o.bias.data_ptr() if o.bias is not None else None
+        for i, lin in enumerate(self.linears):
+            static = lin.input_global_scale
+            args.act_mode[i] = 0 if lin.act_fmt is None else (1 if static is None else 2)
+            args.act_gs[i] = static.data_ptr() if static is not None else None
+            keep.append(static)
+        self.key, self.keep = key, keep
+
+
+def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, rot, capture) -> torch.Tensor:
+    """x (the residual stream) += residual, then the layer; returns its MLP output (the next residual)."""
+    plan = layer.__dict__.get("_c_plan")
+    if plan is None or plan.kv is not kv:
+        plan = layer.__dict__["_c_plan"] = _Plan(layer, kv)
+    plan.refresh()
+    args, t = plan.args, x.shape[0]
+    table, row_seq, row_len, _ = batch.attention_layout()
+    caps = _capture_buffers(plan, args, t, capture)
+    if kv.fmt == "nvfp4":
+        args.sdec_k, args.sdec_v = batch.kv_decode_scales[layer.idx]
+        gs = kv.global_scale.data_ptr() + 8 * layer.idx  # [layers, 2] fp32, contiguous
+        args.gs_k, args.gs_v = gs, gs + 4
+    out = torch.empty_like(x)
+    args.T, args.x, args.res_out = t, x.data_ptr(), out.data_ptr()
+    args.res_in = None if residual is None else residual.data_ptr()
+    args.cos, args.sin, args.pos = rot[0].data_ptr(), rot[1].data_ptr(), batch.positions.data_ptr()
+    args.table, args.ldt, args.row_seq, args.row_len = table.data_ptr(), table.stride(0), row_seq.data_ptr(), \
+        row_len.data_ptr()
+    args.write_slots = batch.write_slots.data_ptr()
+    cpu_layer.run(args, x.dtype)
+    if caps:
+        _report(layer, caps, batch, kv, capture)
+    return out
+
+
+def _capture_buffers(plan: _Plan, args, t: int, capture) -> list | None:
+    """Point the quantizers of captured linears at fresh tensors (None: nothing captured)."""
+    if capture is None:
+        if plan.__dict__.get("capturing"):
+            for i in range(4):
+                args.cap_data[i] = args.cap_scale[i] = args.cap_gs[i] = None
+            plan.capturing = False
+        return None
+    plan.capturing = True
+    caps = []
+    for i, lin in enumerate(plan.linears):
+        args.cap_data[i] = args.cap_scale[i] = args.cap_gs[i] = None
+        if lin.act_fmt != "nvfp4":
+            continue
+        k = lin.in_features
+        data, scale = torch.empty(t, k // 2, dtype=torch.uint8), torch.empty(t, k // 16, dtype=torch.uint8)
+        gs = torch.empty(t, dtype=torch.float32) if lin.input_global_scale is None else lin.input_global_scale
+        args.cap_data[i], args.cap_scale[i], args.cap_gs[i] = data.data_ptr(), scale.data_ptr(), gs.data_ptr()
+        caps.append((lin.site, data, scale, gs))
+    return caps or [None]
+
+
+def _report(layer, caps, batch, kv, capture) -> None:
+    for cap in caps:
+        if cap is not None:
+            site, data, scale, gs = cap
+            capture(site, NVFP4Tensor(data, scale, gs))
+    if kv.fmt == "nvfp4":  # K and V as the pages now hold them
+        slots = batch.write_slots
+        pages = kv.layer_pages[layer.idx]
+        for which in (0, 1):
+            capture(layer.kv_sites[which], NVFP4Tensor(pages[2 * which].index_select(0, slots),
+                                                       pages[2 * which + 1].index_select(0, slots),
+                                                       kv.global_scale[layer.idx, which].clone()))
