@@ -21,7 +21,7 @@ import ctypes
 
 import torch
 
-from megatron_trace.fp4.fast import compile_library, decode_tables
+from megatron_trace.fp4.fast import E2M1_DECODE_C, compile_library, decode_tables
 
 ENABLED = True  # set False (before first use) to force the engine's torch path, e.g. when bisecting
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -64,9 +64,8 @@ static inline float fexp(float x) {
     return p * s.f;
 }
 
-/* GCC/Clang vector extensions: explicit 8-lane SIMD that stays portable (AVX on x86, NEON pairs on Arm). */
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
+/* v8f, v8u, SHUF: GCC/Clang vector extensions from fp4's E2M1_DECODE_C (explicit 8-lane SIMD that stays
+   portable: AVX on x86, NEON pairs on Arm). */
 typedef uint16_t v8h __attribute__((vector_size(16)));
 static inline v8f ld8_f32(const float* p) { v8f v; memcpy(&v, p, sizeof v); return v; }
 static inline v8f ld8_bf16(const uint16_t* p) {
@@ -75,12 +74,15 @@ static inline v8f ld8_bf16(const uint16_t* p) {
     v8f f; memcpy(&f, &u, sizeof f);
     return f;
 }
-typedef int32_t v8i __attribute__((vector_size(32)));
-#if defined(__clang__)
-#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
-#endif
+static inline v8f rnd8_f32(v8f x) { return x; }
+static inline v8f rnd8_bf16(v8f x) {  /* round to bf16 and back, nearest even (no NaN reaches here) */
+    v8u u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
 /* [sum(a0), ..., sum(a7)]: eight horizontal sums in 12 vector ops instead of 8 x 7 scalar adds */
 static inline v8f hsum8x8(const v8f* a) {
     v8f t[4], u[2];
@@ -93,21 +95,6 @@ static inline v8f hsum8x8(const v8f* a) {
 static inline float hsum8(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
 
 
-/* Greedy pick of each row of fp32 logits [B, V] and its log-softmax: tok = first argmax,
-   lp = (x[tok] - max) - log(sum(exp(x - max))), log_softmax's formula. */
-void greedy_logprob(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp) {
-    for (int64_t b = 0; b < B; b++) {
-        const float* r = x + b * V;
-        int64_t best = 0;
-        for (int64_t i = 1; i < V; i++) if (r[i] > r[best]) best = i;
-        const float m = r[best];
-        double s = 0.0;
-        for (int64_t i = 0; i < V; i++) s += expf(r[i] - m);
-        tok[b] = best;
-        lp[b] = (float)(-log(s));
-    }
-}
-
 static inline float sum(const float* a, int64_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
@@ -116,6 +103,24 @@ static inline float sum(const float* a, int64_t n) {
     float s = 0.f;
     for (; i < n; i++) s += a[i];
     return s + ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* Greedy pick of each row of fp32 logits [B, V] and its log-softmax: tok = first argmax,
+   lp = (x[tok] - max) - log(sum(exp(x - max))), log_softmax's formula (vectorized exp). */
+int greedy_logprob(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp) {
+    float* e = malloc((size_t)(V > 0 ? V : 1) * sizeof(float));
+    if (!e) return 1;
+    for (int64_t b = 0; b < B; b++) {
+        const float* r = x + b * V;
+        int64_t best = 0;
+        for (int64_t i = 1; i < V; i++) if (r[i] > r[best]) best = i;
+        const float m = r[best];
+        for (int64_t i = 0; i < V; i++) e[i] = fexp(r[i] - m);
+        tok[b] = best;
+        lp[b] = -logf(sum(e, V));
+    }
+    free(e);
+    return 0;
 }
 
 static inline float dot(const float* a, const float* b, int64_t n) {
@@ -272,13 +277,15 @@ int paged_attention_@S(const @T* q, const @T* kc, const @T* vc, const int64_t* t
    dtype((grid[code] * lut[scale]) * s_dec), one row at a time into a buffer, never a gathered copy. */
 static void nvfp4_row_@S(const uint8_t* c, const uint8_t* s, int64_t n, const float* lut, const float* grid,
                          float sdec, float* out) {
+    (void)grid;  /* the E2M1 values are built from the code bits (e2m1x16), equal to the grid's */
     for (int64_t b = 0; b < n / 16; b++) {
         const float sf = lut[s[b]];
-        for (int j = 0; j < 8; j++) {
-            const uint8_t byte = c[b * 8 + j];
-            out[b * 16 + 2 * j] = rnd_@S((grid[byte & 15] * sf) * sdec);
-            out[b * 16 + 2 * j + 1] = rnd_@S((grid[byte >> 4] * sf) * sdec);
-        }
+        v8f lo, hi;
+        e2m1x16(c + b * 8, &lo, &hi);
+        lo = rnd8_@S((lo * sf) * sdec);
+        hi = rnd8_@S((hi * sf) * sdec);
+        memcpy(out + b * 16, &lo, sizeof lo);
+        memcpy(out + b * 16 + 8, &hi, sizeof hi);
     }
 }
 
@@ -350,7 +357,7 @@ _SRC = None  # the C source: these kernels + cpu_layer's, per dtype, built on fi
 def _source() -> str:
     from .cpu_layer import LAYER_BODY, LAYER_HEADER
 
-    return _HEADER + LAYER_HEADER + "".join((_BODY + LAYER_BODY).replace("@S", sfx).replace("@T", ctype)
+    return E2M1_DECODE_C + _HEADER + LAYER_HEADER + "".join((_BODY + LAYER_BODY).replace("@S", sfx).replace("@T", ctype)
                                             for sfx, ctype in (("f32", "float"), ("bf16", "uint16_t")))
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -375,7 +382,7 @@ def _lib():
                         fn = getattr(lib, f"{name}_{sfx}")
                         fn.argtypes = args
                         fn.restype = ctypes.c_int if name.startswith("paged_attention") else None
-                    lib.greedy_logprob.argtypes, lib.greedy_logprob.restype = [_P, _I, _I, _P, _P], None
+                    lib.greedy_logprob.argtypes, lib.greedy_logprob.restype = [_P, _I, _I, _P, _P], ctypes.c_int
                     layer = getattr(lib, f"decode_layer_{sfx}")
                     layer.argtypes, layer.restype = [ctypes.c_void_p], ctypes.c_int
             except Exception:  # no compiler: the engine's torch path still works
@@ -459,7 +466,8 @@ def greedy_logprob(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     """(argmax, log_softmax at the argmax) of each row of contiguous fp32 logits [B, V], as lists."""
     b, v = logits.shape
     tok, lp = torch.empty(b, dtype=torch.int64), torch.empty(b, dtype=torch.float32)
-    _lib().greedy_logprob(logits.data_ptr(), b, v, tok.data_ptr(), lp.data_ptr())
+    if _lib().greedy_logprob(logits.data_ptr(), b, v, tok.data_ptr(), lp.data_ptr()):
+        raise MemoryError(f"greedy_logprob: no memory for a row of {v} logits")
     return tok.tolist(), lp.tolist()
 
 

@@ -22,7 +22,41 @@ import torch
 from . import nvfp4
 from .codecs import _boundaries, e2m1_grid
 
-_SRC = r"""
+# E2M1 decoding for C: this library's dequantizers and the engine's fused kernels (kernels/cpu_fused.py)
+# compile this one definition, so FP4 decoding lives here only.
+E2M1_DECODE_C = r"""
+#include <stdint.h>
+#include <string.h>
+/* GCC/Clang vector extensions: explicit 8-lane SIMD that stays portable (AVX on x86, NEON pairs on Arm). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* 16 E2M1 values of 8 packed bytes (low nibble first) as fp32, built from the code bits: sign bit 3,
+   exponent bits 2-1 (0: subnormal, 0 or 0.5), mantissa bit 0; equal to e2m1_grid, -0.0 included. */
+static inline v8u e2m1_bits(v8u n) {
+    const v8u sign = (n >> 3) << 31, e = (n >> 1) & 3, m = n & 1;
+    const v8u normal = sign | ((e + 126) << 23) | (m << 22), sub = sign | (m * 0x3F000000u);
+    const v8u is_normal = (v8u)(e != 0);
+    return (normal & is_normal) | (sub & ~is_normal);
+}
+static inline void e2m1x16(const uint8_t* c, v8f* lo, v8f* hi) {
+    v8b b;
+    memcpy(&b, c, sizeof b);
+    const v8u u = __builtin_convertvector(b, v8u), n0 = e2m1_bits(u & 15), n1 = e2m1_bits(u >> 4);
+    const v8u a = SHUF(n0, n1, 0, 8, 1, 9, 2, 10, 3, 11), z = SHUF(n0, n1, 4, 12, 5, 13, 6, 14, 7, 15);
+    memcpy(lo, &a, sizeof a);
+    memcpy(hi, &z, sizeof z);
+}
+"""
+
+_SRC = E2M1_DECODE_C + r"""
 #include <stdint.h>
 #include <math.h>
 #include <float.h>
@@ -51,13 +85,21 @@ int nvfp4_qdq(const float* x, int64_t R, int64_t K, const float* gs_in, const fl
         const float* xr = x + r * K;
         float ramax = 0.f;
         int nan = 0;
-        for (int64_t b = 0; b < nb; b++) {
+        for (int64_t b = 0; b < nb; b++) {  /* block amax: two 8-lane halves, then 8 lanes */
+            v8u u0, u1;
+            memcpy(&u0, xr + b * 16, sizeof u0);
+            memcpy(&u1, xr + b * 16 + 8, sizeof u1);
+            u0 &= 0x7fffffffu;
+            u1 &= 0x7fffffffu;
+            v8f a0, a1;
+            memcpy(&a0, &u0, sizeof a0);
+            memcpy(&a1, &u1, sizeof a1);
+            const v8u bad = (v8u)(a0 != a0) | (v8u)(a1 != a1), gt = (v8u)(a0 > a1);
+            const v8u mu = (u0 & gt) | (u1 & ~gt);
+            float mv[8];
+            memcpy(mv, &mu, sizeof mv);
             float m = 0.f;
-            for (int j = 0; j < 16; j++) {
-                const float a = fabsf(xr[b * 16 + j]);
-                nan |= a != a;
-                m = a > m ? a : m;
-            }
+            for (int j = 0; j < 8; j++) { m = mv[j] > m ? mv[j] : m; nan |= bad[j] != 0; }
             bam[b] = m;
             ramax = m > ramax ? m : ramax;
         }
@@ -89,9 +131,13 @@ int nvfp4_qdq(const float* x, int64_t R, int64_t K, const float* gs_in, const fl
             }
             uint8_t* db = data + r * (K / 2) + b * 8;
             for (int j = 0; j < 8; j++) db[j] = (uint8_t)(code[2 * j] | (code[2 * j + 1] << 4));
-            if (xhat) {
-                float* ob = xhat + r * K + b * 16;
-                for (int j = 0; j < 16; j++) ob[j] = (grid[code[j]] * sfd) * sdec;
+            if (xhat) {  /* from the packed bytes just written: (e2m1 * sfd) * sdec, as dequantize */
+                v8f lo, hi;
+                e2m1x16(db, &lo, &hi);
+                lo = (lo * sfd) * sdec;
+                hi = (hi * sfd) * sdec;
+                memcpy(xhat + r * K + b * 16, &lo, sizeof lo);
+                memcpy(xhat + r * K + b * 16 + 8, &hi, sizeof hi);
             }
         }
     }
@@ -124,11 +170,12 @@ void nvfp4_gather_dequant(const uint8_t* codes, const uint8_t* scales, const int
         float* o = out + n * row;
         for (int64_t b = 0; b < row / 16; b++) {
             const float sfd = lut[sc[b]];
-            for (int j = 0; j < 8; j++) {
-                uint8_t byte = c[b * 8 + j];
-                o[b * 16 + 2 * j] = (grid[byte & 15] * sfd) * sdec;
-                o[b * 16 + 2 * j + 1] = (grid[byte >> 4] * sfd) * sdec;
-            }
+            v8f lo, hi;
+            e2m1x16(c + b * 8, &lo, &hi);
+            lo = (lo * sfd) * sdec;
+            hi = (hi * sfd) * sdec;
+            memcpy(o + b * 16, &lo, sizeof lo);
+            memcpy(o + b * 16 + 8, &hi, sizeof hi);
         }
     }
 }
