@@ -101,6 +101,14 @@ int decode_layer_@S(const layer_args* a) {
                      a->lut, a->grid, a->bnd, a->one_sixth, (uint8_t*)(which ? a->vc : a->kc),
                      (uint8_t*)(which ? a->vs : a->ks));
             if (rc) { rc = rc == 1 ? 1 : rc + 1; goto out; }
+            uint8_t *cd = (uint8_t*)a->cap_kv[2 * which], *cs = (uint8_t*)a->cap_kv[2 * which + 1];
+            const uint8_t *pd = (const uint8_t*)(which ? a->vc : a->kc), *ps = (const uint8_t*)(which ? a->vs : a->ks);
+            const int64_t nd = Hkv * D / 2, ns = Hkv * D / 16;
+            if (cd)  /* guidance: the codes and scales just written, row by row */
+                for (int64_t t = 0; t < T; t++) {
+                    memcpy(cd + t * nd, pd + a->write_slots[t] * nd, (size_t)nd);
+                    memcpy(cs + t * ns, ps + a->write_slots[t] * ns, (size_t)ns);
+                }
         }
         rc = paged_attention_nvfp4_@S(q, a->kc, a->ks, a->vc, a->vs, a->sdec_k, a->sdec_v, a->lut, a->grid, a->table,
                                       a->ldt, a->row_seq, a->row_len, T, H, Hkv, D, a->attn_scale, att);
@@ -135,6 +143,7 @@ typedef struct {
     int64_t act_mode[4];           /* per linear (qkv, o, gate_up, down): 0 none, 1 NVFP4 per token, 2 static */
     const float* act_gs[4];
     void *cap_data[4], *cap_scale[4], *cap_gs[4];
+    void* cap_kv[4];               /* NVFP4 KV guidance: K codes, K scales, V codes, V scales [T, ...] */
     int64_t kv_fmt;                /* 0: pages in the dtype, 1: NVFP4 codes + scales */
     void *kc, *vc, *ks, *vs;
     const float *gs_k, *gs_v;
@@ -165,7 +174,7 @@ class LayerArgs(ctypes.Structure):
                 + [(n, _P) for n in ("in_norm", "post_norm", "q_norm", "k_norm", "qkv_wt", "qkv_b", "o_wt", "o_b",
                                      "gu_wt", "down_wt")]
                 + [("act_mode", _I * 4), ("act_gs", _P * 4), ("cap_data", _P * 4), ("cap_scale", _P * 4),
-                   ("cap_gs", _P * 4), ("kv_fmt", _I), ("kc", _P), ("vc", _P), ("ks", _P), ("vs", _P),
+                   ("cap_gs", _P * 4), ("cap_kv", _P * 4), ("kv_fmt", _I), ("kc", _P), ("vc", _P), ("ks", _P), ("vs", _P),
                    ("gs_k", _P), ("gs_v", _P), ("sdec_k", _F), ("sdec_v", _F), ("write_slots", _P), ("num_slots", _I),
                    ("table", _P), ("row_seq", _P), ("row_len", _P), ("ldt", _I), ("cos", _P), ("sin", _P),
                    ("pos", _P), ("x", _P), ("res_in", _P), ("res_out", _P), ("qdq", _P), ("q2slots", _P),

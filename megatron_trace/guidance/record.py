@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from megatron_trace.fp4 import RolloutRounding, mantissa_bits_packed
@@ -109,25 +110,28 @@ class GuidanceRecord:
 
     def to_bytes(self) -> bytes:
         """safetensors bytes (any safetensors reader loads them), written directly: a record is
-        dozens of tiny tensors, for which safetensors.torch.save's per-tensor overhead dominates."""
-        # float32 first (as safetensors orders by alignment): every tensor can be viewed in place
-        tensors = {f"{name}/global_scale": s.global_scale for name, s in self.sites.items()}
-        tensors.update({f"{name}/{k}": t for name, s in self.sites.items() for k, t in (("scale", s.scale),
-                                                                                        ("payload", s.payload))})
+        dozens of tiny tensors, for which safetensors.torch.save's per-tensor overhead dominates.
+        float32 tensors come first (safetensors orders by alignment), so readers can view each
+        tensor in place."""
+        items = [(f"{n}/global_scale", s.global_scale) for n, s in self.sites.items()]
+        items += [(f"{n}/{k}", t) for n, s in self.sites.items() for k, t in (("scale", s.scale), ("payload", s.payload))]
         meta = {"sample_id": self.sample_id, "mode": self.mode, "num_positions": str(self.num_positions),
                 "sites": json.dumps(list(self.sites))}
-        header: dict = {"__metadata__": meta}
-        blobs, offset = [], 0
-        for name, t in tensors.items():
-            if t.dtype not in _ST_DTYPES:
+        head, blobs, offset = ['{"__metadata__":', json.dumps(meta)], [], 0
+        for name, t in items:
+            code = _ST_DTYPES.get(t.dtype)
+            if code is None:
                 raise ValueError(f"guidance tensor {name} has dtype {t.dtype}; records hold uint8 and float32")
-            b = t.detach().cpu().contiguous().numpy().tobytes()
-            header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
-            blobs.append(b)
-            offset += len(b)
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)  # safetensors aligns the data section to 8 bytes
-        return b"".join([len(head).to_bytes(8, "little"), head, *blobs])
+            a = (t if t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
+                 else t.detach().cpu().contiguous()).numpy()
+            shape = ",".join(map(str, a.shape))
+            head.append(f',{json.dumps(name)}:{{"dtype":"{code}","shape":[{shape}],'
+                        f'"data_offsets":[{offset},{offset + a.nbytes}]}}')
+            blobs.append(a.reshape(-1).view("u1"))
+            offset += a.nbytes
+        header = ("".join(head) + "}").encode()
+        header += b" " * (-len(header) % 8)  # safetensors aligns the data section to 8 bytes
+        return b"".join([len(header).to_bytes(8, "little"), header, *blobs])
 
     @classmethod
     def from_bytes(cls, data: bytes) -> GuidanceRecord:
@@ -177,7 +181,8 @@ def _metadata(data: bytes) -> dict[str, str]:
 
 
 def _tensor(name: str, info, buf: bytearray) -> torch.Tensor:
-    """One tensor of the data section, checked: known dtype, offsets inside the data, size = shape."""
+    """One tensor of the data section, checked: known dtype, offsets inside the data, size = shape;
+    a view of `buf` when aligned, else a copy (numpy views: a fraction of torch's per-call cost)."""
     try:
         dtype, shape, (start, end) = _ST_TORCH[info["dtype"]], [int(d) for d in info["shape"]], info["data_offsets"]
     except (KeyError, TypeError, ValueError):
@@ -185,15 +190,15 @@ def _tensor(name: str, info, buf: bytearray) -> torch.Tensor:
     numel = 1
     for d in shape:
         numel *= d
-    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= len(buf)) or min(shape, default=0) < 0:
-        raise ValueError(f"guidance tensor {name}: data offsets {[start, end]} outside the {len(buf)} data bytes")
+    n = len(buf)
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n) or min(shape, default=0) < 0:
+        raise ValueError(f"guidance tensor {name}: data offsets {[start, end]} outside the {n} data bytes")
     if end - start != numel * (4 if dtype is torch.float32 else 1):
         raise ValueError(f"guidance tensor {name}: {end - start} bytes do not hold shape {shape} of {info['dtype']}")
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    if dtype is torch.float32 and start % 4:  # safetensors aligns every tensor; a misaligned one is copied
+    np_dtype = np.float32 if dtype is torch.float32 else np.uint8
+    if dtype is torch.float32 and start % 4:
         return torch.frombuffer(bytearray(buf[start:end]), dtype=dtype).reshape(shape)
-    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=start).reshape(shape)
+    return torch.from_numpy(np.frombuffer(buf, dtype=np_dtype, count=numel, offset=start).reshape(shape))
 
 
 def layer_of(site: str) -> int:

@@ -94,41 +94,53 @@ def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, 
     args.write_slots = batch.write_slots.data_ptr()
     cpu_layer.run(args, x.dtype)
     if caps:
-        _report(layer, caps, batch, kv, capture)
+        _report(caps, capture)
     return out
 
 
 def _capture_buffers(plan: _Plan, args, t: int, capture) -> list | None:
-    """Point the quantizers of captured linears at fresh tensors (None: nothing captured)."""
+    """Point the quantizers of captured sites at the guidance log's rows for this step (capture
+    fns with `.buffers`), else at fresh tensors reported after the call. None: nothing captured."""
     if capture is None:
         if plan.__dict__.get("capturing"):
             for i in range(4):
-                args.cap_data[i] = args.cap_scale[i] = args.cap_gs[i] = None
+                args.cap_data[i] = args.cap_scale[i] = args.cap_gs[i] = args.cap_kv[i] = None
             plan.capturing = False
         return None
     plan.capturing = True
+    direct = getattr(capture, "buffers", None)
     caps = []
+    layer, a = plan.layer, plan.layer.arch
     for i, lin in enumerate(plan.linears):
         args.cap_data[i] = args.cap_scale[i] = args.cap_gs[i] = None
         if lin.act_fmt != "nvfp4":
             continue
-        k = lin.in_features
-        data, scale = torch.empty(t, k // 2, dtype=torch.uint8), torch.empty(t, k // 16, dtype=torch.uint8)
-        gs = torch.empty(t, dtype=torch.float32) if lin.input_global_scale is None else lin.input_global_scale
-        args.cap_data[i], args.cap_scale[i], args.cap_gs[i] = data.data_ptr(), scale.data_ptr(), gs.data_ptr()
-        caps.append((lin.site, data, scale, gs))
-    return caps or [None]
-
-
-def _report(layer, caps, batch, kv, capture) -> None:
-    for cap in caps:
-        if cap is not None:
-            site, data, scale, gs = cap
-            capture(site, NVFP4Tensor(data, scale, gs))
-    if kv.fmt == "nvfp4":  # K and V as the pages now hold them
-        slots = batch.write_slots
-        pages = kv.layer_pages[layer.idx]
+        k, static = lin.in_features, lin.input_global_scale
+        if direct is not None:
+            data, scale, gs = direct(lin.site, (k // 2,), (k // 16,), (),
+                                     static_gs=None if static is None else static.clone())
+        else:
+            data, scale = torch.empty(t, k // 2, dtype=torch.uint8), torch.empty(t, k // 16, dtype=torch.uint8)
+            gs = torch.empty(t, dtype=torch.float32) if static is None else None
+            caps.append((lin.site, data, scale, static if gs is None else gs))
+        args.cap_data[i], args.cap_scale[i] = data.data_ptr(), scale.data_ptr()
+        args.cap_gs[i] = None if gs is None else gs.data_ptr()
+    for i in range(4):
+        args.cap_kv[i] = None
+    if plan.kv.fmt == "nvfp4":  # the kernel copies the new K/V codes and scales here
+        rows, kv = ((a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16)), []
         for which in (0, 1):
-            capture(layer.kv_sites[which], NVFP4Tensor(pages[2 * which].index_select(0, slots),
-                                                       pages[2 * which + 1].index_select(0, slots),
-                                                       kv.global_scale[layer.idx, which].clone()))
+            static = plan.kv.global_scale[layer.idx, which].clone()
+            if direct is not None:
+                kv += direct(layer.kv_sites[which], *rows, (), static_gs=static)[:2]
+            else:
+                kv += [torch.empty(t, *r, dtype=torch.uint8) for r in rows]
+                caps.append((layer.kv_sites[which], kv[-2], kv[-1], static))
+        for i, buf in enumerate(kv):
+            args.cap_kv[i] = buf.data_ptr()
+    return caps or None
+
+
+def _report(caps, capture) -> None:
+    for site, data, scale, gs in caps:
+        capture(site, NVFP4Tensor(data, scale, gs))

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_trace.guidance import GuidanceRecord, SiteRecord, make_site
+from megatron_trace.guidance import GuidanceRecord, SiteRecord
 
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams
 
+from .guidance_log import GuidanceLog
 from .kv_cache import PagedKVCache
 from .model import ForwardBatch, QwenEngineModel
 from .sampling import sample_batch
@@ -47,68 +48,6 @@ class Group:
     request: GenerateRequest
     rids: list[str]
     seqs: list[Sequence] = field(default_factory=list)
-
-
-class GuidanceLog:
-    """Quantized inputs of the guided sites, step by step, for the samples that want guidance.
-
-    A step only keeps references to its quantizer outputs (no per-sample work while decoding);
-    a sample holds the global row numbers of its positions. When samples finish, the pending
-    steps are concatenated once per site, converted to the record mode once, and each finished
-    sample's rows are gathered with one index per site. Rows nobody alive needs are dropped.
-    """
-
-    def __init__(self, mode: str):
-        self.mode = mode
-        self.rows = 0  # global row counter
-        self.pending: list[tuple[int, dict]] = []  # (first row, {site: NVFP4Tensor}) per step
-        self.base, self.chunk = 0, None  # consolidated rows [base, base + len) per site: SiteRecord
-
-    def add_step(self, store: dict, num_rows: int) -> int:
-        first = self.rows
-        self.pending.append((first, store))
-        self.rows += num_rows
-        return first
-
-    def _consolidate(self, keep_from: int) -> None:
-        parts: dict[str, list[SiteRecord]] = {}  # site -> row blocks, oldest first
-        if self.chunk is not None:
-            n = next(iter(self.chunk.values())).positions() if self.chunk else 0
-            cut = min(max(keep_from - self.base, 0), n)
-            self.base += cut
-            parts = {site: [r.select(cut, n)] for site, r in self.chunk.items()}
-        elif self.pending:
-            self.base = self.pending[0][0]
-        if self.pending:  # one mode conversion per site over every pending step
-            for site in self.pending[0][1]:
-                qs = [store[site] for _, store in self.pending]
-                gs = qs[0].global_scale if qs[0].global_scale.dim() == 0 else torch.cat([q.global_scale for q in qs])
-                rec = make_site(torch.cat([q.scale for q in qs]), gs, torch.cat([q.data for q in qs]), self.mode)
-                parts.setdefault(site, []).append(rec)
-        self.pending = []
-        self.chunk = {}
-        for site, ps in parts.items():
-            gs = ps[0].global_scale if ps[0].global_scale.dim() == 0 else torch.cat([p.global_scale for p in ps])
-            self.chunk[site] = SiteRecord(torch.cat([p.scale for p in ps]), gs, torch.cat([p.payload for p in ps]))
-
-    def gather(self, finished: list[Sequence], alive: list[Sequence]) -> None:
-        """Set s.guidance for each finished sample; then drop what no alive sample needs."""
-        keep_from = min([s.guidance_rows[0] for s in finished + alive if s.guidance_rows] or [self.rows])
-        self._consolidate(keep_from)
-        lens = [len(s.guidance_rows) for s in finished]
-        idx = torch.tensor([r - self.base for s in finished for r in s.guidance_rows], dtype=torch.long)
-        per_seq = [dict() for _ in finished]
-        for site, rec in self.chunk.items():
-            gs = rec.global_scale
-            cols = [rec.scale.index_select(0, idx).split(lens), rec.payload.index_select(0, idx).split(lens),
-                    [gs] * len(lens) if gs.dim() == 0 else gs.index_select(0, idx).split(lens)]
-            for d, sc, pl, g in zip(per_seq, cols[0], cols[1], cols[2]):
-                d[site] = SiteRecord(sc, g, pl)
-        for s, d in zip(finished, per_seq):
-            s.guidance, s.guidance_rows = d, []
-        alive_rows = [s.guidance_rows[0] for s in alive if s.guidance_rows]
-        if not alive_rows:  # nothing left to serve: forget everything
-            self.pending, self.chunk = [], None
 
 
 class Scheduler:
@@ -168,6 +107,7 @@ class Scheduler:
         return admitted
 
     # -- one iteration -----------------------------------------------------------------------
+    @torch.inference_mode()  # every tensor a step makes (KV, guidance rows) lives in inference mode
     def step(self) -> list[Sequence]:
         """Prefill newly admitted groups, or decode every running sequence; returns finished ones."""
         self.in_flight = []
@@ -197,20 +137,22 @@ class Scheduler:
         """capture fn and a commit fn that logs the step's sites and each sample's rows."""
         if not any(s.want_guidance for seqs, _, _ in seqs_rows for s in seqs):
             return None, None
-        store: dict[str, object] = {}
-        guided = self._guided_site
+        log, guided = self.log, self._guided_site
+        first = log.reserve(num_rows)
 
         def capture(site: str, q) -> None:
             g = guided.get(site)
             if g is None:
                 g = guided[site] = int(site.split(".")[2]) in self.guided_layers
             if g:
-                store[site] = q
+                log.store(site, first, q)
 
         capture.layers = self.guided_layers  # the model skips capture work in the other layers
+        # the C layer writes its quantizers' outputs straight into the log's rows
+        capture.buffers = lambda site, *rows, static_gs=None: log.buffers(site, first, num_rows, *rows,
+                                                                          static_gs=static_gs)
 
         def commit() -> None:
-            first = self.log.add_step(store, num_rows)
             for seqs, a, b in seqs_rows:
                 for s in seqs:
                     if s.want_guidance:

@@ -1,0 +1,100 @@
+"""Where the engine keeps the quantized inputs of guided sites between decode steps.
+
+    step k reserves rows [first, first + rows) ─► quantizers write each site's codes, E4M3 scales
+    and S_enc straight into those rows (the C layer through `buffers`, torch paths through `store`)
+    ─► samples remember their global row numbers ─► when samples finish: one index_select per site
+    and tensor, the mantissa conversion on just those rows, split per sample
+Each site owns three growing arrays (codes, scales, S_enc per row; or one 0-d S_enc when static).
+Rows no live sample needs are dropped from the front once they are the larger part of the arrays.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_trace.fp4.nvfp4 import NVFP4Tensor
+from megatron_trace.guidance import SiteRecord, make_site
+
+
+class _SiteRows:
+    def __init__(self, data_row, scale_row, gs_row, static_gs: torch.Tensor | None, capacity: int):
+        self.data = torch.empty(capacity, *data_row, dtype=torch.uint8)
+        self.scale = torch.empty(capacity, *scale_row, dtype=torch.uint8)
+        self.gs = None if static_gs is not None else torch.empty(capacity, *gs_row, dtype=torch.float32)
+        self.static_gs = static_gs
+
+    def grow(self, capacity: int, keep: int) -> None:
+        for name in ("data", "scale", "gs"):
+            t = getattr(self, name)
+            if t is not None:
+                bigger = torch.empty(capacity, *t.shape[1:], dtype=t.dtype)
+                bigger[:keep] = t[:keep]
+                setattr(self, name, bigger)
+
+    def drop_front(self, cut: int, used: int) -> None:
+        for t in (self.data, self.scale, self.gs):
+            if t is not None:
+                t[: used - cut] = t[cut:used].clone()
+
+
+class GuidanceLog:
+    def __init__(self, mode: str, capacity: int = 1024):
+        self.mode = mode
+        self.base = 0  # global row number of array row 0
+        self.rows = 0  # global rows handed out so far
+        self.capacity = capacity
+        self.sites: dict[str, _SiteRows] = {}
+
+    # -- writing -----------------------------------------------------------------------------------
+    def reserve(self, num_rows: int) -> int:
+        """Rows for one step; returns the first one's global number."""
+        need = self.rows + num_rows - self.base
+        if need > self.capacity:
+            cap = self.capacity
+            while cap < need:
+                cap *= 2
+            for s in self.sites.values():
+                s.grow(cap, self.rows - self.base)
+            self.capacity = cap
+        first = self.rows
+        self.rows += num_rows
+        return first
+
+    def buffers(self, site: str, first: int, num_rows: int, data_row, scale_row, gs_row,
+                static_gs: torch.Tensor | None = None):
+        """(codes, scales, S_enc or None when static) views of rows [first, first + num_rows) to write."""
+        s = self.sites.get(site)
+        if s is None or (s.static_gs is None) != (static_gs is None):
+            s = self.sites[site] = _SiteRows(tuple(data_row), tuple(scale_row), tuple(gs_row), static_gs, self.capacity)
+        a, b = first - self.base, first - self.base + num_rows
+        return s.data[a:b], s.scale[a:b], (None if s.gs is None else s.gs[a:b])
+
+    def store(self, site: str, first: int, q: NVFP4Tensor) -> None:
+        """Copy one quantizer output (rows = the step's rows) into the site's arrays."""
+        static = q.global_scale if q.global_scale.dim() == 0 else None
+        d, sc, gs = self.buffers(site, first, q.data.shape[0], q.data.shape[1:], q.scale.shape[1:],
+                                 q.global_scale.shape[1:], None if static is None else static.clone())
+        d.copy_(q.data)
+        sc.copy_(q.scale)
+        if gs is not None:
+            gs.copy_(q.global_scale)
+
+    # -- reading -----------------------------------------------------------------------------------
+    def gather(self, finished, alive) -> None:
+        """Set s.guidance for each finished sample; drop the front rows no alive sample needs."""
+        lens = [len(s.guidance_rows) for s in finished]
+        idx = torch.tensor([r - self.base for s in finished for r in s.guidance_rows], dtype=torch.long)
+        per_seq = [dict() for _ in finished]
+        for site, s in self.sites.items():
+            rec = make_site(s.scale.index_select(0, idx), s.static_gs if s.gs is None else s.gs.index_select(0, idx),
+                            s.data.index_select(0, idx), self.mode)
+            gs = [rec.global_scale] * len(lens) if rec.global_scale.dim() == 0 else rec.global_scale.split(lens)
+            for d, sc, pl, g in zip(per_seq, rec.scale.split(lens), rec.payload.split(lens), gs):
+                d[site] = SiteRecord(sc, g, pl)
+        for s, d in zip(finished, per_seq):
+            s.guidance, s.guidance_rows = d, []
+        keep_from = min([s.guidance_rows[0] for s in alive if s.guidance_rows] or [self.rows])
+        cut, used = keep_from - self.base, self.rows - self.base
+        if cut > 0 and 2 * cut >= used:  # the dead front is most of the arrays: move the live rows down
+            for s in self.sites.values():
+                s.drop_front(cut, used)
+            self.base = keep_from
