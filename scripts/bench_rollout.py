@@ -20,8 +20,9 @@ hidden 64, MLP 128, 4 layers, 4 heads / 2 KV heads, head_dim 16, vocab 320; `--h
 2. KV bytes per token (get_model_info()["kv_bytes_per_token"]) of dtype="bfloat16" engines: kv auto
    over nvfp4 and over mxfp4.
 3. Guidance capture overhead: the FP4 engine on the batch workload with return_guidance=True (and
-   every record fetched and decoded) vs False, in % of the plain rollout time, for guidance_mode
-   mantissa and full, plus the records' bytes per token.
+   every record fetched as the bytes a trainer receives) vs False, the median over interleaved
+   rounds of each round's extra time in % of its plain rollout, for guidance_mode mantissa and
+   full; decoding the records into tensors (the trainer's side) timed apart; bytes per token.
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ ROW_LABELS = (
     "KV bytes/token BF16 / MXFP4",
     "guidance overhead, mantissa",
     "guidance overhead, full",
+    "guidance decode (trainer side), mantissa",
+    "guidance decode (trainer side), full",
     "guidance bytes/token, mantissa",
     "guidance bytes/token, full",
 )
@@ -141,7 +144,8 @@ def throughput(path: Path, args, prompts) -> tuple[dict, dict | None]:
                 ids = [r["output_ids"] for r in last[name]]
                 ntok = sum(len(i) for i in ids)
                 assert ntok == b * args.new_tokens, f"engine generated {ntok} tokens, expected {b * args.new_tokens}"
-                eng_out[name][b] = (ntok / statistics.median(times[name]), ids)
+                paired = statistics.median(h / e for h, e in zip(times["HF"], times[name])) if hf else None
+                eng_out[name][b] = (ntok / statistics.median(times[name]), ids, paired)
             if hf:
                 new = last["HF"]
                 assert new.shape == (b, args.new_tokens), f"HF generated {tuple(new.shape)}"
@@ -198,27 +202,27 @@ def kv_bytes(path: Path, args) -> dict:
 
 # -- 3. guidance overhead ----------------------------------------------------------------------
 def guidance_overhead(path: Path, args, prompts, mode: str) -> dict:
+    """Rollout time with return_guidance=True and every record fetched (the bytes a trainer
+    receives) against the same rollout without guidance; decoding the records back into tensors is
+    the trainer's work and timed apart."""
     from megatron_trace.guidance import GuidanceRecord
 
     eng = make_engine(path, args, quantization="nvfp4", kv_cache_dtype="nvfp4", guidance_mode=mode)
     sp = engine_params(args)
     batch = prompts[: args.batch]
-    bpt: list[float] = []
+    fetched: list[bytes] = []
 
     def plain():
         return eng.generate(input_ids=batch, sampling_params=sp, return_logprob=True)
 
     def guided():
         res = eng.generate(input_ids=batch, sampling_params=sp, return_logprob=True, return_guidance=True)
-        bpt.clear()
-        for r in res:
-            rec = GuidanceRecord.from_bytes(eng.fetch_guidance(r["meta_info"]["guidance_handle"]))
-            bpt.append(rec.bytes_per_token())
+        fetched[:] = [eng.fetch_guidance(r["meta_info"]["guidance_handle"]) for r in res]
         return res
 
     try:
         plain(), guided()  # warm-up both paths
-        t_plain, t_guided = [], []
+        t_plain, t_guided, t_decode = [], [], []
         for _ in range(args.runs):  # interleaved, so drift on a shared machine hits both alike
             t0 = time.perf_counter()
             plain()
@@ -226,11 +230,15 @@ def guidance_overhead(path: Path, args, prompts, mode: str) -> dict:
             t0 = time.perf_counter()
             guided()
             t_guided.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            records = [GuidanceRecord.from_bytes(b) for b in fetched]
+            t_decode.append(time.perf_counter() - t0)
     finally:
         eng.shutdown()
-    p, g = statistics.median(t_plain), statistics.median(t_guided)
-    return {"plain_s": p, "guided_s": g, "overhead_pct": 100.0 * (g - p) / p,
-            "bytes_per_token": statistics.mean(bpt) if bpt else float("nan")}
+    p, g, d = statistics.median(t_plain), statistics.median(t_guided), statistics.median(t_decode)
+    pairs = statistics.median(100.0 * (b - a) / a for a, b in zip(t_plain, t_guided))
+    return {"plain_s": p, "guided_s": g, "overhead_pct": pairs, "decode_s": d,
+            "bytes_per_token": statistics.mean(r.bytes_per_token() for r in records) if records else float("nan")}
 
 
 # -- profile -----------------------------------------------------------------------------------
@@ -280,10 +288,10 @@ def build_table(args, eng_tp: dict, hf_tp: dict | None, kv: dict, guid: dict) ->
             if hf_tp is None:
                 lines.append(f"| {label} | {e:.0f} tok/s | (HF skipped) | - | - | - |")
                 continue
-            h = hf_tp[b][0]
+            h, r = hf_tp[b][0], eng_tp[name][b][2]  # r: median over rounds of HF time / engine time
             goal = GOAL_SPEEDUP if b == B else None
-            lines.append(f"| {label} | {e:.0f} tok/s | HF {h:.0f} tok/s | {e / h:.2f}x | "
-                         f"{'>= %.0fx' % goal if goal else '-'} | {_met(None if goal is None else e / h >= goal)} |")
+            lines.append(f"| {label} | {e:.0f} tok/s | HF {h:.0f} tok/s | {r:.2f}x | "
+                         f"{'>= %.0fx' % goal if goal else '-'} | {_met(None if goal is None else r >= goal)} |")
     for fmt in ("nvfp4", "mxfp4"):
         r = kv["auto"] / kv[fmt]
         goal = GOAL_KV_RATIO if fmt == "nvfp4" else None
@@ -294,6 +302,10 @@ def build_table(args, eng_tp: dict, hf_tp: dict | None, kv: dict, guid: dict) ->
         lines.append(f"| guidance overhead, {mode} | {g['guided_s']:.3f} s with guidance | {g['plain_s']:.3f} s without | "
                      f"{g['overhead_pct']:+.1f}% | <= {GOAL_GUIDANCE_PCT:.0f}% | "
                      f"{_met(g['overhead_pct'] <= GOAL_GUIDANCE_PCT)} |")
+    for mode in ("mantissa", "full"):
+        g = guid[mode]
+        lines.append(f"| guidance decode (trainer side), {mode} | {1000 * g['decode_s']:.1f} ms for all records | "
+                     f"{g['plain_s']:.3f} s rollout | {100 * g['decode_s'] / g['plain_s']:.1f}% | - | - |")
     for mode in ("mantissa", "full"):
         lines.append(f"| guidance bytes/token, {mode} | {guid[mode]['bytes_per_token']:.1f} B | - | - | - | - |")
     return lines
@@ -332,7 +344,8 @@ def main(argv=None) -> str:
               f"{args.prompt_len} prompt + {args.new_tokens} new tokens (ignore_eos), batch 1 and {args.batch}; "
               f"{args.dtype} on both sides, {args.sampling} decoding on both sides, {args.threads} threads; "
               f"tok/s = generated tokens / wall time of one generate call (prefill included, load excluded); "
-              f"median of {args.runs} after 1 warm-up.")
+              f"median of {args.runs} rounds after 1 warm-up; ratios are the median of each round's "
+              f"HF time / engine time.")
     notes = []
     if hf_tp is not None and args.sampling == "greedy":
         for name in ENGINE_CONFIGS:

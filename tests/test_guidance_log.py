@@ -47,3 +47,15 @@ def test_rows_round_trip_through_growth_and_compaction():
             assert torch.equal(got.global_scale, want.global_scale)
         assert k.global_scale.dim() == 0 and s.guidance_rows == []
     assert log.capacity >= 3 and log.base > 0  # it compacted instead of only growing
+
+
+def test_a_resynced_static_scale_keeps_each_row_its_own():
+    log = GuidanceLog("full", capacity=2)
+    s = _Sample()
+    for step, gs in enumerate((0.5, 0.5, 2.0, 2.0)):
+        first = log.reserve(1)
+        q = nvfp4.quantize(torch.randn(1, 32), global_scale=torch.tensor(gs))
+        log.store("model.layers.0.mlp.down_proj", first, q)
+        s.guidance_rows.append(first)
+    log.gather([s], [])
+    assert s.guidance["model.layers.0.mlp.down_proj"].global_scale.tolist() == [0.5, 0.5, 2.0, 2.0]

@@ -21,6 +21,12 @@ class _SiteRows:
         self.scale = torch.empty(capacity, *scale_row, dtype=torch.uint8)
         self.gs = None if static_gs is not None else torch.empty(capacity, *gs_row, dtype=torch.float32)
         self.static_gs = static_gs
+        self.static_value = None if static_gs is None else static_gs.item()
+
+    def to_per_row(self) -> None:
+        """From now on one S_enc per row; rows already written keep the old static value."""
+        self.gs = torch.full((self.data.shape[0],), self.static_value, dtype=torch.float32)
+        self.static_gs = self.static_value = None
 
     def grow(self, capacity: int, keep: int) -> None:
         for name in ("data", "scale", "gs"):
@@ -61,18 +67,24 @@ class GuidanceLog:
 
     def buffers(self, site: str, first: int, num_rows: int, data_row, scale_row, gs_row,
                 static_gs: torch.Tensor | None = None):
-        """(codes, scales, S_enc or None when static) views of rows [first, first + num_rows) to write."""
+        """(codes, scales, S_enc or None when static) views of rows [first, first + num_rows) to write.
+        A static S_enc is copied when the site's arrays are made (it is one value for every row)."""
         s = self.sites.get(site)
-        if s is None or (s.static_gs is None) != (static_gs is None):
-            s = self.sites[site] = _SiteRows(tuple(data_row), tuple(scale_row), tuple(gs_row), static_gs, self.capacity)
         a, b = first - self.base, first - self.base + num_rows
+        if s is None:
+            static = None if static_gs is None else static_gs.detach().clone()
+            s = self.sites[site] = _SiteRows(tuple(data_row), tuple(scale_row), tuple(gs_row), static, self.capacity)
+        elif s.gs is None and (static_gs is None or static_gs.item() != s.static_value):
+            s.to_per_row()  # the scale changed (a re-sync): rows keep the S_enc they were quantized with
+        if static_gs is not None and s.gs is not None:
+            return s.data[a:b], s.scale[a:b], s.gs[a:b].fill_(static_gs)
         return s.data[a:b], s.scale[a:b], (None if s.gs is None else s.gs[a:b])
 
     def store(self, site: str, first: int, q: NVFP4Tensor) -> None:
         """Copy one quantizer output (rows = the step's rows) into the site's arrays."""
         static = q.global_scale if q.global_scale.dim() == 0 else None
         d, sc, gs = self.buffers(site, first, q.data.shape[0], q.data.shape[1:], q.scale.shape[1:],
-                                 q.global_scale.shape[1:], None if static is None else static.clone())
+                                 q.global_scale.shape[1:], static)
         d.copy_(q.data)
         sc.copy_(q.scale)
         if gs is not None:

@@ -17,9 +17,16 @@ from megatron_trace.fp4.nvfp4 import NVFP4Tensor
 _LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
 
+# Above this many MLP weights per layer, with several torch threads, torch's threaded GEMMs beat
+# this single-threaded kernel; small models gain more from one call than from threads.
+ONE_CALL_MAX_WEIGHTS = 1 << 22
+
+
 def supports(layer, kv) -> bool:
-    """Whether `layer` (a model._Layer) can run as one C call over this KV cache."""
+    """Whether `layer` (a model._Layer) should run as one C call over this KV cache."""
     if layer.moe or kv.fmt not in ("bf16", "nvfp4") or fast.c_functions() is None:
+        return False
+    if torch.get_num_threads() > 1 and layer.gate_up.in_features * layer.gate_up.out_features > ONE_CALL_MAX_WEIGHTS:
         return False
     for name in _LINEARS:
         lin = getattr(layer, name)
@@ -117,8 +124,7 @@ def _capture_buffers(plan: _Plan, args, t: int, capture) -> list | None:
             continue
         k, static = lin.in_features, lin.input_global_scale
         if direct is not None:
-            data, scale, gs = direct(lin.site, (k // 2,), (k // 16,), (),
-                                     static_gs=None if static is None else static.clone())
+            data, scale, gs = direct(lin.site, (k // 2,), (k // 16,), (), static_gs=static)
         else:
             data, scale = torch.empty(t, k // 2, dtype=torch.uint8), torch.empty(t, k // 16, dtype=torch.uint8)
             gs = torch.empty(t, dtype=torch.float32) if static is None else None
@@ -130,12 +136,12 @@ def _capture_buffers(plan: _Plan, args, t: int, capture) -> list | None:
     if plan.kv.fmt == "nvfp4":  # the kernel copies the new K/V codes and scales here
         rows, kv = ((a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16)), []
         for which in (0, 1):
-            static = plan.kv.global_scale[layer.idx, which].clone()
+            static = plan.kv.global_scale[layer.idx, which]
             if direct is not None:
                 kv += direct(layer.kv_sites[which], *rows, (), static_gs=static)[:2]
             else:
                 kv += [torch.empty(t, *r, dtype=torch.uint8) for r in rows]
-                caps.append((layer.kv_sites[which], kv[-2], kv[-1], static))
+                caps.append((layer.kv_sites[which], kv[-2], kv[-1], static.clone()))
         for i, buf in enumerate(kv):
             args.cap_kv[i] = buf.data_ptr()
     return caps or None

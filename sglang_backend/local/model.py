@@ -282,7 +282,9 @@ class QwenEngineModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, capture: CaptureFn | None = None) -> torch.Tensor:
         """Returns fp32 logits [len(logits_rows), vocab] (default: each sequence's last token)."""
         x = F.embedding(batch.input_ids, self.embed)
-        rows = batch.logits_rows if batch.logits_rows is not None else [e - 1 for _, e in batch.spans]
+        all_rows = batch.is_decode and batch.logits_rows is None  # every row's logits, in order
+        rows = None if all_rows else (batch.logits_rows if batch.logits_rows is not None
+                                      else [e - 1 for _, e in batch.spans])
         eps = self.arch.rms_norm_eps
         # A capture fn may name the layers it records (`.layers`); the others skip capture work.
         wanted = getattr(capture, "layers", None)
@@ -297,7 +299,7 @@ class QwenEngineModel(nn.Module):
                     residual = layer_c.run_layer(layer, x, residual, batch, kv, rot, cap)
                 else:
                     residual = layer.forward_fused(x, residual, batch, kv, rot, cap)
-            if batch.is_decode and batch.logits_rows is None:  # every row's logits, in order
+            if all_rows:
                 h = cpu_fused.add_rmsnorm(x, residual, self.final_norm, eps)
             else:
                 rows_t = torch.tensor(rows)
@@ -307,5 +309,5 @@ class QwenEngineModel(nn.Module):
             rot = self.rope.tables(batch.positions, x.dtype)  # cos/sin once for every layer's q and k
             for layer, cap in zip(self.layers, caps):
                 x = layer(x, batch, kv, rot, cap)
-            h = rms_norm(x[rows], self.final_norm, eps)
+            h = rms_norm(x if all_rows else x[rows], self.final_norm, eps)
         return F.linear(h, self.lm_head).float()

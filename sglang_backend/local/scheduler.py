@@ -63,7 +63,7 @@ class Scheduler:
         self.seed_counter = itertools.count(seed * 1_000_003)
         self.log = GuidanceLog(guidance_mode)
         self._guided_site: dict[str, bool] = {}
-        self._table_cache: tuple[list[Sequence], torch.Tensor] | None = None
+        self._table_cache: tuple[list[Sequence], torch.Tensor, list] | None = None
 
     # -- admission ---------------------------------------------------------------------------
     def reserve_pages(self, req: GenerateRequest) -> int:
@@ -192,13 +192,13 @@ class Scheduler:
         cached = self._table_cache
         if cached is None or len(cached[0]) != len(seqs) or any(a is not b for a, b in zip(cached[0], seqs)):
             # the batch changed: re-pad its slot tables (kept while the same sequences decode)
-            self._table_cache = (list(seqs), torch.nn.utils.rnn.pad_sequence([s.slot_table for s in seqs], batch_first=True))
-        table = self._table_cache[1]
+            self._table_cache = (list(seqs), torch.nn.utils.rnn.pad_sequence([s.slot_table for s in seqs], batch_first=True),
+                                 [(i, i + 1) for i in range(len(seqs))])
+        _, table, spans = self._table_cache
         pos_t = torch.tensor(pos)
         write = table.gather(1, pos_t[:, None])[:, 0]
-        batch = ForwardBatch(torch.tensor([s.output_ids[-1] for s in seqs]), pos_t,
-                             [(i, i + 1) for i in range(len(seqs))], write, [], read_index=table, read_lens=pos_t + 1,
-                             decode=True)
+        batch = ForwardBatch(torch.tensor([s.output_ids[-1] for s in seqs]), pos_t, spans, write, [],
+                             read_index=table, read_lens=pos_t + 1, decode=True)
         capture = commit = None
         if any(s.want_guidance for s in seqs):
             capture, commit = self._capture([([s], i, i + 1) for i, s in enumerate(seqs)], len(seqs))
