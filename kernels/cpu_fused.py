@@ -1,15 +1,15 @@
-"""Fused C kernels for the embedded engine's forward on CPU: what a decode step spends its time on
-once the GEMMs are left to torch.
+"""C kernels for the embedded engine's forward on CPU, and the library they compile into.
 
-    x ─► add_rmsnorm (residual add + RMSNorm, one pass) ─► qkv GEMM (torch)
+    x ─► add_rmsnorm (residual add + RMSNorm, one pass) ─► qkv GEMM
       ─► qkv_rope (q/k RMSNorm for Qwen3, RoPE, K/V stored straight into their cache slots)
-      ─► paged_attention (every row of every sequence over its KV slots: prefill and decode alike)
+      ─► paged_attention (cpu_attention.py: every row of every sequence over its KV slots)
       ─► o GEMM ─► add_rmsnorm ─► gate_up GEMM ─► silu_mul ─► down GEMM
-On a small model the torch version of this is ~40 tiny ops per layer at ~10 us of dispatch each;
-here it is four C calls. Each kernel computes in fp32 and rounds where HF's module rounds (so
-bfloat16 runs keep HF's rounding points); fp32 results match the torch reference to a few ulp
-(different summation order and a polynomial exp), never bit for bit. FP4 stays out of here:
-FP4 KV is dequantized by `megatron_trace.fp4.fast` before attention.
+Dense layers chain these inside one C call (cpu_layer.py, with its own GEMM); MoE layers and
+MXFP4 call them one by one around torch's GEMMs. On a small model the torch version of a layer
+is ~40 tiny ops at ~10 us of dispatch each. Each kernel computes in fp32 and rounds where HF's
+module rounds (bfloat16 runs keep HF's rounding points); fp32 results match the torch reference
+to a few ulp (other summation orders, a polynomial exp), never bit for bit. FP4 decoding comes
+from `megatron_trace.fp4.fast` (E2M1_DECODE_C); FP4 quantizing is called there by pointer.
 
 Built with the system C compiler on first use (`fp4.fast.compile_library`); `available()` is False
 without one, for dtypes other than float32/bfloat16, or with ENABLED = False, and the engine then
@@ -21,7 +21,7 @@ import ctypes
 
 import torch
 
-from megatron_trace.fp4.fast import E2M1_DECODE_C, compile_library, decode_tables
+from megatron_trace.fp4.fast import E2M1_DECODE_C, compile_library
 
 ENABLED = True  # set False (before first use) to force the engine's torch path, e.g. when bisecting
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -123,15 +123,6 @@ int greedy_logprob(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp
     return 0;
 }
 
-static inline float dot(const float* a, const float* b, int64_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
-    float s = 0.f;
-    for (; i < n; i++) s += a[i] * b[i];
-    return s + ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
 """
 
 _BODY = r"""
@@ -185,159 +176,6 @@ void qkv_rope_@S(const @T* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, co
     }
 }
 
-static inline void axpy_@S(float* y, float a, const @T* x, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        v8f v = ld8_f32(y + i) + a * ld8_@S(x + i);
-        memcpy(y + i, &v, sizeof v);
-    }
-    for (; i < n; i++) y[i] += a * ld_@S(x[i]);
-}
-
-static inline float dot_@S(const float* a, const @T* b, int64_t n) {
-    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc += ld8_f32(a + i) * ld8_@S(b + i);
-    float s = 0.f;
-    for (; i < n; i++) s += a[i] * ld_@S(b[i]);
-    return s + hsum8(acc);
-}
-
-/* Scores of every query head against 8 KV rows (pointers kr, D % 8 == 0) into sc[h * W + 0..7]. */
-static inline void scores8_@S(const float* qf, const @T* const* kr, int64_t H, int64_t G, int64_t D, float* sc,
-                              int64_t W) {
-    for (int64_t h = 0; h < H; h++) {
-        const int64_t off = (h / G) * D;
-        v8f p[8];
-        for (int r = 0; r < 8; r++) {
-            v8f a = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int64_t d = 0; d < D; d += 8) a += ld8_f32(qf + h * D + d) * ld8_@S(kr[r] + off + d);
-            p[r] = a;
-        }
-        const v8f s = hsum8x8(p);
-        memcpy(sc + h * W, &s, sizeof s);
-    }
-}
-
-/* Row t of q [T, H, D] belongs to sequence row_seq[t] and sees its first row_len[t] positions,
-   whose KV slots are table[row_seq[t] * ldt + j]; kc/vc [slots, Hkv, D]. out [T, H, D].
-   Each K and V row (all KV heads) is read once per query row, front to back, so the hardware
-   prefetcher streams the pages; query head h uses KV head h / (H / Hkv). */
-int paged_attention_@S(const @T* q, const @T* kc, const @T* vc, const int64_t* table, int64_t ldt,
-                       const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
-                       int64_t D, float scale, @T* out) {
-    const int64_t G = H / Hkv, kvrow = Hkv * D;
-    int64_t W = 1;
-    for (int64_t t = 0; t < T; t++) if (row_len[t] > W) W = row_len[t];
-    float* qf = malloc((size_t)(2 * H * D + H * W) * sizeof(float));  /* heap: long contexts overflow stacks */
-    if (!qf) return 1;
-    float *acc = qf + H * D, *sc = acc + H * D;
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t* tab = table + row_seq[t] * ldt;
-        const int64_t L = row_len[t];
-        for (int64_t i = 0; i < H * D; i++) { qf[i] = ld_@S(q[t * H * D + i]) * scale; acc[i] = 0.f; }
-        int64_t j0 = 0;
-        for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
-            const @T* kr[8];
-            for (int r = 0; r < 8; r++) kr[r] = kc + tab[j0 + r] * kvrow;
-            for (int r = 0; r < 8 && j0 + PREFETCH + r < L; r++)
-                prefetch_row(kc + tab[j0 + PREFETCH + r] * kvrow, kvrow * (int64_t)sizeof(@T));
-            scores8_@S(qf, kr, H, G, D, sc + j0, W);
-        }
-        for (int64_t j = j0; j < L; j++) {
-            const @T* kr = kc + tab[j] * kvrow;
-            if (j + PREFETCH < L) prefetch_row(kc + tab[j + PREFETCH] * kvrow, kvrow * (int64_t)sizeof(@T));
-            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
-                for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_@S(qf + h * D, kr + kh * D, D);
-        }
-        for (int64_t h = 0; h < H; h++) {
-            float* p = sc + h * W;
-            float m = -INFINITY;
-            for (int64_t j = 0; j < L; j++) m = p[j] > m ? p[j] : m;
-            for (int64_t j = 0; j < L; j++) p[j] = fexp(p[j] - m);
-        }
-        for (int64_t j = 0; j < L; j++) {
-            const @T* vr = vc + tab[j] * kvrow;
-            if (j + PREFETCH < L) prefetch_row(vc + tab[j + PREFETCH] * kvrow, kvrow * (int64_t)sizeof(@T));
-            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
-                for (int64_t g = 0; g < G; g++, h++) axpy_@S(acc + h * D, sc[h * W + j], vr + kh * D, D);
-        }
-        @T* o = out + t * H * D;
-        for (int64_t h = 0; h < H; h++) {
-            const float den = sum(sc + h * W, L), inv = den > 0.f ? 1.f / den : 0.f;
-            for (int64_t i = 0; i < D; i++) o[h * D + i] = st_@S(acc[h * D + i] * inv);
-        }
-    }
-    free(qf);
-    return 0;
-}
-
-/* The same attention over NVFP4 pages: codes [slots, Hkv, D/2] (low nibble first) and E4M3 block
-   scales [slots, Hkv, D/16] of K and V. Each element is decoded as fp4.nvfp4.dequantize does,
-   dtype((grid[code] * lut[scale]) * s_dec), one row at a time into a buffer, never a gathered copy. */
-static void nvfp4_row_@S(const uint8_t* c, const uint8_t* s, int64_t n, const float* lut, const float* grid,
-                         float sdec, float* out) {
-    (void)grid;  /* the E2M1 values are built from the code bits (e2m1x16), equal to the grid's */
-    for (int64_t b = 0; b < n / 16; b++) {
-        const float sf = lut[s[b]];
-        v8f lo, hi;
-        e2m1x16(c + b * 8, &lo, &hi);
-        lo = rnd8_@S((lo * sf) * sdec);
-        hi = rnd8_@S((hi * sf) * sdec);
-        memcpy(out + b * 16, &lo, sizeof lo);
-        memcpy(out + b * 16 + 8, &hi, sizeof hi);
-    }
-}
-
-int paged_attention_nvfp4_@S(const @T* q, const uint8_t* kc, const uint8_t* ks, const uint8_t* vc,
-                             const uint8_t* vs, float sdec_k, float sdec_v, const float* lut, const float* grid,
-                             const int64_t* table, int64_t ldt, const int64_t* row_seq, const int64_t* row_len,
-                             int64_t T, int64_t H, int64_t Hkv, int64_t D, float scale, @T* out) {
-    const int64_t G = H / Hkv, n = Hkv * D;
-    int64_t W = 1;
-    for (int64_t t = 0; t < T; t++) if (row_len[t] > W) W = row_len[t];
-    float* qf = malloc((size_t)(2 * H * D + 8 * n + H * W) * sizeof(float));
-    if (!qf) return 1;
-    float *acc = qf + H * D, *row = acc + H * D, *sc = row + 8 * n;
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t* tab = table + row_seq[t] * ldt;
-        const int64_t L = row_len[t];
-        for (int64_t i = 0; i < H * D; i++) { qf[i] = ld_@S(q[t * H * D + i]) * scale; acc[i] = 0.f; }
-        int64_t j0 = 0;
-        for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
-            const float* kr[8];
-            for (int r = 0; r < 8; r++) {
-                nvfp4_row_@S(kc + tab[j0 + r] * (n / 2), ks + tab[j0 + r] * (n / 16), n, lut, grid, sdec_k, row + r * n);
-                kr[r] = row + r * n;
-            }
-            scores8_f32(qf, kr, H, G, D, sc + j0, W);
-        }
-        for (int64_t j = j0; j < L; j++) {
-            nvfp4_row_@S(kc + tab[j] * (n / 2), ks + tab[j] * (n / 16), n, lut, grid, sdec_k, row);
-            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
-                for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_f32(qf + h * D, row + kh * D, D);
-        }
-        for (int64_t h = 0; h < H; h++) {
-            float* p = sc + h * W;
-            float m = -INFINITY;
-            for (int64_t j = 0; j < L; j++) m = p[j] > m ? p[j] : m;
-            for (int64_t j = 0; j < L; j++) p[j] = fexp(p[j] - m);
-        }
-        for (int64_t j = 0; j < L; j++) {
-            nvfp4_row_@S(vc + tab[j] * (n / 2), vs + tab[j] * (n / 16), n, lut, grid, sdec_v, row);
-            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
-                for (int64_t g = 0; g < G; g++, h++) axpy_f32(acc + h * D, sc[h * W + j], row + kh * D, D);
-        }
-        @T* o = out + t * H * D;
-        for (int64_t h = 0; h < H; h++) {
-            const float den = sum(sc + h * W, L), inv = den > 0.f ? 1.f / den : 0.f;
-            for (int64_t i = 0; i < D; i++) o[h * D + i] = st_@S(acc[h * D + i] * inv);
-        }
-    }
-    free(qf);
-    return 0;
-}
-
 /* gu [T, 2F] = [gate | up] -> out [T, F] = dtype(silu(gate)) * up, as HF's MLP. */
 void silu_mul_@S(const @T* gu, int64_t T, int64_t F, @T* out) {
     for (int64_t t = 0; t < T; t++) {
@@ -355,10 +193,12 @@ _SRC = None  # the C source: these kernels + cpu_layer's, per dtype, built on fi
 
 
 def _source() -> str:
+    from .cpu_attention import ATTENTION_BODY
     from .cpu_layer import LAYER_BODY, LAYER_HEADER
 
-    return E2M1_DECODE_C + _HEADER + LAYER_HEADER + "".join((_BODY + LAYER_BODY).replace("@S", sfx).replace("@T", ctype)
-                                            for sfx, ctype in (("f32", "float"), ("bf16", "uint16_t")))
+    return E2M1_DECODE_C + _HEADER + LAYER_HEADER + "".join(
+        (_BODY + ATTENTION_BODY + LAYER_BODY).replace("@S", sfx).replace("@T", ctype)
+        for sfx, ctype in (("f32", "float"), ("bf16", "uint16_t")))
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rmsnorm": [_P, _P, _P, _P, _I, _I, _F],
@@ -429,37 +269,6 @@ def qkv_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: t
                                _ptr(positions), _ptr(q_norm), _ptr(k_norm), eps, q.data_ptr(), k_dst.data_ptr(), v_dst.data_ptr(),
                                _ptr(slots))
     return q
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                    row_seq: torch.Tensor, row_len: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, D]; k/v_cache [slots, Hkv, D] contiguous, q's dtype; table int64 [S, >= max row_len]
-    with contiguous rows; row_seq, row_len int64 [T]. Returns softmax(q k^T * scale) v over each
-    row's slots. The engine builds every index itself; nothing here is bounds-checked."""
-    t, h, d = q.shape
-    out = torch.empty_like(q)
-    if _fn("paged_attention", q.dtype)(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
-                                       table.stride(0), row_seq.data_ptr(), row_len.data_ptr(), t, h,
-                                       k_cache.shape[-2], d, scale, out.data_ptr()):
-        raise MemoryError(f"paged_attention: no memory for the scores of {t} rows")
-    return out
-
-
-def paged_attention_nvfp4(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor,
-                          v_scales: torch.Tensor, sdec_k: float, sdec_v: float, table: torch.Tensor,
-                          row_seq: torch.Tensor, row_len: torch.Tensor, scale: float) -> torch.Tensor:
-    """`paged_attention` over NVFP4 pages: codes uint8 [slots, Hkv, D/2], E4M3 scales uint8
-    [slots, Hkv, D/16], S_dec of K and V (fp4.nvfp4.decode_scale). Elements decode exactly as
-    fp4.nvfp4.dequantize(..., q.dtype) would."""
-    t, h, d = q.shape
-    out = torch.empty_like(q)
-    lut, grid = decode_tables()
-    if _fn("paged_attention_nvfp4", q.dtype)(
-            q.data_ptr(), k_codes.data_ptr(), k_scales.data_ptr(), v_codes.data_ptr(), v_scales.data_ptr(),
-            sdec_k, sdec_v, lut.data_ptr(), grid.data_ptr(), table.data_ptr(), table.stride(0), row_seq.data_ptr(),
-            row_len.data_ptr(), t, h, k_codes.shape[-2], d, scale, out.data_ptr()):
-        raise MemoryError(f"paged_attention_nvfp4: no memory for the scores of {t} rows")
-    return out
 
 
 def greedy_logprob(logits: torch.Tensor) -> tuple[list[int], list[float]]:

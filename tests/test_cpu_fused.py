@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_fused
+from kernels import cpu_attention, cpu_fused
 from megatron_trace.fp4 import nvfp4
 from sglang_backend.local.layers import Rope, rms_norm
 
@@ -95,7 +95,7 @@ def test_paged_attention_matches_softmax_attention(seqs, kv_heads, group, d, wid
     row_seq = torch.randint(0, seqs, (rows,), generator=g)
     row_len = torch.randint(1, width + 1, (rows,), generator=g)
     q = torch.randn(rows, heads, d, generator=g).to(dtype)
-    out = cpu_fused.paged_attention(q, kc, vc, table, row_seq, row_len, d ** -0.5)
+    out = cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, d ** -0.5)
     _close(out, _attention_ref(q, kc, vc, table, row_seq, row_len), dtype)
 
 
@@ -104,8 +104,8 @@ def test_paged_attention_reads_a_wider_table_by_its_row_stride():
     kc, vc = (torch.randn(50, 2, 16, generator=g) for _ in range(2))
     wide = torch.randint(0, 50, (3, 30), generator=g)  # reserved width 30, rows see at most 9
     q, row_seq, row_len = torch.randn(3, 4, 16, generator=g), torch.tensor([0, 1, 2]), torch.tensor([9, 1, 4])
-    a = cpu_fused.paged_attention(q, kc, vc, wide, row_seq, row_len, 0.25)
-    b = cpu_fused.paged_attention(q, kc, vc, wide[:, :9].contiguous(), row_seq, row_len, 0.25)
+    a = cpu_attention.paged_attention(q, kc, vc, wide, row_seq, row_len, 0.25)
+    b = cpu_attention.paged_attention(q, kc, vc, wide[:, :9].contiguous(), row_seq, row_len, 0.25)
     assert torch.equal(a, b)
 
 
@@ -117,8 +117,8 @@ def test_nvfp4_page_attention_equals_attention_over_dequantized_pages(dtype):
     qk, qv = nvfp4.quantize(k, global_scale=gk), nvfp4.quantize(v, global_scale=gv)
     table, row_seq, row_len = torch.randint(0, 40, (3, 12), generator=g), torch.tensor([0, 2, 2, 1]), torch.tensor([1, 12, 5, 7])
     q = torch.randn(4, 4, 32, generator=g).to(dtype)
-    dense = cpu_fused.paged_attention(q, nvfp4.dequantize(qk, dtype), nvfp4.dequantize(qv, dtype), table, row_seq,
+    dense = cpu_attention.paged_attention(q, nvfp4.dequantize(qk, dtype), nvfp4.dequantize(qv, dtype), table, row_seq,
                                       row_len, 32 ** -0.5)
-    paged = cpu_fused.paged_attention_nvfp4(q, qk.data, qk.scale, qv.data, qv.scale, float(nvfp4.decode_scale(gk)),
+    paged = cpu_attention.paged_attention_nvfp4(q, qk.data, qk.scale, qv.data, qv.scale, float(nvfp4.decode_scale(gk)),
                                             float(nvfp4.decode_scale(gv)), table, row_seq, row_len, 32 ** -0.5)
     assert torch.equal(dense, paged)

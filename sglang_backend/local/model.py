@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_fused
+from kernels import cpu_attention, cpu_fused
 from megatron_trace.models import ModelArch, QuantPolicy
 
 from . import layer_c
@@ -206,13 +206,13 @@ class _Layer(nn.Module):
         if kv.fmt == "nvfp4":  # attention decodes the pages itself
             sdec_k, sdec_v = batch.kv_decode_scales[self.idx]
             kd, ks, vd, vs = kv.layer_pages[self.idx]
-            out = cpu_fused.paged_attention_nvfp4(q, kd, ks, vd, vs, sdec_k, sdec_v, table, row_seq, row_len, scale)
+            out = cpu_attention.paged_attention_nvfp4(q, kd, ks, vd, vs, sdec_k, sdec_v, table, row_seq, row_len, scale)
         else:
             if kv.fmt == "mxfp4":  # attend over a dequantized gather of the rows in use
                 flat = table[:, :width].reshape(-1)
                 kc, vc = kv.read(self.idx, 0, flat), kv.read(self.idx, 1, flat)
                 table = torch.arange(flat.numel()).view(-1, width)
-            out = cpu_fused.paged_attention(q, kc, vc, table, row_seq, row_len, scale)
+            out = cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, scale)
         return self.o_proj.forward(out.view(qkv.shape[0], a.q_size), capture)
 
 
