@@ -63,3 +63,36 @@ def test_fused_cpu_path_equals_the_torch_reference_path(ckpt, kv, quant, monkeyp
         assert a["output_ids"] == b["output_ids"]
         la, lb = ([t[0] for t in r["meta_info"]["output_token_logprobs"]] for r in (a, b))
         assert max(abs(x - y) for x, y in zip(la, lb)) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["full", "mantissa"])
+def test_guidance_from_the_c_layer_equals_the_torch_path(ckpt, mode, monkeypatch):
+    """Records written by the C layer straight into the guidance log against the torch path's
+    quantizer outputs: same sites, positions and scales; codes agree but for rounding-boundary ties."""
+    from kernels import cpu_fused
+    from megatron_trace.guidance import GuidanceRecord
+    from sglang_backend.local.model import QwenEngineModel
+
+    if not cpu_fused.available():
+        pytest.skip("no C compiler here")
+    recs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(QwenEngineModel, "uses_fused", lambda self, kv: False)
+        eng = Engine(str(ckpt), quantization="nvfp4", kv_cache_dtype="nvfp4", guidance_mode=mode, guided_layers="all")
+        try:
+            outs = eng.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": NEW,
+                                                                    "ignore_eos": True}, return_guidance=True)
+            recs.append([GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs])
+        finally:
+            eng.shutdown()
+    same = total = 0
+    for a, b in zip(*recs):
+        assert a.num_positions == b.num_positions and a.sites.keys() == b.sites.keys()
+        for site in a.sites:
+            x, y = a.sites[site], b.sites[site]
+            assert x.payload.shape == y.payload.shape and x.global_scale.shape == y.global_scale.shape
+            torch.testing.assert_close(x.global_scale, y.global_scale, rtol=1e-5, atol=0)
+            same += int((x.payload == y.payload).sum()) + int((x.scale == y.scale).sum())
+            total += x.payload.numel() + x.scale.numel()
+    assert same / total >= 0.999, f"only {same}/{total} guidance bytes agree"

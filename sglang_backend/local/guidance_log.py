@@ -22,11 +22,19 @@ class _SiteRows:
         self.gs = None if static_gs is not None else torch.empty(capacity, *gs_row, dtype=torch.float32)
         self.static_gs = static_gs
         self.static_value = None if static_gs is None else static_gs.item()
+        self._note_addresses()
+
+    def _note_addresses(self) -> None:
+        """Row 0 address and bytes per row of each array, for `GuidanceLog.pointers`."""
+        self.addr = tuple(None if t is None else (t.data_ptr(), t[0].numel() * t.element_size() if t.dim() > 1
+                                                  else t.element_size())
+                          for t in (self.data, self.scale, self.gs))
 
     def to_per_row(self) -> None:
         """From now on one S_enc per row; rows already written keep the old static value."""
         self.gs = torch.full((self.data.shape[0],), self.static_value, dtype=torch.float32)
         self.static_gs = self.static_value = None
+        self._note_addresses()
 
     def grow(self, capacity: int, keep: int) -> None:
         for name in ("data", "scale", "gs"):
@@ -35,6 +43,7 @@ class _SiteRows:
                 bigger = torch.empty(capacity, *t.shape[1:], dtype=t.dtype)
                 bigger[:keep] = t[:keep]
                 setattr(self, name, bigger)
+        self._note_addresses()
 
     def drop_front(self, cut: int, used: int) -> None:
         for t in (self.data, self.scale, self.gs):
@@ -79,6 +88,18 @@ class GuidanceLog:
         if static_gs is not None and s.gs is not None:
             return s.data[a:b], s.scale[a:b], s.gs[a:b].fill_(static_gs)
         return s.data[a:b], s.scale[a:b], (None if s.gs is None else s.gs[a:b])
+
+    def pointers(self, site: str, first: int, num_rows: int, data_row, scale_row, gs_row,
+                 static_gs: torch.Tensor | None = None, static_value: float | None = None):
+        """`buffers` as addresses (codes, scales, S_enc or None) for a C kernel; an existing site
+        whose static scale is unchanged (`static_value`, a float) costs no tensor op."""
+        s = self.sites.get(site)
+        if s is not None and ((static_gs is None and s.gs is not None) or
+                              (static_gs is not None and s.gs is None and static_value == s.static_value)):
+            r = first - self.base
+            return tuple(None if a is None else a[0] + r * a[1] for a in s.addr)
+        d, sc, gs = self.buffers(site, first, num_rows, data_row, scale_row, gs_row, static_gs)
+        return d.data_ptr(), sc.data_ptr(), None if gs is None else gs.data_ptr()
 
     def store(self, site: str, first: int, q: NVFP4Tensor) -> None:
         """Copy one quantizer output (rows = the step's rows) into the site's arrays."""

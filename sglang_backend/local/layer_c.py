@@ -76,6 +76,8 @@ class _Plan:
             args.act_mode[i] = 0 if lin.act_fmt is None else (1 if static is None else 2)
             args.act_gs[i] = static.data_ptr() if static is not None else None
             keep.append(static)
+        self.static_values = [None if lin.input_global_scale is None else float(lin.input_global_scale)
+                              for lin in self.linears]
         self.key, self.keep = key, keep
 
 
@@ -87,7 +89,7 @@ def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, 
     plan.refresh()
     args, t = plan.args, x.shape[0]
     table, row_seq, row_len, _ = batch.attention_layout()
-    caps = _capture_buffers(plan, args, t, capture)
+    caps = _capture_buffers(plan, args, t, capture, batch.kv_global_scales[layer.idx] if kv.fmt == "nvfp4" else None)
     if kv.fmt == "nvfp4":
         args.sdec_k, args.sdec_v = batch.kv_decode_scales[layer.idx]
         gs = kv.global_scale.data_ptr() + 8 * layer.idx  # [layers, 2] fp32, contiguous
@@ -105,9 +107,10 @@ def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, 
     return out
 
 
-def _capture_buffers(plan: _Plan, args, t: int, capture) -> list | None:
+def _capture_buffers(plan: _Plan, args, t: int, capture, kv_scales) -> list | None:
     """Point the quantizers of captured sites at the guidance log's rows for this step (capture
-    fns with `.buffers`), else at fresh tensors reported after the call. None: nothing captured."""
+    fns with `.pointers`), else at fresh tensors reported after the call. None: nothing captured.
+    kv_scales: this layer's [S_enc of K, S_enc of V] as floats (NVFP4 KV)."""
     if capture is None:
         if plan.__dict__.get("capturing"):
             for i in range(4):
@@ -115,7 +118,7 @@ def _capture_buffers(plan: _Plan, args, t: int, capture) -> list | None:
             plan.capturing = False
         return None
     plan.capturing = True
-    direct = getattr(capture, "buffers", None)
+    direct = getattr(capture, "pointers", None)
     caps = []
     layer, a = plan.layer, plan.layer.arch
     for i, lin in enumerate(plan.linears):
@@ -124,26 +127,28 @@ def _capture_buffers(plan: _Plan, args, t: int, capture) -> list | None:
             continue
         k, static = lin.in_features, lin.input_global_scale
         if direct is not None:
-            data, scale, gs = direct(lin.site, (k // 2,), (k // 16,), (), static_gs=static)
-        else:
-            data, scale = torch.empty(t, k // 2, dtype=torch.uint8), torch.empty(t, k // 16, dtype=torch.uint8)
-            gs = torch.empty(t, dtype=torch.float32) if static is None else None
-            caps.append((lin.site, data, scale, static if gs is None else gs))
+            args.cap_data[i], args.cap_scale[i], args.cap_gs[i] = direct(
+                lin.site, (k // 2,), (k // 16,), (), static_gs=static,
+                static_value=None if static is None else plan.static_values[i])
+            continue
+        data, scale = torch.empty(t, k // 2, dtype=torch.uint8), torch.empty(t, k // 16, dtype=torch.uint8)
+        gs = torch.empty(t, dtype=torch.float32) if static is None else None
+        caps.append((lin.site, data, scale, static if gs is None else gs))
         args.cap_data[i], args.cap_scale[i] = data.data_ptr(), scale.data_ptr()
         args.cap_gs[i] = None if gs is None else gs.data_ptr()
     for i in range(4):
         args.cap_kv[i] = None
     if plan.kv.fmt == "nvfp4":  # the kernel copies the new K/V codes and scales here
-        rows, kv = ((a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16)), []
+        rows = ((a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16))
         for which in (0, 1):
             static = plan.kv.global_scale[layer.idx, which]
             if direct is not None:
-                kv += direct(layer.kv_sites[which], *rows, (), static_gs=static)[:2]
-            else:
-                kv += [torch.empty(t, *r, dtype=torch.uint8) for r in rows]
-                caps.append((layer.kv_sites[which], kv[-2], kv[-1], static.clone()))
-        for i, buf in enumerate(kv):
-            args.cap_kv[i] = buf.data_ptr()
+                args.cap_kv[2 * which], args.cap_kv[2 * which + 1], _ = direct(
+                    layer.kv_sites[which], *rows, (), static_gs=static, static_value=kv_scales[which])
+                continue
+            bufs = [torch.empty(t, *r, dtype=torch.uint8) for r in rows]
+            caps.append((layer.kv_sites[which], bufs[0], bufs[1], static.clone()))
+            args.cap_kv[2 * which], args.cap_kv[2 * which + 1] = bufs[0].data_ptr(), bufs[1].data_ptr()
     return caps or None
 
 

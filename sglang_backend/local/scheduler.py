@@ -149,8 +149,8 @@ class Scheduler:
 
         capture.layers = self.guided_layers  # the model skips capture work in the other layers
         # the C layer writes its quantizers' outputs straight into the log's rows
-        capture.buffers = lambda site, *rows, static_gs=None: log.buffers(site, first, num_rows, *rows,
-                                                                          static_gs=static_gs)
+        capture.pointers = lambda site, *rows, static_gs=None, static_value=None: log.pointers(
+            site, first, num_rows, *rows, static_gs, static_value)
 
         def commit() -> None:
             for seqs, a, b in seqs_rows:
