@@ -136,16 +136,26 @@ class Engine:
     # -- generation ------------------------------------------------------------------------------
     def submit(self, req: GenerateRequest) -> list[str]:
         """Queue one request (n samples); returns the rids its results will carry."""
-        self._validate(req)
-        n = req.sampling_params.n
-        base = req.rid or uuid.uuid4().hex
-        rids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+        return self.submit_all([req])[0]
+
+    def submit_all(self, reqs: list[GenerateRequest]) -> list[list[str]]:
+        """Queue requests together, so one step admits them all (submitted one by one, the worker
+        would start on the first few and the rest would trail a prefill behind). Validates all
+        before queueing any."""
+        groups = []
+        for req in reqs:
+            self._validate(req)
+            self.scheduler.check(req)
+            n = req.sampling_params.n
+            base = req.rid or uuid.uuid4().hex
+            groups.append(Group(req, [base] if n == 1 else [f"{base}-{i}" for i in range(n)]))
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine is shut down")
-            self.scheduler.add(Group(req, rids))
+            for g in groups:
+                self.scheduler.add(g)
             self._cv.notify_all()
-        return rids
+        return [g.rids for g in groups]
 
     def wait(self, rids: list[str], timeout: float | None = None) -> list[dict]:
         with self._cv:
@@ -181,7 +191,7 @@ class Engine:
             raise ValueError("sampling_params and rid lists must match the number of prompts")
         reqs = [GenerateRequest(list(ids), p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p),
                                 r, return_logprob, return_guidance) for ids, p, r in zip(batch, params, rids)]
-        all_rids = [self.submit(r) for r in reqs]
+        all_rids = self.submit_all(reqs)
         out = self.wait([r for rs in all_rids for r in rs])
         if not return_logprob:
             for o in out:

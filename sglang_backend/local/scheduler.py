@@ -70,12 +70,16 @@ class Scheduler:
         total = len(req.input_ids) + req.sampling_params.max_new_tokens
         return req.sampling_params.n * self.kv.pages_needed(min(total, self.context_length))
 
-    def add(self, group: Group) -> None:
-        if self.reserve_pages(group.request) > self.kv.num_pages:
+    def check(self, request: GenerateRequest) -> None:
+        """Refuse a request that could never fit in the KV cache (it would wait forever)."""
+        if self.reserve_pages(request) > self.kv.num_pages:
             raise ValueError(
-                f"request needs {self.reserve_pages(group.request)} KV pages (prompt + max_new_tokens, x n) "
+                f"request needs {self.reserve_pages(request)} KV pages (prompt + max_new_tokens, x n) "
                 f"but the cache has {self.kv.num_pages}; lower max_new_tokens or n"
             )
+
+    def add(self, group: Group) -> None:
+        self.check(group.request)
         self.waiting.append(group)
 
     def has_work(self) -> bool:
