@@ -15,6 +15,7 @@ Records serialize to safetensors bytes with a JSON header: no pickle crosses a p
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -125,7 +126,7 @@ class GuidanceRecord:
             a = (t if t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
                  else t.detach().cpu().contiguous()).numpy()
             shape = ",".join(map(str, a.shape))
-            head.append(f',{json.dumps(name)}:{{"dtype":"{code}","shape":[{shape}],'
+            head.append(f',{_json_key(name)}:{{"dtype":"{code}","shape":[{shape}],'
                         f'"data_offsets":[{offset},{offset + a.nbytes}]}}')
             blobs.append(a.reshape(-1).view("u1"))
             offset += a.nbytes
@@ -147,6 +148,11 @@ class GuidanceRecord:
             except KeyError as e:
                 raise ValueError(f"guidance record bytes are missing tensor {e.args[0]}") from None
         return cls(meta["sample_id"], meta["mode"], int(meta["num_positions"]), sites)
+
+
+@functools.lru_cache(maxsize=4096)
+def _json_key(name: str) -> str:
+    return json.dumps(name)  # site names repeat in every record: escape each once
 
 
 _ST_DTYPES = {torch.uint8: "U8", torch.float32: "F32"}

@@ -76,8 +76,14 @@ class _Plan:
             args.act_mode[i] = 0 if lin.act_fmt is None else (1 if static is None else 2)
             args.act_gs[i] = static.data_ptr() if static is not None else None
             keep.append(static)
-        self.static_values = [None if lin.input_global_scale is None else float(lin.input_global_scale)
-                              for lin in self.linears]
+        values = [None if lin.input_global_scale is None else float(lin.input_global_scale) for lin in self.linears]
+        self.static_values = values
+        # guidance: (index, site, row shapes, static S_enc, its value) of each NVFP4-activation linear
+        self.act_sites = [(i, lin.site, ((lin.in_features // 2,), (lin.in_features // 16,), ()),
+                           lin.input_global_scale, values[i])
+                          for i, lin in enumerate(self.linears) if lin.act_fmt == "nvfp4"]
+        a = layer.arch
+        self.kv_rows = ((a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16), ())
         self.key, self.keep = key, keep
 
 
@@ -119,6 +125,9 @@ def _capture_buffers(plan: _Plan, args, t: int, capture, kv_scales) -> list | No
         return None
     plan.capturing = True
     direct = getattr(capture, "pointers", None)
+    if direct is not None:
+        _point_at_log(plan, args, direct, kv_scales)
+        return None
     caps = []
     layer, a = plan.layer, plan.layer.arch
     for i, lin in enumerate(plan.linears):
@@ -150,6 +159,19 @@ def _capture_buffers(plan: _Plan, args, t: int, capture, kv_scales) -> list | No
             caps.append((layer.kv_sites[which], bufs[0], bufs[1], static.clone()))
             args.cap_kv[2 * which], args.cap_kv[2 * which + 1] = bufs[0].data_ptr(), bufs[1].data_ptr()
     return caps or None
+
+
+def _point_at_log(plan: _Plan, args, pointers, kv_scales) -> None:
+    """The C layer writes every captured site of this step straight into the guidance log."""
+    for i, site, rows, static, value in plan.act_sites:
+        args.cap_data[i], args.cap_scale[i], args.cap_gs[i] = pointers(site, *rows, static_gs=static,
+                                                                       static_value=value)
+    if plan.kv.fmt == "nvfp4":
+        layer = plan.layer
+        for which in (0, 1):
+            args.cap_kv[2 * which], args.cap_kv[2 * which + 1], _ = pointers(
+                layer.kv_sites[which], *plan.kv_rows, static_gs=plan.kv.global_scale[layer.idx, which],
+                static_value=kv_scales[which])
 
 
 def _report(caps, capture) -> None:

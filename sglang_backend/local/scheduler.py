@@ -158,12 +158,14 @@ class Scheduler:
 
         def commit() -> None:
             for seqs, a, b in seqs_rows:
+                if b - a == 1:  # a decode row
+                    for s in seqs:
+                        if s.want_guidance:
+                            s.guidance_rows.append(first + a)
+                    continue
                 for s in seqs:
                     if s.want_guidance:
-                        if b - a == 1:  # a decode row
-                            s.guidance_rows.append(first + a)
-                        else:
-                            s.guidance_rows.extend(range(first + a, first + b))
+                        s.guidance_rows.extend(range(first + a, first + b))
 
         return capture, commit
 
