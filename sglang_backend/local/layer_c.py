@@ -1,10 +1,11 @@
 """Runs a whole dense decoder layer as one C call (`kernels/cpu_layer.py`) on CPU.
 
 The per-forward work here is filling one argument struct per layer: pointers to the layer's
-weights (transposed for the GEMM), its KV pages, the batch's attention layout, and, for layers
-whose guidance is captured, buffers the quantizers write the codes into. Layers the kernel does
-not serve (MoE, MXFP4 activations or KV, shapes FP4 cannot block) return None and the caller
-runs the per-kernel path.
+weights (transposed for the GEMM; refreshed only after weight loads), its KV pages, the batch's
+attention layout, and, for layers whose guidance is captured, the guidance log's rows for this
+step, which the quantizers write into. `supports` is False for what the kernel does not serve
+(MoE, MXFP4 activations or KV, FP4 widths that are not whole blocks, large layers when torch
+has threads to spare); the model then runs the per-kernel path (`cpu_fused`).
 """
 from __future__ import annotations
 
