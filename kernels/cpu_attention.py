@@ -47,6 +47,34 @@ static inline void scores8_@S(const float* qf, const @T* const* kr, int64_t H, i
     }
 }
 
+/* Pieces both attention kernels share: the widest row, a query row scaled into fp32, the softmax
+   numerators in place, and the normalized output. */
+static int64_t widest_@S(const int64_t* row_len, int64_t T) {
+    int64_t W = 1;
+    for (int64_t t = 0; t < T; t++) if (row_len[t] > W) W = row_len[t];
+    return W;
+}
+
+static void load_query_@S(const @T* q, int64_t n, float scale, float* qf, float* acc) {
+    for (int64_t i = 0; i < n; i++) { qf[i] = ld_@S(q[i]) * scale; acc[i] = 0.f; }
+}
+
+static void softmax_numerators_@S(float* sc, int64_t H, int64_t W, int64_t L) {
+    for (int64_t h = 0; h < H; h++) {
+        float* p = sc + h * W;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < L; j++) m = p[j] > m ? p[j] : m;
+        for (int64_t j = 0; j < L; j++) p[j] = fexp(p[j] - m);
+    }
+}
+
+static void write_output_@S(const float* acc, const float* sc, int64_t H, int64_t W, int64_t L, int64_t D, @T* o) {
+    for (int64_t h = 0; h < H; h++) {
+        const float den = sum(sc + h * W, L), inv = den > 0.f ? 1.f / den : 0.f;
+        for (int64_t i = 0; i < D; i++) o[h * D + i] = st_@S(acc[h * D + i] * inv);
+    }
+}
+
 /* Row t of q [T, H, D] belongs to sequence row_seq[t] and sees its first row_len[t] positions,
    whose KV slots are table[row_seq[t] * ldt + j]; kc/vc [slots, Hkv, D]. out [T, H, D].
    Each K and V row (all KV heads) is read once per query row, front to back, so the hardware
@@ -55,15 +83,14 @@ int paged_attention_@S(const @T* q, const @T* kc, const @T* vc, const int64_t* t
                        const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
                        int64_t D, float scale, @T* out) {
     const int64_t G = H / Hkv, kvrow = Hkv * D;
-    int64_t W = 1;
-    for (int64_t t = 0; t < T; t++) if (row_len[t] > W) W = row_len[t];
+    const int64_t W = widest_@S(row_len, T);
     float* qf = malloc((size_t)(2 * H * D + H * W) * sizeof(float));  /* heap: long contexts overflow stacks */
     if (!qf) return 1;
     float *acc = qf + H * D, *sc = acc + H * D;
     for (int64_t t = 0; t < T; t++) {
         const int64_t* tab = table + row_seq[t] * ldt;
         const int64_t L = row_len[t];
-        for (int64_t i = 0; i < H * D; i++) { qf[i] = ld_@S(q[t * H * D + i]) * scale; acc[i] = 0.f; }
+        load_query_@S(q + t * H * D, H * D, scale, qf, acc);
         int64_t j0 = 0;
         for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
             const @T* kr[8];
@@ -78,23 +105,14 @@ int paged_attention_@S(const @T* q, const @T* kc, const @T* vc, const int64_t* t
             for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
                 for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_@S(qf + h * D, kr + kh * D, D);
         }
-        for (int64_t h = 0; h < H; h++) {
-            float* p = sc + h * W;
-            float m = -INFINITY;
-            for (int64_t j = 0; j < L; j++) m = p[j] > m ? p[j] : m;
-            for (int64_t j = 0; j < L; j++) p[j] = fexp(p[j] - m);
-        }
+        softmax_numerators_@S(sc, H, W, L);
         for (int64_t j = 0; j < L; j++) {
             const @T* vr = vc + tab[j] * kvrow;
             if (j + PREFETCH < L) prefetch_row(vc + tab[j + PREFETCH] * kvrow, kvrow * (int64_t)sizeof(@T));
             for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
                 for (int64_t g = 0; g < G; g++, h++) axpy_@S(acc + h * D, sc[h * W + j], vr + kh * D, D);
         }
-        @T* o = out + t * H * D;
-        for (int64_t h = 0; h < H; h++) {
-            const float den = sum(sc + h * W, L), inv = den > 0.f ? 1.f / den : 0.f;
-            for (int64_t i = 0; i < D; i++) o[h * D + i] = st_@S(acc[h * D + i] * inv);
-        }
+        write_output_@S(acc, sc, H, W, L, D, out + t * H * D);
     }
     free(qf);
     return 0;
@@ -122,15 +140,14 @@ int paged_attention_nvfp4_@S(const @T* q, const uint8_t* kc, const uint8_t* ks, 
                              const int64_t* table, int64_t ldt, const int64_t* row_seq, const int64_t* row_len,
                              int64_t T, int64_t H, int64_t Hkv, int64_t D, float scale, @T* out) {
     const int64_t G = H / Hkv, n = Hkv * D;
-    int64_t W = 1;
-    for (int64_t t = 0; t < T; t++) if (row_len[t] > W) W = row_len[t];
+    const int64_t W = widest_@S(row_len, T);
     float* qf = malloc((size_t)(2 * H * D + 8 * n + H * W) * sizeof(float));
     if (!qf) return 1;
     float *acc = qf + H * D, *row = acc + H * D, *sc = row + 8 * n;
     for (int64_t t = 0; t < T; t++) {
         const int64_t* tab = table + row_seq[t] * ldt;
         const int64_t L = row_len[t];
-        for (int64_t i = 0; i < H * D; i++) { qf[i] = ld_@S(q[t * H * D + i]) * scale; acc[i] = 0.f; }
+        load_query_@S(q + t * H * D, H * D, scale, qf, acc);
         int64_t j0 = 0;
         for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
             const float* kr[8];
@@ -145,22 +162,13 @@ int paged_attention_nvfp4_@S(const @T* q, const uint8_t* kc, const uint8_t* ks, 
             for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
                 for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_f32(qf + h * D, row + kh * D, D);
         }
-        for (int64_t h = 0; h < H; h++) {
-            float* p = sc + h * W;
-            float m = -INFINITY;
-            for (int64_t j = 0; j < L; j++) m = p[j] > m ? p[j] : m;
-            for (int64_t j = 0; j < L; j++) p[j] = fexp(p[j] - m);
-        }
+        softmax_numerators_@S(sc, H, W, L);
         for (int64_t j = 0; j < L; j++) {
             nvfp4_row_@S(vc + tab[j] * (n / 2), vs + tab[j] * (n / 16), n, lut, grid, sdec_v, row);
             for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
                 for (int64_t g = 0; g < G; g++, h++) axpy_f32(acc + h * D, sc[h * W + j], row + kh * D, D);
         }
-        @T* o = out + t * H * D;
-        for (int64_t h = 0; h < H; h++) {
-            const float den = sum(sc + h * W, L), inv = den > 0.f ? 1.f / den : 0.f;
-            for (int64_t i = 0; i < D; i++) o[h * D + i] = st_@S(acc[h * D + i] * inv);
-        }
+        write_output_@S(acc, sc, H, W, L, D, out + t * H * D);
     }
     free(qf);
     return 0;
