@@ -189,9 +189,6 @@ void silu_mul_@S(const @T* gu, int64_t T, int64_t F, @T* out) {
 }
 """
 
-_SRC = None  # the C source: these kernels + cpu_layer's, per dtype, built on first use
-
-
 def _source() -> str:
     from .cpu_attention import ATTENTION_BODY
     from .cpu_layer import LAYER_BODY, LAYER_HEADER

@@ -13,7 +13,6 @@ import torch
 
 from kernels import cpu_layer
 from megatron_trace.fp4 import fast
-from megatron_trace.fp4.nvfp4 import NVFP4Tensor
 
 _LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
@@ -78,7 +77,6 @@ class _Plan:
             args.act_gs[i] = static.data_ptr() if static is not None else None
             keep.append(static)
         values = [None if lin.input_global_scale is None else float(lin.input_global_scale) for lin in self.linears]
-        self.static_values = values
         # guidance: (index, site, row shapes, static S_enc, its value) of each NVFP4-activation linear
         self.act_sites = [(i, lin.site, ((lin.in_features // 2,), (lin.in_features // 16,), ()),
                            lin.input_global_scale, values[i])
@@ -96,7 +94,7 @@ def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, 
     plan.refresh()
     args, t = plan.args, x.shape[0]
     table, row_seq, row_len, _ = batch.attention_layout()
-    caps = _capture_buffers(plan, args, t, capture, batch.kv_global_scales[layer.idx] if kv.fmt == "nvfp4" else None)
+    _set_capture(plan, args, capture, batch.kv_global_scales[layer.idx] if kv.fmt == "nvfp4" else None)
     if kv.fmt == "nvfp4":
         args.sdec_k, args.sdec_v = batch.kv_decode_scales[layer.idx]
         gs = kv.global_scale.data_ptr() + 8 * layer.idx  # [layers, 2] fp32, contiguous
@@ -109,57 +107,20 @@ def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, 
         row_len.data_ptr()
     args.write_slots = batch.write_slots.data_ptr()
     cpu_layer.run(args, x.dtype)
-    if caps:
-        _report(caps, capture)
     return out
 
 
-def _capture_buffers(plan: _Plan, args, t: int, capture, kv_scales) -> list | None:
-    """Point the quantizers of captured sites at the guidance log's rows for this step (capture
-    fns with `.pointers`), else at fresh tensors reported after the call. None: nothing captured.
+def _set_capture(plan: _Plan, args, capture, kv_scales) -> None:
+    """Point the quantizers at the guidance log's rows for this step, or at nothing. `capture` must
+    offer `.pointers` (the scheduler's does; the model sends others down the per-kernel path).
     kv_scales: this layer's [S_enc of K, S_enc of V] as floats (NVFP4 KV)."""
-    if capture is None:
-        if plan.__dict__.get("capturing"):
-            for i in range(4):
-                args.cap_data[i] = args.cap_scale[i] = args.cap_gs[i] = args.cap_kv[i] = None
-            plan.capturing = False
-        return None
-    plan.capturing = True
-    direct = getattr(capture, "pointers", None)
-    if direct is not None:
-        _point_at_log(plan, args, direct, kv_scales)
-        return None
-    caps = []
-    layer, a = plan.layer, plan.layer.arch
-    for i, lin in enumerate(plan.linears):
-        args.cap_data[i] = args.cap_scale[i] = args.cap_gs[i] = None
-        if lin.act_fmt != "nvfp4":
-            continue
-        k, static = lin.in_features, lin.input_global_scale
-        if direct is not None:
-            args.cap_data[i], args.cap_scale[i], args.cap_gs[i] = direct(
-                lin.site, (k // 2,), (k // 16,), (), static_gs=static,
-                static_value=None if static is None else plan.static_values[i])
-            continue
-        data, scale = torch.empty(t, k // 2, dtype=torch.uint8), torch.empty(t, k // 16, dtype=torch.uint8)
-        gs = torch.empty(t, dtype=torch.float32) if static is None else None
-        caps.append((lin.site, data, scale, static if gs is None else gs))
-        args.cap_data[i], args.cap_scale[i] = data.data_ptr(), scale.data_ptr()
-        args.cap_gs[i] = None if gs is None else gs.data_ptr()
-    for i in range(4):
-        args.cap_kv[i] = None
-    if plan.kv.fmt == "nvfp4":  # the kernel copies the new K/V codes and scales here
-        rows = ((a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16))
-        for which in (0, 1):
-            static = plan.kv.global_scale[layer.idx, which]
-            if direct is not None:
-                args.cap_kv[2 * which], args.cap_kv[2 * which + 1], _ = direct(
-                    layer.kv_sites[which], *rows, (), static_gs=static, static_value=kv_scales[which])
-                continue
-            bufs = [torch.empty(t, *r, dtype=torch.uint8) for r in rows]
-            caps.append((layer.kv_sites[which], bufs[0], bufs[1], static.clone()))
-            args.cap_kv[2 * which], args.cap_kv[2 * which + 1] = bufs[0].data_ptr(), bufs[1].data_ptr()
-    return caps or None
+    if capture is not None:
+        plan.capturing = True
+        _point_at_log(plan, args, capture.pointers, kv_scales)
+    elif plan.__dict__.get("capturing"):
+        for i in range(4):
+            args.cap_data[i] = args.cap_scale[i] = args.cap_gs[i] = args.cap_kv[i] = None
+        plan.capturing = False
 
 
 def _point_at_log(plan: _Plan, args, pointers, kv_scales) -> None:
@@ -173,8 +134,3 @@ def _point_at_log(plan: _Plan, args, pointers, kv_scales) -> None:
             args.cap_kv[2 * which], args.cap_kv[2 * which + 1], _ = pointers(
                 layer.kv_sites[which], *plan.kv_rows, static_gs=plan.kv.global_scale[layer.idx, which],
                 static_value=kv_scales[which])
-
-
-def _report(caps, capture) -> None:
-    for site, data, scale, gs in caps:
-        capture(site, NVFP4Tensor(data, scale, gs))

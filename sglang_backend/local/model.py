@@ -297,7 +297,7 @@ class QwenEngineModel(nn.Module):
                 batch.kv_global_scales = kv.global_scale.tolist()
             residual = None
             for layer, cap in zip(self.layers, caps):
-                if layer.runs_as_one_call(kv):
+                if layer.runs_as_one_call(kv) and (cap is None or hasattr(cap, "pointers")):
                     residual = layer_c.run_layer(layer, x, residual, batch, kv, rot, cap)
                 else:
                     residual = layer.forward_fused(x, residual, batch, kv, rot, cap)
