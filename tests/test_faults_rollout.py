@@ -23,15 +23,10 @@ from safetensors.torch import load_file
 from megatron_trace.models.tiny import make_tiny_checkpoint
 from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
 from sglang_backend.client import RolloutClient
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "fault-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(ckpt: Path, port: int) -> subprocess.Popen:
@@ -84,7 +79,7 @@ def procs():
 
 
 def test_server_killed_mid_batch_then_readmitted_at_current_version(ckpts, procs):
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs += [_launch(ckpts[0], p) for p in ports]
     for u, p in zip(urls, procs):

@@ -1,6 +1,5 @@
 """The mismatch probe end to end: engine rollout (bf16) vs Megatron recompute (fp32), TP1 and TP2."""
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -8,17 +7,12 @@ import time
 import pytest
 
 from megatron_trace.models import make_tiny_checkpoint
+from tests.ports import free_port
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("probe"), "qwen2", seed=0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(args, tmp_path, nproc=1):
@@ -27,7 +21,7 @@ def _run(args, tmp_path, nproc=1):
         cmd = [sys.executable, "-m", "megatron_trace.probe"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), "-m", "megatron_trace.probe"]
+               "--master-port", str(free_port()), "-m", "megatron_trace.probe"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd + args + ["--json", str(out)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

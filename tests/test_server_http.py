@@ -4,7 +4,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import threading
 import time
 import urllib.error
@@ -22,6 +21,7 @@ from sglang_backend.api import WeightBucket  # noqa: E402
 from sglang_backend.local import Engine  # noqa: E402
 from sglang_backend.local.server import serve  # noqa: E402
 from sglang_backend.weight_group import WeightGroup, WeightSender  # noqa: E402
+from tests.ports import free_port
 
 KEY = "test-key"
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
@@ -44,12 +44,6 @@ def http(url, path, payload=None, *, key=KEY, raw=None, method=None, ctype=None)
 def jhttp(*a, **kw):
     status, body, _ = http(*a, **kw)
     return status, (json.loads(body) if body else None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "run_qwen_72b.sh"
@@ -94,12 +95,6 @@ def _install_slurm() -> None:
         pytest.skip(f"cannot install Slurm with apt-get: {res.stderr[-500:]}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _write_conf(d: Path, munge_socket: Path) -> Path:
     node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
     name = re.search(r"NodeName=(\S+)", node).group(1)
@@ -113,7 +108,7 @@ def _write_conf(d: Path, munge_socket: Path) -> Path:
     conf.write_text("\n".join([
         "ClusterName=tracetest", f"SlurmctldHost={name}", "SlurmUser=root", "SlurmdUser=root",
         "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={munge_socket}",
-        f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
         f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
         f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
         f"SlurmctldLogFile={d}/slurmctld.log", f"SlurmdLogFile={d}/slurmd.log",
@@ -210,7 +205,7 @@ def test_tiny_run_as_a_slurm_job(slurm):
     env, d = slurm
     run_dir = d / "runs" / "tiny"
     env = {**env, "CONFIG": "configs/tiny_cpu.yaml", "CPU_MODE": "1", "GPUS_PER_NODE": "0", "TRAINER_NODES": "1",
-           "ROLLOUT_NODES": "0", "TENSORBOARD": "0", "SERVER_PORT": str(_free_port()), "RDZV_PORT": str(_free_port())}
+           "ROLLOUT_NODES": "0", "TENSORBOARD": "0", "SERVER_PORT": str(free_port()), "RDZV_PORT": str(free_port())}
     overrides = [f"trainer.steps={STEPS}", "trainer.warm_start_steps=5", "trainer.save_every=0",
                  "rollout.eval_prompts=0", "rollout.prompts_per_step=4", "rollout.n_samples=4", "logging.progress=false"]
     t0 = time.time()

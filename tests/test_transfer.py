@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,17 +31,12 @@ from megatron_trace.transfer.transports import (  # noqa: E402
 from sglang_backend.client import RolloutClient  # noqa: E402
 from sglang_backend.local import Engine, InProcessBackend  # noqa: E402
 from sglang_backend.local.server import serve  # noqa: E402
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "secret"
 ALL_LINEARS = ("*.self_attn.*_proj", "*.mlp.*_proj", "*.mlp.experts.*")
 IDS = [[5, 7, 9, 11, 3], [1, 2, 3], [100, 200, 300, 17]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -105,9 +99,9 @@ def dist_run(ckpts, tmp_path_factory):
     engine = Engine(str(ckpts / "qwen3_b"), quantization="nvfp4")
     server = serve(engine, api_key=KEY)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(REPO / "tests/mp_scripts/transfer_check.py"),
+           "--master-port", str(free_port()), str(REPO / "tests/mp_scripts/transfer_check.py"),
            "--ckpts", str(ckpts), "--out", str(out), "--url", server.url, "--api-key", KEY,
-           "--master-port", str(_free_port()), "--send", str(ckpts / "qwen3")]
+           "--master-port", str(free_port()), "--send", str(ckpts / "qwen3")]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=400)
     if proc.returncode != 0 or not (out / "done").exists():
         server.shutdown()
@@ -150,7 +144,7 @@ def test_interrupted_transfer_keeps_previous_version(ckpts, tmp_path):
     server = serve(engine, api_key=KEY)
     try:
         before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, str(REPO / "tests/mp_scripts/transfer_sender.py"), "--ckpt", str(ckpts / "qwen3_b"),
                "--url", server.url, "--api-key", KEY, "--port", str(port), "--version", "5"]
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -170,7 +164,7 @@ def test_interrupted_transfer_keeps_previous_version(ckpts, tmp_path):
         assert all(torch.equal(before[k], after[k]) for k in before), "a partial version leaked in"
         # NaN in the stream: refused before sending, naming the parameter; still version 0.
         arch, sd, _ = load_hf_dir(ckpts / "qwen3_b")
-        t = DistributedTransport(server.url, KEY, "127.0.0.1", _free_port())
+        t = DistributedTransport(server.url, KEY, "127.0.0.1", free_port())
         bad = dict(sd)
         bad["model.layers.3.mlp.down_proj.weight"] = sd["model.layers.3.mlp.down_proj.weight"].clone()
         bad["model.layers.3.mlp.down_proj.weight"][1, 2] = float("nan")
