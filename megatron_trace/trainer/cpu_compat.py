@@ -23,6 +23,11 @@ place where Megatron assumes a GPU even though the computation itself is device-
    the item-3 proxy (its `cuda.current_stream()` is a dummy stream) in `param_and_grad_buffer`.
 6. The MoE router calls `moe_utils.te_general_gemm`, defined only when Transformer Engine imports
    (NameError in 0.16.1): set to None so the plain matmul path runs.
+7. `megatron.core.jit` binds `jit_fuser = torch.compile` at import and ~40 fusion kernels are
+   decorated with it while `megatron.core` loads: that alone imports dynamo and inductor (~3 s of
+   every process's start-up here), and a fused kernel called on CPU would be compiled to C++ by
+   inductor. Megatron's first import therefore runs with `torch.compile` as a pass-through, so
+   `jit_fuser` is Megatron's own no-op choice and the kernels run eagerly (same math).
 
 Limits that are configuration, not patches (see `gpt.build_model`): the alltoall MoE token
 dispatcher needs CUDA streams (use "allgather"), sequence parallelism is impossible with the
@@ -33,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import sys
 import types
 from typing import Any
 
@@ -204,6 +210,20 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_deco
             g.mul_(clip_coeff)
 
 
+@contextlib.contextmanager
+def _compile_as_identity():
+    """Item 7: `torch.compile(fn)` and `@torch.compile(...)` return the function unchanged."""
+    def identity(model=None, **_kwargs):
+        return model if model is not None else (lambda fn: fn)
+
+    original = torch.compile
+    torch.compile = identity  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = original
+
+
 def apply_cpu_workarounds() -> bool:
     """Patch Megatron-Core for CPU execution when CUDA is absent. Idempotent.
 
@@ -214,6 +234,10 @@ def apply_cpu_workarounds() -> bool:
         return False
     if _APPLIED:
         return True
+    # 7. First import of Megatron with torch.compile as a pass-through.
+    if "megatron.core" not in sys.modules:
+        with _compile_as_identity():
+            importlib.import_module("megatron.core")
     # 1. Allocation device.
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     # 3 + 5. Per-module torch proxy for literal "cuda" devices and stream calls.

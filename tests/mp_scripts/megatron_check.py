@@ -122,6 +122,11 @@ def main() -> None:
     dist.barrier()
     parallel.destroy()
     if int(os.environ.get("RANK", "0")) == 0:
+        from megatron.core import jit
+
+        compiled = jit.jit_fuser(_cfg)  # cpu_compat item 7: a pass-through, torch.compile itself restored
+        (out / "jit.json").write_text(json.dumps({"fuser_passthrough": compiled is _cfg,
+                                                  "torch_compile_restored": torch.compile.__module__ == "torch"}))
         (out / "done").write_text("ok")
 
 
