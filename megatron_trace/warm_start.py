@@ -34,12 +34,12 @@ def cache_key(hf_cfg: dict, tokenizer, task: ArithmeticTask, steps: int, lr: flo
 def build_warm_start(cache_root: str | Path, family: str, tokenizer, task: ArithmeticTask, *, overrides: dict,
                      steps: int, lr: float, seed: int, batch: int = 64, log=print) -> Path:
     """Return the cached checkpoint dir, training it first when missing (atomic: tmp + rename)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     hf_cfg = tiny_config_for(family, tokenizer, overrides)
     out = Path(cache_root) / cache_key(hf_cfg, tokenizer, task, steps, lr, seed)
     if (out / "config.json").exists():
         return out
+    from transformers import AutoConfig, AutoModelForCausalLM  # seconds of imports: only when training
+
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**hf_cfg)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
