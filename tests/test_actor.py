@@ -1,6 +1,5 @@
 """The actor under TP/PP: QAT recompute, a train step's grad norm, and checkpoint reload match TP1."""
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -8,27 +7,23 @@ from pathlib import Path
 import pytest
 
 from megatron_trace.models import make_tiny_checkpoint
+from tests.ports import free_port
 
 SCRIPT = Path(__file__).parent / "mp_scripts" / "actor_check.py"
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen3", seed=2)
     out = tmp_path_factory.mktemp("out")
-    runs = [(1, 1, 1), (2, 2, 1), (2, 1, 2)]  # (nproc, tp, pp)
-    for nproc, tp, pp in runs:
+    launches = [(1, "1x1"), (2, "2x1,1x2")]  # (nproc, TPxPP layouts run one after another)
+    for nproc, layouts in launches:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(_port()), str(SCRIPT), "--ckpt", str(ckpt), "--out", str(out), "--tp", str(tp), "--pp", str(pp)]
+               str(free_port()), str(SCRIPT), "--ckpt", str(ckpt), "--out", str(out), "--layouts", layouts]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
-    return {f"tp{tp}_pp{pp}": json.loads((out / f"rtn_tp{tp}_pp{pp}.json").read_text()) for _, tp, pp in runs}
+    tags = [tuple(layout.split("x")) for _, layouts in launches for layout in layouts.split(",")]
+    return {f"tp{tp}_pp{pp}": json.loads((out / f"rtn_tp{tp}_pp{pp}.json").read_text()) for tp, pp in tags}
 
 
 @pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2"])

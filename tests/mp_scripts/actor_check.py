@@ -1,4 +1,5 @@
-"""torchrun worker: the Actor's recompute and one QAT train step under a given TP/PP.
+"""torchrun worker: the Actor's recompute and one QAT train step under each given TPxPP layout
+(one launch, the model-parallel groups re-initialized per layout: imports dominate on CPU).
 
 Writes out/<tag>.json on rank 0: per-sample logprobs (before the step), the step's grad norm and
 loss, and the logprobs after the step; then saves a checkpoint, perturbs nothing, reloads it and
@@ -34,11 +35,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--layouts", default="1x1", help="comma-separated TPxPP")
     ap.add_argument("--mode", default="rtn")
     args = ap.parse_args()
-    init_distributed(tp=args.tp, pp=args.pp, seed=0)
+    for layout in args.layouts.split(","):
+        tp, pp = (int(x) for x in layout.split("x"))
+        run_layout(args, tp, pp)
+        dist.barrier()
+    destroy()
+
+
+def run_layout(args, tp: int, pp: int) -> None:
+    init_distributed(tp=tp, pp=pp, seed=0)
     arch = ModelArch.from_hf_config(args.ckpt)
     policy = QuantPolicy(kv="nvfp4")
     actor = Actor(arch, policy, ActorConfig(qat_mode=args.mode, lr=1e-3, micro_batch_size=2), hf_path=args.ckpt)
@@ -48,7 +56,7 @@ def main():
         s.rollout_logprobs = [float(x) + 0.01 for x in lp]
     metrics, step_lp = actor.train_step(batch, LossConfig())
     after = actor.compute_logprobs(batch)
-    tag = f"{args.mode}_tp{args.tp}_pp{args.pp}"
+    tag = f"{args.mode}_tp{tp}_pp{pp}"
     root = Path(args.out) / f"ckpt_{tag}"
     actor.save_checkpoint(root, step=0, extra={"version": 1})
     actor.load_checkpoint(root)
@@ -58,7 +66,6 @@ def main():
                "after": [t.tolist() for t in after], "reloaded": [t.tolist() for t in reloaded],
                "grad_norm": metrics["grad_norm"], "loss": metrics["loss"]}
         (Path(args.out) / f"{tag}.json").write_text(json.dumps(res))
-    destroy()
 
 
 if __name__ == "__main__":
