@@ -28,8 +28,18 @@ def _run(args, tmp_path, nproc=1):
     return json.loads(out.read_text()), proc.stdout, time.perf_counter() - t0
 
 
-def test_guided_beats_rtn_beats_off_and_agrees_on_every_site(ckpt, tmp_path):
-    res, stdout, seconds = _run(["--model-path", str(ckpt), "--num-prompts", "6", "--max-new-tokens", "24"], tmp_path)
+@pytest.fixture(scope="module")
+def tp1(ckpt, tmp_path_factory):
+    """One TP1 probe run, shared: the guided/rtn/off ordering and the TP2 reference."""
+    return _run(_probe_args(ckpt), tmp_path_factory.mktemp("tp1"))
+
+
+def _probe_args(ckpt):
+    return ["--model-path", str(ckpt), "--num-prompts", "6", "--max-new-tokens", "24"]
+
+
+def test_guided_beats_rtn_beats_off_and_agrees_on_every_site(tp1):
+    res, stdout, seconds = tp1
     m = res["modes"]
     assert m["guided-full"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
     assert m["guided-mantissa"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"]
@@ -43,10 +53,8 @@ def test_guided_beats_rtn_beats_off_and_agrees_on_every_site(ckpt, tmp_path):
     assert seconds < 60
 
 
-def test_tp2_gives_the_tp1_numbers(ckpt, tmp_path):
-    args = ["--model-path", str(ckpt), "--num-prompts", "4", "--max-new-tokens", "12"]
-    one, _, _ = _run(args, tmp_path)
-    two, _, _ = _run(args + ["--tp", "2"], tmp_path, nproc=2)
+def test_tp2_gives_the_tp1_numbers(ckpt, tp1, tmp_path):
+    one, two = tp1[0], _run(_probe_args(ckpt) + ["--tp", "2"], tmp_path, nproc=2)[0]
     for mode in ("off", "rtn", "guided-full"):
         assert two["modes"][mode]["mean_abs_dlogp"] == pytest.approx(one["modes"][mode]["mean_abs_dlogp"], rel=1e-3, abs=1e-5)
     assert min(two["modes"]["guided-full"]["agreement"].values()) >= 0.999

@@ -36,21 +36,30 @@ def _metrics(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "rollout/reward_mean" in r}  # last line per step wins
 
 
-def test_main_command_writes_every_mismatch_scalar_to_tensorboard(runs):
+MAIN = ["trainer.steps=4", "trainer.save_every=2"]
+
+
+@pytest.fixture(scope="module")
+def main_run(runs):
+    """One uninterrupted run: read back through TensorBoard, and the reference for kill + resume."""
+    run_dir = runs / "main"
+    return run_dir, _train(run_dir, *MAIN)
+
+
+def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_dir = runs / "main"
-    out = _train(run_dir, "trainer.steps=3")
+    run_dir, out = main_run
     assert "== summary ==" in out and "eval accuracy" in out
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and 0 <= summary["eval_accuracy_after"] <= 1
+    assert summary["steps"] == 4 and 0 <= summary["eval_accuracy_after"] <= 1
     assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints" / "latest").exists()
     acc = EventAccumulator(str(run_dir))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for name in REQUIRED_MISMATCH:
         assert f"mismatch/{name}" in tags, name
-        assert len(acc.Scalars(f"mismatch/{name}")) == 3
+        assert len(acc.Scalars(f"mismatch/{name}")) == 4
     assert any(t.startswith("mismatch/codeword_disagreement/layer_") for t in tags)
     for ns in ("rollout/reward_mean", "train/loss", "train/grad_norm", "perf/step_s", "eval/accuracy"):
         assert ns in tags, ns
@@ -67,11 +76,9 @@ def test_async_mode_counts_stale_samples(runs):
     assert m[1]["rollout/dropped_stale"] > 0  # made while step 0 trained: one version old
 
 
-def test_kill_mid_step_then_resume_matches_uninterrupted(runs):
-    full, cut = runs / "full", runs / "cut"
-    extra = ["trainer.steps=4", "trainer.save_every=2", "rollout.eval_prompts=0"]
-    _train(full, *extra)
-    proc = _train(cut, *extra, wait=False)
+def test_kill_mid_step_then_resume_matches_uninterrupted(runs, main_run):
+    full, cut = main_run[0], runs / "cut"
+    proc = _train(cut, *MAIN, wait=False)
     deadline = time.time() + 400
     latest = cut / "checkpoints" / "latest"
     while time.time() < deadline and not (latest.exists() and latest.read_text() == "step_1"):
@@ -80,7 +87,7 @@ def test_kill_mid_step_then_resume_matches_uninterrupted(runs):
     assert latest.exists(), "the run never checkpointed step 1"
     os.killpg(proc.pid, signal.SIGKILL)  # mid-step 2 (or 3): whatever was in flight is lost
     proc.wait()
-    _train(cut, *extra, "--resume")
+    _train(cut, *MAIN, "--resume")
     a, b = _metrics(full), _metrics(cut)
     for step in (2, 3):
         for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "mismatch/mean_abs_dlogp"):
