@@ -56,11 +56,14 @@ static int linear_@S(const layer_args* a, int which, const @T* x, int64_t T, int
     for (int64_t i = 0; i < T * K; i++) xf[i] = ld_@S(x[i]);
     const float* in = xf;
     if (a->act_mode[which]) {
-        uint8_t* d = a->cap_data[which] ? (uint8_t*)a->cap_data[which] : qd;
-        uint8_t* s = a->cap_scale[which] ? (uint8_t*)a->cap_scale[which] : qs;
-        float* g = a->cap_gs[which] ? (float*)a->cap_gs[which] : qg;
+        const int64_t r = a->cap_row;
+        uint8_t* d = a->cap_data[which] ? (uint8_t*)a->cap_data[which] + r * (K / 2) : qd;
+        uint8_t* s = a->cap_scale[which] ? (uint8_t*)a->cap_scale[which] + r * (K / 16) : qs;
+        float* g = a->cap_gs[which] ? (float*)a->cap_gs[which] + r : qg;
         const float* gs = a->act_mode[which] == 2 ? a->act_gs[which] : 0;
         if (((qdq_fn)a->qdq)(xf, T, K, gs, a->lut, a->grid, a->bnd, a->one_sixth, d, s, gs ? 0 : g, xhat)) return 1;
+        if (gs && a->cap_gs[which])  /* a per-row S_enc log under a static scale: every row gets it */
+            for (int64_t t = 0; t < T; t++) g[t] = *gs;
         for (int64_t i = 0; i < T * K; i++) xhat[i] = rnd_@S(xhat[i]);
         in = xhat;
     }
@@ -101,14 +104,17 @@ int decode_layer_@S(const layer_args* a) {
                      a->lut, a->grid, a->bnd, a->one_sixth, (uint8_t*)(which ? a->vc : a->kc),
                      (uint8_t*)(which ? a->vs : a->ks));
             if (rc) { rc = rc == 1 ? 1 : rc + 1; goto out; }
-            uint8_t *cd = (uint8_t*)a->cap_kv[2 * which], *cs = (uint8_t*)a->cap_kv[2 * which + 1];
             const uint8_t *pd = (const uint8_t*)(which ? a->vc : a->kc), *ps = (const uint8_t*)(which ? a->vs : a->ks);
-            const int64_t nd = Hkv * D / 2, ns = Hkv * D / 16;
-            if (cd)  /* guidance: the codes and scales just written, row by row */
+            const int64_t nd = Hkv * D / 2, ns = Hkv * D / 16, r = a->cap_row;
+            if (a->cap_kv[2 * which]) {  /* guidance: the codes and scales just written, row by row */
+                uint8_t *cd = (uint8_t*)a->cap_kv[2 * which] + r * nd, *cs = (uint8_t*)a->cap_kv[2 * which + 1] + r * ns;
                 for (int64_t t = 0; t < T; t++) {
                     memcpy(cd + t * nd, pd + a->write_slots[t] * nd, (size_t)nd);
                     memcpy(cs + t * ns, ps + a->write_slots[t] * ns, (size_t)ns);
                 }
+            }
+            if (a->cap_kv_gs[which])  /* a per-row S_enc log: the layer's static K/V scale on every row */
+                for (int64_t t = 0; t < T; t++) ((float*)a->cap_kv_gs[which])[r + t] = *(which ? a->gs_v : a->gs_k);
         }
         rc = paged_attention_nvfp4_@S(q, a->kc, a->ks, a->vc, a->vs, a->sdec_k, a->sdec_v, a->lut, a->grid, a->table,
                                       a->ldt, a->row_seq, a->row_len, T, H, Hkv, D, a->attn_scale, att);
@@ -142,8 +148,12 @@ typedef struct {
     const void *in_norm, *post_norm, *q_norm, *k_norm, *qkv_wt, *qkv_b, *o_wt, *o_b, *gu_wt, *down_wt;
     int64_t act_mode[4];           /* per linear (qkv, o, gate_up, down): 0 none, 1 NVFP4 per token, 2 static */
     const float* act_gs[4];
+    /* Guidance capture: row 0 of the log's arrays (NULL: not captured); this step writes its T rows
+       from row cap_row on. An S_enc address under a static scale gets that scale on every row. */
     void *cap_data[4], *cap_scale[4], *cap_gs[4];
-    void* cap_kv[4];               /* NVFP4 KV guidance: K codes, K scales, V codes, V scales [T, ...] */
+    void* cap_kv[4];               /* NVFP4 KV: K codes, K scales, V codes, V scales */
+    void* cap_kv_gs[2];            /* NVFP4 KV: S_enc of K, of V (NULL while the log keeps one static value) */
+    int64_t cap_row;
     int64_t kv_fmt;                /* 0: pages in the dtype, 1: NVFP4 codes + scales */
     void *kc, *vc, *ks, *vs;
     const float *gs_k, *gs_v;
@@ -174,7 +184,7 @@ class LayerArgs(ctypes.Structure):
                 + [(n, _P) for n in ("in_norm", "post_norm", "q_norm", "k_norm", "qkv_wt", "qkv_b", "o_wt", "o_b",
                                      "gu_wt", "down_wt")]
                 + [("act_mode", _I * 4), ("act_gs", _P * 4), ("cap_data", _P * 4), ("cap_scale", _P * 4),
-                   ("cap_gs", _P * 4), ("cap_kv", _P * 4), ("kv_fmt", _I), ("kc", _P), ("vc", _P), ("ks", _P), ("vs", _P),
+                   ("cap_gs", _P * 4), ("cap_kv", _P * 4), ("cap_kv_gs", _P * 2), ("cap_row", _I), ("kv_fmt", _I), ("kc", _P), ("vc", _P), ("ks", _P), ("vs", _P),
                    ("gs_k", _P), ("gs_v", _P), ("sdec_k", _F), ("sdec_v", _F), ("write_slots", _P), ("num_slots", _I),
                    ("table", _P), ("row_seq", _P), ("row_len", _P), ("ldt", _I), ("cos", _P), ("sin", _P),
                    ("pos", _P), ("x", _P), ("res_in", _P), ("res_out", _P), ("qdq", _P), ("q2slots", _P),

@@ -61,7 +61,7 @@ def test_failing_decode_aborts_running_requests(eng, monkeypatch):
 
 
 def test_failing_guidance_record_aborts_only_that_request(eng, monkeypatch):
-    _fail_once(monkeypatch, engine_mod, "guidance_record")
+    _fail_once(monkeypatch, engine_mod, "guidance_bytes")
     out = eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_guidance=True)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "injected failure" in out["meta_info"]["finish_reason"]["message"]

@@ -96,3 +96,47 @@ def test_guidance_from_the_c_layer_equals_the_torch_path(ckpt, mode, monkeypatch
             same += int((x.payload == y.payload).sum()) + int((x.scale == y.scale).sum())
             total += x.payload.numel() + x.scale.numel()
     assert same / total >= 0.999, f"only {same}/{total} guidance bytes agree"
+
+
+def test_c_layer_guidance_through_log_growth_and_per_row_kv_scales(ckpt):
+    """The C layer caches the log's row-0 addresses and offsets by the step's row: records stay
+    equal to the torch path's while the log grows from 4 rows, and when the KV sites hold one
+    S_enc per row (here: they were first opened under another scale) the C layer fills those rows."""
+    from kernels import cpu_fused
+    from megatron_trace.guidance import GuidanceRecord
+    from sglang_backend.local.guidance_log import GuidanceLog
+
+    if not cpu_fused.available():
+        pytest.skip("no C compiler here")
+    recs = []
+    for fused in (True, False):
+        eng = Engine(str(ckpt), quantization="nvfp4", kv_cache_dtype="nvfp4", guidance_mode="full", guided_layers="all")
+        try:
+            if not fused:
+                eng.model.uses_fused = lambda kv: False
+            log = eng.scheduler.log = GuidanceLog("full", capacity=4)
+            a = eng.arch
+            for layer in eng.model.layers:
+                for site in layer.kv_sites:
+                    log.pointers(site, (a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16), (),
+                                 static_gs=torch.tensor(-1.0))
+            outs = eng.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": NEW,
+                                                                    "ignore_eos": True}, return_guidance=True)
+            recs.append([GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs])
+            kv_scales = eng.kv.global_scale.clone()
+            grew = eng.scheduler.log.capacity > 4
+        finally:
+            eng.shutdown()
+        assert grew
+    same = total = 0
+    for a, b in zip(*recs):
+        for site in a.sites:
+            x, y = a.sites[site], b.sites[site]
+            torch.testing.assert_close(x.global_scale, y.global_scale, rtol=1e-5, atol=0)
+            if site.endswith(("k_cache", "v_cache")):
+                layer, which = int(site.split(".")[2]), int(site.endswith("v_cache"))
+                assert x.global_scale.shape == (a.num_positions,)
+                assert torch.all(x.global_scale == kv_scales[layer, which]), site
+            same += int((x.payload == y.payload).sum()) + int((x.scale == y.scale).sum())
+            total += x.payload.numel() + x.scale.numel()
+    assert same / total >= 0.999, f"only {same}/{total} guidance bytes agree"

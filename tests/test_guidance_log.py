@@ -2,13 +2,23 @@
 import torch
 
 from megatron_trace.fp4 import nvfp4
-from megatron_trace.guidance import make_site
+from megatron_trace.guidance import GuidanceRecord, encode_records, make_site
 from sglang_backend.local.guidance_log import GuidanceLog
 
 
 class _Sample:
     def __init__(self):
         self.guidance_rows, self.guidance, self.written = [], None, []
+
+
+def _gather(log, finished, alive):
+    """The engine's path: the log's batch of rows -> one record's bytes per sample -> read back."""
+    sites, lens = log.gather(finished, alive)
+    for i, (s, b) in enumerate(zip(finished, encode_records([f"s{i}" for i in range(len(lens))], log.mode, lens,
+                                                            sites))):
+        rec = GuidanceRecord.from_bytes(b)
+        assert rec.sample_id == f"s{i}" and rec.num_positions == lens[i]
+        s.guidance = rec.sites
 
 
 def _step_q(rows: int, seed: int, static: bool):
@@ -34,9 +44,9 @@ def test_rows_round_trip_through_growth_and_compaction():
             s.written.append((qa.data[i], qa.scale[i], qa.global_scale[i], qk.data[i], qk.scale[i]))
         if step % 7 == 6:  # the oldest sample finishes, a new one joins
             fin, live = live[:1], live[1:] + [_Sample()]
-            log.gather(fin, live)
+            _gather(log, fin, live)
             done += fin
-    log.gather(live, [])
+    _gather(log, live, [])
     for s in done + live:
         a, k = s.guidance["model.layers.0.mlp.down_proj"], s.guidance["model.layers.0.self_attn.k_cache"]
         rows = list(zip(*s.written))
@@ -57,5 +67,5 @@ def test_a_resynced_static_scale_keeps_each_row_its_own():
         q = nvfp4.quantize(torch.randn(1, 32), global_scale=torch.tensor(gs))
         log.store("model.layers.0.mlp.down_proj", first, q)
         s.guidance_rows.append(first)
-    log.gather([s], [])
+    _gather(log, [s], [])
     assert s.guidance["model.layers.0.mlp.down_proj"].global_scale.tolist() == [0.5, 0.5, 2.0, 2.0]

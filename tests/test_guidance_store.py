@@ -6,9 +6,11 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_trace.fp4 import nvfp4
-from megatron_trace.guidance import GuidanceRecord, GuidanceStore, make_site
+from megatron_trace.guidance import GuidanceRecord, GuidanceStore, encode_records, make_site
 from megatron_trace.guidance.store import GuidanceStoreError
 
 SITES = ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj")
@@ -340,3 +342,34 @@ def test_damaged_record_headers_are_refused_by_name(edit, message):
         GuidanceRecord.from_bytes(data)
     with pytest.raises(ValueError, match="not valid JSON"):
         GuidanceRecord.from_bytes((5).to_bytes(8, "little") + b"{nope")
+
+
+@settings(max_examples=25)
+@given(lens=st.lists(st.integers(1, 5), min_size=1, max_size=4), mode=st.sampled_from(["full", "mantissa"]),
+       static_kv=st.booleans(), seed=st.integers(0, 100))
+def test_batch_encoding_writes_each_records_own_bytes(lens, mode, static_kv, seed):
+    """encode_records (the engine's writer, one conversion per tensor per batch) gives, sample by
+    sample, the bytes of that sample's own record, which a plain safetensors reader loads."""
+    from safetensors.torch import load
+
+    g = torch.Generator().manual_seed(seed)
+    total, sites = sum(lens), {}
+    for name in ("model.layers.0.mlp.down_proj", "model.layers.0.self_attn.k_cache"):
+        static = static_kv and name.endswith("k_cache")
+        q = nvfp4.quantize(torch.randn(total, 32, generator=g), **({"global_scale": torch.tensor(0.75)} if static
+                                                                     else {"per_row_global": True}))
+        sites[name] = make_site(q.scale, q.global_scale, q.data, mode)
+    ids = [f"sample-{i}" for i in range(len(lens))]
+    got = encode_records(ids, mode, lens, sites)
+    start = 0
+    for sid, n, data in zip(ids, lens, got):
+        want = GuidanceRecord(sid, mode, n, {k: s.select(start, start + n) for k, s in sites.items()})
+        assert data == want.to_bytes()
+        assert_same(GuidanceRecord.from_bytes(data), want)
+        tensors = load(data)
+        for name, site in want.sites.items():
+            for f in ("scale", "global_scale", "payload"):
+                assert torch.equal(tensors[f"{name}/{f}"], getattr(site, f))
+        start += n
+    with pytest.raises(ValueError, match="holds .* positions; the samples have"):
+        encode_records(ids, mode, [n + 1 for n in lens], sites)

@@ -1,5 +1,5 @@
 """TRACE guidance: the record layout (what the rollout rounded to) and, later, its store."""
-from .record import KV_SITES, MODES, GuidanceRecord, SiteRecord, concat_sites, guided_layers, make_site
+from .record import KV_SITES, MODES, GuidanceRecord, SiteRecord, concat_sites, encode_records, guided_layers, make_site
 from .store import GuidanceStore, GuidanceStoreError
 
-__all__ = ["KV_SITES", "MODES", "GuidanceRecord", "SiteRecord", "concat_sites", "guided_layers", "make_site", "GuidanceStore", "GuidanceStoreError"]
+__all__ = ["KV_SITES", "MODES", "GuidanceRecord", "SiteRecord", "concat_sites", "encode_records", "guided_layers", "make_site", "GuidanceStore", "GuidanceStoreError"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,26 +114,8 @@ class GuidanceRecord:
         """safetensors bytes (any safetensors reader loads them), written directly: a record is
         dozens of tiny tensors, for which safetensors.torch.save's per-tensor overhead dominates.
         float32 tensors come first (safetensors orders by alignment), so readers can view each
-        tensor in place."""
-        items = [(f"{n}/global_scale", s.global_scale) for n, s in self.sites.items()]
-        items += [(f"{n}/{k}", t) for n, s in self.sites.items() for k, t in (("scale", s.scale), ("payload", s.payload))]
-        meta = {"sample_id": self.sample_id, "mode": self.mode, "num_positions": str(self.num_positions),
-                "sites": json.dumps(list(self.sites))}
-        head, blobs, offset = ['{"__metadata__":', json.dumps(meta)], [], 0
-        for name, t in items:
-            code = _ST_DTYPES.get(t.dtype)
-            if code is None:
-                raise ValueError(f"guidance tensor {name} has dtype {t.dtype}; records hold uint8 and float32")
-            a = (t if t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
-                 else t.detach().cpu().contiguous()).numpy()
-            shape = ",".join(map(str, a.shape))
-            head.append(f',{_json_key(name)}:{{"dtype":"{code}","shape":[{shape}],'
-                        f'"data_offsets":[{offset},{offset + a.nbytes}]}}')
-            blobs.append(a.reshape(-1).view("u1"))
-            offset += a.nbytes
-        header = ("".join(head) + "}").encode()
-        header += b" " * (-len(header) % 8)  # safetensors aligns the data section to 8 bytes
-        return b"".join([len(header).to_bytes(8, "little"), header, *blobs])
+        tensor in place. Every site must cover `num_positions`."""
+        return encode_records([self.sample_id], self.mode, [self.num_positions], self.sites)[0]
 
     @classmethod
     def from_bytes(cls, data: bytes) -> GuidanceRecord:
@@ -148,6 +131,58 @@ class GuidanceRecord:
             except KeyError as e:
                 raise ValueError(f"guidance record bytes are missing tensor {e.args[0]}") from None
         return cls(meta["sample_id"], meta["mode"], int(meta["num_positions"]), sites)
+
+
+def encode_records(sample_ids: list[str], mode: str, lens: list[int], sites: dict[str, SiteRecord]) -> list[bytes]:
+    """Each sample's `GuidanceRecord.to_bytes()`, from sites that hold all samples' positions one
+    after another (lens[i] rows each; a 0-d global scale is shared). Each tensor is converted and
+    described once per batch; per sample only offsets and slices remain (the engine's hot path)."""
+    if mode not in MODES:
+        raise ValueError(f"guidance.mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if len(sample_ids) != len(lens):
+        raise ValueError(f"{len(sample_ids)} sample ids but {len(lens)} position counts")
+    total = sum(lens)
+    columns = [_column(f"{n}/global_scale", site.global_scale, total) for n, site in sites.items()]
+    columns += [_column(f"{n}/{k}", t, total) for n, site in sites.items()
+                for k, t in (("scale", site.scale), ("payload", site.payload))]
+    # The header differs between samples only in the position count n: tensor j spans bytes
+    # [n * per_row[j] + fixed[j], n * per_row[j + 1] + fixed[j + 1]) of the data section, so one
+    # printf template and one integer table give every sample's header.
+    template, per_row, fixed, pick = ['{"__metadata__":%s'], [0], [0], []
+    for j, (key, code, row_shape, row_bytes, flat) in enumerate(columns):
+        shape = "" if row_bytes is None else "%d" + row_shape
+        template.append(f',{key.replace("%", "%%")}:{{"dtype":"{code}","shape":[{shape}],"data_offsets":[%d,%d]}}')
+        per_row.append(per_row[-1] + (row_bytes or 0))
+        fixed.append(fixed[-1] + (flat.nbytes if row_bytes is None else 0))
+        pick += ([0] if row_bytes is not None else []) + [j + 1, j + 2]  # column 0 of the table is n
+    template = "".join(template) + "}"
+    n_col = np.asarray(lens, dtype=np.int64)[:, None]
+    table = np.concatenate([n_col, n_col * np.asarray(per_row) + np.asarray(fixed)], axis=1)[:, pick].tolist()
+    blobs_of = [(row_bytes, memoryview(flat)) for _, _, _, row_bytes, flat in columns]
+    names, out, start = json.dumps(list(sites)), [], 0
+    for sid, n, values in zip(sample_ids, lens, table):
+        meta = json.dumps({"sample_id": sid, "mode": mode, "num_positions": str(n), "sites": names})
+        header = (template % (meta, *values)).encode()
+        header += b" " * (-len(header) % 8)  # safetensors aligns the data section to 8 bytes
+        blobs = [mv if row_bytes is None else mv[start * row_bytes:(start + n) * row_bytes] for row_bytes, mv in blobs_of]
+        out.append(b"".join([len(header).to_bytes(8, "little"), header, *blobs]))
+        start += n
+    return out
+
+
+def _column(name: str, t: torch.Tensor, total: int) -> tuple:
+    """(JSON key, dtype code, shape after the first dim, bytes per row or None when 0-d, bytes)."""
+    if t.dtype not in _ST_DTYPES:
+        raise ValueError(f"guidance tensor {name} has dtype {t.dtype}; records hold uint8 and float32")
+    a = (t if t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
+         else t.detach().cpu().contiguous()).numpy()
+    flat = a.reshape(-1).view("u1")
+    if a.ndim == 0:
+        return _json_key(name), _ST_DTYPES[t.dtype], "", None, flat
+    if a.shape[0] != total:
+        raise ValueError(f"guidance tensor {name} holds {a.shape[0]} positions; the samples have {total}")
+    row_shape = "".join(f",{d}" for d in a.shape[1:])
+    return _json_key(name), _ST_DTYPES[t.dtype], row_shape, a[0].nbytes if total else a.itemsize * math.prod(a.shape[1:]), flat
 
 
 @functools.lru_cache(maxsize=4096)

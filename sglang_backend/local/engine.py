@@ -25,7 +25,7 @@ from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
 from .kv_cache import PagedKVCache
 from .loader import load_checkpoint, load_tensor
 from .model import QwenEngineModel
-from .scheduler import Group, Scheduler, guidance_record, to_result
+from .scheduler import Group, Scheduler, guidance_bytes, to_result
 
 QUANTIZATIONS = (None, "nvfp4", "w4a16_nvfp4", "mxfp4", "w4a16_mxfp4", "modelopt_fp4")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -120,7 +120,7 @@ class Engine:
         try:
             handle = None
             if s.want_guidance and s.finish_reason.get("type") != "abort":
-                self._guidance[s.rid] = guidance_record(s, self.guidance_mode).to_bytes()
+                self._guidance[s.rid] = guidance_bytes(s)
                 handle = s.rid
             return to_result(s, self.weight_version, handle).to_sglang()
         except Exception as e:

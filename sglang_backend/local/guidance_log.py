@@ -1,18 +1,22 @@
 """Where the engine keeps the quantized inputs of guided sites between decode steps.
 
     step k reserves rows [first, first + rows) ─► quantizers write each site's codes, E4M3 scales
-    and S_enc straight into those rows (the C layer through `buffers`, torch paths through `store`)
+    and S_enc straight into those rows (the C layer at `pointers`, torch paths through `store`)
     ─► samples remember their global row numbers ─► when samples finish: one index_select per site
-    and tensor, the mantissa conversion on just those rows, split per sample
+    and tensor, the mantissa conversion on just those rows ─► guidance.encode_records
 Each site owns three growing arrays (codes, scales, S_enc per row; or one 0-d S_enc when static).
 Rows no live sample needs are dropped from the front once they are the larger part of the arrays.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from megatron_trace.fp4.nvfp4 import NVFP4Tensor
 from megatron_trace.guidance import SiteRecord, make_site
+
+_LAYOUTS = itertools.count()
 
 
 class _SiteRows:
@@ -25,10 +29,8 @@ class _SiteRows:
         self._note_addresses()
 
     def _note_addresses(self) -> None:
-        """Row 0 address and bytes per row of each array, for `GuidanceLog.pointers`."""
-        self.addr = tuple(None if t is None else (t.data_ptr(), t[0].numel() * t.element_size() if t.dim() > 1
-                                                  else t.element_size())
-                          for t in (self.data, self.scale, self.gs))
+        """Row-0 address of each array (None: no per-row S_enc), for `GuidanceLog.pointers`."""
+        self.addr = tuple(None if t is None else t.data_ptr() for t in (self.data, self.scale, self.gs))
 
     def to_per_row(self) -> None:
         """From now on one S_enc per row; rows already written keep the old static value."""
@@ -58,6 +60,7 @@ class GuidanceLog:
         self.rows = 0  # global rows handed out so far
         self.capacity = capacity
         self.sites: dict[str, _SiteRows] = {}
+        self.layout = next(_LAYOUTS)  # changes whenever an array's row-0 address may have (C callers cache them)
 
     # -- writing -----------------------------------------------------------------------------------
     def reserve(self, num_rows: int) -> int:
@@ -70,36 +73,43 @@ class GuidanceLog:
             for s in self.sites.values():
                 s.grow(cap, self.rows - self.base)
             self.capacity = cap
+            self.layout = next(_LAYOUTS)
         first = self.rows
         self.rows += num_rows
         return first
 
-    def buffers(self, site: str, first: int, num_rows: int, data_row, scale_row, gs_row,
-                static_gs: torch.Tensor | None = None):
-        """(codes, scales, S_enc or None when static) views of rows [first, first + num_rows) to write.
-        A static S_enc is copied when the site's arrays are made (it is one value for every row)."""
+    def _site(self, site: str, data_row, scale_row, gs_row, static_gs: torch.Tensor | None,
+              static_value: float | None = None) -> _SiteRows:
+        """The site's arrays, made on first use; a static S_enc is copied then (one value for every
+        row). A later different static value (a re-sync) switches the site to one S_enc per row."""
         s = self.sites.get(site)
-        a, b = first - self.base, first - self.base + num_rows
         if s is None:
             static = None if static_gs is None else static_gs.detach().clone()
             s = self.sites[site] = _SiteRows(tuple(data_row), tuple(scale_row), tuple(gs_row), static, self.capacity)
-        elif s.gs is None and (static_gs is None or static_gs.item() != s.static_value):
-            s.to_per_row()  # the scale changed (a re-sync): rows keep the S_enc they were quantized with
+            self.layout = next(_LAYOUTS)
+        elif s.gs is None and (static_gs is None or
+                               (static_value if static_value is not None else static_gs.item()) != s.static_value):
+            s.to_per_row()  # rows already written keep the S_enc they were quantized with
+            self.layout = next(_LAYOUTS)
+        return s
+
+    def buffers(self, site: str, first: int, num_rows: int, data_row, scale_row, gs_row,
+                static_gs: torch.Tensor | None = None):
+        """(codes, scales, S_enc or None when static) views of rows [first, first + num_rows) to write."""
+        s = self._site(site, data_row, scale_row, gs_row, static_gs)
+        a, b = first - self.base, first - self.base + num_rows
         if static_gs is not None and s.gs is not None:
             return s.data[a:b], s.scale[a:b], s.gs[a:b].fill_(static_gs)
         return s.data[a:b], s.scale[a:b], (None if s.gs is None else s.gs[a:b])
 
-    def pointers(self, site: str, first: int, num_rows: int, data_row, scale_row, gs_row,
-                 static_gs: torch.Tensor | None = None, static_value: float | None = None):
-        """`buffers` as addresses (codes, scales, S_enc or None) for a C kernel; an existing site
-        whose static scale is unchanged (`static_value`, a float) costs no tensor op."""
-        s = self.sites.get(site)
-        if s is not None and ((static_gs is None and s.gs is not None) or
-                              (static_gs is not None and s.gs is None and static_value == s.static_value)):
-            r = first - self.base
-            return tuple(None if a is None else a[0] + r * a[1] for a in s.addr)
-        d, sc, gs = self.buffers(site, first, num_rows, data_row, scale_row, gs_row, static_gs)
-        return d.data_ptr(), sc.data_ptr(), None if gs is None else gs.data_ptr()
+    def pointers(self, site: str, data_row, scale_row, gs_row, static_gs: torch.Tensor | None = None,
+                 static_value: float | None = None):
+        """Row-0 addresses (codes, scales, S_enc or None while one static value stands for all rows)
+        of a site's arrays, for a C kernel that writes a step's rows from array row `first - base`
+        on and, given an S_enc address under a static scale, fills it with that scale. Valid while
+        `layout` is unchanged. `static_value` (a float) spares reading `static_gs`."""
+        s = self._site(site, data_row, scale_row, gs_row, static_gs, static_value)
+        return s.addr
 
     def store(self, site: str, first: int, q: NVFP4Tensor) -> None:
         """Copy one quantizer output (rows = the step's rows) into the site's arrays."""
@@ -112,22 +122,21 @@ class GuidanceLog:
             gs.copy_(q.global_scale)
 
     # -- reading -----------------------------------------------------------------------------------
-    def gather(self, finished, alive) -> None:
-        """Set s.guidance for each finished sample; drop the front rows no alive sample needs."""
+    def gather(self, finished, alive) -> tuple[dict[str, SiteRecord], list[int]]:
+        """The finished samples' rows of every site, one sample after another, and each one's row
+        count; their row lists are emptied, and front rows no alive sample needs are dropped."""
         lens = [len(s.guidance_rows) for s in finished]
         idx = torch.tensor([r - self.base for s in finished for r in s.guidance_rows], dtype=torch.long)
-        per_seq = [dict() for _ in finished]
-        for site, s in self.sites.items():
-            rec = make_site(s.scale.index_select(0, idx), s.static_gs if s.gs is None else s.gs.index_select(0, idx),
-                            s.data.index_select(0, idx), self.mode)
-            gs = [rec.global_scale] * len(lens) if rec.global_scale.dim() == 0 else rec.global_scale.split(lens)
-            for d, sc, pl, g in zip(per_seq, rec.scale.split(lens), rec.payload.split(lens), gs):
-                d[site] = SiteRecord(sc, g, pl)
-        for s, d in zip(finished, per_seq):
-            s.guidance, s.guidance_rows = d, []
+        sites = {site: make_site(s.scale.index_select(0, idx),
+                                 s.static_gs if s.gs is None else s.gs.index_select(0, idx),
+                                 s.data.index_select(0, idx), self.mode)
+                 for site, s in self.sites.items()}
+        for s in finished:
+            s.guidance_rows = []
         keep_from = min([s.guidance_rows[0] for s in alive if s.guidance_rows] or [self.rows])
         cut, used = keep_from - self.base, self.rows - self.base
         if cut > 0 and 2 * cut >= used:  # the dead front is most of the arrays: move the live rows down
             for s in self.sites.values():
                 s.drop_front(cut, used)
             self.base = keep_from
+        return sites, lens

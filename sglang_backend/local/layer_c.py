@@ -57,6 +57,7 @@ class _Plan:
         self.linears = tuple(getattr(layer, n) for n in _LINEARS)
         self.weights = tuple(lin.weight for lin in self.linears)
         self.layer, self.key, self.keep = layer, None, None
+        self.capturing, self.cap_token = False, None  # cap_token: (log layout, KV scales) the addresses are for
 
     def refresh(self) -> None:
         key = tuple((lin._generation, w._version) for lin, w in zip(self.linears, self.weights))
@@ -83,7 +84,7 @@ class _Plan:
                           for i, lin in enumerate(self.linears) if lin.act_fmt == "nvfp4"]
         a = layer.arch
         self.kv_rows = ((a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16), ())
-        self.key, self.keep = key, keep
+        self.key, self.keep, self.cap_token = key, keep, None
 
 
 def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, rot, capture) -> torch.Tensor:
@@ -111,26 +112,31 @@ def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, 
 
 
 def _set_capture(plan: _Plan, args, capture, kv_scales) -> None:
-    """Point the quantizers at the guidance log's rows for this step, or at nothing. `capture` must
-    offer `.pointers` (the scheduler's does; the model sends others down the per-kernel path).
+    """Point the quantizers at the guidance log for this step, or at nothing. `capture` must offer
+    `.log` and `.row` (the scheduler's does; the model sends others down the per-kernel path).
     kv_scales: this layer's [S_enc of K, S_enc of V] as floats (NVFP4 KV)."""
     if capture is not None:
         plan.capturing = True
-        _point_at_log(plan, args, capture.pointers, kv_scales)
-    elif plan.__dict__.get("capturing"):
+        log = capture.log
+        if plan.cap_token != (log.layout, kv_scales):  # addresses moved, or a static scale changed
+            _point_at_log(plan, args, log, kv_scales)
+            plan.cap_token = (log.layout, kv_scales)
+        args.cap_row = capture.row
+    elif plan.capturing:
         for i in range(4):
             args.cap_data[i] = args.cap_scale[i] = args.cap_gs[i] = args.cap_kv[i] = None
-        plan.capturing = False
+        args.cap_kv_gs[0] = args.cap_kv_gs[1] = None
+        plan.capturing, plan.cap_token = False, None
 
 
-def _point_at_log(plan: _Plan, args, pointers, kv_scales) -> None:
-    """The C layer writes every captured site of this step straight into the guidance log."""
+def _point_at_log(plan: _Plan, args, log, kv_scales) -> None:
+    """Row-0 addresses of every captured site of this layer in the guidance log."""
     for i, site, rows, static, value in plan.act_sites:
-        args.cap_data[i], args.cap_scale[i], args.cap_gs[i] = pointers(site, *rows, static_gs=static,
-                                                                       static_value=value)
+        args.cap_data[i], args.cap_scale[i], args.cap_gs[i] = log.pointers(site, *rows, static_gs=static,
+                                                                           static_value=value)
     if plan.kv.fmt == "nvfp4":
         layer = plan.layer
         for which in (0, 1):
-            args.cap_kv[2 * which], args.cap_kv[2 * which + 1], _ = pointers(
+            args.cap_kv[2 * which], args.cap_kv[2 * which + 1], args.cap_kv_gs[which] = log.pointers(
                 layer.kv_sites[which], *plan.kv_rows, static_gs=plan.kv.global_scale[layer.idx, which],
                 static_value=kv_scales[which])

@@ -35,7 +35,7 @@ class ForwardBatch:
     read_index: torch.Tensor | None = None  # decode: [B, W] slots, row i valid up to read_lens[i]
     read_lens: torch.Tensor | None = None  # decode: [B]
     kv_decode_scales: list | None = None  # NVFP4 KV: per layer [S_dec of K, S_dec of V], set by the model
-    kv_global_scales: list | None = None  # NVFP4 KV: per layer [S_enc of K, S_enc of V], set by the model
+    kv_global_scales: list | None = None  # NVFP4 KV: per layer (S_enc of K, S_enc of V), set by the model
     decode: bool | None = None  # every span one token (the scheduler knows; otherwise spans are scanned)
 
     def __post_init__(self):
@@ -294,10 +294,10 @@ class QwenEngineModel(nn.Module):
             rot = self.rope.tables_upto(batch.attention_layout()[3], x.dtype)  # the kernels index by position
             if kv.fmt == "nvfp4":
                 batch.kv_decode_scales = kv.decode_scales()
-                batch.kv_global_scales = kv.global_scale.tolist()
+                batch.kv_global_scales = [tuple(r) for r in kv.global_scale.tolist()]
             residual = None
             for layer, cap in zip(self.layers, caps):
-                if layer.runs_as_one_call(kv) and (cap is None or hasattr(cap, "pointers")):
+                if layer.runs_as_one_call(kv) and (cap is None or hasattr(cap, "log")):
                     residual = layer_c.run_layer(layer, x, residual, batch, kv, rot, cap)
                 else:
                     residual = layer.forward_fused(x, residual, batch, kv, rot, cap)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_trace.guidance import GuidanceRecord, SiteRecord
+from megatron_trace.guidance import encode_records
 
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams
 
@@ -34,7 +34,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: dict | None = None
     guidance_rows: list[int] = field(default_factory=list)  # this sample's rows in the scheduler's GuidanceLog
-    guidance: dict[str, SiteRecord] | None = None  # gathered when the sample finishes
+    guidance_bytes: bytes | None = None  # its guidance record, written when the sample finishes
     guidance_error: str | None = None
     slot_table: torch.Tensor | None = None  # KV slot of each reserved position (pages never change)
 
@@ -126,7 +126,13 @@ class Scheduler:
         wanted = [s for s in finished if s.want_guidance and s.finish_reason.get("type") != "abort"]
         if wanted:
             try:
-                self.log.gather(wanted, [s for s in self.running if s.want_guidance])
+                sites, lens = self.log.gather(wanted, [s for s in self.running if s.want_guidance])
+                blobs = encode_records([s.rid for s in wanted], self.guidance_mode, lens, sites)
+                for s, n, b in zip(wanted, lens, blobs):
+                    if n == len(s.tokens) - 1:
+                        s.guidance_bytes = b
+                    else:  # fails this record only
+                        s.guidance_error = f"guidance covers {n} of sample {s.rid}'s {len(s.tokens) - 1} positions"
             except Exception as e:  # fails these records only (their requests abort), not the batch
                 for s in wanted:
                     s.guidance_error = f"guidance capture failed: {e}"
@@ -152,9 +158,8 @@ class Scheduler:
                 log.store(site, first, q)
 
         capture.layers = self.guided_layers  # the model skips capture work in the other layers
-        # the C layer writes its quantizers' outputs straight into the log's rows
-        capture.pointers = lambda site, *rows, static_gs=None, static_value=None: log.pointers(
-            site, first, num_rows, *rows, static_gs, static_value)
+        # the C layer writes its quantizers' outputs straight into the log's arrays, from this row on
+        capture.log, capture.row = log, first - log.base
 
         def commit() -> None:
             for seqs, a, b in seqs_rows:
@@ -254,12 +259,11 @@ class Scheduler:
         return out
 
 
-def guidance_record(s: Sequence, mode: str) -> GuidanceRecord:
-    if s.guidance_error:
-        raise RuntimeError(s.guidance_error)
-    rec = GuidanceRecord(s.rid, mode, len(s.tokens) - 1, dict(s.guidance or {}))
-    rec.validate()
-    return rec
+def guidance_bytes(s: Sequence) -> bytes:
+    """A finished sample's guidance record (safetensors bytes), or the capture failure as an error."""
+    if s.guidance_error or s.guidance_bytes is None:
+        raise RuntimeError(s.guidance_error or f"sample {s.rid} has no guidance record")
+    return s.guidance_bytes
 
 
 def to_result(s: Sequence, version: int, guidance_handle: str | None) -> GenerateResult:
