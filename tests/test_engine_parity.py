@@ -98,28 +98,37 @@ def test_guidance_from_the_c_layer_equals_the_torch_path(ckpt, mode, monkeypatch
     assert same / total >= 0.999, f"only {same}/{total} guidance bytes agree"
 
 
-def test_c_layer_guidance_through_log_growth_and_per_row_kv_scales(ckpt):
+@pytest.mark.parametrize("static_act", [False, True], ids=["per-token-act", "static-act"])
+def test_c_layer_guidance_through_log_growth_and_per_row_scales(ckpt, static_act):
     """The C layer caches the log's row-0 addresses and offsets by the step's row: records stay
-    equal to the torch path's while the log grows from 4 rows, and when the KV sites hold one
-    S_enc per row (here: they were first opened under another scale) the C layer fills those rows."""
+    equal to the torch path's while the log grows from 4 rows, and when a site under a static
+    scale (KV; activations with static input scales) holds one S_enc per row (here: it was first
+    opened under another scale) the C layer fills those rows with the scale."""
     from kernels import cpu_fused
     from megatron_trace.guidance import GuidanceRecord
     from sglang_backend.local.guidance_log import GuidanceLog
 
     if not cpu_fused.available():
         pytest.skip("no C compiler here")
-    recs = []
+    recs, static_sites = [], set()
     for fused in (True, False):
         eng = Engine(str(ckpt), quantization="nvfp4", kv_cache_dtype="nvfp4", guidance_mode="full", guided_layers="all")
         try:
             if not fused:
                 eng.model.uses_fused = lambda kv: False
             log = eng.scheduler.log = GuidanceLog("full", capacity=4)
-            a = eng.arch
+            a, wrong = eng.arch, torch.tensor(-1.0)
             for layer in eng.model.layers:
                 for site in layer.kv_sites:
                     log.pointers(site, (a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16), (),
-                                 static_gs=torch.tensor(-1.0))
+                                 static_gs=wrong)
+                for name in ("qkv", "o_proj", "gate_up", "down") if static_act and not layer.moe else ():
+                    lin = getattr(layer, name)
+                    if lin.act_fmt != "nvfp4":  # (the default policy keeps attention inputs unquantized)
+                        continue
+                    lin.input_global_scale = torch.tensor(600.0)
+                    static_sites.add(lin.site)
+                    log.pointers(lin.site, (lin.in_features // 2,), (lin.in_features // 16,), (), static_gs=wrong)
             outs = eng.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": NEW,
                                                                     "ignore_eos": True}, return_guidance=True)
             recs.append([GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs])
@@ -137,6 +146,8 @@ def test_c_layer_guidance_through_log_growth_and_per_row_kv_scales(ckpt):
                 layer, which = int(site.split(".")[2]), int(site.endswith("v_cache"))
                 assert x.global_scale.shape == (a.num_positions,)
                 assert torch.all(x.global_scale == kv_scales[layer, which]), site
+            elif site in static_sites:
+                assert x.global_scale.shape == (a.num_positions,) and torch.all(x.global_scale == 600.0), site
             same += int((x.payload == y.payload).sum()) + int((x.scale == y.scale).sum())
             total += x.payload.numel() + x.scale.numel()
     assert same / total >= 0.999, f"only {same}/{total} guidance bytes agree"
