@@ -121,17 +121,19 @@ int paged_attention_@S(const @T* q, const @T* kc, const @T* vc, const int64_t* t
 /* The same attention over NVFP4 pages: codes [slots, Hkv, D/2] (low nibble first) and E4M3 block
    scales [slots, Hkv, D/16] of K and V. Each element is decoded as fp4.nvfp4.dequantize does,
    dtype((grid[code] * lut[scale]) * s_dec), one row at a time into a buffer, never a gathered copy. */
-static void nvfp4_row_@S(const uint8_t* c, const uint8_t* s, int64_t n, const float* lut, const float* grid,
+static void nvfp4_row_@S(const uint8_t* c, const uint8_t* s, int64_t n, const float* lut, const float (*pairs)[2],
                          float sdec, float* out) {
-    (void)grid;  /* the E2M1 values are built from the code bits (e2m1x16), equal to the grid's */
     for (int64_t b = 0; b < n / 16; b++) {
         const float sf = lut[s[b]];
+        float* o = out + b * 16;
+        for (int i = 0; i < 8; i++) memcpy(o + 2 * i, pairs[c[b * 8 + i]], 2 * sizeof(float));
         v8f lo, hi;
-        e2m1x16(c + b * 8, &lo, &hi);
+        memcpy(&lo, o, sizeof lo);
+        memcpy(&hi, o + 8, sizeof hi);
         lo = rnd8_@S((lo * sf) * sdec);
         hi = rnd8_@S((hi * sf) * sdec);
-        memcpy(out + b * 16, &lo, sizeof lo);
-        memcpy(out + b * 16 + 8, &hi, sizeof hi);
+        memcpy(o, &lo, sizeof lo);
+        memcpy(o + 8, &hi, sizeof hi);
     }
 }
 
@@ -144,6 +146,8 @@ int paged_attention_nvfp4_@S(const @T* q, const uint8_t* kc, const uint8_t* ks, 
     float* qf = malloc((size_t)(2 * H * D + 8 * n + H * W) * sizeof(float));
     if (!qf) return 1;
     float *acc = qf + H * D, *row = acc + H * D, *sc = row + 8 * n;
+    float pairs[256][2];  /* both E2M1 values of each packed byte: one 8-byte copy per byte */
+    for (int b = 0; b < 256; b++) { pairs[b][0] = grid[b & 15]; pairs[b][1] = grid[b >> 4]; }
     for (int64_t t = 0; t < T; t++) {
         const int64_t* tab = table + row_seq[t] * ldt;
         const int64_t L = row_len[t];
@@ -152,19 +156,19 @@ int paged_attention_nvfp4_@S(const @T* q, const uint8_t* kc, const uint8_t* ks, 
         for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
             const float* kr[8];
             for (int r = 0; r < 8; r++) {
-                nvfp4_row_@S(kc + tab[j0 + r] * (n / 2), ks + tab[j0 + r] * (n / 16), n, lut, grid, sdec_k, row + r * n);
+                nvfp4_row_@S(kc + tab[j0 + r] * (n / 2), ks + tab[j0 + r] * (n / 16), n, lut, pairs, sdec_k, row + r * n);
                 kr[r] = row + r * n;
             }
             scores8_f32(qf, kr, H, G, D, sc + j0, W);
         }
         for (int64_t j = j0; j < L; j++) {
-            nvfp4_row_@S(kc + tab[j] * (n / 2), ks + tab[j] * (n / 16), n, lut, grid, sdec_k, row);
+            nvfp4_row_@S(kc + tab[j] * (n / 2), ks + tab[j] * (n / 16), n, lut, pairs, sdec_k, row);
             for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
                 for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_f32(qf + h * D, row + kh * D, D);
         }
         softmax_numerators_@S(sc, H, W, L);
         for (int64_t j = 0; j < L; j++) {
-            nvfp4_row_@S(vc + tab[j] * (n / 2), vs + tab[j] * (n / 16), n, lut, grid, sdec_v, row);
+            nvfp4_row_@S(vc + tab[j] * (n / 2), vs + tab[j] * (n / 16), n, lut, pairs, sdec_v, row);
             for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
                 for (int64_t g = 0; g < G; g++, h++) axpy_f32(acc + h * D, sc[h * W + j], row + kh * D, D);
         }
