@@ -160,6 +160,20 @@ int nvfp4_quantize_to_slots(const float* x, int64_t T, int64_t n, const float* g
     return 0;
 }
 
+/* Mantissa bits of packed E2M1 codes, as fp4.guided.mantissa_bits_packed: n bytes (n % 4 == 0,
+   low nibble first) -> n/4 bytes, element 8i+j at bit j of byte i. Four bytes make one word whose
+   elements have their low bits at 0, 4, ..., 28; three shift-or-mask rounds gather them. */
+void nvfp4_mantissa_bits(const uint8_t* packed, int64_t n, uint8_t* out) {
+    for (int64_t i = 0; i < n / 4; i++) {
+        const uint8_t* p = packed + 4 * i;
+        uint32_t w = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+        w &= 0x11111111u;
+        w = (w | (w >> 3)) & 0x03030303u;
+        w = (w | (w >> 6)) & 0x000F000Fu;
+        out[i] = (uint8_t)((w | (w >> 12)) & 0xFFu);
+    }
+}
+
 /* out[n] = dequantize(codes[idx[n]], scales[idx[n]]) for rows of `row` elements (16 per scale byte). */
 void nvfp4_gather_dequant(const uint8_t* codes, const uint8_t* scales, const int64_t* idx, int64_t N,
                           int64_t row, int64_t cstride, int64_t sstride, float sdec, const float* lut,
@@ -230,6 +244,8 @@ def _build():
     lib.nvfp4_quantize_to_slots.restype = ctypes.c_int
     lib.nvfp4_gather_dequant.argtypes = [_P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P]
     lib.nvfp4_gather_dequant.restype = None
+    lib.nvfp4_mantissa_bits.argtypes = [_P, _I, _P]
+    lib.nvfp4_mantissa_bits.restype = None
     return lib
 
 
@@ -304,6 +320,18 @@ def quantize_dequantize(x: torch.Tensor, *, per_row_global: bool = False, global
             return q, xhat
     q = nvfp4.quantize(x, per_row_global=per_row_global, global_scale=global_scale)
     return q, (None if dequant_dtype is None else nvfp4.dequantize(q, dequant_dtype))
+
+
+def mantissa_bits_packed(packed: torch.Tensor) -> torch.Tensor | None:
+    """fp4.guided.mantissa_bits_packed of a CPU uint8 [..., K/2] tensor (checked there) in one C
+    pass; None without the library."""
+    lib = _lib()
+    if lib is None or packed.device.type != "cpu":
+        return None
+    src = packed.contiguous()
+    out = torch.empty((*src.shape[:-1], src.shape[-1] // 4), dtype=torch.uint8)
+    lib.nvfp4_mantissa_bits(src.data_ptr(), src.numel(), out.data_ptr())
+    return out
 
 
 def quantize_to_slots(x: torch.Tensor, global_scale: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,

@@ -70,13 +70,20 @@ def mantissa_bits(codes: torch.Tensor) -> torch.Tensor:
 
 
 def mantissa_bits_packed(packed: torch.Tensor) -> torch.Tensor:
-    """mantissa_bits(unpack_fp4(packed)) straight from packed codes [..., K/2] (low nibble first):
-    a few bytewise ops, no unpacked or int32 intermediates (guidance capture runs this per step)."""
+    """mantissa_bits(unpack_fp4(packed)) straight from packed codes [..., K/2] (low nibble first),
+    in C when it is compiled (the engine runs this over every guided row of finished samples)."""
     if packed.dtype != torch.uint8 or packed.dim() == 0 or packed.shape[-1] % 4:
         raise ValueError(
             f"mantissa_bits_packed takes packed uint8 codes [..., K/2] with K a multiple of 8; "
             f"got {packed.dtype} {tuple(packed.shape)}"
         )
+    from . import fast  # lazy: fast imports this package's codecs
+
+    out = fast.mantissa_bits_packed(packed)
+    return out if out is not None else _mantissa_bits_torch(packed)
+
+
+def _mantissa_bits_torch(packed: torch.Tensor) -> torch.Tensor:
     if sys.byteorder == "little":
         # 4 packed bytes read as one little-endian word hold elements 0..7 with their low bits at
         # bits 0, 4, ..., 28; three shift-or-mask rounds gather them into bits 0..7.

@@ -126,7 +126,8 @@ class GuidanceLog:
         """The finished samples' rows of every site, one sample after another, and each one's row
         count; their row lists are emptied, and front rows no alive sample needs are dropped."""
         lens = [len(s.guidance_rows) for s in finished]
-        idx = torch.tensor([r - self.base for s in finished for r in s.guidance_rows], dtype=torch.long)
+        idx = torch.tensor(list(itertools.chain.from_iterable(s.guidance_rows for s in finished)),
+                           dtype=torch.long) - self.base
         sites = {site: make_site(s.scale.index_select(0, idx),
                                  s.static_gs if s.gs is None else s.gs.index_select(0, idx),
                                  s.data.index_select(0, idx), self.mode)
