@@ -59,6 +59,17 @@ def test_kv_pages_hold_reference_codes():
     assert bf16.bytes_per_token() / kv.bytes_per_token() == pytest.approx(16 / 4.5)
 
 
+def test_kv_scale_floats_follow_every_change_of_the_global_scale():
+    kv = PagedKVCache(num_layers=2, kv_heads=2, head_dim=32, num_pages=4, page_size=4, kv_dtype="nvfp4",
+                      dtype=torch.float32)
+    dec, enc = kv.scales_as_floats()
+    assert enc == [(1.0, 1.0), (1.0, 1.0)] and dec == nvfp4.decode_scale(kv.global_scale).tolist()
+    with torch.inference_mode():  # where the engine runs
+        kv.global_scale[1, 0] = 4.0
+    dec, enc = kv.scales_as_floats()
+    assert enc == [(1.0, 1.0), (4.0, 1.0)] and dec == nvfp4.decode_scale(kv.global_scale).tolist()
+
+
 def test_fp4_greedy_is_deterministic_and_batching_does_not_change_it(fp4_engine):
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [40, 41, 42, 43]]
     a = fp4_engine.generate(input_ids=prompts, sampling_params=GREEDY)

@@ -102,9 +102,18 @@ class PagedKVCache:
             return nvfp4.dequantize(nvfp4.NVFP4Tensor(data, scale, self.global_scale[layer, which]), self.dtype)
         return mxfp4.dequantize(mxfp4.MXFP4Tensor(data, scale, MX_KV_BLOCK), self.dtype)
 
-    def decode_scales(self) -> list[list[float]]:
-        """NVFP4: per layer [S_dec of K, S_dec of V] as Python floats (one conversion per forward)."""
-        return nvfp4.decode_scale(self.global_scale).tolist()
+    def scales_as_floats(self) -> tuple[list, list]:
+        """NVFP4: per layer [S_dec of K, S_dec of V] and (S_enc of K, S_enc of V) as Python floats,
+        converted again only after global_scale changed (its version counter moved)."""
+        try:
+            version = self.global_scale._version
+        except RuntimeError:  # an inference-mode tensor keeps no version: convert every time
+            version = None
+        cached = self.__dict__.get("_scale_floats")
+        if version is None or cached is None or cached[0] != version:
+            cached = self._scale_floats = (version, nvfp4.decode_scale(self.global_scale).tolist(),
+                                           [tuple(r) for r in self.global_scale.tolist()])
+        return cached[1], cached[2]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from src slots to dst slots (prompt pages shared by n samples)."""

@@ -172,11 +172,8 @@ class _Layer(nn.Module):
         return x + self.mlp(rms_norm(x, self.post_norm, eps), capture)
 
     def runs_as_one_call(self, kv: PagedKVCache) -> bool:
-        """Whether this layer runs as a single C call (layer_c) over kv: decided once per cache."""
-        cached = self.__dict__.get("_one_call")
-        if cached is None or cached[0] is not kv:
-            cached = self.__dict__["_one_call"] = (kv, layer_c.supports(self, kv))
-        return cached[1]
+        """Whether this layer runs as a single C call (layer_c) over kv."""
+        return layer_c.supports(self, kv)
 
     def forward_fused(self, x, residual, batch, kv, rot, capture) -> torch.Tensor:
         """The C-kernel path (CPU): x is the residual stream, updated in place with the previous
@@ -274,6 +271,13 @@ class QwenEngineModel(nn.Module):
     def linears(self):
         return [m for m in self.modules() if isinstance(m, EngineLinear)]
 
+    def _one_call(self, kv: PagedKVCache) -> list[bool]:
+        """Which layers run as a single C call (layer_c) over kv: decided once per cache."""
+        cached = self.__dict__.get("_one_call_for")
+        if cached is None or cached[0] is not kv:
+            cached = self.__dict__["_one_call_for"] = (kv, [layer.runs_as_one_call(kv) for layer in self.layers])
+        return cached[1]
+
     def uses_fused(self, kv: PagedKVCache) -> bool:
         """The C kernels serve CPU float32/bfloat16 runs whose KV pages share the model's dtype."""
         return (self.embed.device.type == "cpu" and cpu_fused.available(self.dtype)
@@ -293,11 +297,10 @@ class QwenEngineModel(nn.Module):
         if self.uses_fused(kv):
             rot = self.rope.tables_upto(batch.attention_layout()[3], x.dtype)  # the kernels index by position
             if kv.fmt == "nvfp4":
-                batch.kv_decode_scales = kv.decode_scales()
-                batch.kv_global_scales = [tuple(r) for r in kv.global_scale.tolist()]
+                batch.kv_decode_scales, batch.kv_global_scales = kv.scales_as_floats()
             residual = None
-            for layer, cap in zip(self.layers, caps):
-                if layer.runs_as_one_call(kv) and (cap is None or hasattr(cap, "log")):
+            for layer, cap, one_call in zip(self.layers, caps, self._one_call(kv)):
+                if one_call and (cap is None or hasattr(cap, "log")):
                     residual = layer_c.run_layer(layer, x, residual, batch, kv, rot, cap)
                 else:
                     residual = layer.forward_fused(x, residual, batch, kv, rot, cap)

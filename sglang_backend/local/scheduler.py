@@ -7,7 +7,9 @@ admission means a running sequence never runs out of KV pages: under load reques
 """
 from __future__ import annotations
 
+import array
 import itertools
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -201,14 +203,14 @@ class Scheduler:
         seqs = self.running
         pos = [len(s.prompt) + len(s.output_ids) - 1 for s in seqs]
         cached = self._table_cache
-        if cached is None or len(cached[0]) != len(seqs) or any(a is not b for a, b in zip(cached[0], seqs)):
+        if cached is None or len(cached[0]) != len(seqs) or not all(map(operator.is_, cached[0], seqs)):
             # the batch changed: re-pad its slot tables (kept while the same sequences decode)
             self._table_cache = (list(seqs), torch.nn.utils.rnn.pad_sequence([s.slot_table for s in seqs], batch_first=True),
                                  [(i, i + 1) for i in range(len(seqs))])
         _, table, spans = self._table_cache
-        pos_t = torch.tensor(pos)
+        pos_t = long_tensor(pos)
         write = table.gather(1, pos_t[:, None])[:, 0]
-        batch = ForwardBatch(torch.tensor([s.output_ids[-1] for s in seqs]), pos_t, spans, write, [],
+        batch = ForwardBatch(long_tensor([s.output_ids[-1] for s in seqs]), pos_t, spans, write, [],
                              read_index=table, read_lens=pos_t + 1, decode=True)
         capture = commit = None
         if any(s.want_guidance for s in seqs):
@@ -264,6 +266,11 @@ def guidance_bytes(s: Sequence) -> bytes:
     if s.guidance_error or s.guidance_bytes is None:
         raise RuntimeError(s.guidance_error or f"sample {s.rid} has no guidance record")
     return s.guidance_bytes
+
+
+def long_tensor(values: list[int]) -> torch.Tensor:
+    """int64 tensor of a list of Python ints: ~2 us where torch.tensor takes ~10 (a step makes several)."""
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
 
 
 def to_result(s: Sequence, version: int, guidance_handle: str | None) -> GenerateResult:
