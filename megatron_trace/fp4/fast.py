@@ -131,9 +131,15 @@ int nvfp4_qdq(const float* x, int64_t R, int64_t K, const float* gs_in, const fl
             }
             uint8_t* db = data + r * (K / 2) + b * 8;
             for (int j = 0; j < 8; j++) db[j] = (uint8_t)(code[2 * j] | (code[2 * j + 1] << 4));
-            if (xhat) {  /* from the packed bytes just written: (e2m1 * sfd) * sdec, as dequantize */
+            if (xhat) {  /* from the codes just written: (e2m1 * sfd) * sdec, as dequantize */
+                v8u c0, c1;
+                memcpy(&c0, code, sizeof c0);
+                memcpy(&c1, code + 8, sizeof c1);
+                c0 = e2m1_bits(c0);
+                c1 = e2m1_bits(c1);
                 v8f lo, hi;
-                e2m1x16(db, &lo, &hi);
+                memcpy(&lo, &c0, sizeof lo);
+                memcpy(&hi, &c1, sizeof hi);
                 lo = (lo * sfd) * sdec;
                 hi = (hi * sfd) * sdec;
                 memcpy(xhat + r * K + b * 16, &lo, sizeof lo);
