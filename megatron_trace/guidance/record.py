@@ -164,7 +164,8 @@ def encode_records(sample_ids: list[str], mode: str, lens: list[int], sites: dic
         meta = json.dumps({"sample_id": sid, "mode": mode, "num_positions": str(n), "sites": names})
         header = (template % (meta, *values)).encode()
         header += b" " * (-len(header) % 8)  # safetensors aligns the data section to 8 bytes
-        blobs = [mv if row_bytes is None else mv[start * row_bytes:(start + n) * row_bytes] for row_bytes, mv in blobs_of]
+        blobs = [mv if row_bytes is None else mv[start * row_bytes:(start + n) * row_bytes]
+                 for row_bytes, mv in blobs_of]
         out.append(b"".join([len(header).to_bytes(8, "little"), header, *blobs]))
         start += n
     return out
@@ -182,7 +183,8 @@ def _column(name: str, t: torch.Tensor, total: int) -> tuple:
     if a.shape[0] != total:
         raise ValueError(f"guidance tensor {name} holds {a.shape[0]} positions; the samples have {total}")
     row_shape = "".join(f",{d}" for d in a.shape[1:])
-    return _json_key(name), _ST_DTYPES[t.dtype], row_shape, a[0].nbytes if total else a.itemsize * math.prod(a.shape[1:]), flat
+    row_bytes = a.itemsize * math.prod(a.shape[1:])
+    return _json_key(name), _ST_DTYPES[t.dtype], row_shape, row_bytes, flat
 
 
 @functools.lru_cache(maxsize=4096)

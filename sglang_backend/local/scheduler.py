@@ -270,7 +270,9 @@ def guidance_bytes(s: Sequence) -> bytes:
 
 def long_tensor(values: list[int]) -> torch.Tensor:
     """int64 tensor of a list of Python ints: ~2 us where torch.tensor takes ~10 (a step makes several)."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 def to_result(s: Sequence, version: int, guidance_handle: str | None) -> GenerateResult:
