@@ -122,7 +122,7 @@ class GuidanceRecord:
         header = _header(data)
         meta = _checked_meta(header.pop("__metadata__", {}))
         base = 8 + int.from_bytes(data[:8], "little")
-        buf = bytearray(memoryview(data)[base:])  # one copy; every tensor is a view into it
+        buf = np.frombuffer(bytearray(memoryview(data)[base:]), dtype=np.uint8)  # one copy; tensors view it
         tensors = {name: _tensor(name, info, buf) for name, info in header.items()}
         sites = {}
         for name in json.loads(meta["sites"]):
@@ -223,9 +223,10 @@ def _metadata(data: bytes) -> dict[str, str]:
     return _checked_meta(_header(data).get("__metadata__", {}))
 
 
-def _tensor(name: str, info, buf: bytearray) -> torch.Tensor:
-    """One tensor of the data section, checked: known dtype, offsets inside the data, size = shape;
-    a view of `buf` when aligned, else a copy (numpy views: a fraction of torch's per-call cost)."""
+def _tensor(name: str, info, buf: np.ndarray) -> torch.Tensor:
+    """One tensor of the data section (`buf`, uint8), checked: known dtype, offsets inside the
+    data, size = shape; a view of `buf` when aligned, else a copy (numpy slices: a fraction of
+    torch's per-call cost)."""
     try:
         dtype, shape, (start, end) = _ST_TORCH[info["dtype"]], [int(d) for d in info["shape"]], info["data_offsets"]
     except (KeyError, TypeError, ValueError):
@@ -238,10 +239,10 @@ def _tensor(name: str, info, buf: bytearray) -> torch.Tensor:
         raise ValueError(f"guidance tensor {name}: data offsets {[start, end]} outside the {n} data bytes")
     if end - start != numel * (4 if dtype is torch.float32 else 1):
         raise ValueError(f"guidance tensor {name}: {end - start} bytes do not hold shape {shape} of {info['dtype']}")
-    np_dtype = np.float32 if dtype is torch.float32 else np.uint8
-    if dtype is torch.float32 and start % 4:
-        return torch.frombuffer(bytearray(buf[start:end]), dtype=dtype).reshape(shape)
-    return torch.from_numpy(np.frombuffer(buf, dtype=np_dtype, count=numel, offset=start).reshape(shape))
+    a = buf[start:end]
+    if dtype is torch.float32:
+        a = (a.copy() if start % 4 else a).view(np.float32)
+    return torch.from_numpy(a.reshape(shape))
 
 
 def layer_of(site: str) -> int:
