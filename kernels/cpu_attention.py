@@ -12,6 +12,8 @@ import torch
 
 from megatron_trace.fp4.fast import decode_tables
 
+from . import cpu_fused  # its source pulls this module's C text in only when it compiles
+
 ATTENTION_BODY = r"""
 static inline void axpy_@S(float* y, float a, const @T* x, int64_t n) {
     int64_t i = 0;
@@ -182,9 +184,7 @@ int paged_attention_nvfp4_@S(const @T* q, const uint8_t* kc, const uint8_t* ks, 
 
 
 def _fn(name: str, dtype: torch.dtype):
-    from .cpu_fused import _fn as lookup
-
-    return lookup(name, dtype)
+    return cpu_fused._fn(name, dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,

@@ -16,6 +16,8 @@ import ctypes
 
 import torch
 
+from . import cpu_fused  # its source pulls this module's C text in only when it compiles
+
 LAYER_BODY = r"""
 /* y[M, N] = x[M, K] wt[K, N] (+ bias), fp32 accumulate, rounded to the dtype. 4 rows x 16 columns
    of accumulators stay in registers; FMA contraction is allowed here only. */
@@ -192,8 +194,6 @@ class LayerArgs(ctypes.Structure):
 
 
 def run(args: LayerArgs, dtype: torch.dtype) -> None:
-    from . import cpu_fused
-
     rc = cpu_fused.layer_fn(dtype)(ctypes.byref(args))
     if rc:
         raise _ERRORS[rc][0](f"decode_layer: {_ERRORS[rc][1]}")

@@ -13,8 +13,6 @@ trainer further from the rollout than round-to-nearest would.
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from .codecs import E2M1_MAX, as_float32, e2m1_grid, pack_fp4, unpack_fp4
@@ -84,13 +82,7 @@ def mantissa_bits_packed(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _mantissa_bits_torch(packed: torch.Tensor) -> torch.Tensor:
-    if sys.byteorder == "little":
-        # 4 packed bytes read as one little-endian word hold elements 0..7 with their low bits at
-        # bits 0, 4, ..., 28; three shift-or-mask rounds gather them into bits 0..7.
-        w = packed.contiguous().view(torch.int32) & 0x11111111
-        w = (w | (w >> 3)) & 0x03030303
-        w = (w | (w >> 6)) & 0x000F000F
-        return ((w | (w >> 12)) & 0xFF).to(torch.uint8)
+    """The same without the compiled library (no C compiler, or not on CPU)."""
     p = packed.reshape(*packed.shape[:-1], -1, 4)
     pairs = (p & 1) | ((p >> 3) & 2)  # bit 0: element 2i (low nibble), bit 1: element 2i + 1 (high nibble)
     return pairs[..., 0] | (pairs[..., 1] << 2) | (pairs[..., 2] << 4) | (pairs[..., 3] << 6)

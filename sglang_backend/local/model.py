@@ -171,10 +171,6 @@ class _Layer(nn.Module):
         x = x + self.attention(rms_norm(x, self.input_norm, eps), batch, kv, rot, capture)
         return x + self.mlp(rms_norm(x, self.post_norm, eps), capture)
 
-    def runs_as_one_call(self, kv: PagedKVCache) -> bool:
-        """Whether this layer runs as a single C call (layer_c) over kv."""
-        return layer_c.supports(self, kv)
-
     def forward_fused(self, x, residual, batch, kv, rot, capture) -> torch.Tensor:
         """The C-kernel path (CPU): x is the residual stream, updated in place with the previous
         layer's pending `residual`; returns this layer's MLP output, still to be added."""
@@ -275,7 +271,7 @@ class QwenEngineModel(nn.Module):
         """Which layers run as a single C call (layer_c) over kv: decided once per cache."""
         cached = self.__dict__.get("_one_call_for")
         if cached is None or cached[0] is not kv:
-            cached = self.__dict__["_one_call_for"] = (kv, [layer.runs_as_one_call(kv) for layer in self.layers])
+            cached = self.__dict__["_one_call_for"] = (kv, [layer_c.supports(layer, kv) for layer in self.layers])
         return cached[1]
 
     def uses_fused(self, kv: PagedKVCache) -> bool:
