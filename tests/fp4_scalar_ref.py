@@ -70,3 +70,17 @@ def s_enc_from_amax(amax: float) -> float:
     with np.errstate(divide="ignore", over="ignore"):
         s = F32(min(F32(F32(2688.0) / amax), FLT_MAX))
     return 1.0 if s == 0 else float(s)
+
+
+def fp8_row(xs: list[float]) -> tuple[list[int], float]:
+    """FP8 E4M3 with one fp32 scale per row: (codes, S_dec). S_enc = 448 / amax (1 for amax 0 or
+    Inf), codes e4m3(x * S_enc), S_dec = fp32(1 / fp64(S_enc))."""
+    row = [F32(v) for v in xs]
+    amax = F32(max([abs(v) for v in row if not math.isnan(v)] or [0.0]))
+    with np.errstate(divide="ignore", over="ignore"):
+        s = F32(min(F32(F32(448.0) / amax), FLT_MAX)) if amax != 0 else F32(1.0)
+    if amax == 0 or math.isinf(amax) or s == 0:
+        s = F32(1.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        codes = [e4m3(F32(v * s)) for v in row]
+    return codes, float(F32(1.0 / np.float64(s)))

@@ -1,4 +1,4 @@
-"""Every FP4 bit of the project: codecs, NVFP4, MXFP4, scale swizzle, ModelOpt tensors,
+"""Every FP4 bit of the project: codecs, NVFP4, MXFP4, FP8 E4M3 rows (the FP8 KV format), scale swizzle, ModelOpt tensors,
 TRACE guided rounding and straight-through fake quantization. Pure torch; imports nothing
 else of the project.
 """
@@ -12,6 +12,7 @@ from .codecs import (
     pack_fp4,
     unpack_fp4,
 )
+from .fp8 import FP8Tensor
 from .fake_quant import RolloutRounding, fake_quant, quantize_site, straight_through
 from .guided import guided_quantize, mantissa_bits, mantissa_bits_packed, unpack_mantissa_bits
 from .modelopt import from_modelopt, to_modelopt, to_modelopt_fused
@@ -20,7 +21,7 @@ from .nvfp4 import NVFP4Tensor
 from .swizzle import swizzle_scales, unswizzle_scales
 
 __all__ = [
-    "MXFP4Tensor", "NVFP4Tensor", "RolloutRounding",
+    "FP8Tensor", "MXFP4Tensor", "NVFP4Tensor", "RolloutRounding",
     "e2m1_decode", "e2m1_encode", "e4m3_decode", "e4m3_encode", "e8m0_decode", "e8m0_encode",
     "fake_quant", "from_modelopt", "guided_quantize", "mantissa_bits", "mantissa_bits_packed", "pack_fp4",
     "quantize_site", "straight_through", "swizzle_scales", "to_modelopt", "to_modelopt_fused",
