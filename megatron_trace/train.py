@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_trace import faults
 from megatron_trace.config import Config, describe, parse_cli
 from megatron_trace.loop import Rollout, RolloutBatch, StepRunner, async_executor, share_batch
 from megatron_trace.metrics import JsonlLogger, MetricsHub, TensorBoardLogger, mismatch_scalars
@@ -142,9 +143,11 @@ class Run:
             if pool and step + 1 < cfg.trainer.steps:
                 pending = pool.submit(self.produce, step + 1)  # overlaps this step's training
             batch = share_batch(batch)
+            faults.hit("rollout.done", step=step)
             t = time.perf_counter()
             out, deltas = self.runner.train(batch, self.version)
             train_s = time.perf_counter() - t
+            faults.hit("train.done", step=step)
             self.version += 1
             transfer_s = self.sync_weights()
             if self.rank0:

@@ -29,10 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 KEY = "fault-key"
 
 
-def _launch(ckpt: Path, port: int) -> subprocess.Popen:
+def _launch(ckpt: Path, port: int, kill_at: str | None = None) -> subprocess.Popen:
+    """A real server process; `kill_at` arms a named fault point that SIGKILLs it there."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "sglang_backend.launch", "--backend", "local", "--model-path",
+    runner = ["-m"] if kill_at is None else [str(REPO / "tests/mp_scripts/with_fault.py"), "--kill-at", kill_at, "-m"]
+    return subprocess.Popen([sys.executable, *runner, "sglang_backend.launch", "--backend", "local", "--model-path",
                              str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY,
                              "--max-running-requests", "4"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -81,25 +83,22 @@ def procs():
 def test_server_killed_mid_batch_then_readmitted_at_current_version(ckpts, procs):
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    procs += [_launch(ckpts[0], p) for p in ports]
+    # b dies at its 3rd decode step: by construction it holds requests in flight when it does.
+    procs += [_launch(ckpts[0], ports[0]), _launch(ckpts[0], ports[1], kill_at="engine.decode_step:n=3")]
     for u, p in zip(urls, procs):
         _wait_healthy(u, p)
     a, b = urls
     client = RolloutClient(urls, api_key=KEY, backoff=0.05, retries=4, probe_interval=0.2, timeout=60)
     try:
-        # 1. A batch with unique rids; SIGKILL server b while it holds requests in flight.
+        # 1. A batch with unique rids; server b is SIGKILLed (by its fault point) mid-batch.
         n = 24
         reqs = [GenerateRequest([1 + i % 50, 2, 3], SamplingParams(max_new_tokens=24, temperature=1.0,
                                 sampling_seed=i), rid=f"req-{i}") for i in range(n)]
         box: dict = {}
         t = threading.Thread(target=lambda: box.update(out=client.generate(reqs)))
         t.start()
-        deadline = time.time() + 60
-        while not (client._outstanding[b] > 0 and client.served[a] + client.served[b] >= 2):
-            assert t.is_alive() and time.time() < deadline, "the batch ended before the kill"
-            time.sleep(0.01)
-        os.kill(procs[1].pid, signal.SIGKILL)
-        procs[1].wait(10)
+        assert procs[1].wait(120) == -signal.SIGKILL
+        assert "SIGKILL at engine.decode_step" in procs[1].stderr.read()
         t.join(120)
         assert not t.is_alive()
         out = box["out"]

@@ -1,9 +1,10 @@
 """The trainer SIGKILLed in the middle of a real checkpoint save; the previous checkpoint stays
-`latest`, `--resume` continues from it, and the half-written shard is refused by name.
+`latest`, `--resume` continues from it, and a half-written shard is refused by name.
 
-The save is real (`Actor.save_checkpoint` of the tiny run); a test-only wrapper only throttles
-the bytes of `torch.save` into `step_N.tmp/` (the 2nd save on) so the kill lands mid-write
-instead of racing a few-millisecond save. Kill mid-step + exact resume: tests/test_train_loop.py.
+The save is real (`Actor.save_checkpoint` of the tiny run); the kill comes from the named fault
+point `checkpoint.shard_written` (armed by tests/mp_scripts/with_fault.py), between the shard's
+write and the save's commit, so it lands there on any machine. Kill mid-step + exact resume:
+tests/test_train_loop.py.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,31 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--config", "configs/tiny_cpu.yaml", "trainer.warm_start_steps=0", "rollout.prompts_per_step=2",
         "rollout.n_samples=2", "rollout.eval_prompts=0", "trainer.micro_batch_size=4", "logging.progress=false",
         "trainer.steps=2", "trainer.save_every=1"]
-
-SLOW_SAVE = r'''
-import io, os, runpy, sys, time
-import torch
-
-_save, _n = torch.save, [0]
-
-def slow_save(obj, f, *a, **kw):
-    if not (isinstance(f, (str, os.PathLike)) and ".tmp" in str(f)):
-        return _save(obj, f, *a, **kw)
-    _n[0] += 1
-    if _n[0] < 2:  # step_0 saves normally
-        return _save(obj, f, *a, **kw)
-    buf = io.BytesIO()
-    _save(obj, buf, *a, **kw)
-    data = buf.getvalue()
-    with open(f, "wb") as fh:
-        for i in range(0, len(data), 4096):
-            fh.write(data[i:i + 4096]); fh.flush()
-            time.sleep(0.05)
-
-torch.save = slow_save
-sys.argv = ["megatron_trace.train", *sys.argv[1:]]
-runpy.run_module("megatron_trace.train", run_name="__main__", alter_sys=True)
-'''
 
 
 def _env() -> dict:
@@ -62,25 +37,14 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
 def test_kill_mid_checkpoint_save_keeps_previous_and_resumes(tmp_path):
     run_dir = tmp_path / "runs" / "cut"
     ckpt = run_dir / "checkpoints"
-    wrapper = tmp_path / "slow_save_train.py"
-    wrapper.write_text(SLOW_SAVE)
-    proc = subprocess.Popen([sys.executable, str(wrapper), *BASE, f"logging.run_dir={run_dir}"], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    # The kill lands after step 1's shard is on disk and before the save commits it.
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/mp_scripts/with_fault.py"), "--kill-at",
+                           "checkpoint.shard_written:step=1", "-m", "megatron_trace.train", *BASE,
+                           f"logging.run_dir={run_dir}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-3000:]
     shard = ckpt / "step_1.tmp" / "rank_00000.pt"
-    deadline = time.time() + 300
-    try:
-        while not (shard.exists() and shard.stat().st_size > 0):
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.time() < deadline, "the run never started saving step 1"
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)  # a real kill while the real save is writing
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-    full = (ckpt / "step_0" / "rank_00000.pt").stat().st_size
-    assert 0 < shard.stat().st_size < full, "the kill did not land mid-write"
+    assert shard.exists() and shard.stat().st_size > 0
     assert (ckpt / "latest").read_text() == "step_0" and not (ckpt / "step_1").exists()
     assert not (ckpt / "step_1.tmp" / "meta.json").exists()
 
@@ -89,7 +53,8 @@ def test_kill_mid_checkpoint_save_keeps_previous_and_resumes(tmp_path):
 
     bad = tmp_path / "bad"
     (bad / "step_1").mkdir(parents=True)
-    (bad / "step_1" / "rank_00000.pt").write_bytes(shard.read_bytes())
+    data = shard.read_bytes()  # a shard cut off mid-write (as a kill during torch.save leaves it)
+    (bad / "step_1" / "rank_00000.pt").write_bytes(data[: len(data) // 2])
     (bad / "step_1" / "meta.json").write_text(json.dumps({"step": 1, "world_size": 1}))
     (bad / "latest").write_text("step_1")
     with pytest.raises(ValueError, match=r"step_1/rank_00000\.pt is unreadable"):

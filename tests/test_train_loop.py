@@ -1,10 +1,8 @@
 """The README's main command, shortened: TensorBoard read-back, async mode, kill + resume."""
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,13 +19,17 @@ def runs(tmp_path_factory):
     return tmp_path_factory.mktemp("runs")  # one warm-start cache for the module
 
 
-def _train(run_dir, *extra, wait=True):
+def _train(run_dir, *extra, kill_at: str | None = None):
+    """The main command; with `kill_at` it runs under a fault point that SIGKILLs it there."""
     cmd = [sys.executable, "-m", "megatron_trace.train", *BASE, f"logging.run_dir={run_dir}", *extra]
-    if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+    if kill_at:
+        cmd[1:3] = [str(ROOT / "tests/mp_scripts/with_fault.py"), "--kill-at", kill_at, "-m", "megatron_trace.train"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    if kill_at:
+        assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-4000:]
+        assert f"SIGKILL at {kill_at.split(':')[0]}" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
 
 
@@ -78,15 +80,10 @@ def test_async_mode_counts_stale_samples(runs):
 
 def test_kill_mid_step_then_resume_matches_uninterrupted(runs, main_run):
     full, cut = main_run[0], runs / "cut"
-    proc = _train(cut, *MAIN, wait=False)
-    deadline = time.time() + 400
-    latest = cut / "checkpoints" / "latest"
-    while time.time() < deadline and not (latest.exists() and latest.read_text() == "step_1"):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(0.2)
-    assert latest.exists(), "the run never checkpointed step 1"
-    os.killpg(proc.pid, signal.SIGKILL)  # mid-step 2 (or 3): whatever was in flight is lost
-    proc.wait()
+    # Step 2 trained but neither synced nor checkpointed: the kill loses it, resume redoes it.
+    _train(cut, *MAIN, kill_at="train.done:step=2")
+    assert (cut / "checkpoints" / "latest").read_text() == "step_1"
+    assert sorted(_metrics(cut)) == [0, 1]
     _train(cut, *MAIN, "--resume")
     a, b = _metrics(full), _metrics(cut)
     for step in (2, 3):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_trace import faults
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy, pp_layer_range
 from megatron_trace.rl import LossConfig, policy_loss
@@ -226,6 +227,7 @@ class Actor:
         _barrier()
         torch.save({"model": _unwrap(self.ddp).state_dict(), "optimizer": self.optimizer.state_dict(),
                     "rng": torch.get_rng_state()}, tmp / f"rank_{rank:05d}.pt")
+        faults.hit("checkpoint.shard_written", step=step, rank=rank)
         _barrier()
         if rank == 0:
             (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": _world(), **(extra or {})}))

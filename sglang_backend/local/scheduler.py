@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_trace import faults
 from megatron_trace.guidance import encode_records
 
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams
@@ -61,6 +62,7 @@ class Scheduler:
         self.guided_layers = set(guided_layers)
         self.waiting: list[Group] = []
         self.running: list[Sequence] = []
+        self.decode_steps = 0  # decode iterations with requests in flight (a named fault point)
         self.in_flight: list[Sequence] = []  # admitted for this step's prefill: neither waiting nor running
         self.seed_counter = itertools.count(seed * 1_000_003)
         self.log = GuidanceLog(guidance_mode)
@@ -121,6 +123,8 @@ class Scheduler:
         if admitted:
             finished = self._prefill(admitted)
         elif self.running:
+            self.decode_steps += 1
+            faults.hit("engine.decode_step", n=self.decode_steps)
             finished = self._decode()
         else:
             return []
