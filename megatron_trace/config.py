@@ -39,7 +39,10 @@ class QuantConfig:
     format: str = opt("nvfp4", "FP4 format of the rollout", ("nvfp4", "mxfp4", "bf16"))
     weights: str = opt("fp4", "weight precision of targeted linears", ("fp4", "bf16"))
     activations: str = opt("fp4", "activation precision (fp4 = W4A4, bf16 = W4A16)", ("fp4", "bf16"))
-    kv: str = opt("nvfp4", "KV cache format", ("nvfp4", "mxfp4", "bf16"))
+    kv: str = opt("auto", "KV cache format of K and V (auto: FP8 K + NVFP4 V without q/k norm, i.e. Qwen2/2.5; "
+                          "NVFP4 K and V with it, i.e. Qwen3)", ("auto", "nvfp4", "mxfp4", "fp8", "bf16"))
+    kv_k: str = opt("", "K cache format; empty follows kv", ("", "nvfp4", "mxfp4", "fp8", "bf16"))
+    kv_v: str = opt("", "V cache format; empty follows kv", ("", "nvfp4", "mxfp4", "fp8", "bf16"))
     targets: list = opt(["*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj", "*.mlp.experts.*"],
                         "module patterns that are FP4")
     bf16_layers_start: int = opt(0, "first N layers stay BF16", low=0)
@@ -68,8 +71,8 @@ class RolloutConfig:
     reward: str = opt("exact_match", "reward function", ("exact_match", "math"))
     prompts_per_step: int = opt(8, "prompts per RL step", low=1)
     n_samples: int = opt(4, "samples per prompt (the GRPO group)", low=1)
-    temperature: float = opt(1.0, "sampling temperature", low=0)
-    top_p: float = opt(1.0, "nucleus sampling mass", low=0)
+    temperature: float = opt(1.0, "sampling temperature (> 0; evaluation is greedy on its own)", low=0)
+    top_p: float = opt(1.0, "nucleus sampling mass in (0, 1]; logprobs are those of the filtered distribution", low=0)
     max_new_tokens: int = opt(8, "response length cap", low=1)
     max_prompt_len: int = opt(256, "longer prompts are rejected or truncated (counted)", low=1)
     long_prompts: str = opt("reject", "what to do with prompts over max_prompt_len", ("reject", "truncate"))
@@ -175,6 +178,7 @@ class Config:
         hints = typing.get_type_hints(cls)
         cfg = cls(**{name: _build(name, hints[name], raw.get(name) or {}) for name in sections})
         cfg.quant.policy()  # the policy's own cross-field checks
+        _check_sampling(cfg.rollout)
         return cfg
 
     def to_dict(self) -> dict:
@@ -182,6 +186,15 @@ class Config:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _check_sampling(rc: RolloutConfig) -> None:
+    if rc.temperature == 0:
+        raise ValueError("rollout.temperature must be > 0; got 0 (greedy): a GRPO group of greedy answers is "
+                         "identical, so every advantage is 0, and the trainer recomputes a sampling policy. "
+                         "Evaluation is greedy already (eval/accuracy)")
+    if not 0 < rc.top_p <= 1:
+        raise ValueError(f"rollout.top_p must be in (0, 1]; got {rc.top_p!r}")
 
 
 def _build(section: str, cls, values: dict):

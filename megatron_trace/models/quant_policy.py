@@ -15,7 +15,11 @@ if TYPE_CHECKING:
 
 FORMATS = ("nvfp4", "mxfp4", "bf16")
 PRECISIONS = ("fp4", "bf16")
-KV_FORMATS = ("nvfp4", "mxfp4", "bf16")
+KV_FORMATS = ("nvfp4", "mxfp4", "fp8", "bf16")
+# `kv` is the shorthand for both K and V; "auto" picks per model family (`for_arch`).
+KV_SHORTHANDS = (*KV_FORMATS, "auto")
+# kv_k / kv_v: "" follows `kv`; a format overrides that side.
+KV_SIDE_FORMATS = ("", *KV_FORMATS)
 ACTIVATION_SCALES = ("per_token", "static")
 
 # Attention projections are opt-in (e.g. "*.self_attn.*_proj"): FP4 attention costs the most accuracy.
@@ -59,6 +63,8 @@ class QuantPolicy:
     weights: str = "fp4"
     activations: str = "fp4"
     kv: str = "bf16"
+    kv_k: str = ""
+    kv_v: str = ""
     targets: tuple[str, ...] = DEFAULT_TARGETS
     bf16_layers_start: int = 0
     bf16_layers_end: int = 0
@@ -68,7 +74,9 @@ class QuantPolicy:
         _one_of("format", self.format, FORMATS)
         _one_of("weights", self.weights, PRECISIONS)
         _one_of("activations", self.activations, PRECISIONS)
-        _one_of("kv", self.kv, KV_FORMATS)
+        _one_of("kv", self.kv, KV_SHORTHANDS)
+        _one_of("kv_k", self.kv_k, KV_SIDE_FORMATS)
+        _one_of("kv_v", self.kv_v, KV_SIDE_FORMATS)
         _one_of("activation_scale", self.activation_scale, ACTIVATION_SCALES)
         if self.activations == "fp4" and self.weights == "bf16":
             raise ValueError(
@@ -135,14 +143,50 @@ class QuantPolicy:
         """Whether the input activation of this linear is quantized to FP4 (W4A4)."""
         return self.linear_is_fp4(hf_module_name, num_layers) and self.activations == "fp4"
 
-    def kv_is_fp4(self, layer: int, num_layers: int) -> bool:
-        """Whether layer `layer`'s KV cache is FP4; the BF16 first/last layers keep a BF16 cache too.
+    # ----------------------------------------------------------------- KV cache
+    # How kv, kv_k and kv_v combine: kv_k (kv_v) when set, otherwise kv. kv="auto" resolves per
+    # model family in for_arch(): families whose K has no per-head RMSNorm (Qwen2/2.5: q/k/v
+    # biases, outlier channels in K up to ~200 on a real checkpoint) get FP8 K + NVFP4 V; families
+    # with q/k norm (Qwen3, Qwen3-MoE) NVFP4 K and V. An explicit kv_k / kv_v still wins over auto.
+    def for_arch(self, arch: ModelArch) -> QuantPolicy:
+        """This policy with kv="auto" resolved for `arch` (kv_k and kv_v made explicit); a policy
+        without "auto" comes back unchanged."""
+        if self.kv != "auto":
+            return self
+        k, v = auto_kv_formats(arch)
+        return QuantPolicy.from_dict({**self.to_dict(), "kv_k": self.kv_k or k, "kv_v": self.kv_v or v})
+
+    def _side(self, which: str) -> str:
+        if which not in ("k", "v"):
+            raise ValueError(f"KV side must be 'k' or 'v'; got {which!r}")
+        fmt = self.kv_k if which == "k" else self.kv_v
+        fmt = fmt or self.kv
+        if fmt == "auto":
+            raise ValueError(f"quant.kv='auto' picks quant.kv_{which} per model family: call policy.for_arch(arch) first")
+        return fmt
+
+    @property
+    def k_format(self) -> str:
+        """K cache format (one of KV_FORMATS): kv_k, or kv when kv_k is unset."""
+        return self._side("k")
+
+    @property
+    def v_format(self) -> str:
+        """V cache format (one of KV_FORMATS): kv_v, or kv when kv_v is unset."""
+        return self._side("v")
+
+    def kv_format(self, layer: int, num_layers: int, which: str) -> str:
+        """Format of layer `layer`'s K (which="k") or V cache; the BF16 first/last layers keep BF16.
 
         Independent of `format`, so a KV-only experiment (format bf16, kv nvfp4) is expressible.
         """
         if not 0 <= layer < num_layers:
             raise IndexError(f"layer {layer} out of range for {num_layers} layers")
-        return self.kv != "bf16" and not self._layer_in_bf16_band(layer, num_layers)
+        return "bf16" if self._layer_in_bf16_band(layer, num_layers) else self._side(which)
+
+    def kv_is_fp4(self, layer: int, num_layers: int) -> bool:
+        """Whether layer `layer`'s K or V cache is quantized at all (FP4 or FP8)."""
+        return any(self.kv_format(layer, num_layers, w) != "bf16" for w in ("k", "v"))
 
     def quantized_linears(self, arch: ModelArch) -> list[str]:
         """HF module names of every FP4 linear of `arch`, in parameter order."""
@@ -178,3 +222,10 @@ class QuantPolicy:
 def _group_of(module: str) -> str:
     parent, leaf = module.rsplit(".", 1)
     return f"{parent}.{_FUSED[leaf]}" if leaf in _FUSED else module
+
+
+def auto_kv_formats(arch: ModelArch) -> tuple[str, str]:
+    """(K, V) cache formats kv="auto" picks for `arch`. Without per-head q/k RMSNorm (Qwen2/2.5)
+    K carries outlier channels and NVFP4 K damages a real checkpoint (docs/quality.md: NLL/token
+    0.248 -> 0.798 on Qwen2.5-Coder-0.5B), FP8 K does not; V is benign in both families."""
+    return ("nvfp4", "nvfp4") if arch.qk_norm else ("fp8", "nvfp4")

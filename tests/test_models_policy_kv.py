@@ -1,0 +1,49 @@
+"""K and V cache formats in the one quant policy: kv as the shorthand, kv_k / kv_v per side, auto."""
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megatron_trace.config import Config
+from megatron_trace.models import QuantPolicy
+from megatron_trace.models.arch import ModelArch
+from megatron_trace.models.quant_policy import KV_FORMATS
+from megatron_trace.models.tiny import tiny_hf_config
+
+side = st.sampled_from(("", *KV_FORMATS))
+
+
+@given(kv=st.sampled_from(KV_FORMATS), k=side, v=side)
+def test_a_side_follows_kv_unless_set(kv, k, v):
+    p = QuantPolicy(kv=kv, kv_k=k, kv_v=v)
+    assert (p.k_format, p.v_format) == (k or kv, v or kv)
+    assert QuantPolicy.from_dict(p.to_dict()) == p
+    assert p.kv_is_fp4(0, 4) == ((k or kv) != "bf16" or (v or kv) != "bf16")
+
+
+def test_bf16_band_keeps_both_sides_bf16():
+    p = QuantPolicy(kv="nvfp4", kv_k="fp8", bf16_layers_end=1)
+    assert [p.kv_format(i, 3, "k") for i in range(3)] == ["fp8", "fp8", "bf16"]
+    assert [p.kv_format(i, 3, "v") for i in range(3)] == ["nvfp4", "nvfp4", "bf16"]
+    with pytest.raises(ValueError, match="KV side must be 'k' or 'v'"):
+        p.kv_format(0, 3, "q")
+
+
+@pytest.mark.parametrize("family,want", [("qwen2", ("fp8", "nvfp4")), ("qwen3", ("nvfp4", "nvfp4")),
+                                         ("qwen3_moe", ("nvfp4", "nvfp4"))])
+def test_auto_resolves_per_family(family, want):
+    arch = ModelArch.from_hf_config(tiny_hf_config(family))
+    p = QuantPolicy(kv="auto")
+    with pytest.raises(ValueError, match=r"quant.kv='auto'.*for_arch"):
+        p.k_format
+    r = p.for_arch(arch)
+    assert (r.k_format, r.v_format) == want and r.kv == "auto"
+    assert QuantPolicy(kv="auto", kv_v="bf16").for_arch(arch).v_format == "bf16"  # explicit side wins
+    assert QuantPolicy(kv="nvfp4").for_arch(arch) == QuantPolicy(kv="nvfp4")  # explicit kv: no family rule
+
+
+def test_config_default_is_auto_and_explicit_kv_is_both():
+    assert Config.load(None, []).quant.policy().kv == "auto"
+    p = Config.load(None, ["quant.kv=nvfp4"]).quant.policy()
+    assert (p.k_format, p.v_format) == ("nvfp4", "nvfp4")
+    p = Config.load(None, ["quant.kv=nvfp4", "quant.kv_k=fp8"]).quant.policy()
+    assert (p.k_format, p.v_format) == ("fp8", "nvfp4")
