@@ -1,5 +1,8 @@
 """Paged attention of the engine's CPU kernels (compiled with `cpu_fused`), prefill and decode alike.
 
+Three kernels: pages in the model dtype, NVFP4 K and V, and K and V each in its own format
+(model dtype, NVFP4 or FP8 E4M3 with a per-(token, KV head) scale: `paged_attention_kv`).
+
 Row t of q attends to the first row_len[t] positions of its sequence, whose KV slots a table
 row lists; pages hold K and V in the model dtype or as NVFP4 codes + E4M3 scales, decoded in
 registers by fp4's E2M1_DECODE_C (never gathered into a dequantized copy). Scores of 8
@@ -180,6 +183,70 @@ int paged_attention_nvfp4_@S(const @T* q, const uint8_t* kc, const uint8_t* ks, 
     return 0;
 }
 
+/* K or V of one slot, every KV head (n = Hkv * D elements), decoded into fp32 `out` exactly as
+   the cache's torch read would produce it in the model dtype. fmt: 0 the model dtype, 1 NVFP4
+   (codes + E4M3 per 16, S_dec), 2 FP8 (E4M3 bytes + one fp32 S_dec per KV head: fp4.fp8). */
+static void kv_row_@S(int fmt, const void* d, const void* s, int64_t slot, int64_t Hkv, int64_t D, const float* lut,
+                      const float (*pairs)[2], float sdec, float* out) {
+    const int64_t n = Hkv * D;
+    if (fmt == 1) {
+        nvfp4_row_@S((const uint8_t*)d + slot * (n / 2), (const uint8_t*)s + slot * (n / 16), n, lut, pairs, sdec, out);
+    } else if (fmt == 2) {
+        const uint8_t* c = (const uint8_t*)d + slot * n;
+        const float* sc = (const float*)s + slot * Hkv;
+        for (int64_t h = 0; h < Hkv; h++) {
+            const float sd = sc[h];
+            for (int64_t i = 0; i < D; i++) out[h * D + i] = rnd_@S(lut[c[h * D + i]] * sd);
+        }
+    } else {
+        const @T* x = (const @T*)d + slot * n;
+        for (int64_t i = 0; i < n; i++) out[i] = ld_@S(x[i]);
+    }
+}
+
+/* `paged_attention` with K and V each in its own page format (kv_row_@S), e.g. FP8 K + NVFP4 V:
+   rows are decoded one at a time into a buffer, never gathered into a dequantized copy. */
+int paged_attention_kv_@S(const @T* q, int kfmt, const void* kd, const void* ks, float sdec_k, int vfmt,
+                          const void* vd, const void* vs, float sdec_v, const float* lut, const float* grid,
+                          const int64_t* table, int64_t ldt, const int64_t* row_seq, const int64_t* row_len,
+                          int64_t T, int64_t H, int64_t Hkv, int64_t D, float scale, @T* out) {
+    const int64_t G = H / Hkv, n = Hkv * D;
+    const int64_t W = widest_@S(row_len, T);
+    float* qf = malloc((size_t)(2 * H * D + 8 * n + H * W) * sizeof(float));
+    if (!qf) return 1;
+    float *acc = qf + H * D, *row = acc + H * D, *sc = row + 8 * n;
+    float pairs[256][2];
+    for (int b = 0; b < 256; b++) { pairs[b][0] = grid[b & 15]; pairs[b][1] = grid[b >> 4]; }
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t* tab = table + row_seq[t] * ldt;
+        const int64_t L = row_len[t];
+        load_query_@S(q + t * H * D, H * D, scale, qf, acc);
+        int64_t j0 = 0;
+        for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
+            const float* kr[8];
+            for (int r = 0; r < 8; r++) {
+                kv_row_@S(kfmt, kd, ks, tab[j0 + r], Hkv, D, lut, pairs, sdec_k, row + r * n);
+                kr[r] = row + r * n;
+            }
+            scores8_f32(qf, kr, H, G, D, sc + j0, W);
+        }
+        for (int64_t j = j0; j < L; j++) {
+            kv_row_@S(kfmt, kd, ks, tab[j], Hkv, D, lut, pairs, sdec_k, row);
+            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
+                for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_f32(qf + h * D, row + kh * D, D);
+        }
+        softmax_numerators_@S(sc, H, W, L);
+        for (int64_t j = 0; j < L; j++) {
+            kv_row_@S(vfmt, vd, vs, tab[j], Hkv, D, lut, pairs, sdec_v, row);
+            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
+                for (int64_t g = 0; g < G; g++, h++) axpy_f32(acc + h * D, sc[h * W + j], row + kh * D, D);
+        }
+        write_output_@S(acc, sc, H, W, L, D, out + t * H * D);
+    }
+    free(qf);
+    return 0;
+}
+
 """
 
 
@@ -215,4 +282,32 @@ def paged_attention_nvfp4(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
             sdec_k, sdec_v, lut.data_ptr(), grid.data_ptr(), table.data_ptr(), table.stride(0), row_seq.data_ptr(),
             row_len.data_ptr(), t, h, k_codes.shape[-2], d, scale, out.data_ptr()):
         raise MemoryError(f"paged_attention_nvfp4: no memory for the scores of {t} rows")
+    return out
+
+
+# Page formats the mixed-format kernel decodes itself (its `fmt` codes); others have no kernel.
+KV_ROW_FORMATS = {"bf16": 0, "nvfp4": 1, "fp8": 2}
+
+
+def paged_attention_kv(q: torch.Tensor, k_fmt: str, k_pages: tuple, sdec_k: float, v_fmt: str, v_pages: tuple,
+                       sdec_v: float, table: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """`paged_attention` with K and V in their own page formats (KV_ROW_FORMATS): each of k_pages /
+    v_pages is (data, scales) of one layer as PagedKVCache keeps them (scales None for the model
+    dtype; for fp8, fp32 [slots, Hkv]); sdec_* is NVFP4's per-layer S_dec (ignored otherwise).
+    Elements decode exactly as the cache's torch read in q.dtype would."""
+    for name, fmt in (("K", k_fmt), ("V", v_fmt)):
+        if fmt not in KV_ROW_FORMATS:
+            raise ValueError(f"paged_attention_kv has no decoder for {name} pages in {fmt!r}; "
+                             f"it decodes {', '.join(KV_ROW_FORMATS)}")
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    lut, grid = decode_tables()
+    ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
+    if _fn("paged_attention_kv", q.dtype)(
+            q.data_ptr(), KV_ROW_FORMATS[k_fmt], ptr(k_pages[0]), ptr(k_pages[1]), sdec_k, KV_ROW_FORMATS[v_fmt],
+            ptr(v_pages[0]), ptr(v_pages[1]), sdec_v, lut.data_ptr(), grid.data_ptr(), table.data_ptr(),
+            table.stride(0), row_seq.data_ptr(), row_len.data_ptr(), t, h, k_pages[0].shape[-2], d, scale,
+            out.data_ptr()):
+        raise MemoryError(f"paged_attention_kv: no memory for the scores of {t} rows")
     return out

@@ -203,6 +203,8 @@ _SIGNATURES = {
     "paged_attention": [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _P],
     "silu_mul": [_P, _I, _I, _P],
     "paged_attention_nvfp4": [_P, _P, _P, _P, _P, _F, _F, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _P],
+    "paged_attention_kv": [_P, ctypes.c_int, _P, _P, _F, ctypes.c_int, _P, _P, _F, _P, _P, _P, _I, _P, _P,
+                           _I, _I, _I, _I, _F, _P],
 }
 _state: dict = {}
 

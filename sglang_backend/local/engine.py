@@ -35,9 +35,10 @@ def policy_for(quantization: str | None, kv_cache_dtype: str, model_path: Path) 
     """SGLang-style flags -> our QuantPolicy (an explicit quant_policy overrides this)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
-    kv = {"auto": "bf16", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}.get(kv_cache_dtype)
+    kv = {"auto": "bf16", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "fp8": "fp8",
+          "fp8_e4m3": "fp8"}.get(kv_cache_dtype)
     if kv is None:
-        raise ValueError(f"kv_cache_dtype must be one of auto, bf16, nvfp4, mxfp4; got {kv_cache_dtype!r}")
+        raise ValueError(f"kv_cache_dtype must be one of auto, bf16, nvfp4, mxfp4, fp8, fp8_e4m3; got {kv_cache_dtype!r}")
     if quantization is None and (model_path / "hf_quant_config.json").exists():
         quantization = "modelopt_fp4"
     if quantization is None:
@@ -71,12 +72,13 @@ class Engine:
         self.arch = ModelArch.from_hf_config(self.model_path)
         if isinstance(quant_policy, dict):
             quant_policy = QuantPolicy.from_dict(quant_policy)
-        self.policy = quant_policy or policy_for(quantization, kv_cache_dtype, self.model_path)
+        self.policy = (quant_policy or policy_for(quantization, kv_cache_dtype, self.model_path)).for_arch(self.arch)
         self.model = QwenEngineModel(self.arch, self.policy, _DTYPES[dtype])
         load_checkpoint(self.model, self.model_path)
         self.kv = PagedKVCache(num_layers=self.arch.num_layers, kv_heads=self.arch.num_kv_heads,
                                head_dim=self.arch.head_dim, num_pages=max(max_total_tokens // page_size, 1),
-                               page_size=page_size, kv_dtype=self.policy.kv, dtype=_DTYPES[dtype])
+                               page_size=page_size, kv_dtype="auto", k_dtype=self.policy.k_format,
+                               v_dtype=self.policy.v_format, dtype=_DTYPES[dtype])
         eos = self.arch.eos_token_id
         self.guidance_mode = guidance_mode
         self.guided = resolve_guided_layers(self.arch.num_layers, guided_layers)
@@ -254,7 +256,7 @@ class Engine:
     def get_model_info(self) -> dict[str, Any]:
         return {"model_path": str(self.model_path), "weight_version": str(self.weight_version),
                 "is_generation": True, "architectures": [self.arch.family],
-                "quant_policy": self.policy.to_dict(), "kv_cache_dtype": self.kv.fmt,
+                "quant_policy": self.policy.to_dict(), "kv_cache_dtype": self.kv.fmt, "kv_formats": list(self.kv.side_fmt),
                 "kv_bytes_per_token": self.kv.bytes_per_token(), "guided_layers": self.guided,
                 "guidance_mode": self.guidance_mode}
 

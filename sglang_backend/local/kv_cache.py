@@ -1,54 +1,100 @@
-"""Paged KV cache whose pages hold BF16/fp32, NVFP4 or MXFP4 K and V.
+"""Paged KV cache whose pages hold K and V each in BF16/fp32, NVFP4, MXFP4 or FP8.
 
-Token slots live in fixed-size pages; a request owns a list of pages. FP4 pages store the
-packed E2M1 codes plus block scales along head_dim (NVFP4: E4M3 per 16 with a per-layer fp32
-global scale, as SGLang's nvfp4 KV; MXFP4: E8M0 per 16 with the ceil rule, as SGLang's
-fp4_mx_block16). Values are dequantized when attention reads them.
+Token slots live in fixed-size pages; a request owns a list of pages. K and V have their own
+format (the policy's quant.kv_k / quant.kv_v). FP4 pages store the packed E2M1 codes plus block
+scales along head_dim (NVFP4: E4M3 per 16 with a per-layer fp32 global scale, as SGLang's nvfp4
+KV; MXFP4: E8M0 per 16 with the ceil rule, as SGLang's fp4_mx_block16); FP8 pages store E4M3
+bytes with one fp32 decode scale per (token, KV head) (fp4.fp8). Values are dequantized when
+attention reads them.
+
+When K and V share a BF16, NVFP4 or MXFP4 format, both live in one [layers, 2, slots, ...] array
+(`values`, or `codes` + `scales`), the layout the one-call C layer reads; otherwise (`fmt` is
+"fp8" or "mixed") each side has its own arrays, `side_data[which]` and `side_scale[which]`.
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_trace.fp4 import fast, mxfp4, nvfp4
+from megatron_trace.fp4 import fast, fp8, mxfp4, nvfp4
 
-KV_DTYPES = ("auto", "bf16", "nvfp4", "mxfp4")
+KV_DTYPES = ("auto", "bf16", "nvfp4", "mxfp4", "fp8")
+SIDE_FORMATS = ("bf16", "nvfp4", "mxfp4", "fp8")
 MX_KV_BLOCK, MX_KV_RULE = 16, "ceil"
+_PAIRED = ("bf16", "nvfp4", "mxfp4")  # formats whose K and V share one array when both sides use them
 
 
 class OutOfPages(RuntimeError):
     pass
 
 
+def _side_format(kv_dtype: str, name: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"{name} must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+    return "bf16" if kv_dtype == "auto" else kv_dtype
+
+
 class PagedKVCache:
     def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, num_pages: int, page_size: int,
-                 kv_dtype: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
-        self.fmt = "bf16" if kv_dtype == "auto" else kv_dtype
-        if self.fmt != "bf16" and head_dim % 16:
-            raise ValueError(f"FP4 KV needs head_dim divisible by 16; got {head_dim}")
+                 kv_dtype: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 k_dtype: str | None = None, v_dtype: str | None = None):
+        """kv_dtype sets both sides; k_dtype / v_dtype (when given) override one side."""
+        both = _side_format(kv_dtype, "kv_cache_dtype")
+        self.k_fmt = _side_format(k_dtype, "k_dtype") if k_dtype else both
+        self.v_fmt = _side_format(v_dtype, "v_dtype") if v_dtype else both
+        self.side_fmt = (self.k_fmt, self.v_fmt)
+        self.fmt = self.k_fmt if self.k_fmt == self.v_fmt else "mixed"
+        if any(f != "bf16" for f in self.side_fmt) and head_dim % 16:
+            raise ValueError(f"quantized KV needs head_dim divisible by 16; got {head_dim}")
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.page_size, self.num_pages, self.dtype = page_size, num_pages, dtype
         slots = num_pages * page_size
-        shape = (num_layers, 2, slots, kv_heads)
-        if self.fmt == "bf16":
-            self.values = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
+        if self.fmt in _PAIRED:
+            shape = (num_layers, 2, slots, kv_heads)
+            if self.fmt == "bf16":
+                self.values = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
+                self.side_data, self.side_scale = [self.values[:, 0], self.values[:, 1]], [None, None]
+            else:
+                self.codes = torch.zeros(*shape, head_dim // 2, dtype=torch.uint8, device=device)
+                self.scales = torch.zeros(*shape, head_dim // 16, dtype=torch.uint8, device=device)
+                self.side_data = [self.codes[:, 0], self.codes[:, 1]]
+                self.side_scale = [self.scales[:, 0], self.scales[:, 1]]
         else:
-            self.codes = torch.zeros(*shape, head_dim // 2, dtype=torch.uint8, device=device)
-            self.scales = torch.zeros(*shape, head_dim // 16, dtype=torch.uint8, device=device)
-        # Each layer's pages as views, made once: (K, V) values, or (K codes, K scales, V codes, V scales).
-        self.layer_pages = [(self.values[i, 0], self.values[i, 1]) if self.fmt == "bf16" else
-                            (self.codes[i, 0], self.scales[i, 0], self.codes[i, 1], self.scales[i, 1])
+            made = [self._side_arrays(f, slots, device) for f in self.side_fmt]
+            self.side_data, self.side_scale = [m[0] for m in made], [m[1] for m in made]
+        # Each layer's pages as views, made once: (K values, V values) for BF16, else
+        # (K data, K scales, V data, V scales) with None for the scales of a BF16 side.
+        self.layer_pages = [(self.side_data[0][i], self.side_data[1][i]) if self.fmt == "bf16" else
+                            tuple(t if t is None else t[i] for w in (0, 1) for t in (self.side_data[w], self.side_scale[w]))
                             for i in range(num_layers)]
         # Per-layer S_enc for NVFP4 K and V (1.0 unless a checkpoint or the trainer sets it).
         self.global_scale = torch.ones(num_layers, 2, dtype=torch.float32, device=device)
         self.free_pages = list(range(num_pages - 1, -1, -1))
 
+    def _side_arrays(self, fmt: str, slots: int, device):
+        shape = (self.num_layers, slots, self.kv_heads)
+        d = self.head_dim
+        if fmt == "bf16":
+            return torch.zeros(*shape, d, dtype=self.dtype, device=device), None
+        if fmt == "fp8":
+            return (torch.zeros(*shape, d, dtype=torch.uint8, device=device),
+                    torch.ones(*shape, dtype=torch.float32, device=device))
+        return (torch.zeros(*shape, d // 2, dtype=torch.uint8, device=device),
+                torch.zeros(*shape, d // 16, dtype=torch.uint8, device=device))
+
     # -- accounting --------------------------------------------------------------------------
+    def bits_per_element(self, which: int) -> float:
+        """Stored bits per K (which=0) or V element, scales included."""
+        fmt = self.side_fmt[which]
+        if fmt == "bf16":
+            return torch.tensor([], dtype=self.dtype).element_size() * 8
+        if fmt == "fp8":
+            return 8 + 32 / self.head_dim  # one fp32 scale per (token, KV head)
+        return 4.5  # E2M1 + an 8-bit scale per 16
+
     def bytes_per_token(self) -> float:
         """K and V of one token across all layers, as stored."""
-        per_elem = {"bf16": torch.tensor([], dtype=self.dtype).element_size() * 8, "nvfp4": 4.5, "mxfp4": 4.5}[self.fmt]
-        return self.num_layers * 2 * self.kv_heads * self.head_dim * per_elem / 8
+        per_pair = self.bits_per_element(0) + self.bits_per_element(1)
+        return self.num_layers * self.kv_heads * self.head_dim * per_pair / 8
 
     def pages_needed(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -69,37 +115,44 @@ class PagedKVCache:
     # -- data --------------------------------------------------------------------------------
     def quantize(self, layer: int, which: int, x: torch.Tensor):
         """x [T, kv_heads, head_dim] -> the quantized form written to the cache (None for bf16)."""
-        if self.fmt == "nvfp4":
+        fmt = self.side_fmt[which]
+        if fmt == "nvfp4":
             return fast.quantize_dequantize(x, global_scale=self.global_scale[layer, which])[0]
-        if self.fmt == "mxfp4":
+        if fmt == "mxfp4":
             return mxfp4.quantize(x, rule=MX_KV_RULE, block=MX_KV_BLOCK)
+        if fmt == "fp8":
+            return fp8.quantize(x)
         return None
 
     def write(self, layer: int, which: int, slots: torch.Tensor, x: torch.Tensor, q=None,
               return_values: bool = True) -> torch.Tensor | None:
-        """Store x at slots; returns the values attention will read back (dequantized for FP4)."""
-        if self.fmt == "bf16":
-            self.values[layer, which].index_copy_(0, slots, x.to(self.dtype))  # index_* beat x[idx] on CPU
+        """Store x at slots; returns the values attention will read back (dequantized if quantized)."""
+        fmt, data, scale = self.side_fmt[which], self.side_data[which][layer], self.side_scale[which]
+        if fmt == "bf16":
+            data.index_copy_(0, slots, x.to(self.dtype))  # index_* beat x[idx] on CPU
             return x.to(self.dtype) if return_values else None
-        if q is None and self.fmt == "nvfp4" and not return_values and fast.quantize_to_slots(
-                x, self.global_scale[layer, which], self.codes[layer, which], self.scales[layer, which], slots):
+        if q is None and fmt == "nvfp4" and not return_values and fast.quantize_to_slots(
+                x, self.global_scale[layer, which], data, scale[layer], slots):
             return None  # quantized straight into the pages
         q = self.quantize(layer, which, x) if q is None else q
-        self.codes[layer, which].index_copy_(0, slots, q.data)
-        self.scales[layer, which].index_copy_(0, slots, q.scale)
+        data.index_copy_(0, slots, q.data)
+        scale[layer].index_copy_(0, slots, q.scale)
         return self._dequant(layer, which, q.data, q.scale) if return_values else None
 
     def read(self, layer: int, which: int, slots: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "bf16":
-            return self.values[layer, which].index_select(0, slots)
-        if self.fmt == "nvfp4":  # gather + dequantize in one pass over the read slots only
-            return fast.dequantize_rows(self.codes[layer, which], self.scales[layer, which], slots,
-                                        self.global_scale[layer, which], self.dtype)
-        return self._dequant(layer, which, self.codes[layer, which, slots], self.scales[layer, which, slots])
+        fmt, data, scale = self.side_fmt[which], self.side_data[which][layer], self.side_scale[which]
+        if fmt == "bf16":
+            return data.index_select(0, slots)
+        if fmt == "nvfp4":  # gather + dequantize in one pass over the read slots only
+            return fast.dequantize_rows(data, scale[layer], slots, self.global_scale[layer, which], self.dtype)
+        return self._dequant(layer, which, data[slots], scale[layer][slots])
 
     def _dequant(self, layer: int, which: int, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "nvfp4":
+        fmt = self.side_fmt[which]
+        if fmt == "nvfp4":
             return nvfp4.dequantize(nvfp4.NVFP4Tensor(data, scale, self.global_scale[layer, which]), self.dtype)
+        if fmt == "fp8":
+            return fp8.dequantize(fp8.FP8Tensor(data, scale), self.dtype)
         return mxfp4.dequantize(mxfp4.MXFP4Tensor(data, scale, MX_KV_BLOCK), self.dtype)
 
     def scales_as_floats(self) -> tuple[list, list]:
@@ -119,6 +172,10 @@ class PagedKVCache:
         """Copy every layer's K/V from src slots to dst slots (prompt pages shared by n samples)."""
         if self.fmt == "bf16":
             self.values[:, :, dst] = self.values[:, :, src]
-        else:
+        elif self.fmt in _PAIRED:
             self.codes[:, :, dst] = self.codes[:, :, src]
             self.scales[:, :, dst] = self.scales[:, :, src]
+        else:
+            for t in (*self.side_data, *self.side_scale):
+                if t is not None:
+                    t[:, dst] = t[:, src]

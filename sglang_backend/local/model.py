@@ -8,6 +8,8 @@ reported to a capture function under its guidance site name.
 """
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +129,8 @@ class _Layer(nn.Module):
     def _store_kv(self, k, v, batch: ForwardBatch, kv: PagedKVCache, capture) -> None:
         for which, t in ((0, k), (1, v)):
             qt = None
-            if capture is not None and kv.fmt == "nvfp4":  # otherwise write() quantizes into the pages
+            # Guidance covers the FP4 (NVFP4) sites; FP8 and BF16 sides record nothing (docs/quality.md).
+            if capture is not None and kv.side_fmt[which] == "nvfp4":  # otherwise write() quantizes into the pages
                 qt = kv.quantize(self.idx, which, t)
                 capture(self.kv_sites[which], qt)
             kv.write(self.idx, which, batch.write_slots, t, qt, return_values=False)
@@ -201,13 +204,33 @@ class _Layer(nn.Module):
             sdec_k, sdec_v = batch.kv_decode_scales[self.idx]
             kd, ks, vd, vs = kv.layer_pages[self.idx]
             out = cpu_attention.paged_attention_nvfp4(q, kd, ks, vd, vs, sdec_k, sdec_v, table, row_seq, row_len, scale)
+        elif all(f in cpu_attention.KV_ROW_FORMATS for f in kv.side_fmt) and kv.fmt != "bf16":
+            # FP8 and/or mixed pages (e.g. FP8 K + NVFP4 V): each side decoded in registers
+            sdec_k, sdec_v = batch.kv_decode_scales[self.idx] if batch.kv_decode_scales else (1.0, 1.0)
+            pages = kv.layer_pages[self.idx]
+            out = cpu_attention.paged_attention_kv(q, kv.k_fmt, pages[:2], sdec_k, kv.v_fmt, pages[2:], sdec_v,
+                                                   table, row_seq, row_len, scale)
         else:
-            if kv.fmt == "mxfp4":  # attend over a dequantized gather of the rows in use
+            if kv.fmt != "bf16":  # MXFP4 (either side): attend over a dequantized gather of the rows in use
+                if kv.fmt != "mxfp4":
+                    _warn_gathered(kv.side_fmt)
                 flat = table[:, :width].reshape(-1)
                 kc, vc = kv.read(self.idx, 0, flat), kv.read(self.idx, 1, flat)
                 table = torch.arange(flat.numel()).view(-1, width)
             out = cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, scale)
         return self.o_proj.forward(out.view(qkv.shape[0], a.q_size), capture)
+
+
+_WARNED_GATHER: set = set()
+
+
+def _warn_gathered(side_fmt: tuple) -> None:
+    """Mixed pages with an MXFP4 side have no in-register kernel: say so once per combination."""
+    if side_fmt not in _WARNED_GATHER:
+        _WARNED_GATHER.add(side_fmt)
+        logging.getLogger(__name__).warning(
+            "KV pages K=%s V=%s: no in-register attention kernel for this mix; attending over a dequantized "
+            "gather of the rows in use (same numbers, slower)", *side_fmt)
 
 
 def _scatter_slots(parts, num_tokens: int, top_k: int):
@@ -292,7 +315,7 @@ class QwenEngineModel(nn.Module):
         caps = [capture if wanted is None or i in wanted else None for i in range(len(self.layers))]
         if self.uses_fused(kv):
             rot = self.rope.tables_upto(batch.attention_layout()[3], x.dtype)  # the kernels index by position
-            if kv.fmt == "nvfp4":
+            if "nvfp4" in kv.side_fmt:
                 batch.kv_decode_scales, batch.kv_global_scales = kv.scales_as_floats()
             residual = None
             for layer, cap, one_call in zip(self.layers, caps, self._one_call(kv)):
