@@ -103,3 +103,22 @@ def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_only_v(tmp_path
         assert a["output_ids"] == b["output_ids"]
         la, lb = ([t[0] for t in r["meta_info"]["output_token_logprobs"]] for r in (a, b))
         assert max(abs(x - y) for x, y in zip(la, lb)) <= 1e-4
+
+
+@pytest.mark.parametrize("k_fmt,v_fmt", [("fp8", "nvfp4"), ("mxfp4", "fp8")])
+def test_trainer_qat_kv_equals_the_engine_pages(k_fmt, v_fmt):
+    """QATState.kv on [S, B, heads, D] gives what the engine's pages read back for the same K/V."""
+    from megatron_trace.models import ModelArch, QuantPolicy, tiny_hf_config
+    from megatron_trace.trainer.qat import QATState
+
+    st = QATState(ModelArch.from_hf_config(tiny_hf_config("qwen2")), QuantPolicy(kv_k=k_fmt, kv_v=v_fmt), "guided")
+    kv = _cache(k_fmt, v_fmt)
+    g = torch.Generator().manual_seed(1)
+    for which, fmt in ((0, k_fmt), (1, v_fmt)):
+        t = (torch.randn(4, 2, 2, 32, generator=g) * 30).requires_grad_()  # [S, B, KV heads, D]
+        slots = torch.arange(8)
+        kv.write(0, which, slots, t.detach().reshape(8, 2, 32), return_values=False)
+        got = st.kv(t, "model.layers.0.self_attn." + ("k_cache", "v_cache")[which], fmt)
+        assert torch.equal(got.detach().reshape(8, 2, 32), kv.read(0, which, slots))
+        got.sum().backward()
+        assert torch.equal(t.grad, torch.ones_like(t))  # straight-through

@@ -15,6 +15,9 @@ from .nvfp4 import check_blocks, nan_free_amax
 
 BLOCK = 32
 RULES = ("floor", "ceil")
+# The MXFP4 KV cache (SGLang's fp4_mx_block16): E8M0 per 16 with the ceil rule. The engine's
+# pages and the trainer's QAT both take it from here.
+KV_BLOCK, KV_RULE = 16, "ceil"
 
 
 @dataclass

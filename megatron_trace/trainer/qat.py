@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_trace.fp4 import RolloutRounding, guided_quantize, straight_through, unpack_fp4, unpack_mantissa_bits
-from megatron_trace.fp4 import nvfp4
+from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
 
@@ -124,8 +124,16 @@ class QATState:
         q = nvfp4.quantize(rows, global_scale=nvfp4.encode_scale_from_amax(amax))
         return straight_through(x, self._guide(rows, q, site, k_slice, select=select).reshape(x.shape).to(x.dtype))
 
-    def kv(self, t: torch.Tensor, site: str) -> torch.Tensor:
-        """K or V [S, B, groups_local, D] as cached: NVFP4 along D with the per-layer scale."""
+    def kv(self, t: torch.Tensor, site: str, fmt: str = "nvfp4") -> torch.Tensor:
+        """K or V [S, B, groups_local, D] as the rollout caches it in `fmt`: NVFP4 along D with the
+        per-layer scale (guided where the rollout recorded it), FP8 E4M3 with one scale per
+        (token, KV head) (TP-local: ranks hold whole KV heads) or MXFP4 as the engine's pages,
+        both round-to-nearest: the rollout records no guidance for them (docs/quality.md)."""
+        if fmt == "fp8":
+            return straight_through(t, fp8.quantize_dequantize(t.detach().float(), t.dtype))
+        if fmt == "mxfp4":
+            q = mxfp4.quantize(t.detach().float(), rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
+            return straight_through(t, mxfp4.dequantize(q, t.dtype))
         rows = t.detach().float().reshape(-1, t.shape[-2], t.shape[-1])
         q = nvfp4.quantize(rows, global_scale=torch.tensor(KV_SCALE))
         groups = t.shape[-2]
@@ -183,6 +191,7 @@ def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, l
 
     layer_offsets[i]: the global index of chunk i's first decoder layer (pipeline stages).
     """
+    policy = policy.for_arch(arch)  # kv="auto" -> this family's K and V formats
     state = QATState(arch, policy, mode, tp_group)
     if not policy.enabled:
         return state  # nothing is FP4 (a BF16 rollout): the trainer runs plain
@@ -210,7 +219,8 @@ def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, l
                 if policy.linear_is_fp4(prefix + hf_module, arch.num_layers):
                     _wrap_linear(module, state, prefix + site, policy.activations == "fp4", row_parallel=local.endswith(("linear_proj", "linear_fc2")))
             elif local == "self_attention.core_attention" and policy.kv_is_fp4(layer, arch.num_layers):
-                _wrap_attention(module, state, prefix + "self_attn.")
+                fmts = tuple(policy.kv_format(layer, arch.num_layers, w) for w in ("k", "v"))
+                _wrap_attention(module, state, prefix + "self_attn.", fmts)
     return state
 
 
@@ -269,14 +279,17 @@ def _wrap_linear(module, state: QATState, site: str, quantize_input: bool, row_p
     module.forward = forward
 
 
-def _wrap_attention(module, state: QATState, prefix: str) -> None:
+def _wrap_attention(module, state: QATState, prefix: str, fmts: tuple[str, str]) -> None:
     inner = module.forward
+    k_fmt, v_fmt = fmts
 
     def forward(query, key, value, *args, **kwargs):
         if state.mode == "off":
             return inner(query, key, value, *args, **kwargs)
-        key = state.kv(key, prefix + "k_cache")
-        value = state.kv(value, prefix + "v_cache")
+        if k_fmt != "bf16":
+            key = state.kv(key, prefix + "k_cache", k_fmt)
+        if v_fmt != "bf16":
+            value = state.kv(value, prefix + "v_cache", v_fmt)
         return inner(query, key, value, *args, **kwargs)
 
     module.forward = forward

@@ -19,7 +19,7 @@ from megatron_trace.fp4 import fast, fp8, mxfp4, nvfp4
 
 KV_DTYPES = ("auto", "bf16", "nvfp4", "mxfp4", "fp8")
 SIDE_FORMATS = ("bf16", "nvfp4", "mxfp4", "fp8")
-MX_KV_BLOCK, MX_KV_RULE = 16, "ceil"
+MX_KV_BLOCK, MX_KV_RULE = mxfp4.KV_BLOCK, mxfp4.KV_RULE
 _PAIRED = ("bf16", "nvfp4", "mxfp4")  # formats whose K and V share one array when both sides use them
 
 
