@@ -47,3 +47,10 @@ def test_config_default_is_auto_and_explicit_kv_is_both():
     assert (p.k_format, p.v_format) == ("nvfp4", "nvfp4")
     p = Config.load(None, ["quant.kv=nvfp4", "quant.kv_k=fp8"]).quant.policy()
     assert (p.k_format, p.v_format) == ("fp8", "nvfp4")
+
+
+@pytest.mark.parametrize("k,v,algo", [("bf16", "bf16", None), ("fp8", "fp8", "FP8"), ("fp8", "nvfp4", "FP8"),
+                                      ("nvfp4", "nvfp4", "NVFP4"), ("mxfp4", "mxfp4", "MXFP4"),
+                                      ("mxfp4", "nvfp4", "NVFP4"), ("nvfp4", "bf16", None)])
+def test_export_kv_algo_names_the_finer_side(k, v, algo):
+    assert QuantPolicy(kv_k=k, kv_v=v).kv_cache_quant_algo() == algo

@@ -184,6 +184,16 @@ class QuantPolicy:
             raise IndexError(f"layer {layer} out of range for {num_layers} layers")
         return "bf16" if self._layer_in_bf16_band(layer, num_layers) else self._side(which)
 
+    def kv_cache_quant_algo(self) -> str | None:
+        """ModelOpt's `kv_cache_quant_algo` for an export: None (BF16), "FP8", "NVFP4" or "MXFP4".
+        ModelOpt names one format for K and V; for a mix (FP8 K + NVFP4 V) it names the finer side,
+        so a stock engine never caches K or V more coarsely than this policy (V then costs FP8 bytes)."""
+        sides = {self.k_format, self.v_format}
+        for fmt, algo in (("bf16", None), ("fp8", "FP8"), ("nvfp4", "NVFP4"), ("mxfp4", "MXFP4")):
+            if fmt in sides:
+                return algo
+        raise AssertionError(sides)  # unreachable: both sides are validated KV_FORMATS
+
     def kv_is_fp4(self, layer: int, num_layers: int) -> bool:
         """Whether layer `layer`'s K or V cache is quantized at all (FP4 or FP8)."""
         return any(self.kv_format(layer, num_layers, w) != "bf16" for w in ("k", "v"))
