@@ -2,7 +2,11 @@
 
     python -m megatron_trace.export --load CKPT --out DIR --format nvfp4|bf16 \
         [--quant-targets '*.mlp.*' ...] [--dtype auto|bfloat16|float32] [--max-shard-mb 4096] \
-        [--input-amax amax.json] [--hf-config DIR]
+        (--calib-prompts prompts.jsonl | --input-amax amax.json) [--hf-config DIR]
+
+An NVFP4 export is W4A4 and carries static `input_scale`s (stock engines quantize activations with
+them): from a calibration pass over `--calib-prompts` (transfer/calibrate.py) or a measured
+`--input-amax` table. Without either it refuses.
 
 `--load` is an HF checkpoint directory (config.json + *.safetensors), or an `Actor` checkpoint
 root (`root/latest` -> `root/step_N/rank_00000.pt` + meta.json) saved by a SINGLE-rank run; its
@@ -12,16 +16,18 @@ exported from there (`transfer.pipeline.push_weights` with a DiskTransport, or
 `gpt.export_hf_state_dict`); this CLI refuses them with that advice.
 
 Output: config.json (with `quantization_config` for nvfp4: quant_method modelopt, quant_algo
-NVFP4, group_size 16, exclude_modules = every high-precision linear incl. lm_head), and
-hf_quant_config.json (ModelOpt's file, plus `trace_targets`, the policy's targets, which our
-engine reads back), safetensors shards (<= --max-shard-mb each, with model.safetensors.index.json
-when more than one), and the tokenizer files when the source has them. The quantization is
+NVFP4, group_size 16 in config_groups, ignore = every high-precision linear incl. lm_head), and
+hf_quant_config.json in the forms ModelOpt 0.47 writes (see `quant_configs`; plus `trace_targets`,
+the policy's targets, which our engine reads back), safetensors shards (<= --max-shard-mb each,
+with model.safetensors.index.json when more than one), and the tokenizer files (chat template
+included) when the source has them. The quantization is
 `transfer.quantize`, the same code the live transfer uses, so an exported checkpoint and a live
 update hold the same bits. `--dtype auto` keeps the source dtype for high-precision tensors.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -34,8 +40,11 @@ from ..models import ModelArch, QuantPolicy, megatron_to_hf
 from .pipeline import hf_state_dict_stream
 from .quantize import rollout_tensors
 
+# The tokenizer and its chat template (transformers 5 writes chat_template.jinja; older ones keep it in
+# tokenizer_config.json; processors use chat_template.json).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json", "generation_config.json", "tokenizer.model")
+                   "added_tokens.json", "generation_config.json", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json")
 _DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -92,8 +101,26 @@ def load_megatron_checkpoint(root: str | Path, hf_config: str | Path | None = No
     return arch, megatron_to_hf({(0, 0, 0): sd}, arch), cfg
 
 
-def quant_configs(arch: ModelArch, policy: QuantPolicy) -> tuple[dict, dict]:
-    """(config.json's quantization_config, hf_quant_config.json) for an NVFP4 export."""
+CALIBRATION_NEEDED = (
+    "a W4A4 NVFP4 export must carry calibrated activation scales (input_scale), which stock SGLang/vLLM "
+    "quantize activations with: pass --calib-prompts PROMPTS.jsonl (a calibration pass over prompts) or "
+    "--input-amax AMAX.json ({module: amax}); export_checkpoint(input_amax=calibrate_input_amax(...))")
+MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the format we write; loaders check the name
+EXPORTER = {"name": "megatron_trace", "version": "0.1"}
+
+
+def quant_configs(arch: ModelArch, policy: QuantPolicy, *, kv_cache_quant_algo: str | None = None
+                  ) -> tuple[dict, dict]:
+    """(config.json's quantization_config, hf_quant_config.json) in the forms ModelOpt 0.47 writes.
+
+    hf_quant_config.json: {"producer", "quantization": {quant_algo, kv_cache_quant_algo, group_size,
+    exclude_modules}} (+ our `trace_targets` / `activation_scale`, which our engine reads back, and
+    `exporter`). config.json: ModelOpt's `convert_hf_quant_config_format` of it: {config_groups,
+    ignore, quant_algo, [kv_cache_scheme,] producer, quant_method: "modelopt"}. SGLang and vLLM read
+    the excluded modules from `ignore` there (and `exclude_modules` in hf_quant_config.json); the
+    list holds every high-precision linear by its HF name (fused q/k/v, gate/up shards are listed
+    one by one: both loaders expand a fused layer into its shards), plus lm_head.
+    """
     fp4 = set(policy.quantized_linears(arch))
     exclude = [m for m in arch.hf_linear_modules() if m not in fp4]
     if "lm_head" not in exclude and arch.tie_word_embeddings:
@@ -101,12 +128,20 @@ def quant_configs(arch: ModelArch, policy: QuantPolicy) -> tuple[dict, dict]:
     banded = policy.bf16_layers_start or policy.bf16_layers_end
     # With BF16 layer bands, list the FP4 modules themselves so the reader needs no band logic.
     targets = sorted(fp4) if banded else list(policy.targets)
-    qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": exclude,
-          "kv_cache_quant_algo": None}
-    hq = {"producer": {"name": "megatron_trace", "version": "0.1"},
-          "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": exclude,
-                           "kv_cache_quant_algo": None, "trace_targets": targets,
+    w4a4 = policy.activations == "fp4"
+    algo = "NVFP4" if w4a4 else "W4A16_NVFP4"
+    hq = {"producer": dict(MODELOPT_PRODUCER), "exporter": dict(EXPORTER),
+          "quantization": {"quant_algo": algo, "kv_cache_quant_algo": kv_cache_quant_algo, "group_size": 16,
+                           "exclude_modules": exclude, "trace_targets": targets,
                            "activation_scale": policy.activation_scale}}
+    fmt = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+    group = {"input_activations": dict(fmt), "weights": dict(fmt)} if w4a4 else {"weights": dict(fmt)}
+    qc = {"config_groups": {"group_0": {**group, "targets": ["Linear"]}}, "ignore": list(exclude), "quant_algo": algo}
+    if kv_cache_quant_algo:
+        qc["kv_cache_scheme"] = ({"dynamic": False, "num_bits": 8, "type": "float"}
+                                 if kv_cache_quant_algo == "FP8" else kv_cache_quant_algo)
+    qc["producer"] = dict(MODELOPT_PRODUCER)
+    qc["quant_method"] = "modelopt"
     return qc, hq
 
 
@@ -124,6 +159,13 @@ def export_checkpoint(hf_sd: Mapping[str, torch.Tensor], arch: ModelArch, out: s
         policy = QuantPolicy(format="bf16", weights="bf16", activations="bf16")
     elif policy.format != "nvfp4" or not policy.enabled:
         raise ValueError(f"--format nvfp4 needs an nvfp4 policy with FP4 weights; got {policy.to_dict()}")
+    elif policy.activations != "fp4":
+        raise ValueError("W4A16 NVFP4 exports are not supported (the engines here would serve them W4A4); "
+                         "export W4A4 with calibrated activation scales")
+    elif input_amax is None:
+        raise ValueError(CALIBRATION_NEEDED)
+    else:  # stock engines quantize activations with the checkpoint's static input_scale
+        policy = dataclasses.replace(policy, activation_scale="static")
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -186,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16-layers-end", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="auto")
     p.add_argument("--max-shard-mb", type=float, default=4096.0)
-    p.add_argument("--input-amax", default=None, help="JSON {module: amax}: static activation scales")
+    p.add_argument("--calib-prompts", default=None,
+                   help="JSON lines of prompts (token ids, text or chat messages) for the activation-scale "
+                        "calibration pass that a W4A4 export needs")
+    p.add_argument("--input-amax", default=None, help="JSON {module: amax}: measured activation amax instead")
     p.add_argument("--hf-config", default=None, help="config.json (or its dir) for a Megatron checkpoint")
     args = p.parse_args(argv)
     src = Path(args.load)
@@ -197,12 +242,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             arch, sd, cfg = load_hf_dir(src)
             tok = src
+        if args.calib_prompts and args.input_amax:
+            raise ValueError("pass --calib-prompts or --input-amax, not both")
         amax = json.loads(Path(args.input_amax).read_text()) if args.input_amax else None
         kw = dict(bf16_layers_start=args.bf16_layers_start, bf16_layers_end=args.bf16_layers_end,
-                  activation_scale="static" if amax else "per_token")
+                  activation_scale="static" if amax or args.calib_prompts else "per_token")
         if args.quant_targets:
             kw["targets"] = tuple(args.quant_targets)
         policy = QuantPolicy(**kw)
+        if args.calib_prompts and args.format == "nvfp4":
+            from .calibrate import calibrate_input_amax, load_prompts
+
+            amax = calibrate_input_amax(sd, cfg, load_prompts(args.calib_prompts, tok), policy.quantized_linears(arch))
         out = export_checkpoint(sd, arch, args.out, fmt=args.format, policy=policy, dtype=_DTYPES[args.dtype],
                                 max_shard_mb=args.max_shard_mb, input_amax=amax, hf_config=cfg, tokenizer_from=tok)
     except (ValueError, KeyError, FileNotFoundError, OSError) as e:

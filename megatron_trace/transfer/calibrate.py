@@ -1,0 +1,117 @@
+"""Static activation scales for a W4A4 export: amax of every FP4 linear's input over prompts.
+
+    amax = calibrate_input_amax(hf_sd, hf_config, prompts, modules)   # {hf module: amax}
+    export_checkpoint(..., input_amax=amax)   # input_scale = amax / (6*448), fused shards share one
+
+Stock engines (SGLang's and vLLM's `modelopt_fp4`) quantize activations with the checkpoint's
+static `input_scale`; a W4A4 checkpoint without one runs on uninitialised scales. This is the
+calibration ModelOpt's PTQ does: the high-precision model (transformers' own implementation of
+the architecture, fp32 here) runs over the prompts with a forward pre-hook on each FP4 linear,
+recording the largest |input| seen (NaN ignored). The scale itself (and the max over fused q/k/v
+or gate/up shards) is `transfer.quantize` + `fp4.modelopt.input_scale_from_amax`, the same code
+the live transfer uses.
+
+Prompts: `load_prompts(file, tokenizer_dir)` reads one prompt per line: a JSON list of token ids,
+`{"input_ids": [...]}`, `{"text": "..."}` or a JSON string (text needs the checkpoint's tokenizer;
+`{"messages": [...]}` goes through its chat template).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+
+def load_prompts(path: str | Path, tokenizer_dir: str | Path | None = None) -> list[list[int]]:
+    """Token-id prompts from a JSON-lines file (see the module docstring); empty lines skipped."""
+    tok = None
+    prompts: list[list[int]] = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e}); write one JSON value per line") from None
+        if isinstance(item, dict) and "input_ids" in item:
+            item = item["input_ids"]
+        if isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            ids = item
+        elif isinstance(item, (str, dict)):
+            if tok is None:
+                tok = _tokenizer(tokenizer_dir, f"{path}:{n}")
+            if isinstance(item, dict) and "messages" in item:
+                ids = tok.apply_chat_template(item["messages"], tokenize=True, add_generation_prompt=True)
+                ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # transformers 5: a BatchEncoding
+            elif isinstance(item, dict) and isinstance(item.get("text"), str):
+                ids = tok(item["text"])["input_ids"]
+            elif isinstance(item, str):
+                ids = tok(item)["input_ids"]
+            else:
+                raise ValueError(f"{path}:{n}: an object needs input_ids, text or messages; got keys {sorted(item)}")
+        else:
+            raise ValueError(f"{path}:{n}: expected token ids, text or messages; got {type(item).__name__}")
+        if not ids:
+            raise ValueError(f"{path}:{n}: empty prompt")
+        prompts.append([int(t) for t in ids])
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def _tokenizer(tokenizer_dir, where: str):
+    if tokenizer_dir is None or not (Path(tokenizer_dir) / "tokenizer_config.json").exists():
+        raise ValueError(f"{where}: text prompts need the checkpoint's tokenizer files (none in {tokenizer_dir}); "
+                         "write token ids instead")
+    from transformers import AutoTokenizer  # lazy: seconds of imports
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def _hf_model(hf_sd: Mapping[str, torch.Tensor], hf_config: dict):
+    import transformers
+
+    cfg = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    config = transformers.AutoConfig.for_model(**cfg)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {k: v.to(torch.float32) for k, v in hf_sd.items()}
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise ValueError(f"calibration model does not match the checkpoint: missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}")
+    return model.eval()
+
+
+def calibrate_input_amax(hf_sd: Mapping[str, torch.Tensor], hf_config: dict, prompts: Sequence[Sequence[int]],
+                         modules: Sequence[str]) -> dict[str, float]:
+    """{HF module name: max |input|} of each module in `modules` over the prompts (fp32 forward)."""
+    if not prompts:
+        raise ValueError("calibration needs at least one prompt")
+    if any(".experts." in m for m in modules):
+        raise ValueError("calibrating routed-expert inputs is not supported (transformers fuses the experts into "
+                         "one module); pass --input-amax with a measured table instead")
+    model = _hf_model(hf_sd, hf_config)
+    amax = {m: torch.zeros((), dtype=torch.float32) for m in modules}
+    hooks = []
+    for m in modules:
+        def pre(_mod, args, m=m):
+            x = args[0].detach().float().abs()
+            amax[m] = torch.maximum(amax[m], torch.nan_to_num(x, nan=0.0).amax())
+        hooks.append(model.get_submodule(m).register_forward_pre_hook(pre))
+    try:
+        with torch.no_grad():
+            for ids in prompts:
+                model(input_ids=torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    zero = [m for m, v in amax.items() if not float(v) > 0]
+    if zero:
+        raise ValueError(f"calibration saw no non-zero input for {zero[:4]}; use more or longer prompts")
+    return {m: float(v) for m, v in amax.items()}
+
