@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv with torch first (the CPU build on a CPU box), then the project and its dev extras.
+# `--sglang` (what scripts/test.sh passes) also installs a real SGLang 0.5.23 for the tests
+# (scripts/sglang_cpu/install.sh); the main job does not need it.
 # Idempotent: a second run only re-checks the installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,3 +11,4 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e ".[dev]"
+[ "${1:-}" != "--sglang" ] || bash scripts/sglang_cpu/install.sh

@@ -2,23 +2,35 @@
 
 `--backend local` serves the embedded engine (`sglang_backend.local.server`) with SGLang's
 flag names and runs until SIGINT/SIGTERM. `--backend sglang` execs `python -m
-sglang.launch_server` with the flags translated (quantization nvfp4 -> trace_fp4, mxfp4 ->
-trace_mxfp4; KV nvfp4 -> nvfp4, mxfp4 -> fp4_mx_block16) and SGLANG_PLUGINS=trace_fp4 so our
-plugin (sglang_backend.plugin) loads; arguments after `--` go to SGLang unchanged. `--dry-run`
-prints that command instead of running it.
+sglang.launch_server` with the flags translated and SGLANG_PLUGINS=trace_fp4 so our plugin
+(sglang_backend.plugin) loads; arguments after `--` go to SGLang unchanged. `--dry-run` prints
+that command instead of running it.
+
+Quantization: an exported NVFP4 (ModelOpt) checkpoint needs no flag (the plugin claims it; an
+explicit nvfp4 is dropped for it); on a BF16/FP32 checkpoint nvfp4 -> trace_nvfp4 and mxfp4 ->
+trace_mxfp4 quantize online with the same policy as the engine (passed in TRACE_QUANT_POLICY).
+KV nvfp4 -> nvfp4, mxfp4 -> fp4_mx_block16. `--device cpu` (the default without CUDA) adds what
+SGLang's CPU engine needs: SGLANG_USE_CPU_ENGINE=1, --device cpu, --attention-backend
+torch_native, --sampling-backend pytorch, --disable-cuda-graph, a small --mem-fraction-static.
+Always: --skip-tokenizer-init (the rollout speaks token ids) and --weight-version (default "0",
+the trainer's first version).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shlex
 import signal
 import sys
 import threading
+from pathlib import Path
 
 QUANTIZATIONS = ["nvfp4", "w4a16_nvfp4", "mxfp4", "w4a16_mxfp4", "modelopt_fp4"]
-SGLANG_QUANT = {"nvfp4": "trace_fp4", "mxfp4": "trace_mxfp4", "modelopt_fp4": "modelopt_fp4"}
+SGLANG_QUANT = {"nvfp4": "trace_nvfp4", "mxfp4": "trace_mxfp4", "modelopt_fp4": "modelopt_fp4"}
+CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+             "--disable-cuda-graph"]
 SGLANG_KV = {"auto": "auto", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "fp4_mx_block16"}
 PLUGIN_NAME = "trace_fp4"
 
@@ -53,8 +65,48 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--max-body-mb", type=_positive, default=64, help="request body limit in MiB (default 64)")
     p.add_argument("--tp-size", type=_positive, default=1, help="tensor parallel size (--backend sglang)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="--backend sglang: auto = cuda when torch sees a GPU, else SGLang's CPU engine")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="--backend sglang (default: SGLang's on GPU, 0.05 on CPU)")
+    p.add_argument("--max-total-tokens", type=_positive, default=None, help="KV pool tokens (default 16384 on CPU)")
+    p.add_argument("--weight-version", default="0", help="--backend sglang: the served version's name (default '0')")
     p.add_argument("--dry-run", action="store_true", help="--backend sglang: print the command, do not run it")
     return p
+
+
+def _is_fp4_export(model_path: str) -> bool:
+    """An exported NVFP4 checkpoint: a ModelOpt quant config in config.json or hf_quant_config.json."""
+    root = Path(model_path)
+    try:
+        cfg = json.loads((root / "config.json").read_text()).get("quantization_config")
+        if cfg is None and (root / "hf_quant_config.json").exists():
+            cfg = json.loads((root / "hf_quant_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if cfg is None:
+        return False
+    from sglang_backend.plugin.quant_method import is_modelopt_nvfp4  # imports SGLang: only for a quantized checkpoint
+
+    return is_modelopt_nvfp4(cfg)
+
+
+def _online_policy(args: argparse.Namespace) -> str:
+    """TRACE_QUANT_POLICY for online quantization: the engine's policy for these flags + the layer count."""
+    from megatron_trace.models import ModelArch
+    from sglang_backend.local.engine import policy_for
+
+    policy = policy_for(args.quantization, args.kv_cache_dtype, Path(args.model_path))
+    layers = ModelArch.from_hf_config(Path(args.model_path)).num_layers
+    return json.dumps({"policy": policy.to_dict(), "num_layers": layers})
+
+
+def _device(args: argparse.Namespace) -> str:
+    if args.device != "auto":
+        return args.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -65,13 +117,27 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_path, "--host", args.host,
            "--port", str(args.port), "--tp-size", str(args.tp_size), "--dtype", args.dtype,
            "--kv-cache-dtype", SGLANG_KV[args.kv_cache_dtype], "--random-seed", str(args.random_seed),
-           "--max-running-requests", str(args.max_running_requests)]
-    if args.api_key:
-        cmd += ["--api-key", args.api_key]
-    if args.quantization is not None:
-        cmd += ["--quantization", SGLANG_QUANT[args.quantization]]
+           "--max-running-requests", str(args.max_running_requests), "--skip-tokenizer-init",
+           "--weight-version", str(args.weight_version)]
     env = {"SGLANG_PLUGINS": PLUGIN_NAME, "TRACE_GUIDANCE_MODE": args.guidance_mode,
            "TRACE_GUIDED_LAYERS": str(args.guided_layers)}
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    export = args.quantization in (None, "nvfp4", "modelopt_fp4") and _is_fp4_export(args.model_path)
+    if args.quantization == "modelopt_fp4" or (args.quantization is not None and not export):
+        cmd += ["--quantization", SGLANG_QUANT[args.quantization]]
+        if args.quantization in ("nvfp4", "mxfp4"):
+            env["TRACE_QUANT_POLICY"] = _online_policy(args)
+    device = _device(args)
+    if device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        cmd += CPU_FLAGS + ["--mem-fraction-static", str(args.mem_fraction_static or 0.05),
+                            "--max-total-tokens", str(args.max_total_tokens or 16384)]
+    else:
+        if args.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(args.mem_fraction_static)]
+        if args.max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(args.max_total_tokens)]
     return cmd + list(extra), env
 
 

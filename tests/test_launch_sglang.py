@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import shlex
 import sys
 
@@ -10,8 +11,15 @@ import pytest
 from sglang_backend.launch import main
 
 
-def _dry(capsys, *argv):
-    assert main(["--backend", "sglang", "--model-path", "/m", "--dry-run", *argv]) == 0
+@pytest.fixture(scope="module")
+def bf16_ckpt(tmp_path_factory):
+    from megatron_trace.models import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), "qwen2", seed=3))
+
+
+def _dry(capsys, *argv, model="/m"):
+    assert main(["--backend", "sglang", "--model-path", model, "--dry-run", *argv]) == 0
     line = capsys.readouterr().out.strip()
     words = shlex.split(line)
     env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-") and w.split("=")[0].isupper())
@@ -22,17 +30,37 @@ def _flag(cmd, name):
     return cmd[cmd.index(name) + 1]
 
 
-def test_translation(capsys):
+def test_translation(capsys, bf16_ckpt):
     env, cmd = _dry(capsys, "--host", "0.0.0.0", "--port", "31000", "--api-key", "sekrit", "--quantization", "nvfp4",
                     "--kv-cache-dtype", "mxfp4", "--tp-size", "4", "--dtype", "bfloat16", "--random-seed", "7",
-                    "--", "--mem-fraction-static", "0.8", "--enable-metrics")
+                    "--device", "cuda", "--", "--mem-fraction-static", "0.8", "--enable-metrics", model=bf16_ckpt)
     assert env["SGLANG_PLUGINS"] == "trace_fp4" and env["TRACE_GUIDANCE_MODE"] == "mantissa"
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    for name, want in (("--model-path", "/m"), ("--host", "0.0.0.0"), ("--port", "31000"), ("--quantization", "trace_fp4"),
-                       ("--kv-cache-dtype", "fp4_mx_block16"), ("--tp-size", "4"), ("--dtype", "bfloat16"),
-                       ("--random-seed", "7"), ("--api-key", "***")):
+    for name, want in (("--model-path", bf16_ckpt), ("--host", "0.0.0.0"), ("--port", "31000"),
+                       ("--quantization", "trace_nvfp4"), ("--kv-cache-dtype", "fp4_mx_block16"), ("--tp-size", "4"),
+                       ("--dtype", "bfloat16"), ("--random-seed", "7"), ("--api-key", "***"), ("--weight-version", "0")):
         assert _flag(cmd, name) == want, name
+    assert "--skip-tokenizer-init" in cmd and "SGLANG_USE_CPU_ENGINE" not in env and "torch_native" not in cmd
     assert cmd[-3:] == ["--mem-fraction-static", "0.8", "--enable-metrics"]
+    # online quantization follows the engine's policy for the same flags (MLP linears, 4 layers)
+    online = json.loads(env["TRACE_QUANT_POLICY"])
+    assert online["num_layers"] == 4 and online["policy"]["targets"][0] == "*.mlp.gate_proj"
+
+
+def test_cpu_engine_flags(capsys):
+    env, cmd = _dry(capsys, "--device", "cpu", "--max-total-tokens", "2048")
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    for name, want in (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--sampling-backend", "pytorch"),
+                       ("--mem-fraction-static", "0.05"), ("--max-total-tokens", "2048")):
+        assert _flag(cmd, name) == want, name
+    assert "--disable-cuda-graph" in cmd
+
+
+def test_nvfp4_export_needs_no_flag(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}}))
+    env, cmd = _dry(capsys, "--quantization", "nvfp4", "--device", "cpu", model=str(tmp_path))
+    assert "--quantization" not in cmd and "TRACE_QUANT_POLICY" not in env
 
 
 @pytest.mark.parametrize("ours,theirs", [("nvfp4", "nvfp4"), ("auto", "auto"), ("bf16", "bf16")])
@@ -41,10 +69,10 @@ def test_kv_dtypes(capsys, ours, theirs):
     assert _flag(cmd, "--kv-cache-dtype") == theirs and "--quantization" not in cmd and "--api-key" not in cmd
 
 
-def test_quantization_choices(capsys):
+def test_quantization_choices(capsys, bf16_ckpt):
     _, cmd = _dry(capsys, "--quantization", "modelopt_fp4")
     assert _flag(cmd, "--quantization") == "modelopt_fp4"
-    _, cmd = _dry(capsys, "--quantization", "mxfp4")
+    _, cmd = _dry(capsys, "--quantization", "mxfp4", model=bf16_ckpt)
     assert _flag(cmd, "--quantization") == "trace_mxfp4"
     assert main(["--backend", "sglang", "--model-path", "/m", "--dry-run", "--quantization", "w4a16_nvfp4"]) == 2
     assert "--backend local only" in capsys.readouterr().err

@@ -188,8 +188,8 @@ def test_register_mutates_fake_sglang(monkeypatch):
     done = register.register()
     assert done["quantization"] and done["cli_choices"] and not done["kv_cache"]
     assert quant_mod.QUANTIZATION_METHODS is methods
-    assert list(methods)[:2] == ["trace_fp4", "trace_mxfp4"] and methods["trace_fp4"] is TraceFP4Config
-    assert "fp8" in methods and args_mod.QUANTIZATION_CHOICES[-2:] == ["trace_fp4", "trace_mxfp4"]
+    assert list(methods)[:3] == ["trace_fp4", "trace_nvfp4", "trace_mxfp4"] and methods["trace_fp4"] is TraceFP4Config
+    assert "fp8" in methods and args_mod.QUANTIZATION_CHOICES[-3:] == ["trace_fp4", "trace_nvfp4", "trace_mxfp4"]
     ckpt = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
     assert TraceFP4Config.override_quantization_method(ckpt, None) == "trace_fp4"
     assert TraceFP4Config.override_quantization_method(ckpt, "modelopt_fp4") is None
@@ -198,6 +198,7 @@ def test_register_mutates_fake_sglang(monkeypatch):
 
 def test_config_from_exported_checkpoint_and_exclusion(monkeypatch):
     monkeypatch.setitem(quant_method._ACTIVE, "on", False)
+    monkeypatch.setattr(quant_method, "_sglang_attr", lambda *_: None)  # bare nn.Modules stand in for SGLang's layers
     hq = {"producer": {"name": "megatron_trace"}, "quantization": {
         "quant_algo": "NVFP4", "group_size": 16, "trace_targets": ["*.mlp.*"],
         "exclude_modules": ["lm_head", "model.layers.*.self_attn.*"]}}

@@ -5,7 +5,8 @@ sglang.launch_server` before it parses the CLI, and early in every SGLang proces
 SGLANG_PLUGINS=trace_fp4) calls `register()`, which, each step guarded and logged when this
 SGLang lacks the hook:
 
-1. quantization: puts `trace_fp4` / `trace_mxfp4` at the FRONT of
+1. quantization: puts `trace_fp4` (ModelOpt NVFP4 exports), `trace_nvfp4` / `trace_mxfp4` (online
+   quantization of a BF16 checkpoint, plugin/online_quant.py) at the FRONT of
    `sglang.srt.layers.quantization.QUANTIZATION_METHODS` (the dict is mutated in place, never
    rebound). ModelConfig._verify_quantization asks each config's override_quantization_method
    in dict order and takes the first answer; ModelOpt's own configs would otherwise claim our
@@ -28,12 +29,14 @@ import sys
 
 from . import capture
 from .kv_capture import sglang_kv_method_class, sglang_nvfp4_base
-from .quant_method import TraceFP4Config, TraceMXFP4Config, set_active
+from .online_quant import TraceMXFP4OnlineConfig, TraceNVFP4OnlineConfig
+from .quant_method import TraceFP4Config, set_active
 
 log = logging.getLogger(__name__)
 
 TARGET_SGLANG_VERSION = "0.5.23"
-CONFIGS = {TraceFP4Config.NAME: TraceFP4Config, TraceMXFP4Config.NAME: TraceMXFP4Config}
+CONFIGS = {TraceFP4Config.NAME: TraceFP4Config, TraceNVFP4OnlineConfig.NAME: TraceNVFP4OnlineConfig,
+           TraceMXFP4OnlineConfig.NAME: TraceMXFP4OnlineConfig}
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 
 

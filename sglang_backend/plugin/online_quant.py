@@ -1,0 +1,134 @@
+"""Online FP4 quantization of a BF16/FP32 checkpoint inside SGLang: `--quantization trace_nvfp4`
+(NVFP4 W4A4) and `trace_mxfp4` (MXFP4 W4A4).
+
+The RL loop starts from a BF16 checkpoint, so the rollout server must quantize at load time,
+with the same rules as the embedded engine (`sglang_backend.local.layers.EngineLinear`): the
+project's `QuantPolicy` decides which linears are FP4 (default: the MLP), a fused group (q/k/v,
+gate/up) shares one global amax, activations are quantized per token. `trace_fp4` stays the
+loader of exported ModelOpt NVFP4 checkpoints (claimed without any flag).
+
+SGLang builds a config without arguments when a method names no config file
+(`get_config_filenames() == []`, model_loader/weight_utils.py get_quant_config), so the policy
+comes from the environment the launcher sets: TRACE_QUANT_POLICY = JSON
+`{"policy": QuantPolicy.to_dict(), "num_layers": N}` (without it: the default policy).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from megatron_trace.fp4 import nvfp4
+from megatron_trace.models.quant_policy import QuantPolicy
+
+from .quant_method import (
+    PACKED_MODULES,
+    TraceFP4Config,
+    TraceFP4LinearMethod,
+    TraceMXFP4Config,
+    _set_derived,
+    _sglang_attr,
+    _tp,
+)
+
+POLICY_ENV = "TRACE_QUANT_POLICY"
+
+
+def policy_from_env(fmt: str) -> tuple[QuantPolicy, int | None]:
+    raw = os.environ.get(POLICY_ENV)
+    if not raw:
+        return QuantPolicy(format=fmt), None
+    try:
+        d = json.loads(raw)
+        policy, num_layers = QuantPolicy.from_dict(d["policy"]), d.get("num_layers")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{POLICY_ENV} must be JSON {{'policy': {{...}}, 'num_layers': N}}; got {raw!r}: {e}") from None
+    if policy.format != fmt:
+        raise ValueError(f"{POLICY_ENV} says format {policy.format!r} but the server quantizes to {fmt!r}")
+    return policy, num_layers
+
+
+class _PolicyMixin:
+    """get_quant_method by the project's QuantPolicy: FP4 where the policy says, SGLang's default elsewhere."""
+
+    def _policy(self):
+        if getattr(self, "_trace_policy", None) is None:
+            self._trace_policy = policy_from_env(self.FMT)
+        return self._trace_policy
+
+    def is_fp4_prefix(self, prefix: str) -> bool:
+        policy, num_layers = self._policy()
+        if policy.bf16_layers_end and num_layers is None:
+            raise ValueError(f"quant.bf16_layers_end needs the layer count: set num_layers in {POLICY_ENV}")
+        head, _, last = prefix.rpartition(".")
+        members = self.packed_modules_mapping.get(last, PACKED_MODULES.get(last, [last]))
+        hits = [policy.linear_is_fp4(f"{head}.{m}" if head else m, num_layers or 1 << 30) for m in members]
+        if any(hits) and not all(hits):
+            raise ValueError(f"{prefix}: the quant policy makes only part of the fused shards {members} FP4")
+        return bool(hits) and all(hits)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str):
+        linear_base = _sglang_attr("sglang.srt.layers.linear", "LinearBase")
+        if linear_base is not None and not isinstance(layer, linear_base):
+            return None
+        if not self.is_fp4_prefix(prefix) or self.is_layer_excluded(prefix):
+            unquant = _sglang_attr("sglang.srt.layers.quantization.unquant", "UnquantizedLinearMethod")
+            return unquant() if unquant is not None else None
+        return self.linear_method(site=prefix)
+
+
+class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
+    """BF16/FP32 `weight` loaded as is; after load, NVFP4 with one global amax over the fused shards."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        self._common(layer, input_size_per_partition, output_partition_sizes, input_size, params_dtype)
+        rows = sum(output_partition_sizes)
+        self._param(layer, "weight", torch.zeros(rows, input_size_per_partition, dtype=params_dtype))
+
+    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.dtype == torch.uint8:
+            raise TypeError(f"{layer.trace_site}: the checkpoint holds packed FP4 weights; trace_nvfp4 quantizes "
+                            "BF16/FP32 checkpoints (an NVFP4 export is served without --quantization)")
+        self._load_rows(layer, param, loaded.to(param.dtype), shard_id)
+
+    def refresh(self, layer: nn.Module) -> None:
+        if _tp(layer)[1] > 1:
+            raise NotImplementedError(f"{layer.trace_site}: online NVFP4 at TP > 1 needs the fused group's amax "
+                                      "over all ranks; export an NVFP4 checkpoint for TP > 1")
+        q = nvfp4.quantize(layer.weight.data.float())
+        gs = q.global_scale.reshape(()).expand(q.data.shape[0]).clone()
+        _set_derived(layer, "trace_weight_codes", q.data)
+        _set_derived(layer, "trace_weight_scales", q.scale)
+        _set_derived(layer, "trace_weight_global_scale", gs)
+        _set_derived(layer, "trace_input_global_scale", None)
+        _set_derived(layer, "trace_weight_dequant", nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype))
+        layer._trace_dirty = False
+
+    def quantized_weight(self, layer) -> nvfp4.NVFP4Tensor:
+        return nvfp4.NVFP4Tensor(layer.trace_weight_codes, layer.trace_weight_scales, layer.trace_weight_global_scale)
+
+    @staticmethod
+    def _native(layer) -> bool:
+        return False  # the dequantized weight (CPU) or the FP4-weight kernel (CUDA) serve it
+
+
+class TraceNVFP4OnlineConfig(_PolicyMixin, TraceFP4Config):
+    NAME, FMT = "trace_nvfp4", "nvfp4"
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def override_quantization_method(cls, *_, **__) -> str | None:
+        return None  # never claims a checkpoint: asked for by name only
+
+    def linear_method(self, site: str | None = None):
+        return TraceNVFP4OnlineLinearMethod(self, site=site)
+
+
+class TraceMXFP4OnlineConfig(_PolicyMixin, TraceMXFP4Config):
+    """trace_mxfp4 with the policy's targets (the engine's MXFP4 rollout quantizes the same linears)."""
