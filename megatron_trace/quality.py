@@ -1,0 +1,302 @@
+"""Rollout quality against BF16: what each quantization setting does to the policy itself.
+
+    python -m megatron_trace.quality --model-path HF_DIR --prompts prompts.jsonl [--out DIR]
+        [--settings bf16:bf16:bf16 w4a4:fp8:nvfp4 ...] [--max-new-tokens 48] [--dtype float32]
+
+The mismatch probe (probe.py) measures train/rollout agreement, which a damaged rollout can
+satisfy perfectly; this measures the damage. For each setting WEIGHTS:K:V (weights bf16 | w4a16 |
+w4a4, NVFP4 on the policy's default targets; K and V in bf16 | fp8 | nvfp4 | mxfp4):
+
+- NLL per token, teacher-forced on the BF16 model's own greedy continuations, and its increase
+  over BF16 (nats/token); top-1 agreement with those continuations;
+- the setting's own greedy answers, side by side with BF16's, and their accuracy where the prompt
+  carries an `answer` (the math verifier of megatron_trace.data.rewards);
+- a markdown table, quality.json and quality.png under --out.
+
+Prompts: JSONL lines {"prompt": text} (tokenized as is), {"messages": [...]} (the checkpoint
+tokenizer's chat template, generation prompt added) or {"input_ids": [...]}; optional "answer".
+Runs on the embedded engine (greedy answers through its decode path; the teacher-forced pass is
+one prefill over the engine's paged, quantized KV cache, the numerics decode uses).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_trace.models import QuantPolicy
+
+WEIGHTS = ("bf16", "w4a16", "w4a4")
+KV = ("bf16", "fp8", "nvfp4", "mxfp4")
+REFERENCE = "bf16:bf16:bf16"
+DEFAULT_SETTINGS = (REFERENCE, "bf16:nvfp4:nvfp4", "bf16:bf16:nvfp4", "bf16:nvfp4:bf16", "bf16:fp8:nvfp4",
+                    "w4a4:bf16:bf16", "w4a4:nvfp4:nvfp4", "w4a4:fp8:nvfp4")
+# The train CLI warns above this NLL increase per token over BF16 (the real-model check of FP8 K +
+# NVFP4 V asks for <= 0.01; NVFP4 K on Qwen2.5-Coder-0.5B costs 0.55).
+WARN_NATS_PER_TOKEN = 0.02
+
+
+@dataclass(frozen=True)
+class Setting:
+    weights: str
+    k: str
+    v: str
+
+    @classmethod
+    def parse(cls, spec: str) -> Setting:
+        parts = spec.split(":")
+        if len(parts) != 3:
+            raise ValueError(f"a setting is WEIGHTS:K:V (e.g. w4a4:fp8:nvfp4); got {spec!r}")
+        s = cls(*parts)
+        if s.weights not in WEIGHTS:
+            raise ValueError(f"setting {spec!r}: weights must be one of {', '.join(WEIGHTS)}; got {s.weights!r}")
+        for side, fmt in (("K", s.k), ("V", s.v)):
+            if fmt not in KV:
+                raise ValueError(f"setting {spec!r}: {side} must be one of {', '.join(KV)}; got {fmt!r}")
+        return s
+
+    @classmethod
+    def of_policy(cls, policy: QuantPolicy) -> Setting:
+        """The setting a (resolved) policy runs: its weights/activations and K/V formats."""
+        w = "bf16" if not policy.enabled else ("w4a4" if policy.activations == "fp4" else "w4a16")
+        return cls(w, policy.k_format, policy.v_format)
+
+    @property
+    def name(self) -> str:
+        return f"{self.weights}:{self.k}:{self.v}"
+
+    def policy(self, targets: tuple[str, ...] | None = None) -> QuantPolicy:
+        fp4 = self.weights != "bf16"
+        return QuantPolicy(format="nvfp4" if fp4 else "bf16", weights="fp4" if fp4 else "bf16",
+                           activations="fp4" if self.weights == "w4a4" else "bf16", kv="bf16", kv_k=self.k,
+                           kv_v=self.v, targets=targets or QuantPolicy().targets)
+
+
+# ------------------------------------------------------------------ prompts
+def load_prompts(path: str | Path, model_path: str | Path) -> list[dict]:
+    """[{"ids": [...], "text": str, "answer": str | None}] from a JSONL file (see module doc)."""
+    rows, tok = [], None
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        d = json.loads(line)
+        if "input_ids" in d:
+            ids, text = [int(t) for t in d["input_ids"]], None
+        else:
+            if "prompt" not in d and "messages" not in d:
+                raise ValueError(f"{path}:{n}: a prompt line needs 'prompt', 'messages' or 'input_ids'")
+            tok = tok or _tokenizer(model_path)
+            if "messages" in d:
+                ids = tok.apply_chat_template(d["messages"], add_generation_prompt=True, tokenize=True)
+                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+                text = d["messages"][-1].get("content", "")
+            else:
+                ids, text = tok(d["prompt"])["input_ids"], d["prompt"]
+        rows.append({"ids": ids, "text": text, "answer": d.get("answer")})
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
+
+
+def _tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+# ------------------------------------------------------------------ one setting
+def _engine(model_path, setting: Setting, dtype: str, targets):
+    from sglang_backend.local import Engine
+
+    return Engine(str(model_path), dtype=dtype, quant_policy=setting.policy(targets), max_total_tokens=1 << 15)
+
+
+def greedy(eng, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
+    sp = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    return [o["output_ids"] for o in eng.generate(input_ids=[p["ids"] for p in prompts], sampling_params=sp)]
+
+
+@torch.inference_mode()
+def teacher_forced(eng, prompt: list[int], continuation: list[int]) -> tuple[list[float], list[bool]]:
+    """Per continuation token: NLL under the engine's model and whether its argmax is that token.
+    One prefill of prompt + continuation through the engine's model over its own (quantized) KV
+    pages; call only while the engine is idle (its worker never touches the cache between requests)."""
+    from sglang_backend.local.model import ForwardBatch
+
+    if not continuation:
+        return [], []
+    ids = prompt + continuation
+    kv = eng.kv
+    pages = kv.allocate(kv.pages_needed(len(ids)))
+    try:
+        slots = kv.slots(pages, 0, len(ids))
+        rows = list(range(len(prompt) - 1, len(ids) - 1))  # row i predicts token i + 1
+        batch = ForwardBatch(torch.tensor(ids), torch.arange(len(ids)), [(0, len(ids))], slots, [slots], logits_rows=rows)
+        logp = torch.log_softmax(eng.model(batch, kv).float(), dim=-1)
+    finally:
+        kv.release(pages)
+    nxt = torch.tensor(continuation)
+    nll = (-logp[torch.arange(len(rows)), nxt]).tolist()
+    return nll, (logp.argmax(-1) == nxt).tolist()
+
+
+def _accuracy(tok, prompts, outputs) -> float | None:
+    if tok is None or not any(p["answer"] is not None for p in prompts):
+        return None
+    from megatron_trace.data.rewards import math_verify
+
+    scored = [math_verify(tok.decode(o, skip_special_tokens=True), str(p["answer"]))
+              for p, o in zip(prompts, outputs) if p["answer"] is not None]
+    return sum(scored) / len(scored)
+
+
+def run(model_path, prompts: list[dict], settings: list[Setting], *, max_new_tokens: int = 48,
+        dtype: str = "float32", targets: tuple[str, ...] | None = None, tokenizer=None) -> dict:
+    """The quality report (a JSON-friendly dict) of each setting against the BF16 reference."""
+    ref_setting = Setting.parse(REFERENCE)
+    settings = [ref_setting] + [s for s in settings if s != ref_setting]
+    ref_out: list[list[int]] | None = None
+    results = {}
+    for s in settings:
+        eng = _engine(model_path, s, dtype, targets)
+        try:
+            outs = greedy(eng, prompts, max_new_tokens)
+            ref_out = outs if ref_out is None else ref_out
+            nll, top1 = [], []
+            for p, cont in zip(prompts, ref_out):
+                a, b = teacher_forced(eng, p["ids"], cont)
+                nll += a
+                top1 += b
+            kv_bytes = eng.kv.bytes_per_token()
+        finally:
+            eng.shutdown()
+        mean = sum(nll) / max(len(nll), 1)
+        results[s.name] = {"setting": asdict(s), "nll_per_token": mean, "tokens": len(nll),
+                           "top1_agreement": sum(top1) / max(len(top1), 1),
+                           "same_greedy_answers": sum(o == r for o, r in zip(outs, ref_out)) / len(prompts),
+                           "accuracy": _accuracy(tokenizer, prompts, outs), "kv_bytes_per_token": kv_bytes,
+                           "outputs": outs,
+                           "texts": [tokenizer.decode(o, skip_special_tokens=True) for o in outs] if tokenizer else None}
+    base = results[REFERENCE]["nll_per_token"]
+    for r in results.values():
+        r["nll_increase"] = r["nll_per_token"] - base
+    return {"model_path": str(model_path), "dtype": dtype, "max_new_tokens": max_new_tokens,
+            "num_prompts": len(prompts), "reference": REFERENCE, "settings": results}
+
+
+# ------------------------------------------------------------------ reports
+def format_table(report: dict) -> str:
+    lines = ["| weights:K:V | NLL/token | increase vs BF16 | top-1 agreement | same greedy answer | accuracy | KV B/token |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in report["settings"].items():
+        acc = "—" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
+        lines.append(f"| {name} | {r['nll_per_token']:.4f} | {r['nll_increase']:+.4f} | {r['top1_agreement']:.2%} | "
+                     f"{r['same_greedy_answers']:.2%} | {acc} | {r['kv_bytes_per_token']:.0f} |")
+    return "\n".join(lines)
+
+
+def format_answers(report: dict, prompts: list[dict], width: int = 60) -> str:
+    """Each prompt's greedy answer under every setting, side by side (text when a tokenizer is known)."""
+    out = []
+    for i, p in enumerate(prompts):
+        out.append(f"### prompt {i}: {(p['text'] or str(p['ids'][:16]))[:width]!r}")
+        for name, r in report["settings"].items():
+            ans = r["texts"][i] if r["texts"] else str(r["outputs"][i][:24])
+            out.append(f"- {name}: {ans[:width * 2]!r}")
+    return "\n".join(out)
+
+
+def plot(report: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["settings"])
+    inc = [report["settings"][n]["nll_increase"] for n in names]
+    top1 = [report["settings"][n]["top1_agreement"] for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.5))
+    axes[0].barh(names, inc, color=["tab:red" if v > WARN_NATS_PER_TOKEN else "tab:green" for v in inc])
+    axes[0].axvline(WARN_NATS_PER_TOKEN, color="k", ls="--", lw=0.8)
+    axes[0].set_xlabel("NLL increase vs BF16 (nats/token)")
+    axes[1].barh(names, top1)
+    axes[1].set_xlim(min(top1 + [0.9]) - 0.02, 1.0)
+    axes[1].set_xlabel("top-1 agreement with BF16 continuations")
+    for ax in axes:
+        ax.invert_yaxis()
+    fig.suptitle(f"{Path(report['model_path']).name}: {report['num_prompts']} prompts x <= {report['max_new_tokens']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ the train CLI's hook
+def quality_warning(model_path, policy: QuantPolicy, prompts: list[dict] | None = None, *,
+                    threshold: float = WARN_NATS_PER_TOKEN, max_new_tokens: int = 32, dtype: str = "float32"
+                    ) -> str | None:
+    """A warning line when `policy`'s setting loses more than `threshold` nats/token against BF16
+    on `prompts` (default: 4 synthetic prompts of 16 tokens), else None. Costs two model loads and
+    the prompts' greedy decode: call once before a long run."""
+    from megatron_trace.models import ModelArch
+
+    arch = ModelArch.from_hf_config(model_path)
+    setting = Setting.of_policy(policy.for_arch(arch))
+    if prompts is None:
+        g = torch.Generator().manual_seed(0)
+        prompts = [{"ids": torch.randint(0, arch.vocab_size, (16,), generator=g).tolist(), "text": None, "answer": None}
+                   for _ in range(4)]
+    rep = run(model_path, prompts, [setting], max_new_tokens=max_new_tokens, dtype=dtype, targets=policy.targets)
+    r = rep["settings"][setting.name]
+    if r["nll_increase"] <= threshold:
+        return None
+    return (f"quantization {setting.name} (weights:K:V) loses {r['nll_increase']:.4f} nats/token against BF16 "
+            f"(threshold {threshold}); top-1 agreement {r['top1_agreement']:.1%} on {rep['num_prompts']} prompts. "
+            "Consider quant.kv_k=fp8 (python -m megatron_trace.quality shows every setting)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m megatron_trace.quality", description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    ap.add_argument("--prompts", required=True, help="JSONL: {prompt | messages | input_ids, [answer]} per line")
+    ap.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), help="WEIGHTS:K:V each")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--targets", default=None, help="comma-separated FP4 module patterns (default: MLP + experts)")
+    ap.add_argument("--out", default=None, help="directory for quality.json and quality.png")
+    args = ap.parse_args(argv)
+    if args.max_new_tokens < 1:
+        ap.error(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+    try:
+        args.settings = [Setting.parse(s) for s in args.settings]
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prompts = load_prompts(args.prompts, args.model_path)
+    tok = None if all(p["text"] is None for p in prompts) else _tokenizer(args.model_path)
+    targets = tuple(args.targets.split(",")) if args.targets else None
+    rep = run(args.model_path, prompts, args.settings, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+              targets=targets, tokenizer=tok)
+    print(format_table(rep))
+    print()
+    print(format_answers(rep, prompts))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "quality.json").write_text(json.dumps(rep, indent=1))
+        plot(rep, out / "quality.png")
+        print(f"\nwrote {out / 'quality.json'} and {out / 'quality.png'}")
+    bad = [n for n, r in rep["settings"].items() if not math.isfinite(r["nll_per_token"])]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

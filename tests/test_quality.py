@@ -1,0 +1,74 @@
+"""The quality probe on a random-init Qwen2 with outlier channels planted in K (a large k_proj bias,
+as Qwen2.5 has): NVFP4 K loses, FP8 K does not; the CLI writes its table, JSON and PNG."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_trace import quality
+from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def outlier_ckpt(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("outlier_k"), "qwen2", seed=1)
+    f = path / "model.safetensors"
+    sd = load_file(f)
+    for i in range(4):
+        # Channel 7 of each KV head is RoPE's slowest pair (it barely rotates): a constant +50 there
+        # shifts every score of a query equally, so BF16 attention ignores it, but it sets K's amax.
+        sd[f"model.layers.{i}.self_attn.k_proj.bias"].view(2, 16)[:, 7] += 50.0
+        sd[f"model.layers.{i}.self_attn.q_proj.weight"] *= 3.0  # sharper attention: K's content matters
+    save_file(sd, f, metadata={"format": "pt"})
+    return path
+
+
+def _prompts(n=4):
+    g = torch.Generator().manual_seed(0)
+    return [{"ids": torch.randint(3, 320, (12,), generator=g).tolist(), "text": None, "answer": None} for _ in range(n)]
+
+
+def test_nvfp4_k_loses_and_fp8_k_does_not(outlier_ckpt):
+    specs = ["bf16:nvfp4:bf16", "bf16:fp8:bf16", "bf16:nvfp4:nvfp4", "bf16:fp8:nvfp4", "bf16:bf16:nvfp4"]
+    rep = quality.run(outlier_ckpt, _prompts(), [quality.Setting.parse(s) for s in specs], max_new_tokens=24)
+    inc = {n: r["nll_increase"] for n, r in rep["settings"].items()}
+    ref = rep["settings"][quality.REFERENCE]
+    assert inc[quality.REFERENCE] == 0 and ref["top1_agreement"] == 1 and ref["same_greedy_answers"] == 1
+    assert ref["tokens"] == 4 * 24
+    assert inc["bf16:nvfp4:bf16"] > 1.0 and abs(inc["bf16:fp8:bf16"]) < 0.1  # measured +3.81 / -0.003
+    assert inc["bf16:nvfp4:nvfp4"] > 1.0  # measured +3.92
+    # FP8 K adds (almost) nothing to what NVFP4 V alone costs this random model (+0.257 vs +0.252)
+    assert abs(inc["bf16:fp8:nvfp4"] - inc["bf16:bf16:nvfp4"]) < 0.05
+    assert inc["bf16:fp8:nvfp4"] < inc["bf16:nvfp4:nvfp4"] / 5
+    assert rep["settings"]["bf16:fp8:nvfp4"]["kv_bytes_per_token"] == 4 * 2 * 16 * (8 + 2 + 4.5) / 8  # head_dim 16
+
+
+def test_cli_writes_table_json_png(outlier_ckpt, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p["ids"]}) + "\n" for p in _prompts(2)))
+    rc = quality.main(["--model-path", str(outlier_ckpt), "--prompts", str(prompts), "--settings", "bf16:fp8:nvfp4",
+                       "--max-new-tokens", "4", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    rep = json.loads((tmp_path / "out" / "quality.json").read_text())
+    assert list(rep["settings"]) == [quality.REFERENCE, "bf16:fp8:nvfp4"]
+    assert (tmp_path / "out" / "quality.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| bf16:fp8:nvfp4 |" in capsys.readouterr().out
+
+
+def test_bad_settings_and_prompts_are_named(tmp_path):
+    with pytest.raises(ValueError, match="K must be one of bf16, fp8, nvfp4, mxfp4; got 'fp4'"):
+        quality.Setting.parse("w4a4:fp4:nvfp4")
+    with pytest.raises(ValueError, match="WEIGHTS:K:V"):
+        quality.Setting.parse("w4a4")
+    (tmp_path / "p.jsonl").write_text('{"question": "1+1"}\n')
+    with pytest.raises(ValueError, match="p.jsonl:1: a prompt line needs 'prompt', 'messages' or 'input_ids'"):
+        quality.load_prompts(tmp_path / "p.jsonl", tmp_path)
+
+
+def test_train_hook_warns_only_above_the_threshold(outlier_ckpt):
+    lossy = quality.quality_warning(outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16",
+                                                              kv="nvfp4"), _prompts(2), max_new_tokens=8)
+    assert lossy is not None and "bf16:nvfp4:nvfp4" in lossy and "quant.kv_k=fp8" in lossy
+    assert quality.quality_warning(outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16",
+                                                             kv_k="fp8"), _prompts(2), max_new_tokens=8) is None
