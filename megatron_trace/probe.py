@@ -33,7 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m megatron_trace.probe", description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json + safetensors)")
     ap.add_argument("--quantization", default="nvfp4", choices=["nvfp4", "w4a16_nvfp4"])
-    ap.add_argument("--kv-cache-dtype", default="nvfp4", choices=["nvfp4", "bf16"])
+    ap.add_argument("--kv-cache-dtype", default="nvfp4", choices=["nvfp4", "fp8", "bf16"])
+    ap.add_argument("--kv-k", default="", choices=["", "nvfp4", "fp8", "bf16"], help="K cache format (default: --kv-cache-dtype)")
+    ap.add_argument("--kv-v", default="", choices=["", "nvfp4", "fp8", "bf16"], help="V cache format (default: --kv-cache-dtype)")
     ap.add_argument("--targets", default=None, help="comma-separated module patterns (default: MLP + experts)")
     # All layers by default: an unguided layer's round-to-nearest flips cascade into every later
     # layer, so "last_half" (the RL default, for memory) shows how much the early flips cost.
@@ -103,7 +105,8 @@ def probe(args) -> dict:
     arch = ModelArch.from_hf_config(args.model_path)
     targets = tuple(args.targets.split(",")) if args.targets else QuantPolicy().targets
     acts = "bf16" if args.quantization.startswith("w4a16") else "fp4"
-    policy = QuantPolicy(format="nvfp4", weights="fp4", activations=acts, kv=args.kv_cache_dtype, targets=targets)
+    policy = QuantPolicy(format="nvfp4", weights="fp4", activations=acts, kv=args.kv_cache_dtype, kv_k=args.kv_k,
+                         kv_v=args.kv_v, targets=targets)
     init_distributed(tp=args.tp, pp=args.pp, seed=args.seed)
     try:
         t0 = time.perf_counter()
@@ -164,7 +167,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     res = probe(args)
     if res:  # rank 0
-        print(f"rollout {args.quantization} + KV {args.kv_cache_dtype} in {args.rollout_dtype}; trainer fp32 "
+        kv = f"K {args.kv_k or args.kv_cache_dtype} V {args.kv_v or args.kv_cache_dtype}"
+        print(f"rollout {args.quantization} + KV {kv} in {args.rollout_dtype}; trainer fp32 "
               f"TP{args.tp} PP{args.pp}; {res['num_prompts']} prompts x {res['max_new_tokens']} tokens; "
               f"{res['total_seconds']:.1f} s")
         print(format_table(res))
