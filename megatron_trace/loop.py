@@ -21,7 +21,7 @@ from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.rl import LossConfig, mismatch_metrics
 from megatron_trace.trainer.actor import Sample
 from megatron_trace.trainer.comm import broadcast_blobs, broadcast_json
-from sglang_backend.api import GenerateRequest, SamplingParams
+from sglang_backend.api import GenerateRequest, SamplingParams, version_step
 
 
 @dataclass
@@ -83,7 +83,8 @@ class Rollout:
             reward, err = score(self.reward_fn, text, p.answer)
             stats["reward_errors"] += err is not None
             samples.append({"sample_id": res.rid, "prompt_id": p.prompt_id, "prompt": ids, "response": res.output_ids,
-                            "logprobs": res.output_logprobs, "reward": reward, "version": res.weight_version})
+                            "logprobs": res.output_logprobs, "reward": reward,
+                            "version": version_step(res.weight_version)})
             guidance.append(self.backend.fetch_guidance(res.guidance_handle) if res.guidance_handle else None)
         for s, a in zip(samples, grpo_advantages([s["reward"] for s in samples], rc.n_samples)):
             s["advantage"] = a

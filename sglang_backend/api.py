@@ -18,6 +18,19 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 _SAMPLING_ALIASES = {"stop_token_ids": list}
+DEFAULT_VERSION = "default"  # SGLang's weight_version when the server was started without --weight-version
+
+
+def version_step(v: str | int) -> int:
+    """The trainer's version number of a served weight version: "7" -> 7. SGLang's launch default
+    "default" names the checkpoint the server started from, which is the trainer's version 0."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if v == DEFAULT_VERSION:
+        return 0
+    if isinstance(v, str) and v.isdigit():
+        return int(v)
+    raise ValueError(f"weight version {v!r} is not one the trainer set (a decimal step number or {DEFAULT_VERSION!r})")
 
 
 @dataclass
@@ -86,7 +99,7 @@ class GenerateResult:
     output_logprobs: list[float]  # float32 logprob of each sampled token under the rollout's numerics
     finish_reason: dict[str, Any]
     prompt_tokens: int
-    weight_version: int
+    weight_version: str  # as the server names it (SGLang: any string, "default" unless set)
     guidance_handle: str | None = None
 
     @property
@@ -118,7 +131,7 @@ class GenerateResult:
             output_logprobs=[float(t[0]) for t in triples],
             finish_reason=meta.get("finish_reason") or {},
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
-            weight_version=int(meta.get("weight_version") or 0),
+            weight_version=str(meta.get("weight_version", DEFAULT_VERSION)),
             guidance_handle=meta.get("guidance_handle"),
         )
 

@@ -84,7 +84,7 @@ class RolloutClient:
         self.probe_interval, self.keep_last_weights, self.readmit_hook = probe_interval, keep_last_weights, readmit_hook
         self._dead: set[str] = set()
         self._weights_lock = threading.Lock()  # updates and re-admissions never interleave
-        self._version: int | None = None  # the last version pushed through this client
+        self._version: int | str | None = None  # the last version pushed through this client
         self._last_push: tuple[str, Any] | None = None  # ("tensor", raw bytes, flush) or ("disk", payload)
         self._prober: threading.Thread | None = None
         self._closed = threading.Event()
@@ -225,9 +225,9 @@ class RolloutClient:
         with self._lock:
             return [u for u in self.urls if u not in self._dead]
 
-    def _check_versions(self, version: int, urls: list[str] | None = None) -> None:
+    def _check_versions(self, version: int | str, urls: list[str] | None = None) -> None:
         got = self.weight_versions()
-        wrong = {u: v for u, v in got.items() if v != version and (urls is None or u in urls)}
+        wrong = {u: v for u, v in got.items() if v != str(version) and (urls is None or u in urls)}
         if wrong:
             raise RolloutError(f"weight version mismatch after update: expected {version}, servers report {wrong}")
 
@@ -264,7 +264,7 @@ class RolloutClient:
             self._version = bucket.version
             self._last_push = ("tensor", (path, raw)) if self.keep_last_weights else None
 
-    def update_weights_from_disk(self, path: str, version: int, *, flush_cache: bool = True) -> None:
+    def update_weights_from_disk(self, path: str, version: int | str, *, flush_cache: bool = True) -> None:
         payload = {"model_path": str(path), "weight_version": str(version), "flush_cache": flush_cache}
         with self._weights_lock:
             done = self._weight_call("/update_weights_from_disk", payload)
@@ -272,18 +272,23 @@ class RolloutClient:
             self._version = version
             self._last_push = ("disk", ("/update_weights_from_disk", payload))
 
-    def weight_versions(self, urls: list[str] | None = None) -> dict[str, int]:
-        """Each server's reported version (default: the live ones)."""
+    def weight_versions(self, urls: list[str] | None = None) -> dict[str, str]:
+        """Each server's reported version, a string as SGLang names it (default: the live servers)."""
         urls = self._live() if urls is None else urls
-        infos = self._each(lambda u: json.loads(self._call(u, "/model_info")), urls)
-        return {u: int(i.get("weight_version") or 0) for u, i in zip(urls, infos)}
+        return dict(zip(urls, self._each(self._served_version, urls)))
 
-    def note_version(self, version: int) -> None:
+    def _served_version(self, url: str) -> str:
+        info = json.loads(self._call(url, "/model_info"))
+        if "weight_version" not in info:
+            raise RolloutError("/model_info has no weight_version", None, url + "/model_info")
+        return str(info["weight_version"])
+
+    def note_version(self, version: int | str) -> None:
         """The rollout now serves `version`, pushed past this client (e.g. DistributedTransport): a
         re-admitted server must report it; with nothing to replay and no `readmit_hook`, a stale
         server stays out (never serves old weights) until a later push through the client."""
         with self._weights_lock:
-            if version != self._version:
+            if self._version is None or str(version) != str(self._version):
                 self._version, self._last_push = version, None
 
     # -- dead servers ----------------------------------------------------------------------------
@@ -325,8 +330,8 @@ class RolloutClient:
         with self._weights_lock:
             version, push = self._version, self._last_push
             if version is not None:
-                got = int(json.loads(self._call(url, "/model_info")).get("weight_version") or 0)
-                if got != version:
+                got = self._served_version(url)
+                if got != str(version):
                     if self.readmit_hook is not None:
                         self.readmit_hook(url, version)
                     elif push is not None:
@@ -336,8 +341,8 @@ class RolloutClient:
                     else:
                         raise RolloutError(f"server reports version {got}, current is {version}, and there are "
                                            "no weights to replay (keep_last_weights=False and no readmit_hook)")
-                    got = int(json.loads(self._call(url, "/model_info")).get("weight_version") or 0)
-                    if got != version:
+                    got = self._served_version(url)
+                    if got != str(version):
                         raise RolloutError(f"after catch-up the server reports version {got}, expected {version}")
             with self._lock:
                 self._dead.discard(url)

@@ -69,7 +69,7 @@ def test_generate_order_and_n(client, ref):
     want = ref[0].generate(input_ids=prompts, sampling_params=greedy().to_dict())
     assert [r.output_ids for r in out] == [want[0]["output_ids"], want[1]["output_ids"], want[1]["output_ids"],
                                            want[2]["output_ids"], want[3]["output_ids"]]
-    assert all(len(r.output_logprobs) == len(r.output_ids) > 0 and r.weight_version == 0 and r.prompt_tokens for r in out)
+    assert all(len(r.output_logprobs) == len(r.output_ids) > 0 and r.weight_version == "0" and r.prompt_tokens for r in out)
 
 
 def test_least_outstanding_spreads_load(client):
@@ -151,20 +151,20 @@ def test_guidance_via_client(ckpts):
 def test_update_weights_all_servers(client, ref, ckpts):
     bucket = WeightBucket(load_file(str(ckpts[1] / "model.safetensors")), 4)
     client.update_weights(bucket)
-    assert client.weight_versions() == {u: 4 for u in client.urls}
+    assert client.weight_versions() == {u: "4" for u in client.urls}
     out = client.generate([GenerateRequest([1, 2, 3], greedy()) for _ in range(4)])
     want = ref[1].generate(input_ids=[1, 2, 3], sampling_params=greedy().to_dict())["output_ids"]
-    assert all(r.output_ids == want and r.weight_version == 4 for r in out)
+    assert all(r.output_ids == want and r.weight_version == "4" for r in out)
     bad = WeightBucket({"model.norm.weight": bucket.tensors["model.norm.weight"] * float("nan")}, 5)
     with pytest.raises(RolloutError, match="NaN"):
         client.update_weights(bad)
-    assert client.weight_versions() == {u: 4 for u in client.urls}
+    assert client.weight_versions() == {u: "4" for u in client.urls}
     client.update_weights_from_disk(str(ckpts[0]), 6)
-    assert client.weight_versions() == {u: 6 for u in client.urls}
+    assert client.weight_versions() == {u: "6" for u in client.urls}
 
 
 def test_update_weights_version_check(client, ckpts, monkeypatch):
     bucket = WeightBucket(load_file(str(ckpts[0] / "model.safetensors")), 8)
-    monkeypatch.setattr(client, "weight_versions", lambda: {u: 7 for u in client.urls})  # a server that lied
+    monkeypatch.setattr(client, "weight_versions", lambda: {u: "7" for u in client.urls})  # a server that lied
     with pytest.raises(RolloutError, match="mismatch"):
         client.update_weights(bucket)

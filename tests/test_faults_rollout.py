@@ -112,7 +112,7 @@ def test_server_killed_mid_batch_then_readmitted_at_current_version(ckpts, procs
 
         # 2. Version 1 while b is down: pushed to a only; b is skipped, not an error.
         client.update_weights(WeightBucket(load_file(str(ckpts[1] / "model.safetensors")), 1))
-        assert client.weight_versions() == {a: 1}
+        assert client.weight_versions() == {a: "1"}
 
         # 3. b comes back on the same port from the base checkpoint (version 0). The client must
         #    bring it to version 1 before it gets any traffic: every result says version 1.
@@ -123,7 +123,7 @@ def test_server_killed_mid_batch_then_readmitted_at_current_version(ckpts, procs
             assert time.time() < deadline, f"b never re-admitted: {client.events[-3:]}"
             res = client.generate([GenerateRequest([5, 6], SamplingParams(max_new_tokens=2, temperature=0))
                                    for _ in range(4)])
-            assert [r.weight_version for r in res] == [1] * 4, "a server served a stale weight version"
+            assert [r.weight_version for r in res] == ["1"] * 4, "a server served a stale weight version"
             seen_b = client.served[b] - served_b
         assert client.dead() == [] and _version(b) == 1
         kinds = [e for _, u, e in client.events if u == b]
@@ -165,10 +165,10 @@ def _cut_off_upload(ckpts, url: str, port: int) -> None:
             chunks.append(chunk)
         answer = b"".join(chunks).decode(errors="replace")
     assert " 400 " in answer.splitlines()[0] and "truncated" in answer, answer[:300]
-    assert client.weight_versions() == {url: 0}
+    assert client.weight_versions() == {url: "0"}
     assert client.generate(greedy)[0].output_ids == before  # still the previous weights
     client.update_weights(WeightBucket.from_bytes(raw))
-    assert client.weight_versions() == {url: 1}
+    assert client.weight_versions() == {url: "1"}
     assert client.generate(greedy)[0].output_ids != before
     client.close()
 
@@ -195,8 +195,8 @@ def test_stale_server_stays_out_without_weights_to_replay(ckpts):
         deadline = time.time() + 10
         while client.dead() and time.time() < deadline:
             time.sleep(0.05)
-        assert client.dead() == [] and engine.weight_version == 3
-        assert client.generate([GenerateRequest([1], SamplingParams(max_new_tokens=1))])[0].weight_version == 3
+        assert client.dead() == [] and engine.weight_version == "3"
+        assert client.generate([GenerateRequest([1], SamplingParams(max_new_tokens=1))])[0].weight_version == "3"
     finally:
         client.close()
         srv.shutdown()

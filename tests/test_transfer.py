@@ -128,7 +128,7 @@ def test_distributed_transfer_from_tp2_pp2(ckpts, dist_run, tmp_path):
     out, engine, _ = dist_run
     stats = json.loads((out / "send_stats.json").read_text())
     assert stats["version"] == 7 and stats["buckets"] > 3 and stats["bytes"] > 0
-    assert engine.weight_version == 7
+    assert engine.weight_version == "7"
     hf = load_file(str(ckpts / "qwen3" / "model.safetensors"))
     arch = ModelArch.from_hf_config(ckpts / "qwen3")
     _assert_fp4_equals(engine, hf, arch)
@@ -161,7 +161,7 @@ def test_interrupted_transfer_keeps_previous_version(ckpts, tmp_path):
         while client.model_info()["weight_update_groups"] and time.time() < deadline:
             time.sleep(0.1)  # the server's receive fails, it drops the group
         assert client.model_info()["weight_update_groups"] == []
-        assert engine.weight_version == 0
+        assert engine.weight_version == "0"
         after = engine.model.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before), "a partial version leaked in"
         # NaN in the stream: refused before sending, naming the parameter; still version 0.
@@ -172,10 +172,10 @@ def test_interrupted_transfer_keeps_previous_version(ckpts, tmp_path):
         bad["model.layers.3.mlp.down_proj.weight"][1, 2] = float("nan")
         with pytest.raises(NonFiniteWeightError, match=r"model\.layers\.3\.mlp\.down_proj\.weight"):
             push_hf_state_dict(bad, arch, QuantPolicy(), t, 6, bucket_mb=0.02)
-        assert engine.weight_version == 0
+        assert engine.weight_version == "0"
         # The next complete transfer is accepted (the transport re-creates the group).
         stats = push_hf_state_dict(sd, arch, QuantPolicy(), t, 6, bucket_mb=0.02)
-        assert stats.buckets > 3 and engine.weight_version == 6
+        assert stats.buckets > 3 and engine.weight_version == "6"
         _assert_fp4_equals(engine, sd, arch)
         t.close()
     finally:
@@ -192,21 +192,21 @@ def test_inprocess_http_disk_transports(ckpts, tmp_path):
         client = RolloutClient(server.url, api_key=KEY)
         s1 = push_hf_state_dict(sd_b, arch, QuantPolicy(), InProcessTransport(InProcessBackend(engine)), 1,
                                 bucket_mb=0.05)
-        assert engine.weight_version == 1 and s1.buckets > 1
+        assert engine.weight_version == "1" and s1.buckets > 1
         _assert_fp4_equals(engine, sd_b, arch)
         s2 = push_hf_state_dict(sd_a, arch, QuantPolicy(), HttpTransport(client), 2, bucket_mb=0.05)
-        assert engine.weight_version == 2 and s2.bytes > 0
+        assert engine.weight_version == "2" and s2.bytes > 0
         _assert_fp4_equals(engine, sd_a, arch)
         disk = DiskTransport(client, tmp_path / "versions", arch.to_hf_config())
         push_hf_state_dict(sd_b, arch, QuantPolicy(), disk, 3, bucket_mb=0.05)
-        assert engine.weight_version == 3
+        assert engine.weight_version == "3"
         _assert_fp4_equals(engine, sd_b, arch)
         # NaN: nothing reaches the rollout, the error names the parameter.
         bad = dict(sd_a)
         bad["model.layers.1.mlp.experts.2.up_proj.weight"] = torch.full_like(sd_a["model.layers.1.mlp.experts.2.up_proj.weight"], float("inf"))
         with pytest.raises(NonFiniteWeightError, match=r"experts\.2\.up_proj"):
             push_hf_state_dict(bad, arch, QuantPolicy(), HttpTransport(client), 4)
-        assert engine.weight_version == 3
+        assert engine.weight_version == "3"
     finally:
         server.shutdown()
         engine.shutdown()
@@ -224,7 +224,7 @@ def test_static_input_scales_arrive_every_transfer(ckpts):
             with pytest.raises(KeyError, match="input amax"):
                 push_hf_state_dict(sd, arch, policy, t, version, input_amax={})
             push_hf_state_dict(sd, arch, policy, t, version, input_amax=amax)
-            assert engine.weight_version == version
+            assert engine.weight_version == str(version)
             seen = 0
             for i, attr, lin in _fp4_linears(engine):
                 members = [m for m in mods if m.startswith(f"model.layers.{i}.") and

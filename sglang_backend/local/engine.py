@@ -87,7 +87,7 @@ class Engine:
             context_length=context_length or self.arch.max_position_embeddings,
             eos_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
             guided_layers=self.guided, guidance_mode=guidance_mode, seed=random_seed)
-        self.weight_version = 0
+        self.weight_version = "0"  # a string, as SGLang's (our launcher starts SGLang with --weight-version 0 too)
         self._guidance: dict[str, bytes] = {}
         self._results: dict[str, dict] = {}
         self._cv = threading.Condition()
@@ -225,7 +225,7 @@ class Engine:
             return True
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache: bool = True,
-                                   weight_version: int | None = None) -> tuple[bool, str]:
+                                   weight_version: str | int | None = None) -> tuple[bool, str]:
         """Load HF-named tensors (BF16 or ModelOpt NVFP4) between decode steps; all or nothing."""
         named = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
         for name, t in named:
@@ -245,7 +245,7 @@ class Engine:
                 self.model.load_state_dict(backup)
                 return False, f"refused: {e}; still serving version {self.weight_version}"
             if weight_version is not None:
-                self.weight_version = int(weight_version)
+                self.weight_version = str(weight_version)
             if flush_cache and not self.scheduler.has_work():
                 self.kv.free_pages = list(range(self.kv.num_pages - 1, -1, -1))
         return True, f"loaded {len(named)} tensors; serving version {self.weight_version}"
@@ -293,7 +293,7 @@ def _freeze_gc(delta: int) -> None:
 _GC_LOCK = threading.Lock()
 
 
-def _aborted(rid: str, prompt_tokens: int, version: int, message: str) -> dict:
+def _aborted(rid: str, prompt_tokens: int, version: str, message: str) -> dict:
     return {"output_ids": [], "meta_info": {"id": rid, "finish_reason": {"type": "abort", "message": message},
                                             "prompt_tokens": prompt_tokens, "completion_tokens": 0,
                                             "weight_version": str(version), "output_token_logprobs": []}}

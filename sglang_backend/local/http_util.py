@@ -155,13 +155,12 @@ def want(d: dict[str, Any], key: str, kind: type | tuple, default: Any = ..., *,
     return v
 
 
-def as_version(v: Any, key: str = "weight_version") -> int | None:
-    """SGLang versions are strings; ours are ints. Accept either spelling of an integer."""
+def as_version(v: Any, key: str = "weight_version") -> str | None:
+    """A weight version as SGLang keeps it: a string (an int is taken as its decimal string)."""
     if v is None:
         return None
-    try:
-        if isinstance(v, bool):
-            raise ValueError
-        return int(v)
-    except (TypeError, ValueError):
-        raise HTTPError(400, f"{key} must be an integer (or its string); got {v!r}") from None
+    if isinstance(v, int) and not isinstance(v, bool):
+        return str(v)
+    if isinstance(v, str) and v.strip():
+        return v
+    raise HTTPError(400, f"{key} must be a non-empty string (or an int); got {v!r}")

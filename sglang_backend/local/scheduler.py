@@ -279,5 +279,5 @@ def long_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
-def to_result(s: Sequence, version: int, guidance_handle: str | None) -> GenerateResult:
+def to_result(s: Sequence, version: str, guidance_handle: str | None) -> GenerateResult:
     return GenerateResult(s.rid, s.output_ids, s.logprobs, s.finish_reason, len(s.prompt), version, guidance_handle)

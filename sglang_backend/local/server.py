@@ -203,7 +203,7 @@ class RolloutServer:
         send(h, 200, {"message": "Generation continued successfully.", "status": "ok"})
 
     # -- weights ---------------------------------------------------------------------------------
-    def _apply(self, h, named, flush: bool, version: int | None, what: str) -> bool:
+    def _apply(self, h, named, flush: bool, version: str | int | None, what: str) -> bool:
         ok, msg = self.engine.update_weights_from_tensor(named, flush_cache=flush, weight_version=version)
         send(h, 200 if ok else 400, {"success": ok, "message": f"{what}: {msg}"})
         return ok
