@@ -134,7 +134,9 @@ def test_loader_rejects_bad_tensors():
 def test_tensor_parallel_rows():
     tensors = to_modelopt_fused(_weights(GATE_UP, 32, 4))
     layer = nn.Module()
-    layer.tp_rank, layer.tp_size = 1, 2
+    # 0.5.23 layers carry a tp_group read by get_group_rank_size (no tp_rank/tp_size attributes);
+    # real layers at TP=2: tests/test_sglang_tp2.py
+    layer.tp_group = types.SimpleNamespace(rank_in_group=1, world_size=2)
     m = TraceFP4LinearMethod(site="gu")
     m.create_weights(layer, 32, [24, 24], 32, 96, torch.float32)
     _load(layer, GATE_UP, tensors)

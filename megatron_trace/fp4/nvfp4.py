@@ -84,6 +84,19 @@ def encode_scale_from_amax(amax: torch.Tensor, fp4_max: float = E2M1_MAX) -> tor
     return torch.where((amax == 0) | (s == 0) | torch.isnan(s), torch.ones_like(s), s)
 
 
+def per_token_global_scale(x: torch.Tensor, all_max=None) -> torch.Tensor:
+    """The per-token (dynamic) activation S_enc, one per row of x [..., K]: encode_scale_from_amax
+    of the row's amax over the FULL row. The one definition the trainer's QAT, the embedded engine
+    and the SGLang plugin use. A row split over TP ranks (the input of a row-parallel o_proj /
+    down_proj) passes `all_max`, a function returning the elementwise max of a tensor over the
+    ranks holding the row (an all-reduce MAX over the layer's TP group), so every shard quantizes
+    with the full-row value, exactly as at TP=1."""
+    amax = nan_free_amax(x, dim=-1).to(torch.float32)
+    if all_max is not None:
+        amax = all_max(amax)
+    return encode_scale_from_amax(amax)
+
+
 def decode_scale(global_scale: torch.Tensor) -> torch.Tensor:
     """S_dec = fp32(1 / fp64(S_enc))."""
     return (1.0 / global_scale.to(torch.float64)).to(torch.float32)
@@ -130,6 +143,8 @@ def _resolve_global_scale(x, global_amax, per_row_global, fp4_max=E2M1_MAX, glob
                 f"global_amax must have shape {expected} "
                 f"({'one per row' if per_row_global else 'a scalar'}), got {tuple(amax.shape)}"
             )
+    elif per_row_global and fp4_max == E2M1_MAX:
+        return per_token_global_scale(x)
     else:
         amax = nan_free_amax(x, dim=-1) if per_row_global else nan_free_amax(x)
     return encode_scale_from_amax(amax, fp4_max)

@@ -118,10 +118,9 @@ class QATState:
         """Per-token NVFP4 of x [S, B, K_local] (or [n, K] rows picked by `select`, a function of
         the site's [S*B, ...] guidance tensors); guided rows follow the rollout's codes."""
         rows = x.detach().reshape(-1, x.shape[-1]).float()
-        amax = nvfp4.nan_free_amax(rows, dim=-1)
-        if k_slice is not None:  # row-parallel: the token's amax spans every TP rank's slice
-            amax = self._all_max(amax)
-        q = nvfp4.quantize(rows, global_scale=nvfp4.encode_scale_from_amax(amax))
+        # row-parallel: the token's amax spans every TP rank's slice (the engine's and plugin's rule too)
+        gs = nvfp4.per_token_global_scale(rows, self._all_max if k_slice is not None else None)
+        q = nvfp4.quantize(rows, global_scale=gs)
         return straight_through(x, self._guide(rows, q, site, k_slice, select=select).reshape(x.shape).to(x.dtype))
 
     def kv(self, t: torch.Tensor, site: str, fmt: str = "nvfp4") -> torch.Tensor:

@@ -158,20 +158,48 @@ class TraceMXFP4Config(TraceFP4Config):
 
 
 # -- linear methods ---------------------------------------------------------------------------
-def _tp(layer) -> tuple[int, int]:
-    return int(getattr(layer, "tp_rank", 0) or 0), int(getattr(layer, "tp_size", 1) or 1)
+def _tp(layer, shard_id=None) -> tuple[int, int]:
+    """(rank, size) of the layer's tensor-parallel group, read as SGLang 0.5.23 layers expose it:
+    `tp_group` (k/v shards of a QKV layer: `kv_tp_group`) through `get_group_rank_size`, None
+    meaning unsharded. Layers without a group attribute (plain modules in CPU tests) are TP=1."""
+    attr = "kv_tp_group" if shard_id in ("k", "v") and hasattr(layer, "kv_tp_group") else "tp_group"
+    if not hasattr(layer, attr):
+        return 0, 1
+    group = getattr(layer, attr)
+    rank_size = _sglang_attr("sglang.srt.distributed.utils", "get_group_rank_size")
+    if rank_size is not None:
+        rank, size = rank_size(group)
+    else:
+        rank, size = (0, 1) if group is None else (group.rank_in_group, group.world_size)
+    return int(rank), int(size)
 
 
-def _narrow_tp(t: torch.Tensor, dim: int, want: int, layer, what: str) -> torch.Tensor:
+def _narrow_tp(t: torch.Tensor, dim: int, want: int, layer, what: str, shard_id=None) -> torch.Tensor:
     """This rank's `want` rows/cols of a full tensor (replicated KV heads share a chunk)."""
     full = t.shape[dim]
     if full == want:
         return t
-    rank, size = _tp(layer)
+    rank, size = _tp(layer, shard_id)
     if want == 0 or full % want or full // want > size:
         raise ValueError(f"{what}: checkpoint size {full} along dim {dim} does not split into {want} per rank (tp={size})")
     chunk = rank * (full // want) // size
     return t.narrow(dim, chunk * want, want)
+
+
+def _row_parallel_all_max(layer):
+    """For a row-parallel layer at TP > 1 (its input row is split over the TP ranks): a function
+    returning the elementwise max over the layer's TP group (all_reduce MAX), else None."""
+    if not hasattr(layer, "input_is_parallel") or _tp(layer)[1] <= 1:
+        return None
+    group = layer.tp_group
+
+    def all_max(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous().clone()
+        pg = group.device_group if t.device.type != "cpu" else group.cpu_group
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=pg)
+        return t
+
+    return all_max
 
 
 def _set_derived(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:
@@ -223,8 +251,8 @@ class _TraceLinearBase(_LinearBase):
     def _load_rows(self, layer, param, loaded: torch.Tensor, shard_id) -> None:
         off, rows, _ = self._shard(layer, shard_id)
         what = f"{layer.trace_site}:{shard_id}.{param.trace_name}"
-        t = _narrow_tp(loaded, 0, rows, layer, what)
-        t = _narrow_tp(t, 1, param.shape[1], layer, what)
+        t = _narrow_tp(loaded, 0, rows, layer, what, shard_id)
+        t = _narrow_tp(t, 1, param.shape[1], layer, what)  # row-parallel: this rank's K slice
         if tuple(t.shape) != (rows, param.shape[1]):
             raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != model shape {(rows, param.shape[1])}")
         param.data[off:off + rows].copy_(t.to(param.device))
@@ -307,8 +335,16 @@ class TraceFP4LinearMethod(_TraceLinearBase):
 
     # -- forward --------------------------------------------------------------------------------
     def quantize_input(self, layer, x: torch.Tensor, want_dequant: bool = True):
-        """(NVFP4Tensor, dequantized x or None): per token, or the static input scale; EngineLinear's bits."""
+        """(NVFP4Tensor, dequantized x or None): per token, or the static input scale; EngineLinear's bits.
+        A row-parallel layer at TP > 1 sees a K slice of each token: its per-token scale is the
+        full row's (`nvfp4.per_token_global_scale` with an all-reduce MAX over the TP group), as
+        the trainer and the embedded engine (TP=1) have it."""
         gs = layer.trace_input_global_scale
+        all_max = _row_parallel_all_max(layer) if gs is None else None
+        if all_max is not None:
+            gs = nvfp4.per_token_global_scale(x, all_max)
+            q = nvfp4.quantize(x, global_scale=gs)
+            return q, (nvfp4.dequantize(q, x.dtype) if want_dequant else None)
         if x.device.type == "cpu":
             return fast.quantize_dequantize(x, per_row_global=gs is None, global_scale=gs, dequant_dtype=x.dtype)
         from kernels.dispatch import nvfp4_quantize
