@@ -26,6 +26,8 @@ from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy, pp_layer_range
 from megatron_trace.rl import LossConfig, policy_loss
 
+from sglang_backend.sampling_support import keep_mask, needs_filter, support_logprob
+
 from .gpt import _unwrap, build_model, load_hf_weights
 from .qat import MicroBatchGuidance, install_qat
 
@@ -37,7 +39,9 @@ class ActorConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     micro_batch_size: int = 4
-    temperature: float = 1.0
+    temperature: float = 1.0  # the rollout's sampling temperature and filters: the policy recomputed
+    top_p: float = 1.0
+    top_k: int = -1
     dtype: str = "float32"
     sequence_parallel: bool = False  # GPU + TE only
     distributed_optimizer: bool = False  # GPU only: Megatron's distributed optimizer rejects CPU params
@@ -78,6 +82,9 @@ class Actor:
 
         self.arch, self.policy, self.cfg = arch, policy, cfg
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        if not cfg.temperature > 0:
+            raise ValueError(f"the actor's temperature must be > 0 (the rollout's sampling temperature; greedy "
+                             f"answers have no sampling policy to recompute); got {cfg.temperature!r}")
         if cfg.distributed_optimizer and not torch.cuda.is_available():
             raise ValueError("trainer.distributed_optimizer needs CUDA (Megatron rejects CPU parameters); "
                              "set it false on this machine")
@@ -143,8 +150,7 @@ class Actor:
             out = model(mb.ids, pos, causal)
 
             def loss_func(logits):
-                logp = torch.log_softmax(logits[..., :vocab].float() / self.cfg.temperature, dim=-1)
-                tok_lp = logp.gather(-1, mb.labels.unsqueeze(-1)).squeeze(-1)
+                tok_lp = self._token_logprobs(logits[..., :vocab], mb.labels)
                 if forward_only:
                     return torch.zeros(()), {"logp": tok_lp.detach().clone()}
                 m = mb.resp_mask.flatten()
@@ -163,6 +169,18 @@ class Actor:
             forward_step_func=forward_step, data_iterator=iter(micro), model=self.chunks,
             num_microbatches=len(micro), seq_length=seq, micro_batch_size=self.cfg.micro_batch_size,
             forward_only=forward_only)
+
+    def _token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """logp of each label under the rollout's sampling distribution (temperature, then the
+        top-k/top-p support renormalized: the rollout records exactly this)."""
+        c = self.cfg
+        logp = torch.log_softmax(logits.float() / c.temperature, dim=-1)
+        if not needs_filter(c.top_k, c.top_p, 0.0, logp.shape[-1]):
+            return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        flat, tok = logp.flatten(0, -2), labels.flatten()
+        with torch.no_grad():
+            keep = keep_mask(flat.exp(), c.top_k, c.top_p)
+        return support_logprob(flat, tok, keep).view_as(labels)
 
     # -- public --------------------------------------------------------------------------------
     def compute_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:

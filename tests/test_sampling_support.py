@@ -1,0 +1,64 @@
+"""Top-p/top-k sampling: the recorded logprob is the one of the distribution sampled from, and the
+trainer's recompute of it is the same number (importance ratio exactly 1 for identical logits)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_trace.config import Config
+from megatron_trace.trainer.actor import Actor, ActorConfig
+from sglang_backend.api import SamplingParams
+from sglang_backend.local.sampling import sample_batch
+from sglang_backend.sampling_support import keep_mask, support_logprob
+
+
+def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * 3.0  # peaked enough that top-p drops tokens
+
+
+def _trainer_logprobs(cfg: ActorConfig, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    # The actor's own recompute function, on [B, S=1, V] logits as its loss sees them.
+    return Actor._token_logprobs(SimpleNamespace(cfg=cfg), logits[:, None, :], torch.tensor(tokens)[:, None])[:, 0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), top_p=st.floats(0.05, 0.95), temperature=st.floats(0.3, 1.5),
+       top_k=st.sampled_from([-1, 3, 17]))
+def test_rollout_logprob_is_the_filtered_one_and_the_trainer_matches_it(seed, top_p, temperature, top_k):
+    logits = _logits(6, 64, seed)
+    params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, sampling_seed=seed + i) for i in range(6)]
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(6)]
+    toks, lps = sample_batch(logits, params, gens)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    keep = keep_mask(logp.exp(), top_k, top_p)
+    assert all(keep[i, t] for i, t in enumerate(toks)), "a token outside the support was sampled"
+    # the distribution sampled from: renormalized over the support, so its logprobs sum to 1 there
+    for i in range(6):
+        support = keep[i].nonzero()[:, 0]
+        full = support_logprob(logp[i].expand(len(support), -1), support, keep[i].expand(len(support), -1))
+        assert torch.exp(full).sum().item() == pytest.approx(1.0, abs=1e-5)
+        assert lps[i] == pytest.approx(full[(support == toks[i]).nonzero()[0, 0]].item(), abs=0)
+        if logp[i].exp()[keep[i]].sum() < 0.999:  # mass was filtered: the unfiltered logprob is smaller
+            assert lps[i] > logp[i, toks[i]].item()
+    train = _trainer_logprobs(ActorConfig(temperature=temperature, top_p=top_p, top_k=top_k), logits, toks)
+    assert torch.equal(train, torch.tensor(lps)), "identical logits must give importance ratio exactly 1"
+
+
+def test_trainer_keeps_a_sampled_token_its_own_nucleus_misses():
+    logits = torch.tensor([[4.0, 3.9, 0.0, -2.0]])
+    cfg = ActorConfig(top_p=0.5)  # the trainer's nucleus is token 0 alone
+    lp = _trainer_logprobs(cfg, logits, [1])  # the rollout (other numerics) sampled token 1
+    p = torch.softmax(logits[0], -1)
+    assert torch.isfinite(lp).all() and lp.item() == pytest.approx(torch.log(p[1] / (p[0] + p[1])).item(), rel=1e-6)
+
+
+def test_greedy_temperature_is_refused_for_rl():
+    with pytest.raises(ValueError, match=r"rollout\.temperature must be > 0.*Evaluation is greedy"):
+        Config.load(None, ["rollout.temperature=0"])
+    with pytest.raises(ValueError, match=r"rollout\.top_p must be in \(0, 1\]"):
+        Config.load(None, ["rollout.top_p=0"])
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        Actor(None, None, ActorConfig(temperature=0.0))
