@@ -44,12 +44,33 @@ def grpo_advantages(rewards: list[float], group: int) -> list[float]:
     return out
 
 
+def guided_sites(cfg: Config) -> list[str]:
+    """Which FP4 sites TRACE guidance covers under this config; refuses a guided run with none, and
+    says loudly which FP4 sites it leaves to round-to-nearest (guidance records NVFP4 codes only)."""
+    q = cfg.quant
+    kv = {"K": q.kv_k or q.kv, "V": q.kv_v or q.kv}
+    sites = (["activations"] if q.format == "nvfp4" and q.activations == "fp4" else [])
+    sites += [side for side, fmt in kv.items() if fmt in ("nvfp4", "auto")]
+    if not sites:
+        raise ValueError(f"trainer.qat_mode=guided has nothing to guide: guidance records NVFP4 codes, and this "
+                         f"run has quant.format={q.format}, activations={q.activations}, K={kv['K']}, V={kv['V']}. "
+                         "Use trainer.qat_mode=rtn, or NVFP4 activations or KV")
+    unguided = ([f"{q.format} activations"] if q.format == "mxfp4" and q.activations == "fp4" else [])
+    unguided += [f"{fmt} {side}" for side, fmt in kv.items() if fmt == "mxfp4"]
+    if unguided:
+        print(f"WARNING: guidance covers NVFP4 sites only; {', '.join(unguided)} are modelled with round-to-"
+              "nearest in the trainer (plain QAT at those sites)", flush=True)
+    return sites
+
+
 class Rollout:
     """Rank 0's side of a step: prompts, generation, rewards (a raising reward scores 0, counted)."""
 
     def __init__(self, cfg: Config, backend, tokenizer, prompts, reward_fn):
         self.cfg, self.backend, self.tok, self.prompts, self.reward_fn = cfg, backend, tokenizer, prompts, reward_fn
-        self.want_guidance = cfg.trainer.qat_mode == "guided" and cfg.quant.format == "nvfp4"
+        self.want_guidance = cfg.trainer.qat_mode == "guided"
+        if self.want_guidance:
+            guided_sites(cfg)
 
     def _encode(self, text: str, stats: dict) -> list[int] | None:
         ids = self.tok.encode_prompt(text)
@@ -85,10 +106,19 @@ class Rollout:
             samples.append({"sample_id": res.rid, "prompt_id": p.prompt_id, "prompt": ids, "response": res.output_ids,
                             "logprobs": res.output_logprobs, "reward": reward,
                             "version": version_step(res.weight_version)})
-            guidance.append(self.backend.fetch_guidance(res.guidance_handle) if res.guidance_handle else None)
+            guidance.append(self._guidance(res) if self.want_guidance else None)
         for s, a in zip(samples, grpo_advantages([s["reward"] for s in samples], rc.n_samples)):
             s["advantage"] = a
         return RolloutBatch(step, version, samples, guidance, stats)
+
+    def _guidance(self, res) -> bytes:
+        """The sample's record; guided QAT without it would silently be plain QAT, so that stops the run."""
+        if not res.guidance_handle:
+            where = getattr(self.backend, "urls", None) or type(self.backend).__name__
+            raise RuntimeError(f"trainer.qat_mode=guided, but the rollout ({where}) returned no guidance handle for "
+                               f"sample {res.rid}: the server must run the TRACE plugin (`python -m "
+                               "sglang_backend.launch --backend sglang`) or the embedded engine, and record FP4 sites")
+        return self.backend.fetch_guidance(res.guidance_handle)
 
     def evaluate(self, n: int, samples: int = 4) -> dict[str, float]:
         """On a fixed held-out prompt set (a step that training never draws): greedy accuracy,
