@@ -25,7 +25,7 @@ def _rollout(*overrides):
 
 
 def test_guided_run_without_guidance_stops_naming_the_server():
-    with pytest.raises(RuntimeError, match=r"qat_mode=guided.*http://10\.0\.0\.7:30000.*no guidance handle"):
+    with pytest.raises(RuntimeError, match=r"qat_mode=guided.*127\.0\.0\.1:30999.*no guidance handle"):
         _rollout().run(step=0, version=0)
     batch = _rollout("trainer.qat_mode=rtn").run(step=0, version=0)  # plain QAT asked for: fine
     assert batch.guidance == [None] * 4 and [s["version"] for s in batch.samples] == [0] * 4
