@@ -16,10 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_trace import faults
-from megatron_trace.config import Config, describe, parse_cli
-from megatron_trace.loop import Rollout, RolloutBatch, StepRunner, async_executor, share_batch
-from megatron_trace.metrics import JsonlLogger, MetricsHub, TensorBoardLogger, mismatch_scalars
+from megatron_trace import console, faults
+
+console.quiet_third_party()  # before the imports below pull in Megatron, which warns at import time
+
+from megatron_trace.config import Config, describe, parse_cli  # noqa: E402
+from megatron_trace.loop import Rollout, RolloutBatch, StepRunner, async_executor, share_batch  # noqa: E402
+from megatron_trace.metrics import JsonlLogger, MetricsHub, TensorBoardLogger, mismatch_scalars  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -41,11 +44,15 @@ class Run:
         self.run_dir = Path(cfg.logging.run_dir)
         init_distributed(tp=cfg.trainer.tp, pp=cfg.trainer.pp, seed=cfg.trainer.seed)
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if self.rank0:
+            print("\n".join(console.plan_lines(cfg)), flush=True)
         tok = CharTokenizer() if cfg.model.tokenizer == "char" else load_tokenizer(cfg.model.tokenizer)
         prompts = (ArithmeticTask(seed=cfg.trainer.seed, tokenizer=tok) if cfg.rollout.prompts == "arithmetic"
                    else JsonlPrompts(cfg.rollout.prompts, tokenizer=tok, shuffle_seed=cfg.trainer.seed))
         model_path = self._model_path(tok, prompts)
         self.arch = ModelArch.from_hf_config(model_path)
+        if self.rank0:
+            self._check_rollout_quality(model_path)
         self.actor = Actor(self.arch, cfg.quant.policy(), ActorConfig(
             qat_mode=cfg.trainer.qat_mode, lr=cfg.trainer.lr, clip_grad=cfg.trainer.clip_grad,
             micro_batch_size=cfg.trainer.micro_batch_size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -84,6 +91,19 @@ class Run:
         if not dist.is_initialized() or dist.get_rank() == 0:
             path = str(warm_start_for(self.cfg, tok, prompts, log=lambda m: print(m, flush=True)))
         return Path(broadcast_json(path))
+
+    def _check_rollout_quality(self, model_path: Path) -> None:
+        """Warn when the configured quantization damages the policy itself (agreement with the trainer
+        cannot show that). Cheap on the embedded engine's models; on servers, say how to measure it."""
+        if self.cfg.rollout.backend != "local":
+            print(f"note: measure what this quantization costs the model before a long run: python -m "
+                  f"megatron_trace.quality --model-path {model_path} --prompts YOUR.jsonl", flush=True)
+            return
+        from megatron_trace.quality import quality_warning
+
+        warning = quality_warning(model_path, self.cfg.quant.policy())
+        if warning:
+            print(f"WARNING: {warning}", flush=True)
 
     def _backend(self, model_path: Path):
         rc = self.cfg.rollout

@@ -39,6 +39,9 @@ def build_warm_start(cache_root: str | Path, family: str, tokenizer, task: Arith
     if (out / "config.json").exists():
         return out
     from transformers import AutoConfig, AutoModelForCausalLM  # seconds of imports: only when training
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its "Writing model shards" bar says nothing about a 1-file save
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**hf_cfg)

@@ -1,0 +1,55 @@
+"""What the train CLI prints before the progress bar: the run's plan, without third-party noise.
+
+    quiet_third_party()  ─► known import-time warnings of Megatron/TE/Apex/HF filtered by message
+    plan_lines(cfg)      ─► model, quantization, guidance, rollout, steps, where TensorBoard writes
+Only warnings known to be harmless on the machines we run are filtered, each by its exact text,
+so a new warning from the same libraries still shows.
+"""
+from __future__ import annotations
+
+import warnings
+
+# What Megatron-Core 0.16 says at import on a box without Transformer Engine or Apex; every
+# fallback named here is the one the trainer relies on (trainer/cpu_compat.py).
+_KNOWN_USER_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed\. Falling back to Torch Norm",
+    r"full scope is deprecated",
+)
+
+
+def quiet_third_party() -> None:
+    for message in _KNOWN_USER_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron\.")
+    for category in (DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"megatron\.")
+
+
+def plan_lines(cfg) -> list[str]:
+    """The run in a few lines, from the config alone (nothing loaded yet)."""
+    q, g, r, t = cfg.quant, cfg.guidance, cfg.rollout, cfg.trainer
+    if cfg.model.path:
+        model = cfg.model.path
+    else:
+        size = {"hidden_size": 64, "num_hidden_layers": 4, **cfg.model.tiny}
+        model = (f"tiny {cfg.model.family} (hidden {size['hidden_size']}, {size['num_hidden_layers']} layers), "
+                 f"warm start {t.warm_start_steps} supervised steps (cached)")
+    if q.format == "bf16":
+        weights = "BF16 linears"
+    else:
+        acts = "W4A4" if q.activations == "fp4" else "W4A16"
+        weights = f"{q.format.upper()} {acts} on {', '.join(q.targets)}"
+    kv = f"K {q.kv_k or q.kv}, V {q.kv_v or q.kv}" + (" (auto: per model family)" if "auto" in (q.kv, q.kv_k, q.kv_v) else "")
+    guided = {"guided": f"TRACE guided QAT ({g.mode} guidance, layers {g.layers})", "rtn": "plain QAT (round to nearest)",
+              "off": "BF16 trainer (no QAT)"}[t.qat_mode]
+    backend = "embedded engine, in-process" if r.backend == "local" else f"HTTP: {', '.join(r.urls) or '(no urls)'}"
+    where = cfg.logging.run_dir
+    return [
+        "== megatron-trace ==",
+        f"model:      {model}",
+        f"rollout:    {backend}, {r.dtype}; {weights}; KV {kv}",
+        f"trainer:    Megatron-Core TP{t.tp} PP{t.pp}, {t.dtype}, {guided}, loss {cfg.algo.loss}",
+        f"steps:      {t.steps} x {r.prompts_per_step} prompts x {r.n_samples} samples ({r.prompts}, T={r.temperature}, "
+        f"top_p={r.top_p}, up to {r.max_new_tokens} tokens); eval on {r.eval_prompts} prompts",
+        f"logs:       {where} (tensorboard --logdir {where}; metrics.jsonl, summary.json, checkpoints/)",
+    ]
