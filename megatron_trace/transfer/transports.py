@@ -97,7 +97,7 @@ class InProcessTransport(Transport):
         stats.bytes = merged.nbytes()
         self.backend.update_weights(merged)
         info = getattr(self.backend, "model_info", None)
-        if info is not None and int(info().get("weight_version") or 0) != version:
+        if info is not None and str(info().get("weight_version")) != str(version):
             raise TransferError(f"rollout reports version {info().get('weight_version')} after sending {version}")
         stats.seconds = time.perf_counter() - t0
         return stats
@@ -149,7 +149,7 @@ def _post(url: str, path: str, payload: dict, api_key: str | None, timeout: floa
             d = {"message": body.decode(errors="replace")}
         err = d.get("error")
         msg = d.get("message") or (err.get("message") if isinstance(err, dict) else err) or f"HTTP {e.code}"
-        return {"success": False, "message": f"HTTP {e.code}: {msg}"}
+        return {"success": False, "message": f"HTTP {e.code}: {msg}", "status": e.code}
 
 
 def _get_json(url: str, path: str, api_key: str | None, timeout: float = 30.0) -> dict:
@@ -204,14 +204,17 @@ class DistributedTransport(Transport):
         bad = [(u, c.error or c.result.get("message")) for u, c in zip(self.urls, calls)
                if c.error or not c.result.get("success")]
         if bad:
-            self._drop()
+            self._drop(remote=True)
             raise TransferError(f"{what}: {bad}")
 
-    def _drop(self) -> None:
+    def _drop(self, remote: bool = False) -> None:
         if self.sender is not None:
             self.sender.close()
             self.sender = None
             gc.collect()  # frees the gloo pairs now: the servers' pending receives fail at once
+        if remote:  # a real SGLang server keeps a failed group; the next connect must re-create it
+            for u in self.urls:
+                _post(u, "/destroy_weights_update_group", {"group_name": self.group_name}, self.api_key, 30)
 
     def send(self, buckets, version, *, manifest=None) -> TransferStats:
         if manifest is None:  # no plan: materialize the version (memory: the whole rollout model)
@@ -219,8 +222,44 @@ class DistributedTransport(Transport):
             manifest = [(n, t.dtype, tuple(t.shape)) for b in buckets for n, t in b.tensors.items()]
         if self.sender is None:
             self.connect()
+        sessions = self._begin_sessions()
+        try:
+            return self._stream(buckets, version, manifest)
+        finally:
+            self._end_sessions(sessions)
+
+    def _begin_sessions(self) -> list[str]:
+        """SGLang 0.5.23 loads weights only inside a weight-update session (`/begin_weight_update` ...
+        `/end_weight_update`, whose end re-runs every quant method's process_weights_after_loading:
+        the ModelOpt scales are refreshed in place there). Servers without the route (404: our
+        embedded server, older SGLang) commit each update call by itself."""
+        opened = []
+        for u in self.urls:
+            r = _post(u, "/begin_weight_update", {}, self.api_key, self.timeout_s)
+            if not r.get("success") and "already open" in str(r.get("message")):  # left by a dead sender
+                _post(u, "/end_weight_update", {}, self.api_key, self.timeout_s)
+                r = _post(u, "/begin_weight_update", {}, self.api_key, self.timeout_s)
+            if r.get("success"):
+                opened.append(u)
+            elif r.get("status") != 404:
+                self._end_sessions(opened)
+                raise TransferError(f"{u}: begin_weight_update failed: {r.get('message')}")
+        return opened
+
+    def _end_sessions(self, urls: list[str]) -> None:
+        bad = {u: r.get("message") for u in urls
+               if not (r := _post(u, "/end_weight_update", {}, self.api_key, self.timeout_s)).get("success")}
+        if bad:
+            raise TransferError(f"end_weight_update failed: {bad}")
+
+    def _stream(self, buckets, version, manifest) -> TransferStats:
         stats, t0 = TransferStats(version), time.perf_counter()
-        payload = {"names": [m[0] for m in manifest], "dtypes": [str(m[1]).removeprefix("torch.") for m in manifest],
+        from sglang_backend.weight_group import wire_dtype
+
+        # over gloo 1-byte floats (E4M3 weight_scale) are announced and sent as uint8: the receiver's
+        # weight loader reinterprets the bytes (gloo cannot broadcast float8, on either side)
+        dtypes = [str(wire_dtype(m[1], self.backend)).removeprefix("torch.") for m in manifest]
+        payload = {"names": [m[0] for m in manifest], "dtypes": dtypes,
                    "shapes": [list(m[2]) for m in manifest], "group_name": self.group_name,
                    "weight_version": str(version), "flush_cache": True}
         calls = [_Call(_post, u, "/update_weights_from_distributed", payload, self.api_key, self.timeout_s)
@@ -246,6 +285,7 @@ class DistributedTransport(Transport):
             self._drop()  # the servers' receives fail; they keep the previous version
             for c in calls:
                 c.join(self.timeout_s)
+            self._drop(remote=True)
             if isinstance(e, (TransferError, NonFiniteWeightError)):
                 raise
             raise TransferError(f"version {version} aborted after {i} tensors: {e}") from e
@@ -257,8 +297,8 @@ class DistributedTransport(Transport):
         return stats
 
     def _check(self, version: int) -> None:
-        got = {u: int(_get_json(u, "/model_info", self.api_key).get("weight_version") or 0) for u in self.urls}
-        if any(v != version for v in got.values()):
+        got = {u: str(_get_json(u, "/model_info", self.api_key).get("weight_version")) for u in self.urls}
+        if any(v != str(version) for v in got.values()):  # versions are strings, as SGLang's
             raise TransferError(f"servers report versions {got} after sending {version}")
 
     def close(self) -> None:
