@@ -67,8 +67,9 @@ class RolloutConfig:
     urls: list = opt([], "rollout server URLs for backend=http")
     api_key: str = opt("", "bearer key of the rollout servers")
     dtype: str = opt("bfloat16", "engine compute dtype", ("bfloat16", "float32"))
-    prompts: str = opt("arithmetic", "'arithmetic' (synthetic, verifiable) or a JSONL path with prompt/answer")
-    reward: str = opt("exact_match", "reward function", ("exact_match", "math"))
+    prompts: str = opt("arithmetic", "a built-in task ('arithmetic': single digits; 'long_addition': two-digit "
+                       "addition with a worked answer) or a JSONL path with prompt/answer")
+    reward: str = opt("exact_match", "reward function", ("exact_match", "final_answer", "math"))
     prompts_per_step: int = opt(8, "prompts per RL step", low=1)
     n_samples: int = opt(4, "samples per prompt (the GRPO group)", low=1)
     temperature: float = opt(1.0, "sampling temperature (> 0; evaluation is greedy on its own)", low=0)
@@ -77,7 +78,8 @@ class RolloutConfig:
     max_prompt_len: int = opt(256, "longer prompts are rejected or truncated (counted)", low=1)
     long_prompts: str = opt("reject", "what to do with prompts over max_prompt_len", ("reject", "truncate"))
     max_running: int = opt(64, "engine batch capacity", low=1)
-    eval_prompts: int = opt(32, "held-out prompts scored greedily at eval", low=0)
+    eval_prompts: int = opt(32, "prompts of the eval split (never trained on) scored at eval", low=0)
+    eval_fraction: float = opt(0.1, "share of the distinct problems / JSONL lines held out as the eval split", low=0)
 
 
 @dataclass
@@ -193,6 +195,8 @@ def _check_sampling(rc: RolloutConfig) -> None:
         raise ValueError("rollout.temperature must be > 0; got 0 (greedy): a GRPO group of greedy answers is "
                          "identical, so every advantage is 0, and the trainer recomputes a sampling policy. "
                          "Evaluation is greedy already (eval/accuracy)")
+    if not rc.eval_fraction < 1:
+        raise ValueError(f"rollout.eval_fraction must be in [0, 1); got {rc.eval_fraction!r}")
     if not 0 < rc.top_p <= 1:
         raise ValueError(f"rollout.top_p must be in (0, 1]; got {rc.top_p!r}")
 

@@ -121,13 +121,17 @@ class Rollout:
         return self.backend.fetch_guidance(res.guidance_handle)
 
     def evaluate(self, n: int, samples: int = 4) -> dict[str, float]:
-        """On a fixed held-out prompt set (a step that training never draws): greedy accuracy,
+        """On the eval split (problems training never draws; the first n of it): greedy accuracy,
         and the mean reward of `samples` answers per prompt at the rollout's temperature."""
         if n == 0:
             return {}
         from megatron_trace.data import score
 
-        prompts = self.prompts.sample(n, step=-1_000_000)
+        prompts = self.prompts.eval_set(n)
+        if not prompts:
+            raise ValueError("rollout.eval_prompts > 0 but the eval split is empty: raise rollout.eval_fraction "
+                             "or set rollout.eval_prompts=0")
+        n = len(prompts)
         rc = self.cfg.rollout
         tag = time.monotonic_ns()
         greedy = [GenerateRequest(self.tok.encode_prompt(p.text), SamplingParams(max_new_tokens=rc.max_new_tokens,
@@ -138,7 +142,8 @@ class Rollout:
         res = self.backend.generate(greedy + sampled)
         answers = [p.answer for p in prompts] + [p.answer for p in prompts for _ in range(samples)]
         rewards = [score(self.reward_fn, self.decode(r.output_ids), a)[0] for r, a in zip(res, answers)]
-        return {"eval/accuracy": sum(rewards[:n]) / n, "eval/reward_sampled": sum(rewards[n:]) / (n * samples)}
+        return {"eval/accuracy": sum(rewards[:n]) / n, "eval/reward_sampled": sum(rewards[n:]) / (n * samples),
+                "eval/set_size": n}
 
     def decode(self, ids: list[int]) -> str:
         # Models often have more embedding rows than the tokenizer has tokens: such ids are junk.

@@ -35,7 +35,7 @@ def parse_args(argv=None):
 
 class Run:
     def __init__(self, cfg: Config, resume: bool):
-        from megatron_trace.data import ArithmeticTask, CharTokenizer, JsonlPrompts, get_reward_fn, load_tokenizer
+        from megatron_trace.data import CharTokenizer, get_reward_fn, load_tokenizer, prompt_source
         from megatron_trace.models import ModelArch
         from megatron_trace.trainer.actor import Actor, ActorConfig
         from megatron_trace.trainer.parallel import init_distributed
@@ -47,8 +47,8 @@ class Run:
         if self.rank0:
             print("\n".join(console.plan_lines(cfg)), flush=True)
         tok = CharTokenizer() if cfg.model.tokenizer == "char" else load_tokenizer(cfg.model.tokenizer)
-        prompts = (ArithmeticTask(seed=cfg.trainer.seed, tokenizer=tok) if cfg.rollout.prompts == "arithmetic"
-                   else JsonlPrompts(cfg.rollout.prompts, tokenizer=tok, shuffle_seed=cfg.trainer.seed))
+        prompts = prompt_source(cfg.rollout.prompts, seed=cfg.trainer.seed, tokenizer=tok,
+                                eval_fraction=cfg.rollout.eval_fraction)
         model_path = self._model_path(tok, prompts)
         self.arch = ModelArch.from_hf_config(model_path)
         if self.rank0:
@@ -222,6 +222,7 @@ class Run:
                    "eval_accuracy_after": ev("after", "eval/accuracy"),
                    "eval_reward_before": ev("before", "eval/reward_sampled"),
                    "eval_reward_after": ev("after", "eval/reward_sampled"),
+                   "eval_set_size": ev("before", "eval/set_size") or ev("after", "eval/set_size"),
                    "reward_first_step": history[0]["rollout/reward_mean"] if history else None,
                    "reward_last_step": history[-1]["rollout/reward_mean"] if history else None,
                    "mean_abs_dlogp": mean("mismatch/mean_abs_dlogp"), "max_abs_dlogp": max((h.get("mismatch/max_abs_dlogp", 0) for h in history), default=0),
@@ -247,8 +248,9 @@ def _progress(total: int, enabled: bool):
 def print_summary(s: dict) -> None:
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     print("\n== summary ==")
-    print(f"task reward on held-out prompts (sampled, T=rollout): before {fmt(s['eval_reward_before'])} -> "
-          f"after {fmt(s['eval_reward_after'])}")
+    size = s.get("eval_set_size")
+    print(f"eval set: {size or 0} problems of the eval split (never trained on)")
+    print(f"eval reward (sampled, T=rollout): before {fmt(s['eval_reward_before'])} -> after {fmt(s['eval_reward_after'])}")
     print(f"eval accuracy (greedy): before {fmt(s['eval_accuracy_before'])} -> after {fmt(s['eval_accuracy_after'])}")
     print(f"reward (sampled): first step {fmt(s['reward_first_step'])} -> last step {fmt(s['reward_last_step'])}")
     print(f"mismatch: mean |dlogp| {s['mean_abs_dlogp']:.4f}, max {s['max_abs_dlogp']:.4f}, K3 KL {s['k3_kl']:.2e}, "

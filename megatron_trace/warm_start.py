@@ -26,7 +26,8 @@ def tiny_config_for(family: str, tokenizer, overrides: dict) -> dict:
 
 def cache_key(hf_cfg: dict, tokenizer, task: ArithmeticTask, steps: int, lr: float, seed: int) -> str:
     blob = json.dumps({"cfg": hf_cfg, "vocab": tokenizer.vocab_size, "chars": getattr(tokenizer, "chars", ""),
-                       "task": [task.max_operand, task.ops, task.template], "steps": steps, "lr": lr, "seed": seed},
+                       "task": [task.max_operand, task.ops, task.template, task.worked, task.eval_fraction],
+                       "steps": steps, "lr": lr, "seed": seed},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -74,7 +75,7 @@ def _train(model, tokenizer, task: ArithmeticTask, *, steps: int, lr: float, bat
         seqs, masks = [], []
         for p in prompts:
             prompt = tokenizer.encode_prompt(p.text)
-            answer = tokenizer.encode(p.answer) + [tokenizer.eos_id]
+            answer = tokenizer.encode(p.solution or p.answer) + [tokenizer.eos_id]
             seqs.append(prompt + answer)
             masks.append([0] * len(prompt) + [1] * len(answer))
         width = max(map(len, seqs))
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from megatron_trace.config import parse_cli
-    from megatron_trace.data import ArithmeticTask, CharTokenizer, load_tokenizer
+    from megatron_trace.data import TASKS, ArithmeticTask, CharTokenizer, load_tokenizer
 
     ap = argparse.ArgumentParser(prog="python -m megatron_trace.warm_start",
                                  description="Build (or find) the run's starting checkpoint; print its directory.")
@@ -108,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.model.path:  # a real checkpoint: nothing to build
         print(cfg.model.path)
         return 0
-    if cfg.rollout.prompts != "arithmetic":
-        ap.error("the tiny warm start trains on the arithmetic task; set model.path for other prompts")
+    if cfg.rollout.prompts not in TASKS:
+        ap.error(f"the tiny warm start trains on a built-in task ({', '.join(TASKS)}); set model.path for other prompts")
     tok = CharTokenizer() if cfg.model.tokenizer == "char" else load_tokenizer(cfg.model.tokenizer)
-    out = warm_start_for(cfg, tok, ArithmeticTask(seed=cfg.trainer.seed, tokenizer=tok),
+    task = ArithmeticTask.named(cfg.rollout.prompts, cfg.trainer.seed, tok, cfg.rollout.eval_fraction)
+    out = warm_start_for(cfg, tok, task,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
     print(out, flush=True)
     return 0

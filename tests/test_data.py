@@ -266,10 +266,51 @@ def test_score_and_registry():
     assert score(lambda r, a: float("nan"), "x", "y")[1] is not None
     assert score(get_reward_fn("math"), r"\boxed{2}", "2") == (1.0, None)
     assert get_reward_fn("exact_match") is exact_match
-    with pytest.raises(ValueError, match="exact_match, math"):
+    with pytest.raises(ValueError, match="exact_match, final_answer, math"):
         get_reward_fn("f1")
+    assert get_reward_fn("final_answer")("7+8=15,4+3+1=8,85", "85") == 1.0
+    assert get_reward_fn("final_answer")("7+8=15,4+3+1=8,84", "85") == 0.0
 
 
 @given(st.text(max_size=60), st.text(max_size=20))
 def test_math_verify_never_raises(response, answer):
     assert math_verify(response, answer) in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "long_addition"])
+def test_eval_split_never_meets_training(name):
+    task = ArithmeticTask.named(name, seed=3)
+    evals = task.eval_problems()
+    every = {task._canonical(a, op, b) for a in range(task.max_operand + 1) for b in range(task.max_operand + 1)
+             for op in task.ops}
+    assert 0 < len(evals) < len(every) and len(set(evals)) == len(evals)
+    eval_texts = {task.make(*p)[0] for p in evals}
+    drawn = {p.text for step in range(-300, 300) for p in task.sample(32, step)}  # RL steps and warm start
+    assert not drawn & eval_texts
+    assert {p.text for p in task.eval_set(10**6)} == eval_texts
+    # the split is a fact of the problem, not of the seed: every run evaluates on the same set
+    assert ArithmeticTask.named(name, seed=99).eval_problems() == evals
+    if name == "long_addition":  # big enough that 80 steps x 32 prompts cannot exhaust either side
+        assert len(evals) > 900 and len(every) - len(evals) > 8000
+
+
+def test_worked_addition_solution_and_its_carry():
+    task = ArithmeticTask.named("long_addition")
+    assert task.solution(47, 38) == "7+8=15,4+3+1=8,85"
+    assert task.solution(67, 58) == "7+8=15,6+5+1=12,125"
+    assert task.solution(5, 0) == "5+0=5,5" and task.solution(0, 0) == "0+0=0,0"
+    p = task.sample(1, 0)[0]
+    a, b = map(int, p.text[:-1].split("+"))
+    assert p.solution == task.solution(a, b) and p.answer == str(a + b) and p.solution.endswith("," + p.answer)
+    with pytest.raises(ValueError, match="addition only"):
+        ArithmeticTask(ops=("+", "-"), worked=True)
+
+
+def test_jsonl_eval_split(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(f'{{"prompt": "q{i}", "answer": "{i}"}}\n' for i in range(200)))
+    src = JsonlPrompts(path, eval_fraction=0.2)
+    held = {p.text for p in src.eval_set(1000)}
+    trained = {p.text for step in range(20) for p in src.sample(16, step)}
+    assert 20 < len(held) < 60 and len(held) + len(src) == 200 and not held & trained
+    assert len(trained) == len(src)  # training cycles through every line outside the split

@@ -2,20 +2,24 @@
 
 Light on purpose: stdlib only at import (transformers loads lazily inside HFTokenizer).
 """
-from .prompts import ArithmeticTask, JsonlPrompts, Prompt
-from .rewards import REWARD_FNS, exact_match, get_reward_fn, math_verify, score
+from .prompts import TASKS, ArithmeticTask, JsonlPrompts, Prompt, in_eval_split, prompt_source
+from .rewards import REWARD_FNS, exact_match, final_answer, get_reward_fn, math_verify, score
 from .tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
     "REWARD_FNS",
+    "TASKS",
     "ArithmeticTask",
     "CharTokenizer",
     "HFTokenizer",
     "JsonlPrompts",
     "Prompt",
     "exact_match",
+    "final_answer",
     "get_reward_fn",
+    "in_eval_split",
     "load_tokenizer",
     "math_verify",
+    "prompt_source",
     "score",
 ]

@@ -19,6 +19,7 @@ class Prompt:
     text: str  # the raw prompt (before any chat template)
     answer: str  # the reference answer the reward function checks against
     input_ids: list[int] | None = None  # tokenized prompt (chat template applied) when a tokenizer was given
+    solution: str | None = None  # the full worked answer supervised warm starts teach (default: answer)
 
 
 def _rng(*key) -> random.Random:
@@ -27,18 +28,31 @@ def _rng(*key) -> random.Random:
     return random.Random(":".join(str(k) for k in key))
 
 
+def in_eval_split(key: str, eval_fraction: float) -> bool:
+    """Whether a problem (by its canonical text) belongs to the eval split: a hash of the problem
+    alone, so every seed, step and run agrees, and a problem is never in both splits."""
+    return eval_fraction > 0 and _rng("split", key).random() < eval_fraction
+
+
 class ArithmeticTask:
     """"a+b=" -> "c": small enough that a tiny model learns it in a few hundred GRPO steps.
 
     Operands are drawn from 0..max_operand. Subtraction orders its operands so the answer is never
     negative (a tiny model then has no sign to learn); "*" is allowed for a harder variant.
     With the defaults answers are 0..18 (a sum of two single digits).
+
+    Splits: a fixed `eval_fraction` of the distinct problems (by hash, `in_eval_split`) is the
+    eval set; `sample` (RL steps and the warm start) draws only from the rest, `eval_set` only
+    from it. `worked=True` (addition only) teaches a digit-by-digit solution, least significant
+    digit first with its carry, ending in the sum: "47+38=" -> "7+8=15,4+3+1=8,85"; the reward
+    checks the final field (`final_answer`).
     """
 
     OPS = ("+", "-", "*")
 
     def __init__(self, seed: int = 0, max_operand: int = 9, ops: tuple[str, ...] = ("+", "-"),
-                 tokenizer=None, template: str = "{a}{op}{b}=") -> None:
+                 tokenizer=None, template: str = "{a}{op}{b}=", worked: bool = False,
+                 eval_fraction: float = 0.1) -> None:
         bad = [op for op in ops if op not in self.OPS]
         if not ops or bad:
             raise ValueError(f"ArithmeticTask ops must be a non-empty subset of {self.OPS}; got {ops}")
@@ -47,25 +61,74 @@ class ArithmeticTask:
         for key in ("{a}", "{op}", "{b}"):
             if key not in template:
                 raise ValueError(f"ArithmeticTask template must contain {key}; got {template!r}")
+        if worked and tuple(ops) != ("+",):
+            raise ValueError(f"ArithmeticTask worked solutions exist for addition only (ops=('+',)); got {ops}")
+        if not 0 <= eval_fraction < 1:
+            raise ValueError(f"ArithmeticTask eval_fraction must be in [0, 1); got {eval_fraction}")
         self.seed, self.max_operand, self.ops = seed, max_operand, tuple(ops)
-        self.tokenizer, self.template = tokenizer, template
+        self.tokenizer, self.template, self.worked, self.eval_fraction = tokenizer, template, worked, eval_fraction
+
+    @classmethod
+    def named(cls, name: str, seed: int = 0, tokenizer=None, eval_fraction: float = 0.1) -> ArithmeticTask:
+        """The built-in tasks: 'arithmetic' (single digits, + and -: 155 problems) and 'long_addition'
+        (0..99 + 0..99 with a worked answer: 10,000 problems, answers up to 19 characters)."""
+        if name == "arithmetic":
+            return cls(seed, tokenizer=tokenizer, eval_fraction=eval_fraction)
+        if name == "long_addition":
+            return cls(seed, max_operand=99, ops=("+",), tokenizer=tokenizer, worked=True, eval_fraction=eval_fraction)
+        raise ValueError(f"unknown built-in task {name!r}; known: {', '.join(TASKS)}")
+
+    def _canonical(self, a: int, op: str, b: int) -> tuple[int, str, int]:
+        return (b, op, a) if op == "-" and a < b else (a, op, b)
 
     def make(self, a: int, op: str, b: int) -> tuple[str, str]:
         """The prompt text and answer for one problem."""
-        if op == "-" and a < b:
-            a, b = b, a
+        a, op, b = self._canonical(a, op, b)
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         return self.template.format(a=a, op=op, b=b), str(value)
 
+    def solution(self, a: int, b: int) -> str:
+        """The worked addition: each digit's sum (with the carry in), then the result."""
+        steps, carry, x, y = [], 0, a, b
+        while x or y or not steps:
+            dx, dy = x % 10, y % 10
+            total = dx + dy + carry
+            steps.append(f"{dx}+{dy}" + (f"+{carry}" if carry else "") + f"={total}")
+            carry, x, y = total // 10, x // 10, y // 10
+        return ",".join(steps + [str(a + b)])
+
+    def _prompt(self, pid: str, a: int, op: str, b: int) -> Prompt:
+        text, answer = self.make(a, op, b)
+        ids = self.tokenizer.encode_prompt(text) if self.tokenizer is not None else None
+        return Prompt(pid, text, answer, ids, self.solution(a, b) if self.worked else None)
+
+    def is_eval(self, a: int, op: str, b: int) -> bool:
+        return in_eval_split("arith:" + "".join(map(str, self._canonical(a, op, b))), self.eval_fraction)
+
     def sample(self, n: int, step: int) -> list[Prompt]:
+        """n training problems for `step` (never one of the eval split)."""
         rng = _rng("arith", self.seed, step)
         out = []
-        for i in range(n):
+        while len(out) < n:
             a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            text, answer = self.make(a, rng.choice(self.ops), b)
-            ids = self.tokenizer.encode_prompt(text) if self.tokenizer is not None else None
-            out.append(Prompt(f"s{step}-p{i}", text, answer, ids))
+            op = rng.choice(self.ops)
+            if not self.is_eval(a, op, b):
+                out.append(self._prompt(f"s{step}-p{len(out)}", a, op, b))
         return out
+
+    def eval_problems(self) -> list[tuple[int, str, int]]:
+        """Every problem of the eval split, in a fixed (hash) order."""
+        seen = {self._canonical(a, op, b) for a in range(self.max_operand + 1) for b in range(self.max_operand + 1)
+                for op in self.ops}
+        keep = [p for p in seen if self.is_eval(*p)]
+        return sorted(keep, key=lambda p: _rng("order", *p).random())
+
+    def eval_set(self, n: int) -> list[Prompt]:
+        """The first n problems of the eval split (all of them when n exceeds its size)."""
+        return [self._prompt(f"eval-{i}", a, op, b) for i, (a, op, b) in enumerate(self.eval_problems()[:n])]
+
+
+TASKS = ("arithmetic", "long_addition")
 
 
 class JsonlPrompts:
@@ -73,21 +136,38 @@ class JsonlPrompts:
     "id" names the prompt). Every line is validated at load so a bad line fails the run before any
     rollout, naming its line number. Blank lines are skipped.
 
-    Order: the stream of prompts is a sequence of epochs, each a permutation of the file drawn
-    from (shuffle_seed, epoch); step k takes items [k*n, (k+1)*n) of that stream.
+    Splits: a fixed `eval_fraction` of the lines (by a hash of the prompt text, `in_eval_split`)
+    is the eval set; training draws only from the rest. Order: the training stream is a sequence
+    of epochs, each a permutation of the training lines drawn from (shuffle_seed, epoch); step k
+    takes items [k*n, (k+1)*n) of that stream.
     """
 
-    def __init__(self, path: str | os.PathLike, tokenizer=None, shuffle_seed: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike, tokenizer=None, shuffle_seed: int = 0,
+                 eval_fraction: float = 0.0) -> None:
         self.path = os.fspath(path)
         self.tokenizer, self.shuffle_seed = tokenizer, shuffle_seed
-        self.items: list[tuple[str, str, str]] = []  # (source id, prompt, answer)
+        lines: list[tuple[str, str, str]] = []  # (source id, prompt, answer)
         with open(self.path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
                 if line.strip():
-                    self.items.append(self._parse(line, lineno))
-        if not self.items:
+                    lines.append(self._parse(line, lineno))
+        if not lines:
             raise ValueError(f"{self.path}: no prompts (the file is empty)")
+        held = [in_eval_split("jsonl:" + prompt, eval_fraction) for _, prompt, _ in lines]
+        self.items = [x for x, h in zip(lines, held) if not h]
+        self.eval_items = [x for x, h in zip(lines, held) if h]
+        if not self.items:
+            raise ValueError(f"{self.path}: every one of its {len(lines)} prompts fell in the eval split "
+                             f"(eval_fraction {eval_fraction}); add prompts")
         self._perm_cache: dict[int, list[int]] = {}
+
+    def eval_set(self, n: int) -> list[Prompt]:
+        """The first n prompts of the eval split, in file order."""
+        return [self._make(f"eval-{i}-{src}", prompt, answer) for i, (src, prompt, answer) in enumerate(self.eval_items[:n])]
+
+    def _make(self, pid: str, prompt: str, answer: str) -> Prompt:
+        ids = self.tokenizer.encode_prompt(prompt) if self.tokenizer is not None else None
+        return Prompt(pid, prompt, answer, ids)
 
     def _parse(self, line: str, lineno: int) -> tuple[str, str, str]:
         where = f"{self.path}:{lineno}"
@@ -125,6 +205,12 @@ class JsonlPrompts:
         for i in range(n):
             pos = step * n + i
             src, prompt, answer = self.items[self._perm(pos // size)[pos % size]]
-            ids = self.tokenizer.encode_prompt(prompt) if self.tokenizer is not None else None
-            out.append(Prompt(f"s{step}-p{i}-{src}", prompt, answer, ids))
+            out.append(self._make(f"s{step}-p{i}-{src}", prompt, answer))
         return out
+
+
+def prompt_source(spec: str, *, seed: int, tokenizer, eval_fraction: float = 0.1):
+    """`rollout.prompts`: a built-in task name (TASKS) or a JSONL path."""
+    if spec in TASKS:
+        return ArithmeticTask.named(spec, seed, tokenizer, eval_fraction)
+    return JsonlPrompts(spec, tokenizer=tokenizer, shuffle_seed=seed, eval_fraction=eval_fraction)

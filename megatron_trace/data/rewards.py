@@ -202,7 +202,13 @@ def math_verify(response: str, answer: str, tol: float = 1e-6) -> float:
 
 # ---------------------------------------------------------------------------------------------
 
-REWARD_FNS: dict[str, RewardFn] = {"exact_match": exact_match, "math": math_verify}
+def final_answer(response: str, answer: str) -> float:
+    """1.0 when the last comma-separated field of a worked answer ("7+8=15,4+3+1=8,85") equals the
+    answer; the steps before it earn nothing by themselves."""
+    return exact_match(str(response).rsplit(",", 1)[-1], answer)
+
+
+REWARD_FNS: dict[str, RewardFn] = {"exact_match": exact_match, "final_answer": final_answer, "math": math_verify}
 
 
 def get_reward_fn(name: str) -> RewardFn:
