@@ -1,6 +1,7 @@
 """How far apart are the FP4 rollout and the trainer? Run this before trusting FP4 rollout.
 
-    python -m megatron_trace.probe --model-path HF_DIR [--quantization nvfp4] [--kv-cache-dtype nvfp4]
+    python -m megatron_trace.probe --model-path HF_DIR [--prompts FILE.jsonl | --dataset long_addition]
+        [--quantization nvfp4] [--kv-cache-dtype nvfp4] [--json OUT.json] [--plot OUT.png]
     torchrun --nproc-per-node 2 -m megatron_trace.probe --model-path HF_DIR --tp 2
 
     prompts ─► rollout engine (FP4 policy, --rollout-dtype, full guidance recorded)
@@ -10,6 +11,11 @@
 The engine runs in bfloat16 by default while the trainer runs fp32: real deployments differ at
 that level (other GEMM kernels, fused ops), and with bitwise-identical sides plain QAT would
 already be perfect and nothing could be shown.
+
+Prompts: `--prompts` JSONL lines {"prompt": text} or {"messages": [...]} (the checkpoint
+tokenizer's chat template) or {"input_ids": [...]}; `--dataset` one of the project's tasks
+(its eval split, in the checkpoint's tokenizer); neither: random token ids (numerics only).
+Real prompts stop at EOS, so the gap is reported position by position out to the longest answer.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_trace.data import TASKS
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.rl import mismatch_metrics
@@ -40,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     # All layers by default: an unguided layer's round-to-nearest flips cascade into every later
     # layer, so "last_half" (the RL default, for memory) shows how much the early flips cost.
     ap.add_argument("--guided-layers", default="all", help="all | last_half | none | N (last N)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--prompts", default=None, help="JSONL: {prompt | messages | input_ids} per line")
+    src.add_argument("--dataset", default=None, choices=list(TASKS), help="a built-in task's eval split")
+    ap.add_argument("--plot", default=None, help="write mean |dlogp| by response position, per mode, as a PNG")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=12)
@@ -66,6 +77,20 @@ def synthetic_prompts(arch: ModelArch, n: int, length: int, seed: int) -> list[l
     return torch.randint(0, arch.vocab_size, (n, length), generator=g).tolist()
 
 
+def probe_prompts(args, arch: ModelArch) -> list[list[int]]:
+    """The prompt token ids: a user's JSONL, a built-in task's eval split, or random ids."""
+    if args.prompts:
+        from megatron_trace.quality import load_prompts
+
+        return [p["ids"] for p in load_prompts(args.prompts, args.model_path)][: args.num_prompts]
+    if args.dataset:
+        from megatron_trace.data import ArithmeticTask, load_tokenizer
+
+        tok = load_tokenizer(str(args.model_path))
+        return [tok.encode_prompt(p.text) for p in ArithmeticTask.named(args.dataset).eval_set(args.num_prompts)]
+    return synthetic_prompts(arch, args.num_prompts, args.prompt_len, args.seed)
+
+
 def rollout(args, policy: QuantPolicy) -> list[dict]:
     """Generate on this process's embedded engine; each sample carries its full guidance bytes."""
     from sglang_backend.local import Engine
@@ -74,8 +99,9 @@ def rollout(args, policy: QuantPolicy) -> list[dict]:
     eng = Engine(args.model_path, dtype=args.rollout_dtype, quant_policy=policy, guidance_mode="full",
                  guided_layers=args.guided_layers, random_seed=args.seed)
     try:
-        prompts = synthetic_prompts(arch, args.num_prompts, args.prompt_len, args.seed)
-        params = [{"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
+        prompts = probe_prompts(args, arch)
+        real = bool(args.prompts or args.dataset)  # real prompts end their answers; random ones never would
+        params = [{"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "ignore_eos": not real,
                    "sampling_seed": args.seed * 10_000 + i} for i in range(len(prompts))]
         outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, return_guidance=True)
         samples = []
@@ -126,17 +152,51 @@ def probe(args) -> dict:
             actor.qat.set_mode(mode.split("-")[0])
             train_lp = actor.compute_logprobs(batch)
             m = mismatch_metrics(rollout_lp, [t.tolist() for t in train_lp])
+            m["dlogp_by_position"] = dlogp_by_position(rollout_lp, train_lp)
             m["agreement"] = _reduce_agreement(actor.qat.agreement())
             m["guidance_bytes_per_token"] = sum(r.nbytes() for r in records[kind]) / sum(r.num_positions for r in records[kind])
             results[mode] = m
         if not rank0:
             return {}  # only rank 0 reports (and writes --json): the others return before destroy()
         return {"model_path": str(args.model_path), "policy": policy.to_dict(), "rollout_dtype": args.rollout_dtype,
-                "trainer_dtype": "float32", "tp": args.tp, "pp": args.pp, "num_prompts": args.num_prompts,
+                "trainer_dtype": "float32", "tp": args.tp, "pp": args.pp, "num_prompts": len(samples),
+                "prompts": args.prompts or args.dataset or "random token ids",
+                "response_lengths": [len(s["response"]) for s in samples],
                 "max_new_tokens": args.max_new_tokens, "rollout_seconds": t_rollout,
                 "total_seconds": time.perf_counter() - t0, "modes": results}
     finally:
         destroy()
+
+
+def dlogp_by_position(rollout_lp: list[list[float]], train_lp: list[torch.Tensor]) -> list[float]:
+    """Mean |Δlogp| at each response position, over the samples that reach it (out to the longest)."""
+    longest = max((len(r) for r in rollout_lp), default=0)
+    sums, counts = torch.zeros(longest, dtype=torch.float64), torch.zeros(longest, dtype=torch.float64)
+    for r, t in zip(rollout_lp, train_lp):
+        d = (t.double() - torch.tensor(r, dtype=torch.float64)).abs()
+        sums[: len(d)] += d
+        counts[: len(d)] += 1
+    return (sums / counts).tolist()
+
+
+def plot_by_position(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, m in res["modes"].items():
+        curve = m["dlogp_by_position"]
+        ax.plot(range(len(curve)), [max(v, 1e-9) for v in curve], label=mode)
+    ax.set_yscale("log")
+    ax.set_xlabel("response position (tokens)")
+    ax.set_ylabel("mean |logp_rollout - logp_train|")
+    ax.set_title(f"{res['prompts']}: {res['num_prompts']} prompts, longest answer {max(res['response_lengths'])}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _reduce_agreement(local: dict[str, float]) -> dict[str, float]:
@@ -169,12 +229,15 @@ def main(argv=None) -> int:
     if res:  # rank 0
         kv = f"K {args.kv_k or args.kv_cache_dtype} V {args.kv_v or args.kv_cache_dtype}"
         print(f"rollout {args.quantization} + KV {kv} in {args.rollout_dtype}; trainer fp32 "
-              f"TP{args.tp} PP{args.pp}; {res['num_prompts']} prompts x {res['max_new_tokens']} tokens; "
+              f"TP{args.tp} PP{args.pp}; {res['num_prompts']} prompts ({res['prompts']}), answers of "
+              f"{min(res['response_lengths'])}-{max(res['response_lengths'])} tokens; "
               f"{res['total_seconds']:.1f} s")
         print(format_table(res))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
+        if args.plot:
+            plot_by_position(res, args.plot)
     return 0
 
 
