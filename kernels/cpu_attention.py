@@ -185,7 +185,7 @@ int paged_attention_nvfp4_@S(const @T* q, const uint8_t* kc, const uint8_t* ks, 
 
 /* K or V of one slot, every KV head (n = Hkv * D elements), decoded into fp32 `out` exactly as
    the cache's torch read would produce it in the model dtype. fmt: 0 the model dtype, 1 NVFP4
-   (codes + E4M3 per 16, S_dec), 2 FP8 (E4M3 bytes + one fp32 S_dec per KV head: fp4.fp8). */
+   (codes + E4M3 per 16, S_dec), 2 FP8 (E4M3 bytes + one fp32 S_dec per slot: fp4.fp8). */
 static void kv_row_@S(int fmt, const void* d, const void* s, int64_t slot, int64_t Hkv, int64_t D, const float* lut,
                       const float (*pairs)[2], float sdec, float* out) {
     const int64_t n = Hkv * D;
@@ -193,11 +193,8 @@ static void kv_row_@S(int fmt, const void* d, const void* s, int64_t slot, int64
         nvfp4_row_@S((const uint8_t*)d + slot * (n / 2), (const uint8_t*)s + slot * (n / 16), n, lut, pairs, sdec, out);
     } else if (fmt == 2) {
         const uint8_t* c = (const uint8_t*)d + slot * n;
-        const float* sc = (const float*)s + slot * Hkv;
-        for (int64_t h = 0; h < Hkv; h++) {
-            const float sd = sc[h];
-            for (int64_t i = 0; i < D; i++) out[h * D + i] = rnd_@S(lut[c[h * D + i]] * sd);
-        }
+        const float sd = ((const float*)s)[slot];
+        for (int64_t i = 0; i < n; i++) out[i] = rnd_@S(lut[c[i]] * sd);
     } else {
         const @T* x = (const @T*)d + slot * n;
         for (int64_t i = 0; i < n; i++) out[i] = ld_@S(x[i]);
@@ -294,7 +291,7 @@ def paged_attention_kv(q: torch.Tensor, k_fmt: str, k_pages: tuple, sdec_k: floa
                        scale: float) -> torch.Tensor:
     """`paged_attention` with K and V in their own page formats (KV_ROW_FORMATS): each of k_pages /
     v_pages is (data, scales) of one layer as PagedKVCache keeps them (scales None for the model
-    dtype; for fp8, fp32 [slots, Hkv]); sdec_* is NVFP4's per-layer S_dec (ignored otherwise).
+    dtype; for fp8, fp32 [slots]); sdec_* is NVFP4's per-layer S_dec (ignored otherwise).
     Elements decode exactly as the cache's torch read in q.dtype would."""
     for name, fmt in (("K", k_fmt), ("V", v_fmt)):
         if fmt not in KV_ROW_FORMATS:

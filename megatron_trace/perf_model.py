@@ -56,25 +56,26 @@ class Precision:
 NVFP4_BITS = 4 + 8 / 16  # E2M1 + one E4M3 scale per 16 (the per-tensor fp32 global is negligible)
 
 
-def kv_side_bits(fmt: str, head_dim: int = 128) -> float:
+def kv_side_bits(fmt: str, row: int = 128) -> float:
     """Stored bits per K or V element in a cache format (quant.kv_k / quant.kv_v), scales included:
-    FP8 E4M3 carries one fp32 scale per (token, KV head), NVFP4/MXFP4 one 8-bit scale per 16."""
-    bits = {"bf16": 16.0, "fp8": 8 + 32 / head_dim, "nvfp4": NVFP4_BITS, "mxfp4": NVFP4_BITS}
+    FP8 E4M3 carries one fp32 scale per token over its KV heads (`row` = KV heads per GPU x
+    head_dim; 128 = one head, the worst case), NVFP4/MXFP4 one 8-bit scale per 16."""
+    bits = {"bf16": 16.0, "fp8": 8 + 32 / row, "nvfp4": NVFP4_BITS, "mxfp4": NVFP4_BITS}
     if fmt not in bits:
         raise ValueError(f"KV format must be one of {', '.join(bits)}; got {fmt!r}")
     return bits[fmt]
 
 
-def kv_pair_bits(k_fmt: str, v_fmt: str, head_dim: int = 128) -> float:
-    """Bits of one K element plus one V element (BF16: 32; FP8 K + NVFP4 V at head_dim 128: 12.75)."""
-    return kv_side_bits(k_fmt, head_dim) + kv_side_bits(v_fmt, head_dim)
+def kv_pair_bits(k_fmt: str, v_fmt: str, row: int = 128) -> float:
+    """Bits of one K element plus one V element (BF16: 32; FP8 K + NVFP4 V, one head of 128: 12.75)."""
+    return kv_side_bits(k_fmt, row) + kv_side_bits(v_fmt, row)
 
 
 PRECISIONS = {
     "bf16": Precision("bf16", 16.0, 16.0, "bf16"),
     "fp8": Precision("fp8", 8 + 32 / (128 * 128), 8.0, "fp8"),  # 128x128 fp32 block scales
     "nvfp4": Precision("nvfp4", NVFP4_BITS, NVFP4_BITS, "fp4"),
-    # NVFP4 weights, FP8 K (per-token scale, head_dim 128) + NVFP4 V: the Qwen2/2.5 default
+    # NVFP4 weights, FP8 K (per-token scale over one KV head of 128) + NVFP4 V: the Qwen2/2.5 default
     # (quant.kv=auto); kv_bits is the mean over K and V.
     "nvfp4_fp8k": Precision("nvfp4_fp8k", NVFP4_BITS, kv_pair_bits("fp8", "nvfp4") / 2, "fp4"),
 }

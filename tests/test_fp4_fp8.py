@@ -44,5 +44,18 @@ def test_special_rows():
 
 
 def test_zero_dim_is_an_error():
-    with pytest.raises(ValueError, match="0-d"):
+    with pytest.raises(ValueError, match="needs at least that many; got a 0-d tensor"):
         fp8.quantize(torch.tensor(1.0))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(finite, min_size=12, max_size=12))
+def test_two_dim_rows_are_flattened_rows(xs):
+    """dims=2 (the KV cache: one scale per token over its heads) is the 1-d rule on the flattened row;
+    a given amax (TP's MAX over ranks) replaces the row's own."""
+    x = torch.tensor(xs, dtype=torch.float32).reshape(2, 3, 2)
+    q, flat = fp8.quantize(x, dims=2), fp8.quantize(x.reshape(2, 6))
+    assert torch.equal(q.data.reshape(2, 6), flat.data) and torch.equal(q.scale, flat.scale)
+    assert torch.equal(fp8.dequantize(q).reshape(2, 6), fp8.dequantize(flat))
+    amax = x.abs().reshape(2, -1).amax(-1) * 2
+    assert torch.equal(fp8.quantize(x, dims=2, amax=amax).scale, fp8.decode_scale(fp8.encode_scale(amax)))

@@ -151,8 +151,8 @@ def test_cli_runs(tmp_path):
 def test_kv_bits_per_side_and_the_fp8_k_precision():
     assert pm.kv_pair_bits("bf16", "bf16") == 32
     assert pm.kv_pair_bits("nvfp4", "nvfp4") == 9
-    assert pm.kv_pair_bits("fp8", "nvfp4", head_dim=128) == 8.25 + 4.5
-    assert pm.kv_pair_bits("fp8", "nvfp4", head_dim=64) == 8.5 + 4.5
+    assert pm.kv_pair_bits("fp8", "nvfp4", row=128) == 8.25 + 4.5
+    assert pm.kv_pair_bits("fp8", "nvfp4", row=2 * 64) == 8.25 + 4.5  # Qwen2.5-0.5B: 2 KV heads of 64
     p = pm.PRECISIONS["nvfp4_fp8k"]
     assert pm.kv_bytes_per_token(M72, p) == 327680 * 12.75 / 32
     assert pm.byte_ceiling("nvfp4_fp8k") == pytest.approx(32 / 12.75)

@@ -125,11 +125,13 @@ class QATState:
 
     def kv(self, t: torch.Tensor, site: str, fmt: str = "nvfp4") -> torch.Tensor:
         """K or V [S, B, groups_local, D] as the rollout caches it in `fmt`: NVFP4 along D with the
-        per-layer scale (guided where the rollout recorded it), FP8 E4M3 with one scale per
-        (token, KV head) (TP-local: ranks hold whole KV heads) or MXFP4 as the engine's pages,
-        both round-to-nearest: the rollout records no guidance for them (docs/quality.md)."""
+        per-layer scale (guided where the rollout recorded it), FP8 E4M3 with one scale per token
+        over its KV heads (amax MAX-reduced over TP, which splits the heads) or MXFP4 as the engine's
+        pages, both round-to-nearest: the rollout records no guidance for them (docs/quality.md)."""
         if fmt == "fp8":
-            return straight_through(t, fp8.quantize_dequantize(t.detach().float(), t.dtype))
+            x = t.detach().float()
+            amax = self._all_max(nvfp4.nan_free_amax(x.reshape(*x.shape[:-2], -1), dim=-1))
+            return straight_through(t, fp8.quantize_dequantize(x, t.dtype, dims=2, amax=amax))
         if fmt == "mxfp4":
             q = mxfp4.quantize(t.detach().float(), rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
             return straight_through(t, mxfp4.dequantize(q, t.dtype))

@@ -4,7 +4,7 @@ Token slots live in fixed-size pages; a request owns a list of pages. K and V ha
 format (the policy's quant.kv_k / quant.kv_v). FP4 pages store the packed E2M1 codes plus block
 scales along head_dim (NVFP4: E4M3 per 16 with a per-layer fp32 global scale, as SGLang's nvfp4
 KV; MXFP4: E8M0 per 16 with the ceil rule, as SGLang's fp4_mx_block16); FP8 pages store E4M3
-bytes with one fp32 decode scale per (token, KV head) (fp4.fp8). Values are dequantized when
+bytes with one fp32 decode scale per token over its KV heads (fp4.fp8). Values are dequantized when
 attention reads them.
 
 When K and V share a BF16, NVFP4 or MXFP4 format, both live in one [layers, 2, slots, ...] array
@@ -77,7 +77,7 @@ class PagedKVCache:
             return torch.zeros(*shape, d, dtype=self.dtype, device=device), None
         if fmt == "fp8":
             return (torch.zeros(*shape, d, dtype=torch.uint8, device=device),
-                    torch.ones(*shape, dtype=torch.float32, device=device))
+                    torch.ones(self.num_layers, slots, dtype=torch.float32, device=device))
         return (torch.zeros(*shape, d // 2, dtype=torch.uint8, device=device),
                 torch.zeros(*shape, d // 16, dtype=torch.uint8, device=device))
 
@@ -88,7 +88,7 @@ class PagedKVCache:
         if fmt == "bf16":
             return torch.tensor([], dtype=self.dtype).element_size() * 8
         if fmt == "fp8":
-            return 8 + 32 / self.head_dim  # one fp32 scale per (token, KV head)
+            return 8 + 32 / (self.kv_heads * self.head_dim)  # one fp32 scale per token over its KV heads
         return 4.5  # E2M1 + an 8-bit scale per 16
 
     def bytes_per_token(self) -> float:
@@ -121,7 +121,7 @@ class PagedKVCache:
         if fmt == "mxfp4":
             return mxfp4.quantize(x, rule=MX_KV_RULE, block=MX_KV_BLOCK)
         if fmt == "fp8":
-            return fp8.quantize(x)
+            return fp8.quantize(x, dims=2)
         return None
 
     def write(self, layer: int, which: int, slots: torch.Tensor, x: torch.Tensor, q=None,
