@@ -19,7 +19,7 @@ import importlib
 
 import torch
 
-from megatron_trace.fp4 import fast, nvfp4
+from megatron_trace.fp4 import fast, fp8, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 
 KV_METHOD_MODULES = ("sglang.srt.layers.quantization.fp4_kv_cache_quant_method",
@@ -34,6 +34,14 @@ def quantize_kv(x: torch.Tensor, global_scale_dec) -> nvfp4.NVFP4Tensor:
         return fast.quantize_dequantize(x, global_scale=s_enc)[0]
     from kernels.dispatch import nvfp4_quantize
     return nvfp4_quantize(x, global_scale=s_enc)
+
+
+def quantize_kv_fp8(x: torch.Tensor) -> fp8.FP8Tensor:
+    """FP8 K (quant.kv_k=fp8): x [T, heads, head_dim] -> E4M3 bytes [T, H, D] and one fp32 S_dec per
+    token over its heads [T], the bits of the engine's pages and the trainer's QAT. Not yet wired into
+    a SGLang KV method (SGLang's pool takes one dtype for K and V); with TP the heads of a token span
+    ranks, and the row amax must be MAX-reduced over them before calling fp8.quantize(x, 2, amax)."""
+    return fp8.quantize(x, dims=2)
 
 
 class KVCaptureBuffer:
