@@ -52,7 +52,7 @@ class Run:
         model_path = self._model_path(tok, prompts)
         self.arch = ModelArch.from_hf_config(model_path)
         if self.rank0:
-            self._check_rollout_quality(model_path)
+            self._check_rollout_quality(model_path, tok, prompts)
         self.actor = Actor(self.arch, cfg.quant.policy(), ActorConfig(
             qat_mode=cfg.trainer.qat_mode, lr=cfg.trainer.lr, clip_grad=cfg.trainer.clip_grad,
             micro_batch_size=cfg.trainer.micro_batch_size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -92,16 +92,19 @@ class Run:
             path = str(warm_start_for(self.cfg, tok, prompts, log=lambda m: print(m, flush=True)))
         return Path(broadcast_json(path))
 
-    def _check_rollout_quality(self, model_path: Path) -> None:
+    def _check_rollout_quality(self, model_path: Path, tok, prompts) -> None:
         """Warn when the configured quantization damages the policy itself (agreement with the trainer
-        cannot show that). Cheap on the embedded engine's models; on servers, say how to measure it."""
+        cannot show that), on a few of the run's own eval prompts. Cheap on the embedded engine's
+        models; on servers, say how to measure it."""
         if self.cfg.rollout.backend != "local":
             print(f"note: measure what this quantization costs the model before a long run: python -m "
                   f"megatron_trace.quality --model-path {model_path} --prompts YOUR.jsonl", flush=True)
             return
         from megatron_trace.quality import quality_warning
 
-        warning = quality_warning(model_path, self.cfg.quant.policy())
+        picked = prompts.eval_set(4) or prompts.sample(4, 0)
+        warning = quality_warning(model_path, self.cfg.quant.policy(), [
+            {"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked])
         if warning:
             print(f"WARNING: {warning}", flush=True)
 

@@ -1,21 +1,23 @@
-"""Same seeds and prompts, six ways to train with FP4 rollout; a table and curves of the result.
+"""Same seeds and prompts, several ways to train with FP4 rollout; a table and curves of the result.
 
-    .venv/bin/python scripts/compare_methods.py --out results/compare [--steps 40] [base overrides ...]
+    .venv/bin/python scripts/compare_methods.py --out results/compare --steps 200 --seeds 0,1 [base overrides ...]
 
-Methods (each a run of `python -m megatron_trace.train --config configs/tiny_cpu.yaml`):
+Methods (each a run of `python -m megatron_trace.train --config configs/tiny_cpu.yaml` per seed):
   bf16            BF16 rollout and BF16 trainer (the reference)
   naive_fp4       FP4 rollout, BF16 trainer, no correction
   fp4_qat         FP4 rollout, plain QAT (round to nearest) in the trainer
   fp4_tis         FP4 rollout, BF16 trainer, truncated importance sampling
   trace_full      FP4 rollout, TRACE guided QAT with full codes
   trace_mantissa  FP4 rollout, TRACE guided QAT with 1 mantissa bit per element
-Writes <out>/table.md, <out>/curves.png (reward and mean |dlogp| over steps) and
-<out>/dlogp_by_position.png, and the raw runs under <out>/runs/.
+Every figure is the mean over seeds with the spread (min..max) as a band. Writes <out>/table.md,
+<out>/curves.png (sampled reward, mean and max |dlogp| over steps), <out>/summary.json and the
+raw runs under <out>/runs/<method>/seed<k>/.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -29,19 +31,23 @@ METHODS = {
     "trace_full": ["trainer.qat_mode=guided", "guidance.mode=full"],
     "trace_mantissa": ["trainer.qat_mode=guided", "guidance.mode=mantissa"],
 }
+CURVES = (("rollout/reward_mean", "sampled reward (5-step mean)", False),
+          ("mismatch/mean_abs_dlogp", "mean |logp_rollout - logp_train|", True),
+          ("mismatch/max_abs_dlogp", "max |logp_rollout - logp_train|", True))
 
 
-def run_method(name: str, out: Path, steps: int, base: list[str], reuse: bool = False) -> Path:
-    run_dir = out / "runs" / name
+def run_method(name: str, seed: int, out: Path, steps: int, base: list[str], reuse: bool = False) -> Path:
+    run_dir = out / "runs" / name / f"seed{seed}"
     if reuse and (run_dir / "summary.json").exists():
-        print(f"[{name}] reusing {run_dir}", flush=True)
+        print(f"[{name} seed {seed}] reusing {run_dir}", flush=True)
         return run_dir
     cmd = [sys.executable, "-m", "megatron_trace.train", "--config", str(ROOT / "configs/tiny_cpu.yaml"),
-           f"trainer.steps={steps}", f"logging.run_dir={run_dir}", "logging.progress=false", *base, *METHODS[name]]
-    print(f"[{name}] {' '.join(cmd[3:])}", flush=True)
+           f"trainer.steps={steps}", f"trainer.seed={seed}", f"logging.run_dir={run_dir}", "logging.progress=false",
+           *base, *METHODS[name]]
+    print(f"[{name} seed {seed}] {' '.join(cmd[3:])}", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"[{name}] failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"[{name} seed {seed}] failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return run_dir
 
 
@@ -51,49 +57,67 @@ def load(run_dir: Path) -> tuple[list[dict], dict]:
     return [steps[k] for k in sorted(steps)], json.loads((run_dir / "summary.json").read_text())
 
 
-def table(results: dict[str, tuple[list[dict], dict]]) -> str:
-    head = ("| method | held-out reward before → after | greedy acc before → after | train reward (last 5 steps) | mean abs dlogp | max abs dlogp | K3 KL "
-            "| clipped frac | guidance B/token | step time (s) |")
-    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, (rows, s) in results.items():
-        tail = rows[-5:]
-        mean = lambda k: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
+def _spread(values: list[float], fmt: str) -> str:
+    """mean ± half the min..max range over seeds."""
+    half = (max(values) - min(values)) / 2
+    return f"{format(statistics.fmean(values), fmt)} ± {format(half, fmt)}"
+
+
+def summarize(runs: list[tuple[list[dict], dict]]) -> dict:
+    def per_seed(f):
+        return [f(rows, s) for rows, s in runs]
+
+    return {
+        "seeds": len(runs),
+        "eval_reward_before": per_seed(lambda r, s: s["eval_reward_before"]),
+        "eval_reward_after": per_seed(lambda r, s: s["eval_reward_after"]),
+        "eval_accuracy_before": per_seed(lambda r, s: s["eval_accuracy_before"]),
+        "eval_accuracy_after": per_seed(lambda r, s: s["eval_accuracy_after"]),
+        "train_reward_last10": per_seed(lambda r, s: statistics.fmean(x["rollout/reward_mean"] for x in r[-10:])),
+        "mean_abs_dlogp": per_seed(lambda r, s: statistics.fmean(x.get("mismatch/mean_abs_dlogp", 0.0) for x in r)),
+        "mean_abs_dlogp_last10": per_seed(lambda r, s: statistics.fmean(x.get("mismatch/mean_abs_dlogp", 0.0) for x in r[-10:])),
+        "max_abs_dlogp": per_seed(lambda r, s: max(x.get("mismatch/max_abs_dlogp", 0.0) for x in r)),
+        "guidance_bytes_per_token": per_seed(lambda r, s: s["guidance_bytes_per_token"]),
+        "eval_set_size": runs[0][1].get("eval_set_size"),
+    }
+
+
+def table(summary: dict[str, dict]) -> str:
+    head = ("| method | eval reward before → after | greedy eval acc before → after | train reward (last 10) "
+            "| mean abs dlogp (all / last 10 steps) | max abs dlogp | guidance B/token |")
+    lines = [head, "|---|---|---|---:|---:|---:|---:|"]
+    for name, s in summary.items():
         lines.append(
-            f"| {name} | {s['eval_reward_before']:.3f} → {s['eval_reward_after']:.3f} "
-            f"| {s['eval_accuracy_before']:.3f} → {s['eval_accuracy_after']:.3f} "
-            f"| {sum(r['rollout/reward_mean'] for r in tail) / len(tail):.3f} | {mean('mismatch/mean_abs_dlogp'):.4f} "
-            f"| {max(r.get('mismatch/max_abs_dlogp', 0) for r in rows):.3f} | {mean('mismatch/k3_kl'):.2e} "
-            f"| {mean('mismatch/clipped_frac'):.4f} | {mean('mismatch/guidance_bytes_per_token'):.0f} | {mean('perf/step_s'):.2f} |")
+            f"| {name} | {_spread(s['eval_reward_before'], '.3f')} → {_spread(s['eval_reward_after'], '.3f')} "
+            f"| {_spread(s['eval_accuracy_before'], '.3f')} → {_spread(s['eval_accuracy_after'], '.3f')} "
+            f"| {_spread(s['train_reward_last10'], '.3f')} | {_spread(s['mean_abs_dlogp'], '.4f')} / "
+            f"{_spread(s['mean_abs_dlogp_last10'], '.4f')} | {_spread(s['max_abs_dlogp'], '.3f')} "
+            f"| {statistics.fmean(s['guidance_bytes_per_token']):.0f} |")
     return "\n".join(lines)
 
 
-def plots(results, out: Path) -> None:
+def plots(results: dict[str, list[tuple[list[dict], dict]]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, (rows, _) in results.items():
-        steps = [r["step"] for r in rows]
-        axes[0].plot(steps, _smooth([r["rollout/reward_mean"] for r in rows]), label=name)
-        axes[1].plot(steps, [r.get("mismatch/mean_abs_dlogp", 0) for r in rows], label=name)
-    axes[0].set(title="reward (sampled, 5-step mean)", xlabel="RL step")
-    axes[1].set(title="mean |logp_rollout - logp_train|", xlabel="RL step", yscale="log")
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 4))
+    for name, runs in results.items():
+        n = min(len(rows) for rows, _ in runs)
+        steps = [runs[0][0][i]["step"] for i in range(n)]
+        for ax, (key, title, log) in zip(axes, CURVES):
+            per = [_smooth([rows[i].get(key, 0.0) for i in range(n)]) for rows, _ in runs]
+            mean = [statistics.fmean(v) for v in zip(*per)]
+            (line,) = ax.plot(steps, mean, label=name)
+            ax.fill_between(steps, [min(v) for v in zip(*per)], [max(v) for v in zip(*per)], color=line.get_color(),
+                            alpha=0.2)
+            ax.set(title=title, xlabel="RL step", yscale="log" if log else "linear")
     axes[0].legend(fontsize=8)
+    fig.suptitle(f"mean over {len(next(iter(results.values())))} seeds, band = min..max")
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=110)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, (rows, _) in results.items():
-        keys = sorted({k for r in rows for k in r if k.startswith("mismatch/dlogp_pos_")},
-                      key=lambda k: int(k.split("_")[-2]))
-        if keys:
-            ax.plot([int(k.split("_")[-2]) for k in keys],
-                    [sum(r.get(k, 0) for r in rows) / len(rows) for k in keys], marker="o", label=name)
-    ax.set(title="mean |dlogp| by response position", xlabel="response position (bucket start)", yscale="log")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "dlogp_by_position.png", dpi=110)
+    plt.close(fig)
 
 
 def _smooth(v, k=5):
@@ -103,7 +127,8 @@ def _smooth(v, k=5):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/compare")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seeds", default="0,1", help="comma-separated trainer seeds (>= 2 to see a spread)")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     ap.add_argument("--reuse", action="store_true", help="keep runs that already finished (same settings!)")
     ap.add_argument("base", nargs="*", help="extra section.key=value overrides for every run")
@@ -111,11 +136,16 @@ def main(argv=None) -> None:
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         ap.error(f"unknown methods {unknown}; allowed: {', '.join(METHODS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {m: load(run_method(m, out, args.steps, args.base, args.reuse)) for m in args.methods.split(",")}
-    md = table(results)
+    results = {m: [load(run_method(m, seed, out, args.steps, args.base, args.reuse)) for seed in seeds]
+               for m in args.methods.split(",")}
+    summary = {m: summarize(runs) for m, runs in results.items()}
+    md = table(summary)
     (out / "table.md").write_text(md + "\n")
+    (out / "summary.json").write_text(json.dumps({"steps": args.steps, "seeds": seeds, "base": args.base,
+                                                  "methods": summary}, indent=1))
     plots(results, out)
     print(md)
 
