@@ -69,16 +69,26 @@ if [[ -z ${SLURM_JOB_ID:-} && $DRY_RUN == 0 ]]; then
 fi
 
 # -- the run config, resolved by the project's own loader ----------------------------------------
-resolved=$("$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
-import shlex, sys
+resolved=$(DRY_RUN=$DRY_RUN "$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
+import os, shlex, sys
 from megatron_trace.config import Config
 cfg = Config.load(sys.argv[1], sys.argv[2:])
 q, g, r, t = cfg.quant, cfg.guidance, cfg.rollout, cfg.trainer
 quant = "" if "bf16" in (q.format, q.weights) else (q.format if q.activations == "fp4" else f"w4a16_{q.format}")
+pol = q.policy().for_family(cfg.model.family)  # kv=auto -> the family's K and V formats
+kv = pol.k_format
+if pol.k_format != pol.v_format and cfg.rollout.backend == "http":
+    msg = (f"quant.kv_k={pol.k_format} / quant.kv_v={pol.v_format}: SGLang servers take one --kv-cache-dtype and "
+           "the plugin has no per-side KV method yet, so servers and trainer would quantize K differently; "
+           "set quant.kv (quant.kv=bf16 loses nothing) or use rollout.backend=local")
+    if os.environ.get("DRY_RUN") != "1":
+        sys.exit(msg)
+    print(f"warning: a real run stops here: {msg}", file=sys.stderr)
+    kv = f"K:{pol.k_format}+V:{pol.v_format}"
 if not isinstance(g.layers, (int, str)):
     sys.exit(f"guidance.layers={g.layers!r}: servers take last_half|all|none|N")
 vals = {"TP": t.tp, "PP": t.pp, "CFG_SGLANG_TP": cfg.cluster.sglang_tp, "CFG_GPUS": cfg.cluster.gpus_per_node,
-        "QUANT": quant, "KV": q.kv, "GUIDE_MODE": g.mode, "GUIDE_LAYERS": g.layers, "ROLLOUT_DTYPE": r.dtype,
+        "QUANT": quant, "KV": kv, "GUIDE_MODE": g.mode, "GUIDE_LAYERS": g.layers, "ROLLOUT_DTYPE": r.dtype,
         "MAX_RUNNING": r.max_running, "SEED": t.seed, "CFG_RUN_DIR": cfg.logging.run_dir,
         "CFG_MODEL": cfg.model.path, "CFG_TRANSPORT": cfg.transfer.transport}
 for k, v in vals.items():

@@ -40,7 +40,8 @@ def test_dry_run_plan_for_16_nodes():
     text = out.stdout
     assert "trainer: 4 nodes (node001 node002 node003 node004), TP=8 PP=4 DP=1 = 32 ranks (8 per node)" in text
     assert "rollout: 12 nodes (node005 " in text and "24 servers (2/node, SGLang TP=4, backend sglang)" in text
-    assert "quantization=nvfp4 kv=nvfp4 guidance=mantissa on layers 40; weight sync: distributed" in text
+    assert "quantization=nvfp4 kv=K:fp8+V:nvfp4 guidance=mantissa on layers 40; weight sync: distributed" in text
+    assert "warning: a real run stops here: quant.kv_k=fp8 / quant.kv_v=nvfp4: SGLang servers take one" in out.stderr
     servers = [ln for ln in text.splitlines() if "sglang_backend.launch --backend sglang" in ln]
     assert len(servers) == 24
     assert all("--exact" in ln and "--gres=gpu:4" in ln and "--nodes 1 --ntasks 1 -w node0" in ln for ln in servers)

@@ -156,6 +156,13 @@ class QuantPolicy:
         k, v = auto_kv_formats(arch)
         return QuantPolicy.from_dict({**self.to_dict(), "kv_k": self.kv_k or k, "kv_v": self.kv_v or v})
 
+    def for_family(self, family: str) -> QuantPolicy:
+        """`for_arch` for a model family name (qwen2 | qwen3 | qwen3_moe), when no checkpoint is at hand."""
+        from .arch import ModelArch
+        from .tiny import tiny_hf_config
+
+        return self.for_arch(ModelArch.from_hf_config(tiny_hf_config(family)))  # the family's q/k-norm fact
+
     def _side(self, which: str) -> str:
         if which not in ("k", "v"):
             raise ValueError(f"KV side must be 'k' or 'v'; got {which!r}")
