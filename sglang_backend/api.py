@@ -18,6 +18,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 _SAMPLING_ALIASES = {"stop_token_ids": list}
+GUIDANCE_KEY = "trace_return_guidance"  # sampling_params.custom_params key that asks for a guidance record
 DEFAULT_VERSION = "default"  # SGLang's weight_version when the server was started without --weight-version
 
 

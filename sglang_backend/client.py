@@ -28,7 +28,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from sglang_backend.api import GenerateRequest, GenerateResult, WeightBucket
+from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, GenerateResult, WeightBucket
 
 
 class RolloutError(RuntimeError):
@@ -149,8 +149,10 @@ class RolloutClient:
 
     # -- generation ------------------------------------------------------------------------------
     def _generate_one(self, req: GenerateRequest) -> list[GenerateResult]:
-        payload = {"input_ids": list(req.input_ids), "sampling_params": req.sampling_params.to_dict(),
-                   "return_logprob": req.return_logprob, "return_guidance": req.return_guidance}
+        sp = req.sampling_params.to_dict()
+        if req.return_guidance:  # SGLang drops unknown top-level keys; custom_params reach its scheduler
+            sp["custom_params"] = {GUIDANCE_KEY: True}
+        payload = {"input_ids": list(req.input_ids), "sampling_params": sp, "return_logprob": req.return_logprob}
         if req.rid is not None:
             payload["rid"] = req.rid
         tried: set[str] = set()
@@ -184,6 +186,10 @@ class RolloutClient:
                 raise RolloutError(_message(status, body), status, url + "/generate")
             out = json.loads(body)
             results = [GenerateResult.from_sglang(o) for o in (out if isinstance(out, list) else [out])]
+            if req.return_guidance:  # both servers keep a sample's record under its rid
+                for r in results:
+                    if r.guidance_handle is None and r.finish_reason.get("type") != "abort":
+                        r.guidance_handle = r.rid
             with self._lock:
                 self.served[url] += 1
                 self._down_until[url] = 0.0
@@ -207,7 +213,7 @@ class RolloutClient:
             url = self._handles.pop(handle, None)
         for u in [url] if url else self.urls:
             try:
-                return self._call(u, "/get_guidance", {"handle": handle})
+                return self._call(u, "/get_guidance", {"rid": handle})
             except RolloutError as e:
                 if url or e.status != 404:
                     raise

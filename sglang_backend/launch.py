@@ -101,6 +101,18 @@ def _online_policy(args: argparse.Namespace) -> str:
     return json.dumps({"policy": policy.to_dict(), "num_layers": layers})
 
 
+def _guided_layer_list(args: argparse.Namespace) -> list[int]:
+    """--guided-layers resolved against the checkpoint's layer count (the plugin gets explicit indices)."""
+    from megatron_trace.guidance import guided_layers
+    from megatron_trace.models import ModelArch
+
+    try:
+        layers = ModelArch.from_hf_config(Path(args.model_path)).num_layers
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read the model config of {args.model_path}: {e}") from None
+    return guided_layers(layers, args.guided_layers)
+
+
 def _device(args: argparse.Namespace) -> str:
     if args.device != "auto":
         return args.device
@@ -120,7 +132,7 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
            "--max-running-requests", str(args.max_running_requests), "--skip-tokenizer-init",
            "--weight-version", str(args.weight_version)]
     env = {"SGLANG_PLUGINS": PLUGIN_NAME, "TRACE_GUIDANCE_MODE": args.guidance_mode,
-           "TRACE_GUIDED_LAYERS": str(args.guided_layers)}
+           "TRACE_GUIDED_LAYERS": ",".join(map(str, _guided_layer_list(args)))}
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     export = args.quantization in (None, "nvfp4", "modelopt_fp4") and _is_fp4_export(args.model_path)

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import shlex
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ def bf16_ckpt(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), "qwen2", seed=3))
 
 
-def _dry(capsys, *argv, model="/m"):
+def _dry(capsys, *argv, model):
     assert main(["--backend", "sglang", "--model-path", model, "--dry-run", *argv]) == 0
     line = capsys.readouterr().out.strip()
     words = shlex.split(line)
@@ -35,6 +36,7 @@ def test_translation(capsys, bf16_ckpt):
                     "--kv-cache-dtype", "mxfp4", "--tp-size", "4", "--dtype", "bfloat16", "--random-seed", "7",
                     "--device", "cuda", "--", "--mem-fraction-static", "0.8", "--enable-metrics", model=bf16_ckpt)
     assert env["SGLANG_PLUGINS"] == "trace_fp4" and env["TRACE_GUIDANCE_MODE"] == "mantissa"
+    assert env["TRACE_GUIDED_LAYERS"] == "2,3"  # last_half of 4 layers, resolved for the plugin
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
     for name, want in (("--model-path", bf16_ckpt), ("--host", "0.0.0.0"), ("--port", "31000"),
                        ("--quantization", "trace_nvfp4"), ("--kv-cache-dtype", "fp4_mx_block16"), ("--tp-size", "4"),
@@ -47,8 +49,8 @@ def test_translation(capsys, bf16_ckpt):
     assert online["num_layers"] == 4 and online["policy"]["targets"][0] == "*.mlp.gate_proj"
 
 
-def test_cpu_engine_flags(capsys):
-    env, cmd = _dry(capsys, "--device", "cpu", "--max-total-tokens", "2048")
+def test_cpu_engine_flags(capsys, bf16_ckpt):
+    env, cmd = _dry(capsys, "--device", "cpu", "--max-total-tokens", "2048", model=bf16_ckpt)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     for name, want in (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--sampling-backend", "pytorch"),
                        ("--mem-fraction-static", "0.05"), ("--max-total-tokens", "2048")):
@@ -56,21 +58,22 @@ def test_cpu_engine_flags(capsys):
     assert "--disable-cuda-graph" in cmd
 
 
-def test_nvfp4_export_needs_no_flag(capsys, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}}))
+def test_nvfp4_export_needs_no_flag(capsys, tmp_path, bf16_ckpt):
+    cfg = json.loads((Path(bf16_ckpt) / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     env, cmd = _dry(capsys, "--quantization", "nvfp4", "--device", "cpu", model=str(tmp_path))
     assert "--quantization" not in cmd and "TRACE_QUANT_POLICY" not in env
 
 
 @pytest.mark.parametrize("ours,theirs", [("nvfp4", "nvfp4"), ("auto", "auto"), ("bf16", "bf16")])
-def test_kv_dtypes(capsys, ours, theirs):
-    _, cmd = _dry(capsys, "--kv-cache-dtype", ours)
+def test_kv_dtypes(capsys, ours, theirs, bf16_ckpt):
+    _, cmd = _dry(capsys, "--kv-cache-dtype", ours, model=bf16_ckpt)
     assert _flag(cmd, "--kv-cache-dtype") == theirs and "--quantization" not in cmd and "--api-key" not in cmd
 
 
 def test_quantization_choices(capsys, bf16_ckpt):
-    _, cmd = _dry(capsys, "--quantization", "modelopt_fp4")
+    _, cmd = _dry(capsys, "--quantization", "modelopt_fp4", model=bf16_ckpt)
     assert _flag(cmd, "--quantization") == "modelopt_fp4"
     _, cmd = _dry(capsys, "--quantization", "mxfp4", model=bf16_ckpt)
     assert _flag(cmd, "--quantization") == "trace_mxfp4"

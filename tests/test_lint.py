@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(ROOT.glob("scripts/*.sh")) + [ROOT / ".ci" / "run"]
+SCRIPTS = sorted(ROOT.glob("scripts/*.sh")) + sorted(ROOT.glob("scripts/*/*.sh")) + [ROOT / ".ci" / "run"]
 
 
 def _tool(name: str) -> str:

@@ -216,19 +216,33 @@ def test_config_from_exported_checkpoint_and_exclusion(monkeypatch):
         TraceFP4Config.from_config({"quant_algo": "NVFP4", "group_size": 32})
 
 
-def test_publish_and_guidance_response(tmp_path, monkeypatch):
+def test_slot_capture_record_and_guidance_answer(tmp_path, monkeypatch):
+    """Rows land by KV slot; a request's record gathers its slots in order (a reused prefix slot
+    too) in the project's record format; /get_guidance's answer is those bytes once, then 404."""
+    from megatron_trace.guidance import GuidanceRecord, encode_records, make_site
+    from sglang_backend.plugin import slot_capture
+
     monkeypatch.setenv(capture.GUIDANCE_DIR_ENV, str(tmp_path))
-    buf = capture.GuidanceCaptureBuffer({"s": 32}, max_slots=2, max_tokens=4)
-    x = torch.randn(3, 32)
+    cap = slot_capture.SlotCapture(8, "full", guided_layers=[1])
+    x = torch.randn(5, 32)
     q = nvfp4.quantize(x, per_row_global=True)
-    buf.write("s", torch.tensor([1, 1, 9]), torch.tensor([0, 1, 0]), q)  # slot 9: out of range -> dump
-    buf.publish(1, "req-1")
-    resp = register.guidance_response({"rid": "req-1"})
-    assert resp["sites"]["s"]["tokens"] == 2 and resp["sites"]["s"]["in_features"] == 32
-    with pytest.raises(KeyError):
-        capture.load_published("req-1")  # popped
-    with pytest.raises(ValueError):
-        capture.load_published("../etc")
+    with capture.capture_batch(torch.tensor([3, 4, 5, 6, 99]), None, buffer=cap):  # slot 99: the dump row
+        capture.record("model.layers.1.mlp.down_proj", q)
+        capture.record("model.layers.0.mlp.down_proj", q)  # not a guided layer
+    assert list(cap.sites) == ["model.layers.1.mlp.down_proj"]
+    got = cap.record("r-1", torch.tensor([5, 3, 4]))
+    rows = torch.tensor([2, 0, 1])
+    want = encode_records(["r-1"], "full", [3], {"model.layers.1.mlp.down_proj": make_site(
+        q.scale[rows], q.global_scale[rows], q.data[rows], "full")})[0]
+    assert got == want and GuidanceRecord.from_bytes(got).num_positions == 3
+    slot_capture.publish("r-1", got)
+    assert register.guidance_answer({"rid": "r-1"}) == (200, got)
+    assert register.guidance_answer({"rid": "r-1"})[0] == 404  # already fetched
+    assert register.guidance_answer({"rid": "../etc"})[0] == 400 and register.guidance_answer({})[0] == 400
+    with capture.capture_batch(torch.tensor([1, 2]), None, buffer=cap):  # 2 slots, 5 rows: an error, not a skip
+        capture.record("model.layers.1.mlp.down_proj", q)
+    with pytest.raises(RuntimeError, match="5 quantized rows but 2 token slots"):
+        cap.record("r-2", torch.tensor([1]))
 
 
 def test_import_without_sglang():

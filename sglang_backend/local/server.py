@@ -7,7 +7,10 @@ Endpoints (as sglang 0.5.x): POST /generate; GET /health, /health_generate; GET 
 (/get_model_info); GET|POST /flush_cache; POST /pause_generation, /continue_generation,
 /update_weights_from_disk, /update_weights_from_tensor, /init_weights_update_group,
 /update_weights_from_distributed, /destroy_weights_update_group, /update_weight_version;
-our extension POST /get_guidance {"handle"} -> application/octet-stream record bytes.
+our extension POST /get_guidance {"rid"} -> application/octet-stream record bytes (404 JSON for an unknown
+or already-fetched rid), the same as the SGLang plugin's. A request asks for guidance with
+`sampling_params.custom_params.trace_return_guidance` (what SGLang passes to its scheduler; the old
+top-level `return_guidance` is accepted too).
 
 Deliberate difference from SGLang — NO PICKLE: SGLang's /update_weights_from_tensor takes
 pickled CUDA-IPC handles, which would let any caller run code here. This server accepts either
@@ -33,7 +36,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_trace.models import ModelArch
-from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
+from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, SamplingParams, WeightBucket
 
 from .engine import Engine
 from .http_util import Body, HTTPError, as_version, check_auth, is_loopback, send, want
@@ -121,11 +124,17 @@ class RolloutServer:
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:  # checked for all prompts before any is queued: a batch is all or nothing
                 raise HTTPError(400, f"input_ids hold tokens outside the vocabulary [0, {vocab}): {bad[:5]}", "text")
+            s = dict(s or {})
+            custom = s.pop("custom_params", None) or {}  # SGLang's pass-through to its scheduler
+            if not isinstance(custom, dict):
+                raise HTTPError(400, f"sampling_params.custom_params must be an object; got {type(custom).__name__}",
+                                "text")
             try:
                 params = SamplingParams.from_dict(s)
             except (ValueError, TypeError) as e:
                 raise HTTPError(400, str(e), "text") from None
-            reqs.append(GenerateRequest(p, params, r, ret_lp, bool(d.get("return_guidance", False))))
+            guided = bool(custom.get(GUIDANCE_KEY, False)) or bool(d.get("return_guidance", False))
+            reqs.append(GenerateRequest(p, params, r, ret_lp, guided))
         submitted: list[str] = []
         try:
             for r in reqs:
@@ -145,7 +154,8 @@ class RolloutServer:
         send(h, 200, out if batch or len(out) > 1 else out[0])
 
     def get_guidance(self, h, body: Body, query):
-        handle = want(body.json(required=True), "handle", str)
+        d = body.json(required=True)
+        handle = want(d, "rid" if "rid" in d or "handle" not in d else "handle", str)  # "handle": the old name
         try:
             data = self.engine.fetch_guidance(handle)
         except KeyError as e:

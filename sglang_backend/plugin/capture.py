@@ -139,6 +139,8 @@ def capture_batch(slots: torch.Tensor, positions: torch.Tensor, buffer: Guidance
 def record(site: str | None, q: nvfp4.NVFP4Tensor) -> None:
     """Called by the quant methods with each quantized input; a no-op outside `capture_batch`."""
     buf, slots, pos = _STATE["buffer"], _STATE["slots"], _STATE["positions"]
-    if site is None or buf is None or slots is None or q.data.dim() != 2 or slots.shape[0] != q.data.shape[0]:
+    if site is None or buf is None or slots is None:
         return
-    buf.write(site, slots, pos, q)
+    if isinstance(buf, GuidanceCaptureBuffer) and (q.data.dim() != 2 or slots.shape[0] != q.data.shape[0]):
+        return
+    buf.write(site, slots, pos, q)  # a SlotCapture (slot_capture.py) records a row mismatch as its error

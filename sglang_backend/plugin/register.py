@@ -14,20 +14,21 @@ SGLang lacks the hook:
 2. CLI: `sglang.srt.server_args.add_quantization_method_choices` (or QUANTIZATION_CHOICES).
 3. KV cache: SGLang's NVFP4 KV method with TRACE's quantize_and_store replaces the `nvfp4` entry
    of KV_CACHE_QUANT_REGISTRY (TRACE_FP4_KV=0 keeps SGLang's).
-4. HTTP: `POST /get_guidance` on `sglang.srt.entrypoints.http_server.app` (main process only).
-5. Capture: an AROUND hook on ModelRunner.forward (sglang.srt.plugins.hook_registry.HookRegistry)
-   that tells guided linears which request slot and position each token row is.
+4. HTTP: `POST /get_guidance {"rid"}` on `sglang.srt.entrypoints.http_server.app` (main process
+   only): the GuidanceRecord bytes, 404 JSON for an unknown or already-fetched rid.
+5. Capture (slot_capture.py, SGLang's state-capturer shape): an AROUND hook on ModelRunner.forward
+   gives guided linears the batch's KV slots; an AFTER hook on the finish of each request
+   (SchedulerBatchResultProcessor._maybe_collect_routed_experts) publishes its record.
 """
 from __future__ import annotations
 
-import base64
 import importlib
 import logging
 import multiprocessing
 import os
 import sys
 
-from . import capture
+from . import capture, slot_capture
 from .kv_capture import sglang_kv_method_class, sglang_nvfp4_base
 from .online_quant import TraceMXFP4OnlineConfig, TraceNVFP4OnlineConfig
 from .quant_method import TraceFP4Config, set_active
@@ -38,6 +39,9 @@ TARGET_SGLANG_VERSION = "0.5.23"
 CONFIGS = {TraceFP4Config.NAME: TraceFP4Config, TraceNVFP4OnlineConfig.NAME: TraceNVFP4OnlineConfig,
            TraceMXFP4OnlineConfig.NAME: TraceMXFP4OnlineConfig}
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+# called for every finishing request before its KV is released (routed experts are collected there)
+FINISH_TARGET = ("sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
+                 "_maybe_collect_routed_experts")
 
 
 def _import(name: str):
@@ -95,13 +99,20 @@ def register_kv_method() -> bool:
     return True
 
 
-def guidance_response(body: dict) -> dict:
-    """The JSON for POST /get_guidance {"rid": ...}: per site base64 codes/scales/global_scale."""
-    recs = capture.load_published(str(body.get("rid", "")), pop=bool(body.get("pop", True)))
-    b64 = lambda t: base64.b64encode(t.contiguous().numpy().tobytes()).decode("ascii")  # noqa: E731
-    return {"rid": body["rid"], "sites": {
-        s: {"tokens": int(q.data.shape[0]), "in_features": int(q.data.shape[-1] * 2), "codes": b64(q.data),
-            "scales": b64(q.scale), "global_scale": b64(q.global_scale)} for s, q in recs.items()}}
+def guidance_answer(body) -> tuple[int, bytes | dict]:
+    """POST /get_guidance {"rid"}: (200, the GuidanceRecord bytes) or (status, {"error": ...}); the same
+    body and answer as the embedded server's. A record is handed out once."""
+    rid = body.get("rid") if isinstance(body, dict) else None
+    if not isinstance(rid, str):
+        return 400, {"error": "body must be {\"rid\": \"<request id>\"}"}
+    try:
+        return 200, slot_capture.take(rid)
+    except KeyError as e:
+        return 404, {"error": str(e.args[0])}
+    except ValueError as e:
+        return 400, {"error": str(e)}
+    except RuntimeError as e:
+        return 500, {"error": f"guidance of request {rid!r} was not captured: {e}"}
 
 
 def register_http_route(app=None) -> bool:
@@ -118,15 +129,16 @@ def register_http_route(app=None) -> bool:
         return True
 
     async def get_guidance(request):
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, Response
 
         try:
             body = await request.json()
-            return JSONResponse(guidance_response(body if isinstance(body, dict) else {}))
-        except KeyError as e:
-            return JSONResponse({"error": str(e)}, status_code=404)
-        except (ValueError, TypeError) as e:
-            return JSONResponse({"error": str(e)}, status_code=400)
+        except ValueError:
+            body = None
+        status, out = guidance_answer(body)
+        if status == 200:
+            return Response(content=out, media_type="application/octet-stream")
+        return JSONResponse(out, status_code=status)
 
     from fastapi import Request
 
@@ -135,36 +147,14 @@ def register_http_route(app=None) -> bool:
     return True
 
 
-def _token_slots(forward_batch):
-    import torch
-
-    slots = forward_batch.req_pool_indices
-    mode = getattr(forward_batch, "forward_mode", None)
-    if mode is not None and hasattr(mode, "is_decode") and not mode.is_decode():
-        lens = getattr(forward_batch, "extend_seq_lens", None)
-        slots = torch.repeat_interleave(slots, lens) if lens is not None else slots
-    return slots, forward_batch.positions
-
-
-def _forward_with_capture(original, self, forward_batch, *args, **kwargs):
-    if capture.get_capture_buffer() is None:
-        return original(self, forward_batch, *args, **kwargs)
-    try:
-        slots, positions = _token_slots(forward_batch)
-    except Exception:  # noqa: BLE001 - an unexpected batch layout disables capture, never the forward
-        log.exception("trace_fp4: cannot map tokens to request slots; this forward is not captured")
-        return original(self, forward_batch, *args, **kwargs)
-    with capture.capture_batch(slots, positions):
-        return original(self, forward_batch, *args, **kwargs)
-
-
 def register_capture_hook() -> bool:
     mod = _import("sglang.srt.plugins.hook_registry")
     reg, kinds = (getattr(mod, "HookRegistry", None), getattr(mod, "HookType", None)) if mod else (None, None)
     if reg is None or kinds is None:
         log.warning("trace_fp4: no HookRegistry in this SGLang; guidance is not captured")
         return False
-    reg.register(FORWARD_TARGET, _forward_with_capture, kinds.AROUND)
+    reg.register(FORWARD_TARGET, slot_capture.forward_with_capture, kinds.AROUND)
+    reg.register(FINISH_TARGET, slot_capture.on_request_finished, kinds.AFTER)
     return True
 
 

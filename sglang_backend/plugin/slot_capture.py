@@ -1,0 +1,206 @@
+"""Guidance capture inside a real SGLang server, in the shape of SGLang's per-token state capturers.
+
+`sglang/srt/state_capturer/base.py` keeps a host cache indexed by KV slot (`out_cache_loc`),
+writes each forward's rows there and, when a request finishes, reads its rows back through
+`req_to_token[req_pool_idx, :seqlen - 1]`. Guidance does the same: `SlotCapture` holds, per
+guided site, the packed codes, E4M3 scale bytes and S_enc of the token in each KV slot; the
+quant methods write into it (`capture.record` -> `write`) while the AROUND hook on
+`ModelRunner.forward` has the batch's `out_cache_loc` in place; the AFTER hook on
+`SchedulerBatchResultProcessor._maybe_collect_routed_experts` (SGLang calls it for every request that
+finishes, before its KV is released) gathers the request's rows and builds the record with the
+project's one record format (`megatron_trace.guidance.encode_records`).
+
+Slot indexing is what makes the radix cache and `n > 1` right: a prefix computed once (SGLang
+prefills it in a warm-up request before the n samples) lives in KV slots every request that
+reuses it points to, and so do its guidance rows. Writes are `index_copy_` into tensors
+allocated up front, so a CUDA graph that captured them keeps writing into the same storage.
+
+The record leaves the model process through a directory (shared memory by default): the
+scheduler `publish`es the bytes under the request's rid, the HTTP route (`/get_guidance`, the
+same body and answer as the embedded server's) pops them. Requests opt in with
+`sampling_params.custom_params = {"trace_return_guidance": true}` (SGLang's own private
+transport to the scheduler; unknown top-level keys of /generate are dropped).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from megatron_trace.fp4 import nvfp4
+from megatron_trace.guidance import encode_records, make_site
+from megatron_trace.guidance.record import layer_of
+
+from sglang_backend.api import GUIDANCE_KEY  # in sampling_params.custom_params
+
+from . import capture
+
+log = logging.getLogger(__name__)
+
+GUIDANCE_DIR_ENV = capture.GUIDANCE_DIR_ENV
+GUIDED_LAYERS_ENV = "TRACE_GUIDED_LAYERS"  # comma-separated layer indices (the launcher resolves them)
+MODE_ENV = "TRACE_GUIDANCE_MODE"
+_SAFE_RID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+
+
+class SlotCapture:
+    """Per guided site: codes [capacity + 1, K/2], scales [.., K/16], S_enc [..]; row `capacity` is the dump."""
+
+    def __init__(self, capacity: int, mode: str, guided_layers, device: torch.device | str = "cpu"):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1; got {capacity}")
+        self.capacity, self.mode, self.device = capacity, mode, torch.device(device)
+        self.guided = set(guided_layers)
+        self.sites: dict[str, dict[str, torch.Tensor]] = {}  # first-write order = the record's site order
+        self.static: dict[str, float | None] = {}  # one static S_enc for every row so far, else None
+        self.error: str | None = None
+
+    def write(self, site: str, slots: torch.Tensor, positions, q: nvfp4.NVFP4Tensor) -> None:
+        """q: the [T, K] quantized input of `site`; row t belongs to KV slot slots[t]."""
+        if layer_of(site) not in self.guided:
+            return
+        if q.data.dim() != 2 or slots.shape[0] != q.data.shape[0]:
+            self.error = (f"{site}: {q.data.shape[0]} quantized rows but {slots.shape[0]} token slots in the "
+                          "batch (padded or split batches are not captured)")
+            return
+        s = self.sites.get(site)
+        if s is None:
+            rows = self.capacity + 1
+            s = self.sites[site] = {
+                "codes": torch.zeros(rows, q.data.shape[1], dtype=torch.uint8, device=self.device),
+                "scales": torch.zeros(rows, q.scale.shape[1], dtype=torch.uint8, device=self.device),
+                "gs": torch.zeros(rows, dtype=torch.float32, device=self.device)}
+            self.static[site] = float(q.global_scale) if q.global_scale.dim() == 0 else None
+        loc = slots.to(device=self.device, dtype=torch.long)
+        loc = torch.where((loc >= 0) & (loc < self.capacity), loc, torch.full_like(loc, self.capacity))
+        gs = q.global_scale.to(device=self.device, dtype=torch.float32)
+        if gs.dim() == 0 and self.static[site] is not None and float(gs) != self.static[site]:
+            self.static[site] = None  # a re-synced static scale: rows keep the S_enc they were quantized with
+        elif gs.dim():
+            self.static[site] = None
+        s["codes"].index_copy_(0, loc, q.data.to(self.device))
+        s["scales"].index_copy_(0, loc, q.scale.to(self.device))
+        s["gs"].index_copy_(0, loc, gs.expand(loc.shape[0]) if gs.dim() == 0 else gs.reshape(-1))
+
+    def record(self, rid: str, slots: torch.Tensor) -> bytes:
+        """The GuidanceRecord bytes of a request whose positions sit in KV slots `slots` (in order)."""
+        if self.error is not None:
+            raise RuntimeError(f"guidance capture failed: {self.error}")
+        if not self.sites:
+            raise RuntimeError("no guided FP4 site ran in this server (guided layers "
+                               f"{sorted(self.guided)}; are they FP4 under the server's quantization?)")
+        idx = slots.to(device=self.device, dtype=torch.long)
+        if bool(((idx < 0) | (idx >= self.capacity)).any()):
+            raise RuntimeError(f"request {rid}: KV slots outside the capture's {self.capacity} rows")
+        sites = {}
+        for name, s in self.sites.items():
+            static = self.static[name]
+            gs = torch.tensor(static, dtype=torch.float32) if static is not None else s["gs"].index_select(0, idx)
+            sites[name] = make_site(s["scales"].index_select(0, idx).cpu(), gs.cpu(),
+                                    s["codes"].index_select(0, idx).cpu(), self.mode)
+        return encode_records([rid], self.mode, [int(idx.shape[0])], sites)[0]
+
+
+# -- the record's way out of the model process -------------------------------------------------
+def _path(rid: str, directory, suffix: str) -> Path:
+    if not isinstance(rid, str) or not _SAFE_RID.match(rid):
+        raise ValueError(f"rid must match {_SAFE_RID.pattern}; got {rid!r}")
+    return capture.guidance_dir(directory) / f"{rid}{suffix}"
+
+
+def publish(rid: str, data: bytes | None, error: str | None = None, directory=None) -> Path:
+    """Write a finished request's record bytes (or why there is none) where the route finds them."""
+    out = _path(rid, directory, ".rec" if error is None else ".err")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data if error is None else error.encode())
+    os.replace(tmp, out)
+    return out
+
+
+def take(rid: str, directory=None) -> bytes:
+    """Pop the record published for `rid`: KeyError if none (unknown or already fetched), RuntimeError
+    with the capture's message if it failed."""
+    rec, err = _path(rid, directory, ".rec"), _path(rid, directory, ".err")
+    for p in (rec, err):
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            continue
+        p.unlink(missing_ok=True)
+        if p is err:
+            raise RuntimeError(data.decode(errors="replace"))
+        return data
+    raise KeyError(f"no guidance record for request {rid!r} (unknown rid, not asked for, or already fetched)")
+
+
+# -- SGLang hooks (run in the scheduler / model process) ----------------------------------------
+def guided_layers_from_env() -> list[int] | None:
+    raw = os.environ.get(GUIDED_LAYERS_ENV)
+    if raw is None:
+        return None
+    try:
+        return [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{GUIDED_LAYERS_ENV} must be comma-separated layer indices (set by "
+                         f"sglang_backend.launch); got {raw!r}") from None
+
+
+def ensure_capture(runner) -> SlotCapture | None:
+    """The process's SlotCapture, made on the first forward from the runner's KV pool size."""
+    cur = capture.get_capture_buffer()
+    if cur is not None:
+        return cur
+    layers = guided_layers_from_env()
+    if not layers:
+        return None
+    pool = runner.token_to_kv_pool
+    capacity = int(pool.size) + int(getattr(runner, "page_size", 1) or 1) + 1
+    device = getattr(runner, "device", "cpu")
+    cap = SlotCapture(capacity, os.environ.get(MODE_ENV, "mantissa"), layers, device=device)
+    from sglang.srt.runtime_context import get_parallel  # SGLang 0.5.23: the runner keeps no tp_size
+
+    tp = int(get_parallel().tp_size)
+    if tp > 1:  # a guidance request then answers this, never a partial record
+        cap.error = (f"guidance capture at SGLang TP={tp} is not implemented: the inputs of row-parallel "
+                     "linears (o_proj, down_proj) are sharded across ranks")
+    capture.set_capture_buffer(cap)
+    log.info("trace_fp4: guidance capture for layers %s, %d KV slots, mode %s", layers, capacity, cap.mode)
+    return cap
+
+
+def forward_with_capture(original, self, forward_batch, *args, **kwargs):
+    cap = ensure_capture(self)
+    if cap is None or forward_batch.out_cache_loc is None:
+        return original(self, forward_batch, *args, **kwargs)
+    with capture.capture_batch(forward_batch.out_cache_loc, forward_batch.out_cache_loc):
+        return original(self, forward_batch, *args, **kwargs)
+
+
+def wants_guidance(req) -> bool:
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(params, dict) and bool(params.get(GUIDANCE_KEY))
+
+
+def on_request_finished(result, self, req, *args, **kwargs):
+    """AFTER hook of SchedulerBatchResultProcessor._maybe_collect_routed_experts: publish req's record."""
+    if not wants_guidance(req) or req.sampling_params.max_new_tokens == 0:
+        return result  # max_new_tokens 0: SGLang's prefix warm-up of n > 1, not a sample
+    rid = req.rid
+    try:
+        cap = capture.get_capture_buffer()
+        if not isinstance(cap, SlotCapture):
+            raise RuntimeError(f"guidance asked for, but this server captures none ({GUIDED_LAYERS_ENV}="
+                               f"{os.environ.get(GUIDED_LAYERS_ENV)!r}; start it with sglang_backend.launch)")
+        seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)
+        slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : seqlen - 1]
+        publish(rid, cap.record(rid, slots))
+    except Exception as e:  # noqa: BLE001 - the request's /get_guidance answers with the reason
+        log.exception("trace_fp4: guidance of request %s failed", rid)
+        publish(rid, None, error=f"{type(e).__name__}: {e}")
+    return result
