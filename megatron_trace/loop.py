@@ -189,7 +189,7 @@ class StepRunner:
                    for n, i in enumerate(keep)]
         if not samples:
             return {"rollout/dropped_stale": dropped, "train/skipped": 1}, []
-        self.actor.qat.agree.clear()
+        self.actor.qat.clear_counters()
         metrics, train_lp = self.actor.train_step(samples, self.loss_cfg)
         if self.store is not None:
             self.store.release_step(batch.step)

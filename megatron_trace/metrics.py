@@ -85,8 +85,11 @@ class MetricsHub:
             lg.close()
 
 
-def mismatch_scalars(m: dict, agreement: dict[str, float], bytes_per_token: float) -> dict[str, float]:
-    """Probe/loop mismatch dict -> mismatch/* scalars, with per-layer codeword disagreement."""
+def mismatch_scalars(m: dict, agreement: dict[str, float], bytes_per_token: float,
+                     override: dict[str, float] | None = None) -> dict[str, float]:
+    """Probe/loop mismatch dict -> mismatch/* scalars, with per-layer codeword disagreement (where
+    full codes were recorded) and, under guided QAT, the share of codes guidance overrode
+    against round-to-nearest (all mantissa guidance can measure: it has no codes to agree with)."""
     out = {f"mismatch/{k}": m[k] for k in ("mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "ratio_mean", "ratio_max",
                                            "clipped_frac")}
     out["mismatch/guidance_bytes_per_token"] = bytes_per_token
@@ -97,6 +100,11 @@ def mismatch_scalars(m: dict, agreement: dict[str, float], bytes_per_token: floa
         out[f"mismatch/codeword_disagreement/layer_{layer}"] = 1 - sum(vals) / len(vals)
     if per_layer:
         out["mismatch/codeword_disagreement/mean"] = 1 - sum(sum(v) for v in per_layer.values()) / sum(len(v) for v in per_layer.values())
+    per_layer = {}
+    for site, a in (override or {}).items():
+        per_layer.setdefault(int(site.split(".")[2]), []).append(a)
+    for layer, vals in sorted(per_layer.items()):
+        out[f"mismatch/guidance_override/layer_{layer}"] = sum(vals) / len(vals)
     for k, v in m.items():
         if k.startswith("dlogp_pos_"):
             out[f"mismatch/{k}"] = v

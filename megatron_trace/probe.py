@@ -147,13 +147,17 @@ def probe(args) -> dict:
         results = {}
         for mode in MODES:
             kind = "mantissa" if mode == "guided-mantissa" else "full"
-            batch = [Sample(f"s{i}", s["prompt"], s["response"], s["logprobs"], 0.0, records[kind][i])
-                     for i, s in enumerate(samples)]
             actor.qat.set_mode(mode.split("-")[0])
+            # Mantissa mode rounds with only the mantissa bits of the full records, so its agreement
+            # is measured against the rollout's full codes (bytes are the mantissa records').
+            actor.qat.mantissa_from_codes = mode == "guided-mantissa"
+            batch = [Sample(f"s{i}", s["prompt"], s["response"], s["logprobs"], 0.0, full[i])
+                     for i, s in enumerate(samples)]
             train_lp = actor.compute_logprobs(batch)
             m = mismatch_metrics(rollout_lp, [t.tolist() for t in train_lp])
             m["dlogp_by_position"] = dlogp_by_position(rollout_lp, train_lp)
             m["agreement"] = _reduce_agreement(actor.qat.agreement())
+            m["override"] = _reduce_agreement(actor.qat.override_rate())
             m["guidance_bytes_per_token"] = sum(r.nbytes() for r in records[kind]) / sum(r.num_positions for r in records[kind])
             results[mode] = m
         if not rank0:

@@ -202,7 +202,7 @@ class Run:
         if "_mismatch" in out:
             recs = out["_records"]
             bpt = sum(r.nbytes() for r in recs) / max(sum(r.num_positions for r in recs), 1)
-            m.update(mismatch_scalars(out["_mismatch"], self.actor.qat.agreement(), bpt))
+            m.update(mismatch_scalars(out["_mismatch"], self.actor.qat.agreement(), bpt, self.actor.qat.override_rate()))
             d = torch.cat(deltas) if deltas else torch.zeros(0)
             self.hub.histogram(batch.step, "mismatch/abs_dlogp", d.abs())
             self.hub.histogram(batch.step, "mismatch/importance_ratio", d.exp())

@@ -65,7 +65,11 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     for name in REQUIRED_MISMATCH:
         assert f"mismatch/{name}" in tags, name
         assert len(acc.Scalars(f"mismatch/{name}")) == 4
-    assert any(t.startswith("mismatch/codeword_disagreement/layer_") for t in tags)
+    # Mantissa guidance (the main command's) has no codes to agree with: it reports how often it
+    # overrode round-to-nearest per layer, and no codeword agreement that would be 100% by construction.
+    assert {f"mismatch/guidance_override/layer_{i}" for i in range(4)} <= tags
+    assert 0 < max(e.value for e in acc.Scalars("mismatch/guidance_override/layer_3")) < 0.5
+    assert not any(t.startswith("mismatch/codeword_disagreement/") for t in tags)
     for ns in ("rollout/reward_mean", "train/loss", "train/grad_norm", "perf/step_s", "eval/accuracy"):
         assert ns in tags, ns
     assert "mismatch/abs_dlogp" in acc.Tags()["histograms"]

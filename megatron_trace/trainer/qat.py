@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_trace.fp4 import RolloutRounding, guided_quantize, straight_through, unpack_fp4, unpack_mantissa_bits
+from megatron_trace.fp4 import RolloutRounding, guided_quantize, mantissa_bits_packed, straight_through, unpack_fp4
 from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
@@ -92,7 +92,13 @@ class QATState:
             raise ValueError(f"trainer.qat_mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.arch, self.policy, self.mode, self.tp_group = arch, policy, mode, tp_group
         self.guidance: MicroBatchGuidance | None = None
-        self.agree = defaultdict(lambda: [0, 0])  # site -> [agreeing elements, compared elements]
+        self.agree = defaultdict(lambda: [0, 0])  # site -> [elements agreeing with the rollout's codes, compared]
+        # site -> [elements whose guided code differs from round-to-nearest, guided]: what mantissa
+        # guidance can measure in RL (it has no codes to agree with)
+        self.override = defaultdict(lambda: [0, 0])
+        # The probe's way to measure mantissa guidance honestly: round with only the mantissa bits
+        # of full records, count agreement against their full codes.
+        self.mantissa_from_codes = False
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (probs, routing_map)
 
     def tp_size(self) -> int:
@@ -156,21 +162,25 @@ class QATState:
         if self.mode != "guided":
             self._count(site, q, rr, mask)
             return deq
-        g = guided_quantize(rows, rr.scale, rr.global_scale, codes=rr.codes, mantissa=rr.mantissa)
+        if self.mantissa_from_codes and rr.codes is not None:
+            g = guided_quantize(rows, rr.scale, rr.global_scale, mantissa=mantissa_bits_packed(rr.codes))
+        else:
+            g = guided_quantize(rows, rr.scale, rr.global_scale, codes=rr.codes, mantissa=rr.mantissa)
         self._count(site, g, rr, mask)
+        changed = (unpack_fp4(g.data) != unpack_fp4(q.data))[mask]
+        o = self.override[site]
+        o[0] += int(changed.sum())
+        o[1] += changed.numel()
         m = mask.reshape(-1, *([1] * (deq.dim() - 1)))
         return torch.where(m, nvfp4.dequantize(g), deq)
 
     def _count(self, site, q, rr: RolloutRounding, mask) -> None:
-        """Codeword agreement of this mode's rounding with the rollout's, on covered rows."""
-        if not mask.any():
+        """Codeword agreement of this mode's rounding with the rollout's full codes, on covered rows.
+        Mantissa-only records cannot say which codeword the rollout used (matching bits are not
+        matching codes), so they count nothing here: `override` is their metric."""
+        if not mask.any() or rr.codes is None:
             return
-        mine = unpack_fp4(q.data)[mask]
-        if rr.codes is not None:
-            same = mine == unpack_fp4(rr.codes)[mask]
-        else:  # mantissa guidance: the bit and the block scale must both agree
-            same = (mine & 1) == unpack_mantissa_bits(rr.mantissa)[mask]
-            same &= (q.scale[mask] == rr.scale[mask]).repeat_interleave(16, dim=-1)
+        same = unpack_fp4(q.data)[mask] == unpack_fp4(rr.codes)[mask]
         c = self.agree[site]
         c[0] += int(same.sum())
         c[1] += same.numel()
@@ -180,9 +190,19 @@ class QATState:
             raise ValueError(f"trainer.qat_mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.mode = mode
         self.agree.clear()
+        self.override.clear()
 
     def agreement(self) -> dict[str, float]:
+        """site -> share of elements whose code equals the rollout's (full-code records only)."""
         return {s: a / n for s, (a, n) in sorted(self.agree.items()) if n}
+
+    def override_rate(self) -> dict[str, float]:
+        """site -> share of guided elements where guidance overrode round-to-nearest."""
+        return {s: a / n for s, (a, n) in sorted(self.override.items()) if n}
+
+    def clear_counters(self) -> None:
+        self.agree.clear()
+        self.override.clear()
 
 
 def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, layer_offsets: list[int], tp_group=None) -> QATState:
