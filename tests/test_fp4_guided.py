@@ -155,3 +155,27 @@ def test_mantissa_bits_from_packed_codes_equal_the_unpacked_route(seed, rows, he
         assert torch.equal(fn(pack_fp4(codes)), want) and torch.equal(fn(strided), want)
     with pytest.raises(ValueError, match="multiple of 8"):
         mantissa_bits_packed(pack_fp4(codes)[..., :2] if groups == 1 else torch.zeros(3, 6, dtype=torch.uint8))
+
+
+def test_mantissa_guidance_guarantee_ends_at_one_codeword():
+    """Beyond one codeword apart, one bit can pick the farther bracket, and across zero the other
+    sign: the documented limit of compact guidance (full codes keep the guarantee)."""
+    from megatron_trace.fp4 import mantissa_bits_packed, pack_fp4
+
+    one = torch.ones((), dtype=torch.float32)
+    scale = torch.full((1, 1), 0x38, dtype=torch.uint8)  # E4M3 1.0, so z = x with S_enc = 1
+    # The trainer's z = 2.4 is bracketed by 2 (code 4) and 3 (code 5); the rollout used 4.0 (code 6),
+    # two codewords up. Full guidance keeps 3 (closer to 4); the bit of code 6 (0) names 2.
+    x = torch.full((1, 16), 2.4)
+    rollout = pack_fp4(torch.full((1, 16), 6, dtype=torch.uint8))
+    full = guided_quantize(x, scale, one, codes=rollout).codes()
+    mant = guided_quantize(x, scale, one, mantissa=mantissa_bits_packed(rollout)).codes()
+    assert int(full[0, 0]) == 5 and int(mant[0, 0]) == 4  # |3 - 4| = 1 < |2 - 4| = 2: the bit widened it
+    # Around zero: z = -0.3 is bracketed by -0.5 (code 0x9) and -0 (0x8). The rollout used +1.5
+    # (code 3, mantissa bit 1): the bit names -0.5, the opposite sign of the rollout's value, while
+    # full guidance keeps -0, the bracket closer to +1.5.
+    x = torch.full((1, 16), -0.3)
+    rollout = pack_fp4(torch.full((1, 16), 3, dtype=torch.uint8))
+    mant = guided_quantize(x, scale, one, mantissa=mantissa_bits_packed(rollout)).codes()
+    full = guided_quantize(x, scale, one, codes=rollout).codes()
+    assert int(mant[0, 0]) == 0x9 and int(full[0, 0]) == 0x8

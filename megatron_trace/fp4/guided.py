@@ -8,8 +8,13 @@ adjacent E2M1 codewords lo <= z <= hi. Of the two, we keep:
     returned (so -0 and +0 agree too);
   - mantissa guidance: the one whose mantissa bit equals the rollout's bit. Adjacent E2M1
     magnitudes alternate mantissa bits (and so do -0.5, 0, +0.5), so one bit names one of the two.
-Either choice is lo or hi, and round-to-nearest is also lo or hi, so guidance never moves the
-trainer further from the rollout than round-to-nearest would.
+Either choice is lo or hi, and round-to-nearest is also lo or hi. Full guidance therefore never
+moves the trainer further from the rollout's codeword than round-to-nearest would. Mantissa
+guidance gives that guarantee only while the rollout's codeword is lo or hi (the two sides within
+one codeword): further apart, the bit names whichever bracket shares the rollout's parity, which
+can be the farther one, and around zero (-0.5, 0, +0.5) that can mean the opposite sign. How
+often that happens is measured, not assumed: the probe scores mantissa mode against the rollout's
+full codes (tests/test_fp4_guided.py shows both cases).
 """
 from __future__ import annotations
 
