@@ -19,7 +19,9 @@ import urllib.request
 
 import pytest
 
+import sgl_kernel  # the real CUDA build, or on CPU the stand-in from scripts/sglang_cpu
 import sglang  # noqa: F401 - the test command installs it: no import, no pass
+import torch
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, SamplingParams
@@ -197,3 +199,14 @@ def test_get_guidance_unknown_or_fetched_rid_is_404_json(clients, sglang_url, em
     with pytest.raises(RolloutError) as e:
         sg.fetch_guidance("once")
     assert e.value.status == 404
+
+
+@pytest.mark.skipif(not getattr(sgl_kernel, "STAND_IN", False), reason="the real (CUDA) sgl_kernel is installed here")
+def test_sgl_kernel_stand_in_has_one_kernel_and_raises_on_the_rest():
+    req_to_token = torch.zeros(3, 8, dtype=torch.int32)
+    sgl_kernel.assign_req_to_token_pool_cpu(torch.tensor([2, 0]), req_to_token, torch.tensor([1, 0]),
+                                            torch.tensor([4, 2]), torch.tensor([10, 11, 12, 20, 21]), 8)
+    assert req_to_token[2, 1:4].tolist() == [10, 11, 12] and req_to_token[0, :2].tolist() == [20, 21]
+    assert int(req_to_token.count_nonzero()) == 5
+    with pytest.raises(NotImplementedError, match="rmsnorm_cpu is a CUDA kernel"):
+        sgl_kernel.rmsnorm_cpu(torch.ones(2, 4), torch.ones(4), 1e-6)
