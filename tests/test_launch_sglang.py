@@ -58,6 +58,13 @@ def test_cpu_engine_flags(capsys, bf16_ckpt):
     assert "--disable-cuda-graph" in cmd
 
 
+@pytest.mark.parametrize("kv", ["nvfp4", "mxfp4"])
+def test_fp4_kv_on_the_cpu_engine_is_refused_naming_the_missing_piece(capsys, bf16_ckpt, kv):
+    argv = ["--backend", "sglang", "--model-path", bf16_ckpt, "--dry-run", "--device", "cpu", "--kv-cache-dtype", kv]
+    assert main(argv) == 2
+    assert "FP4 KV read path" in capsys.readouterr().err
+
+
 def test_nvfp4_export_needs_no_flag(capsys, tmp_path, bf16_ckpt):
     cfg = json.loads((Path(bf16_ckpt) / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
@@ -68,7 +75,7 @@ def test_nvfp4_export_needs_no_flag(capsys, tmp_path, bf16_ckpt):
 
 @pytest.mark.parametrize("ours,theirs", [("nvfp4", "nvfp4"), ("auto", "auto"), ("bf16", "bf16")])
 def test_kv_dtypes(capsys, ours, theirs, bf16_ckpt):
-    _, cmd = _dry(capsys, "--kv-cache-dtype", ours, model=bf16_ckpt)
+    _, cmd = _dry(capsys, "--kv-cache-dtype", ours, "--device", "cuda", model=bf16_ckpt)
     assert _flag(cmd, "--kv-cache-dtype") == theirs and "--quantization" not in cmd and "--api-key" not in cmd
 
 
