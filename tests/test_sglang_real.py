@@ -210,3 +210,35 @@ def test_sgl_kernel_stand_in_has_one_kernel_and_raises_on_the_rest():
     assert int(req_to_token.count_nonzero()) == 5
     with pytest.raises(NotImplementedError, match="rmsnorm_cpu is a CUDA kernel"):
         sgl_kernel.rmsnorm_cpu(torch.ones(2, 4), torch.ones(4), 1e-6)
+
+
+@pytest.mark.parametrize("linear", [True, False])
+def test_kv_quantize_and_store_takes_sglang_0523_scale_layouts(linear):
+    """The plugin's NVFP4 KV write with 0.5.23's arguments: linear scales, or SM100's native layout
+    (no linear buffers) whose V interleave is checked against SGLang's own reference indices."""
+    from sglang.srt.layers.quantization.nvfp4_kv_cache import nvfp4_v_scale_swizzle_indices
+
+    from sglang_backend.plugin.kv_capture import TraceNVFP4KVMethod, quantize_kv
+
+    pages, page_size, heads, d = 3, 8, 2, 64
+    method = TraceNVFP4KVMethod(num_layers=1)
+    method.page_size = page_size
+    bufs = method.create_buffers(pages * page_size, heads, d, 1, "cpu")
+    native = [torch.zeros(pages, heads, page_size, d // 16, dtype=torch.uint8) for _ in range(2)]
+    k, v = torch.randn(5, heads, d), torch.randn(5, heads, d) * 3
+    loc = torch.tensor([1, 6, 9, 15, 20])
+    scales = (bufs["k_scale_buffer"][0], bufs["v_scale_buffer"][0]) if linear else (None, None)
+    method.quantize_and_store(bufs["k_buffer"][0], bufs["v_buffer"][0], *scales, loc, k, v,
+                              native_k_scale_buffer=native[0], native_v_scale_buffer=native[1])
+    qk, qv = quantize_kv(k, None), quantize_kv(v, None)
+    assert torch.equal(bufs["k_buffer"][0][loc], qk.data) and torch.equal(bufs["v_buffer"][0][loc], qv.data)
+    if linear:
+        assert torch.equal(scales[0][loc], qk.scale) and torch.equal(scales[1][loc], qv.scale)
+    page, tok = loc // page_size, loc % page_size
+    assert torch.equal(native[0][page, :, tok], qk.scale)
+    cols = torch.arange(d // 16)
+    for t in range(loc.numel()):
+        row, pos = nvfp4_v_scale_swizzle_indices(tok[t].expand(d // 16), cols, d // 16)
+        assert torch.equal(native[1][int(page[t])][:, row, pos], qv.scale[t]), t  # [heads, D/16]
+    with pytest.raises(ValueError, match="given together"):
+        method.quantize_and_store(bufs["k_buffer"][0], bufs["v_buffer"][0], bufs["k_scale_buffer"][0], None, loc, k, v)

@@ -84,16 +84,43 @@ class TraceKVQuantMixin:
         return bufs
 
     def quantize_and_store(self, k_buffer, v_buffer, k_scale_buffer, v_scale_buffer, loc, cache_k, cache_v,
-                           k_scale=None, v_scale=None) -> None:
+                           k_scale=None, v_scale=None, native_k_scale_buffer=None, native_v_scale_buffer=None) -> None:
+        """SGLang 0.5.23's signature. Scales go to the linear [slots, heads, D/16] buffers and/or, on SM100's
+        trtllm_mha layout, the native [pages, heads, page_size, D/16] ones (V with TRT-LLM's four-token
+        interleave, as sglang/srt/layers/quantization/nvfp4_kv_cache.py stores them); the linear ones are
+        None there."""
+        linear, native = k_scale_buffer is not None, native_k_scale_buffer is not None
+        if linear != (v_scale_buffer is not None) or native != (native_v_scale_buffer is not None):
+            raise ValueError("NVFP4 KV: K and V scale buffers of one layout must be given together")
+        if not (linear or native):
+            raise ValueError("NVFP4 KV: neither linear nor native scale buffers were given")
         qk, qv = quantize_kv(cache_k, k_scale), quantize_kv(cache_v, v_scale)
         loc = loc.to(torch.long)
         for buf, sbuf, q in ((k_buffer, k_scale_buffer, qk), (v_buffer, v_scale_buffer, qv)):
             buf.view(torch.uint8).index_copy_(0, loc, q.data.reshape((loc.shape[0], *buf.shape[1:])))
-            sbuf.view(torch.uint8).index_copy_(0, loc, q.scale.reshape((loc.shape[0], *sbuf.shape[1:])))
+            if linear:
+                sbuf.view(torch.uint8).index_copy_(0, loc, q.scale.reshape((loc.shape[0], *sbuf.shape[1:])))
+        if native:
+            self._store_native_scales(native_k_scale_buffer, native_v_scale_buffer, loc, qk.scale, qv.scale)
         layer = getattr(self, "_layer_of", {}).get(k_buffer.data_ptr())
         if self.capture is not None and layer is not None:
             self.capture.write(layer, 0, loc, qk)
             self.capture.write(layer, 1, loc, qv)
+
+    def _store_native_scales(self, nk, nv, loc, k_sf, v_sf) -> None:
+        page_size = getattr(self, "page_size", None)
+        if not page_size or page_size % 4:
+            raise ValueError(f"native NVFP4 KV scales need a page_size divisible by 4; the method has {page_size!r}")
+        sd = k_sf.shape[-1]
+        if sd % 4:
+            raise ValueError(f"native NVFP4 KV scales need head_dim divisible by 64; scale_dim is {sd}")
+        page, tok = loc // page_size, loc % page_size
+        nk.view(torch.uint8)[page, :, tok] = k_sf.to(torch.uint8)  # [T, heads, D/16]
+        col = torch.arange(sd, device=loc.device)
+        group = sd // 4
+        row = (tok[:, None] // 4) * 4 + col[None, :] // group  # [T, D/16]: the four-token interleave
+        pos = (col[None, :] % group) * 4 + tok[:, None] % 4
+        nv.view(torch.uint8)[page[:, None], :, row, pos] = v_sf.to(torch.uint8).permute(0, 2, 1)  # [T, D/16, heads]
 
 
 class _PlainNVFP4KVBase:
