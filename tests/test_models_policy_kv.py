@@ -54,3 +54,16 @@ def test_config_default_is_auto_and_explicit_kv_is_both():
                                       ("mxfp4", "nvfp4", "NVFP4"), ("nvfp4", "bf16", None)])
 def test_export_kv_algo_names_the_finer_side(k, v, algo):
     assert QuantPolicy(kv_k=k, kv_v=v).kv_cache_quant_algo() == algo
+
+
+def test_export_names_the_policy_kv_algo(tmp_path):
+    from megatron_trace.models import make_tiny_checkpoint
+    from megatron_trace.transfer.export import export_checkpoint, load_hf_dir
+
+    src = make_tiny_checkpoint(tmp_path / "src", "qwen2", seed=0)
+    arch, sd, cfg = load_hf_dir(src)
+    amax = {m: 4.0 for m in QuantPolicy().quantized_linears(arch)}
+    out = export_checkpoint(sd, arch, tmp_path / "out", policy=QuantPolicy(kv="auto"), input_amax=amax, hf_config=cfg)
+    import json
+    hq = json.loads((out / "hf_quant_config.json").read_text())
+    assert hq["quantization"]["kv_cache_quant_algo"] == "FP8"  # qwen2 auto: FP8 K + NVFP4 V, the finer side

@@ -205,7 +205,7 @@ def export_checkpoint(hf_sd: Mapping[str, torch.Tensor], arch: ModelArch, out: s
     if dtype is not None:
         cfg["dtype"] = cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     if fmt == "nvfp4":
-        qc, hq = quant_configs(arch, policy)
+        qc, hq = quant_configs(arch, policy, kv_cache_quant_algo=policy.for_arch(arch).kv_cache_quant_algo())
         cfg["quantization_config"] = qc
         (tmp / "hf_quant_config.json").write_text(json.dumps(hq, indent=2))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
