@@ -6,7 +6,7 @@ embedded server) in one group.
     server  (rank = rank_offset [+ tp_rank])  receives every tensor, then ONE engine update
 
 SGLang (`sglang.srt.utils.common.init_custom_process_group`, called by the model runner's weight
-updater with `init_method=tcp://addr:port`) does: torch's `tcp://` rendezvous (rank 0 hosts the
+updater with `init_method=tcp://addr:port`) does: torch's `tcp://` rendezvous (rank 0 hosts a
 TCPStore), `PrefixStore(group_name, store)`, then `_new_process_group_helper(world_size, rank, [],
 backend, store, group_name=group_name, ...)`, which adds its own `group_name/` key prefix, and
 registers an identity rank map. `_make_group` repeats exactly those steps (without importing
@@ -60,22 +60,24 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 def _make_group(address: str, port: int, rank: int, world_size: int, group_name: str,
                 timeout_s: float, backend: str = "gloo"):
     """SGLang's init_custom_process_group(backend, init_method=tcp://address:port, world_size, rank,
-    group_name), key for key: torch's tcp:// rendezvous store (rank 0 hosts it and returns once
-    every rank has joined), `PrefixStore(group_name)`, then what `_new_process_group_helper` builds
-    on it: `PrefixStore(group_name + "/")`, ONE backend on `PrefixStore(first device + "/")` (gloo:
+    group_name), key for key: the tcp:// rendezvous store (a TCPStore rank 0 hosts),
+    `PrefixStore(group_name)`, then what `_new_process_group_helper` builds on it:
+    `PrefixStore(group_name + "/")`, ONE backend on `PrefixStore(first device + "/")` (gloo:
     "cpu/"; nccl: "cuda/") registered for every device of the backend's map, and its sequence
     number. It skips only the helper's process-wide registration of the name, so both ends of a
     group can live in one process (tests); broadcasts then go through the group object itself."""
-    from torch.distributed.distributed_c10d import BackendConfig, PrefixStore, ProcessGroup, rendezvous
+    from torch.distributed.distributed_c10d import BackendConfig, PrefixStore, ProcessGroup
 
     if backend not in BACKENDS:
         raise ValueError(f"weight-update group backend must be one of {BACKENDS}; got {backend!r}")
     if not group_name:
         raise ValueError("a weight-update group needs a non-empty name")
     timeout = datetime.timedelta(seconds=timeout_s)
-    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{int(port)}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # torch's tcp:// rendezvous (SGLang's side) is a bare TCPStore hosted by rank 0. Build it directly:
+    # under torchrun the rendezvous handler would instead join torchelastic's agent store (a trainer
+    # rank 0 would then host nothing and the servers would wait for it forever).
+    store = dist.TCPStore(address, int(port), world_size, is_master=(rank == 0), timeout=timeout,
+                          wait_for_workers=False, multi_tenant=True)
     store = PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
     pg = ProcessGroup(store, rank, world_size)
     kind = ProcessGroup.BackendType.GLOO if backend == "gloo" else ProcessGroup.BackendType.NCCL

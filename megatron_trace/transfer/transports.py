@@ -17,6 +17,9 @@ receiver commit per version:
   failure mid-stream (NaN, dead sender, broken stream) closes the group; the server's receive
   fails, it drops the group and keeps the previous version; the next send re-creates the group.
 * DiskTransport: an HF-style directory per version, then `/update_weights_from_disk`.
+* SGLangTensorTransport (sglang_tensor.py): SGLang's own `/update_weights_from_tensor` payload
+  (MultiprocessingSerializer: shared tensors, same node only) for a trainer colocated with a real
+  SGLang server; HttpTransport's safetensors body is what our embedded server takes (no pickle).
 
 Staging buckets on the receiver and committing on the last one would let HTTP stream too; that
 needs an engine change (a `stage` flag on update_weights_from_tensor), so it is not used here.
@@ -222,35 +225,16 @@ class DistributedTransport(Transport):
             manifest = [(n, t.dtype, tuple(t.shape)) for b in buckets for n, t in b.tensors.items()]
         if self.sender is None:
             self.connect()
-        sessions = self._begin_sessions()
+        # SGLang 0.5.23 loads weights only inside a weight-update session (begin ... end; the end re-runs
+        # every quant method's process_weights_after_loading: the ModelOpt scales are refreshed in
+        # place). Servers without the route (404: our embedded server) commit each call by itself.
+        from .sglang_tensor import begin_sessions, end_sessions
+
+        sessions = begin_sessions(self.urls, self.api_key, self.timeout_s)
         try:
             return self._stream(buckets, version, manifest)
         finally:
-            self._end_sessions(sessions)
-
-    def _begin_sessions(self) -> list[str]:
-        """SGLang 0.5.23 loads weights only inside a weight-update session (`/begin_weight_update` ...
-        `/end_weight_update`, whose end re-runs every quant method's process_weights_after_loading:
-        the ModelOpt scales are refreshed in place there). Servers without the route (404: our
-        embedded server, older SGLang) commit each update call by itself."""
-        opened = []
-        for u in self.urls:
-            r = _post(u, "/begin_weight_update", {}, self.api_key, self.timeout_s)
-            if not r.get("success") and "already open" in str(r.get("message")):  # left by a dead sender
-                _post(u, "/end_weight_update", {}, self.api_key, self.timeout_s)
-                r = _post(u, "/begin_weight_update", {}, self.api_key, self.timeout_s)
-            if r.get("success"):
-                opened.append(u)
-            elif r.get("status") != 404:
-                self._end_sessions(opened)
-                raise TransferError(f"{u}: begin_weight_update failed: {r.get('message')}")
-        return opened
-
-    def _end_sessions(self, urls: list[str]) -> None:
-        bad = {u: r.get("message") for u in urls
-               if not (r := _post(u, "/end_weight_update", {}, self.api_key, self.timeout_s)).get("success")}
-        if bad:
-            raise TransferError(f"end_weight_update failed: {bad}")
+            end_sessions(sessions, self.api_key, self.timeout_s)
 
     def _stream(self, buckets, version, manifest) -> TransferStats:
         stats, t0 = TransferStats(version), time.perf_counter()
