@@ -9,8 +9,10 @@ SGLang (`sglang.srt.utils.common.init_custom_process_group`, called by the model
 updater with `init_method=tcp://addr:port`) does: torch's `tcp://` rendezvous (rank 0 hosts a
 TCPStore), `PrefixStore(group_name, store)`, then `_new_process_group_helper(world_size, rank, [],
 backend, store, group_name=group_name, ...)`, which adds its own `group_name/` key prefix, and
-registers an identity rank map. `_make_group` repeats exactly those steps (without importing
-SGLang: trainer nodes do not have it), so both ends read and write the same store keys. A bare
+registers an identity rank map. `_make_group` builds the same store keys and backend (without
+importing SGLang: trainer nodes do not have it; see its docstring for the two steps it does
+differently), so both ends meet. Checked against SGLang's own function in tests (a real server's
+group: tests/test_sglang_weight_sync.py). A bare
 `ProcessGroupGloo` on `PrefixStore(group_name)` misses the second prefix and never meets SGLang
 (its store wait on `/weight_update_group/0/1` times out).
 
@@ -64,8 +66,9 @@ def _make_group(address: str, port: int, rank: int, world_size: int, group_name:
     `PrefixStore(group_name)`, then what `_new_process_group_helper` builds on it:
     `PrefixStore(group_name + "/")`, ONE backend on `PrefixStore(first device + "/")` (gloo:
     "cpu/"; nccl: "cuda/") registered for every device of the backend's map, and its sequence
-    number. It skips only the helper's process-wide registration of the name, so both ends of a
-    group can live in one process (tests); broadcasts then go through the group object itself."""
+    number. Two differences, neither visible on the wire: the store is a TCPStore made directly
+    (see below), and the helper's process-wide registration of the name is skipped, so both ends
+    of a group can live in one process (tests); broadcasts then go through the group object."""
     from torch.distributed.distributed_c10d import BackendConfig, PrefixStore, ProcessGroup
 
     if backend not in BACKENDS:
