@@ -10,7 +10,8 @@ w4a4, NVFP4 on the policy's default targets; K and V in bf16 | fp8 | nvfp4 | mxf
 - NLL per token, teacher-forced on the BF16 model's own greedy continuations, and its increase
   over BF16 (nats/token); top-1 agreement with those continuations;
 - the setting's own greedy answers, side by side with BF16's, and their accuracy where the prompt
-  carries an `answer` (the math verifier of megatron_trace.data.rewards);
+  carries an `answer` (the math verifier of megatron_trace.data.rewards on the last boxed
+  expression, else on the last number);
 - a markdown table, quality.json and quality.png under --out.
 
 Prompts: JSONL lines {"prompt": text} (tokenized as is), {"messages": [...]} (the checkpoint
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -145,13 +147,25 @@ def teacher_forced(eng, prompt: list[int], continuation: list[int]) -> tuple[lis
     return nll, (logp.argmax(-1) == nxt).tolist()
 
 
-def _accuracy(tok, prompts, outputs) -> float | None:
-    if tok is None or not any(p["answer"] is not None for p in prompts):
-        return None
-    from megatron_trace.data.rewards import math_verify
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 
-    scored = [math_verify(tok.decode(o, skip_special_tokens=True), str(p["answer"]))
-              for p, o in zip(prompts, outputs) if p["answer"] is not None]
+
+def verify_answer(text: str, answer: str) -> float:
+    """The math verifier on the response's last boxed expression or, when it boxes nothing (chat
+    models answer "17 + 25 equals 42."), on its last number."""
+    from megatron_trace.data.rewards import last_boxed, math_verify
+
+    if last_boxed(text) is None:
+        numbers = _NUMBER.findall(text)
+        text = numbers[-1].rstrip(",") if numbers else text
+    return math_verify(text, str(answer))
+
+
+def accuracy(texts: list[str] | None, prompts: list[dict]) -> float | None:
+    """Mean verify_answer over the prompts that carry an answer (None: no answers or no texts)."""
+    if texts is None or not any(p["answer"] is not None for p in prompts):
+        return None
+    scored = [verify_answer(t, p["answer"]) for p, t in zip(prompts, texts) if p["answer"] is not None]
     return sum(scored) / len(scored)
 
 
@@ -176,12 +190,12 @@ def run(model_path, prompts: list[dict], settings: list[Setting], *, max_new_tok
         finally:
             eng.shutdown()
         mean = sum(nll) / max(len(nll), 1)
+        texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outs] if tokenizer else None
         results[s.name] = {"setting": asdict(s), "nll_per_token": mean, "tokens": len(nll),
                            "top1_agreement": sum(top1) / max(len(top1), 1),
                            "same_greedy_answers": sum(o == r for o, r in zip(outs, ref_out)) / len(prompts),
-                           "accuracy": _accuracy(tokenizer, prompts, outs), "kv_bytes_per_token": kv_bytes,
-                           "outputs": outs,
-                           "texts": [tokenizer.decode(o, skip_special_tokens=True) for o in outs] if tokenizer else None}
+                           "accuracy": accuracy(texts, prompts), "kv_bytes_per_token": kv_bytes,
+                           "outputs": outs, "texts": texts}
     base = results[REFERENCE]["nll_per_token"]
     for r in results.values():
         r["nll_increase"] = r["nll_per_token"] - base

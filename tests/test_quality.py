@@ -74,3 +74,10 @@ def test_train_hook_warns_only_above_the_threshold(outlier_ckpt):
     assert lossy is not None and "bf16:nvfp4:nvfp4" in lossy and "quant.kv_k=fp8" in lossy
     assert quality.quality_warning(outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16",
                                                              kv_k="fp8"), _prompts(2), max_new_tokens=8) is None
+
+
+@pytest.mark.parametrize("text,ok", [("17 + 25 equals 42.", 1.0), ("42", 1.0), ("so \\boxed{42}, not 41", 1.0),
+                                     ("17 + 25 = 8", 0.0), ("17+25 equals 422.", 0.0), ("no idea", 0.0),
+                                     ("the sum is 1,042.", 0.0)])
+def test_verifier_reads_the_last_number_when_nothing_is_boxed(text, ok):
+    assert quality.verify_answer(text, "42") == ok
