@@ -243,6 +243,7 @@ def _group_of(module: str) -> str:
 
 def auto_kv_formats(arch: ModelArch) -> tuple[str, str]:
     """(K, V) cache formats kv="auto" picks for `arch`. Without per-head q/k RMSNorm (Qwen2/2.5)
-    K carries outlier channels and NVFP4 K damages a real checkpoint (docs/quality.md: NLL/token
-    0.248 -> 0.798 on Qwen2.5-Coder-0.5B), FP8 K does not; V is benign in both families."""
+    K carries outlier channels and NVFP4 K damages a real checkpoint (BENCHMARKS.md, Qwen2.5-Coder-
+    0.5B: NVFP4 K +0.26 nats/token, FP8 K +0.003), FP8 K does not; V is benign (+0.001). Qwen3's
+    choice is not measured on a real checkpoint here (docs/quality.md)."""
     return ("nvfp4", "nvfp4") if arch.qk_norm else ("fp8", "nvfp4")
