@@ -141,11 +141,11 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
         if args.quantization in ("nvfp4", "mxfp4"):
             env["TRACE_QUANT_POLICY"] = _online_policy(args)
     device = _device(args)
-    if device == "cpu" and args.kv_cache_dtype in ("nvfp4", "mxfp4"):
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} on SGLang's CPU engine needs an FP4 KV read path for "
-                         "its torch_native attention backend, which the plugin does not provide yet "
-                         "(sglang_backend/plugin/kv_capture.py has the write side only); use --kv-cache-dtype bf16 "
-                         "here, or --backend local for FP4 KV on CPU")
+    env["TRACE_KV_READ_DTYPE"] = args.dtype
+    if device == "cpu" and args.kv_cache_dtype == "mxfp4":
+        raise ValueError("--kv-cache-dtype mxfp4 on SGLang's CPU engine: the plugin has a torch_native read path "
+                         "for NVFP4 KV only (plugin/kv_read.py); use --kv-cache-dtype nvfp4 or bf16 here, or "
+                         "--backend local for MXFP4 KV on CPU")
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         cmd += CPU_FLAGS + ["--mem-fraction-static", str(args.mem_fraction_static or 0.05),

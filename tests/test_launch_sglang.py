@@ -58,11 +58,12 @@ def test_cpu_engine_flags(capsys, bf16_ckpt):
     assert "--disable-cuda-graph" in cmd
 
 
-@pytest.mark.parametrize("kv", ["nvfp4", "mxfp4"])
-def test_fp4_kv_on_the_cpu_engine_is_refused_naming_the_missing_piece(capsys, bf16_ckpt, kv):
-    argv = ["--backend", "sglang", "--model-path", bf16_ckpt, "--dry-run", "--device", "cpu", "--kv-cache-dtype", kv]
+def test_mxfp4_kv_on_the_cpu_engine_is_refused_naming_the_missing_piece(capsys, bf16_ckpt):
+    argv = ["--backend", "sglang", "--model-path", bf16_ckpt, "--dry-run", "--device", "cpu", "--kv-cache-dtype", "mxfp4"]
     assert main(argv) == 2
-    assert "FP4 KV read path" in capsys.readouterr().err
+    assert "read path for NVFP4 KV only" in capsys.readouterr().err
+    env, cmd = _dry(capsys, "--device", "cpu", "--kv-cache-dtype", "nvfp4", "--dtype", "float32", model=bf16_ckpt)
+    assert _flag(cmd, "--kv-cache-dtype") == "nvfp4" and env["TRACE_KV_READ_DTYPE"] == "float32"
 
 
 def test_nvfp4_export_needs_no_flag(capsys, tmp_path, bf16_ckpt):

@@ -54,14 +54,13 @@ def ckpt(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("q2"), "qwen2", seed=1))
 
 
-@pytest.fixture(scope="module")
-def sglang_url(ckpt, tmp_path_factory):
+def start_sglang(ckpt: str, tmp_path_factory, *flags: str):
+    """Start a real SGLang server through our launcher, yield its URL, stop its process group."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("sglang") / "server.log"
     guidance_dir = tmp_path_factory.mktemp("guidance")
     cmd = [sys.executable, "-m", "sglang_backend.launch", "--backend", "sglang", "--model-path", ckpt,
-           "--port", str(port), "--quantization", "nvfp4", "--guidance-mode", "full", "--device", "cpu",
-           "--max-total-tokens", "4096", "--max-running-requests", "16"]
+           "--port", str(port), "--device", "cpu", "--max-total-tokens", "4096", "--max-running-requests", "16", *flags]
     env = {**os.environ, "TRACE_GUIDANCE_DIR": str(guidance_dir)}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -88,6 +87,11 @@ def sglang_url(ckpt, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def sglang_url(ckpt, tmp_path_factory):
+    yield from start_sglang(ckpt, tmp_path_factory, "--quantization", "nvfp4", "--guidance-mode", "full")
 
 
 @pytest.fixture(scope="module")

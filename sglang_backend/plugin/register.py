@@ -28,8 +28,8 @@ import multiprocessing
 import os
 import sys
 
-from . import capture, slot_capture
-from .kv_capture import sglang_kv_method_class, sglang_nvfp4_base
+from . import capture, kv_read, slot_capture
+from .kv_capture import sglang_nvfp4_base
 from .online_quant import TraceMXFP4OnlineConfig, TraceNVFP4OnlineConfig
 from .quant_method import TraceFP4Config, set_active
 
@@ -90,7 +90,7 @@ def register_kv_method() -> bool:
         log.info("trace_fp4: TRACE_FP4_KV=0, SGLang's nvfp4 KV method is kept")
         return False
     _, mod = sglang_nvfp4_base()
-    cls = sglang_kv_method_class()
+    cls = kv_read.plain_read_method_class()  # + plain dequantized reads for torch_native (kv_read.py)
     if mod is None or cls is None:
         log.warning("trace_fp4: no KV_CACHE_QUANT_REGISTRY with an NVFP4 method in this SGLang; nvfp4 KV writes "
                     "use SGLang's quantizer and are not captured")
@@ -155,6 +155,9 @@ def register_capture_hook() -> bool:
         return False
     reg.register(FORWARD_TARGET, slot_capture.forward_with_capture, kinds.AROUND)
     reg.register(FINISH_TARGET, slot_capture.on_request_finished, kinds.AFTER)
+    for target in kv_read.ARGS_HOOK_TARGETS:
+        reg.register(target, kv_read.allow_plain_backends, kinds.AROUND)
+    reg.register(kv_read.FP4_DTYPE_TARGET, kv_read.fp4_dtype_anywhere, kinds.AROUND)
     return True
 
 

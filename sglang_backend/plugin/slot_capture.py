@@ -169,6 +169,9 @@ def ensure_capture(runner) -> SlotCapture | None:
     if tp > 1:  # a guidance request then answers this, never a partial record
         cap.error = (f"guidance capture at SGLang TP={tp} is not implemented: the inputs of row-parallel "
                      "linears (o_proj, down_proj) are sharded across ranks")
+    if getattr(runner.token_to_kv_pool, "is_quantized_kv_cache", False) and cap.error is None:
+        cap.error = ("guidance of the FP4 K/V cache sites (k_cache/v_cache) is not captured inside SGLang yet; "
+                     "serve FP4 KV with guidance through --backend local, or BF16 KV here")
     capture.set_capture_buffer(cap)
     log.info("trace_fp4: guidance capture for layers %s, %d KV slots, mode %s", layers, capacity, cap.mode)
     return cap
