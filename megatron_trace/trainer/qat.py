@@ -180,7 +180,7 @@ class QATState:
         matching codes), so they count nothing here: `override` is their metric."""
         if not mask.any() or rr.codes is None:
             return
-        same = unpack_fp4(q.data)[mask] == unpack_fp4(rr.codes)[mask]
+        same = _zero_as_one(unpack_fp4(q.data)[mask]) == _zero_as_one(unpack_fp4(rr.codes)[mask])
         c = self.agree[site]
         c[0] += int(same.sum())
         c[1] += same.numel()
@@ -203,6 +203,12 @@ class QATState:
     def clear_counters(self) -> None:
         self.agree.clear()
         self.override.clear()
+
+
+def _zero_as_one(codes: torch.Tensor) -> torch.Tensor:
+    # -0 (0x8) and +0 dequantize to the same value: agreement is about values, not zero's sign
+    # (mantissa guidance cannot name the sign of a zero, and it changes nothing downstream).
+    return torch.where(codes == 8, torch.zeros_like(codes), codes)
 
 
 def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, layer_offsets: list[int], tp_group=None) -> QATState:
