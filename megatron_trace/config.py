@@ -74,6 +74,7 @@ class RolloutConfig:
     n_samples: int = opt(4, "samples per prompt (the GRPO group)", low=1)
     temperature: float = opt(1.0, "sampling temperature (> 0; evaluation is greedy on its own)", low=0)
     top_p: float = opt(1.0, "nucleus sampling mass in (0, 1]; logprobs are those of the filtered distribution", low=0)
+    top_k: int = opt(-1, "top-k sampling (-1: all); real SGLang reports filtered logprobs only for top_k <= 4096", low=-1)
     max_new_tokens: int = opt(8, "response length cap", low=1)
     max_prompt_len: int = opt(256, "longer prompts are rejected or truncated (counted)", low=1)
     long_prompts: str = opt("reject", "what to do with prompts over max_prompt_len", ("reject", "truncate"))
@@ -197,6 +198,8 @@ def _check_sampling(rc: RolloutConfig) -> None:
                          "Evaluation is greedy already (eval/accuracy)")
     if not rc.eval_fraction < 1:
         raise ValueError(f"rollout.eval_fraction must be in [0, 1); got {rc.eval_fraction!r}")
+    if rc.top_k == 0:
+        raise ValueError("rollout.top_k must be -1 (all tokens) or >= 1; got 0")
     if not 0 < rc.top_p <= 1:
         raise ValueError(f"rollout.top_p must be in (0, 1]; got {rc.top_p!r}")
 

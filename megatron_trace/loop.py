@@ -92,7 +92,7 @@ class Rollout:
             ids = self._encode(p.text, stats)
             if ids is None:
                 continue
-            sp = SamplingParams(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
+            sp = SamplingParams(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                                 n=rc.n_samples, sampling_seed=(self.cfg.trainer.seed * 1_000_003 + step) * 1009 + i * rc.n_samples)
             reqs.append(GenerateRequest(ids, sp, rid=f"{p.prompt_id}-v{version}", return_guidance=self.want_guidance))
             kept.append((p, ids))
@@ -137,7 +137,7 @@ class Rollout:
         greedy = [GenerateRequest(self.tok.encode_prompt(p.text), SamplingParams(max_new_tokens=rc.max_new_tokens,
                   temperature=0.0), rid=f"eval-g{i}-{tag}") for i, p in enumerate(prompts)]
         sampled = [GenerateRequest(self.tok.encode_prompt(p.text), SamplingParams(
-                   max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p, n=samples,
+                   max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, n=samples,
                    sampling_seed=7_777_777 + i * samples), rid=f"eval-s{i}-{tag}") for i, p in enumerate(prompts)]
         res = self.backend.generate(greedy + sampled)
         answers = [p.answer for p in prompts] + [p.answer for p in prompts for _ in range(samples)]

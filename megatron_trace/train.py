@@ -56,6 +56,7 @@ class Run:
         self.actor = Actor(self.arch, cfg.quant.policy(), ActorConfig(
             qat_mode=cfg.trainer.qat_mode, lr=cfg.trainer.lr, clip_grad=cfg.trainer.clip_grad,
             micro_batch_size=cfg.trainer.micro_batch_size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
             dtype=cfg.trainer.dtype, sequence_parallel=cfg.trainer.sequence_parallel,
             distributed_optimizer=cfg.trainer.distributed_optimizer), hf_path=model_path)
         self.start_step, self.version = 0, 0

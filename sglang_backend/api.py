@@ -125,11 +125,17 @@ class GenerateResult:
     @classmethod
     def from_sglang(cls, d: dict[str, Any]) -> GenerateResult:
         meta = d["meta_info"]
-        triples = meta.get("output_token_logprobs") or []
+        logprobs = [float(t[0]) for t in meta.get("output_token_logprobs") or []]
+        # Under top-k/top-p, SGLang's "selected" sampling logprobs (return_sampling_mask) are those of
+        # the filtered distribution the tokens were drawn from; the embedded engine reports those in
+        # output_token_logprobs already (sglang_backend/sampling_support.py).
+        filtered = meta.get("output_token_sampling_logprobs")
+        if filtered is not None and len(filtered) == len(d["output_ids"]):
+            logprobs = [float(x) for x in filtered]
         return cls(
             rid=meta["id"],
             output_ids=list(d["output_ids"]),
-            output_logprobs=[float(t[0]) for t in triples],
+            output_logprobs=logprobs,
             finish_reason=meta.get("finish_reason") or {},
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             weight_version=str(meta.get("weight_version", DEFAULT_VERSION)),

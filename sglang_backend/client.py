@@ -153,6 +153,11 @@ class RolloutClient:
         if req.return_guidance:  # SGLang drops unknown top-level keys; custom_params reach its scheduler
             sp["custom_params"] = {GUIDANCE_KEY: True}
         payload = {"input_ids": list(req.input_ids), "sampling_params": sp, "return_logprob": req.return_logprob}
+        p = req.sampling_params
+        if req.return_logprob and (p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0):
+            # SGLang's output_token_logprobs are the unfiltered softmax; the distribution actually
+            # sampled from (renormalized over top-k/top-p) comes back as the "selected" sampling logprob.
+            payload["return_sampling_mask"], payload["sampling_logprobs_mode"] = True, "selected"
         if req.rid is not None:
             payload["rid"] = req.rid
         tried: set[str] = set()

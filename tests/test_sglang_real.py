@@ -137,6 +137,24 @@ def test_client_contract_on_real_sglang(clients, sglang_url):
     assert again.output_ids == res.output_ids
 
 
+def test_top_p_logprobs_are_the_sampled_distributions_on_both_stacks(clients, sglang_url):
+    """Under top-p the client records the logprob of the filtered distribution the token was drawn
+    from (SGLang: return_sampling_mask's "selected" logprob; the engine: sampling_support). With a
+    nucleus of one token both stacks must sample the greedy token with logprob exactly 0."""
+    sg, emb = clients
+    # top_k too: SGLang returns filtered logprobs only for top_k <= --sampling-mask-max-tokens (4096)
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.01, top_k=50, sampling_seed=3, ignore_eos=True)
+    a = sg.generate([GenerateRequest(p, sp, rid=f"tp{i}") for i, p in enumerate(PROMPTS)])
+    b = emb.generate([GenerateRequest(p, sp, rid=f"tp{i}") for i, p in enumerate(PROMPTS)])
+    g = emb.generate([GenerateRequest(p, greedy(max_new_tokens=6)) for p in PROMPTS])
+    assert [r.output_ids for r in a] == [r.output_ids for r in b] == [r.output_ids for r in g]
+    assert all(abs(lp) <= 1e-6 for r in a + b for lp in r.output_logprobs)
+    # SGLang's plain output_token_logprobs are the unfiltered softmax: not what the sample was drawn from
+    status, body = _post(sglang_url, "/generate", {"input_ids": PROMPTS[0], "sampling_params": sp.to_dict(),
+                                                   "return_logprob": True})
+    assert status == 200 and max(t[0] for t in json.loads(body)["meta_info"]["output_token_logprobs"]) < -1e-3
+
+
 def _agreement(a: bytes, b: bytes) -> dict[str, float]:
     """Two records of one sample: same sites, positions and shapes (asserted), and how far apart:
     the fraction of equal code bytes and scale bytes, the largest relative S_enc difference."""
