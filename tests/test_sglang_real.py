@@ -9,11 +9,6 @@ and one embedded server over the same checkpoint and flags. The test command ins
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -28,9 +23,8 @@ from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, SamplingParams
 from sglang_backend.client import RolloutClient, RolloutError
 from sglang_backend.local import Engine
 from sglang_backend.local.server import serve
-from tests.ports import free_port
+from tests.sglang_server import start_sglang  # noqa: F401 - re-exported for test_sglang_real_kv
 
-START_TIMEOUT_S = 300  # imports + model load on 2 busy cores take tens of seconds
 PREFIX = [7, 21, 33, 4, 90, 11, 2, 48, 16, 5]  # shared by several prompts: the radix cache reuses it
 PROMPTS = [[5, 6, 7, 8], PREFIX + [60, 61], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]]
 
@@ -52,41 +46,6 @@ def _post(url: str, path: str, body: dict) -> tuple[int, bytes]:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("q2"), "qwen2", seed=1))
-
-
-def start_sglang(ckpt: str, tmp_path_factory, *flags: str):
-    """Start a real SGLang server through our launcher, yield its URL, stop its process group."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("sglang") / "server.log"
-    guidance_dir = tmp_path_factory.mktemp("guidance")
-    cmd = [sys.executable, "-m", "sglang_backend.launch", "--backend", "sglang", "--model-path", ckpt,
-           "--port", str(port), "--device", "cpu", "--max-total-tokens", "4096", "--max-running-requests", "16", *flags]
-    env = {**os.environ, "TRACE_GUIDANCE_DIR": str(guidance_dir)}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"SGLang exited with {proc.returncode} before serving:\n{log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"SGLang did not answer /health within {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the launcher's process group: SGLang and its workers
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,6 @@ One server per module (start-up is most of this module's time).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -33,6 +28,7 @@ from sglang_backend.api import WeightBucket  # noqa: E402
 from sglang_backend.client import RolloutClient  # noqa: E402
 from sglang_backend.local import Engine  # noqa: E402
 from tests.ports import free_port  # noqa: E402
+from tests.sglang_server import start_sglang  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sync-key"
@@ -81,36 +77,8 @@ def reference(exports):
 
 @pytest.fixture(scope="module")
 def server(exports, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("sync_srv") / "server.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": str(REPO)}
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "sglang_backend.launch", "--backend", "sglang", "--model-path",
-                                 str(exports["a"]), "--port", str(port), "--api-key", KEY, "--dtype", "float32",
-                                 "--weight-version", "0", "--device", "cpu"], cwd=REPO, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"SGLang exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-            try:
-                if _info(url).get("weight_version") == "0":
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"SGLang not up after 300 s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server's own session: launcher, scheduler, detokenizer
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    yield from start_sglang(str(exports["a"]), tmp_path_factory, "--api-key", KEY, "--dtype", "float32",
+                            "--weight-version", "0", defaults=())
 
 
 def _served(url: str) -> list[tuple[list[int], list[float]]]:
