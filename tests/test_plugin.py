@@ -187,6 +187,9 @@ def test_register_mutates_fake_sglang(monkeypatch):
                       "sglang.srt.server_args": args_mod}.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setitem(quant_method._ACTIVE, "on", False)
+    # This fake SGLang has no KV registry; without this, a real SGLang module that an earlier test
+    # of the session imported would be found (and mutated) instead.
+    monkeypatch.setattr(register, "sglang_nvfp4_base", lambda: (None, None))
     done = register.register()
     assert done["quantization"] and done["cli_choices"] and not done["kv_cache"]
     assert quant_mod.QUANTIZATION_METHODS is methods
