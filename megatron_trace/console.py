@@ -50,6 +50,7 @@ def plan_lines(cfg) -> list[str]:
         f"rollout:    {backend}, {r.dtype}; {weights}; KV {kv}",
         f"trainer:    Megatron-Core TP{t.tp} PP{t.pp}, {t.dtype}, {guided}, loss {cfg.algo.loss}",
         f"steps:      {t.steps} x {r.prompts_per_step} prompts x {r.n_samples} samples ({r.prompts}, T={r.temperature}, "
-        f"top_p={r.top_p}, up to {r.max_new_tokens} tokens); eval on {r.eval_prompts} prompts",
+        f"top_p={r.top_p}, up to {r.max_new_tokens} tokens); eval on up to {r.eval_prompts} prompts of the "
+        f"eval split ({r.eval_fraction:.0%} of the problems, never trained on)",
         f"logs:       {where} (tensorboard --logdir {where}; metrics.jsonl, summary.json, checkpoints/)",
     ]
