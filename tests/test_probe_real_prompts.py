@@ -49,7 +49,12 @@ def test_probe_on_chat_prompts_of_a_real_shape_checkpoint(qwen25_shape, tmp_path
     res = json.loads(out_json.read_text())
     assert res["num_prompts"] == 3 and res["prompts"] == str(prompts)
     m = res["modes"]
-    assert m["guided-full"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
+    # Guided is an order of magnitude closer than either unguided mode. rtn vs off is not asserted:
+    # on 2 random layers and 36 tokens their order flips with the thread count (the full 24-layer
+    # run in BENCHMARKS.md orders guided 0.017 < rtn 0.47 < off 0.65).
+    guided = m["guided-full"]["mean_abs_dlogp"]
+    assert guided < 0.1 * m["rtn"]["mean_abs_dlogp"] and guided < 0.1 * m["off"]["mean_abs_dlogp"]
+    assert min(m["guided-full"]["agreement"].values()) > max(m["rtn"]["agreement"].values())
     longest = max(res["response_lengths"])
     assert all(len(v["dlogp_by_position"]) == longest for v in m.values())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
