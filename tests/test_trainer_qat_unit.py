@@ -63,3 +63,23 @@ def test_row_parallel_slice_matches_full_width():
     full = st.guidance.site(SITE, None, "cpu")[0]
     half = st.guidance.site(SITE, slice(32, 64), "cpu")[0]
     assert torch.equal(half.scale, full.scale[:, 2:]) and torch.equal(half.mantissa, full.mantissa[:, 4:])
+
+
+def test_kv_only_policy_still_models_the_kv_cache():
+    """format bf16 + NVFP4 KV: no FP4 linear, but every layer's K and V are fake-quantized (this
+    returned early once, leaving a KV-only run with no QAT at all and no word about it)."""
+    from megatron_trace.models import ModelArch, QuantPolicy, tiny_hf_config
+    from megatron_trace.trainer.gpt import build_model
+    from megatron_trace.trainer.parallel import destroy, init_distributed
+    from megatron_trace.trainer.qat import install_qat
+
+    arch = ModelArch.from_hf_config(tiny_hf_config("qwen2"))
+    init_distributed(tp=1, pp=1, seed=0)
+    try:
+        chunks = build_model(arch, dtype=torch.float32)
+        policy = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4")
+        install_qat(chunks, arch, policy, "rtn", [0])
+        wrapped = [n for n, m in chunks[0].named_modules() if "forward" in vars(m)]
+        assert len(wrapped) == arch.num_layers and all(n.endswith("self_attention.core_attention") for n in wrapped)
+    finally:
+        destroy()

@@ -220,8 +220,9 @@ def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, l
     """
     policy = policy.for_arch(arch)  # kv="auto" -> this family's K and V formats
     state = QATState(arch, policy, mode, tp_group)
-    if not policy.enabled:
-        return state  # nothing is FP4 (a BF16 rollout): the trainer runs plain
+    if not policy.enabled and policy.k_format == policy.v_format == "bf16":
+        return state  # nothing is quantized (a BF16 rollout): the trainer runs plain
+    # (a KV-only policy, format bf16 with FP4/FP8 K or V, still wraps attention below)
     for chunk, offset in zip(model_chunks, layer_offsets):
         for name, module in chunk.named_modules():
             parts = name.split(".")
