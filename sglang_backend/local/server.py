@@ -46,6 +46,12 @@ from sglang_backend.weight_group import WeightGroup, dtype_from_name
 OPEN_PATHS = {"/health", "/health_generate"}
 
 
+class _Listener(ThreadingHTTPServer):
+    # socketserver's listen backlog is 5: a burst of clients (16 at once on one busy core) overflows
+    # it and connections are reset before a thread accepts them. uvicorn (SGLang's server) uses 2048.
+    request_queue_size = 1024
+
+
 class RolloutServer:
     """Routes + state (pause flag, weight groups) shared by all handler threads."""
 
@@ -74,7 +80,7 @@ class RolloutServer:
             "/update_weight_version": ({"POST"}, self.update_weight_version),
             "/get_guidance": ({"POST"}, self.get_guidance),
         }
-        self.httpd = ThreadingHTTPServer((host, port), _handler_for(self))
+        self.httpd = _Listener((host, port), _handler_for(self))
         self.httpd.daemon_threads = True  # a hung client never blocks shutdown
         self.host, self.port = host, self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="rollout-http", daemon=True)
