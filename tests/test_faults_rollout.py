@@ -185,8 +185,11 @@ def test_stale_server_stays_out_without_weights_to_replay(ckpts):
     try:
         client.note_version(3)
         client._mark_dead(srv.url, "test")  # as after a connection failure
-        time.sleep(0.5)
-        assert client.dead() == [srv.url] and any("no weights to replay" in e for _, _, e in client.events)
+        deadline = time.monotonic() + 60  # the prober's verdict is appended once and stays: cannot be missed
+        while not any("no weights to replay" in e for _, _, e in client.events):
+            assert time.monotonic() < deadline, client.events[-3:]
+            time.sleep(0.05)
+        assert client.dead() == [srv.url]
         with pytest.raises(Exception, match="no live server"):
             client.generate([GenerateRequest([1], SamplingParams(max_new_tokens=1))])
         client.readmit_hook = lambda url, v: urllib.request.urlopen(urllib.request.Request(
