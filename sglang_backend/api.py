@@ -91,6 +91,7 @@ class GenerateRequest:
     rid: str | None = None
     return_logprob: bool = True
     return_guidance: bool = False
+    return_routed_experts: bool = False  # SGLang's top-level key: the router's top-k ids per position and layer
 
 
 @dataclass
@@ -102,6 +103,9 @@ class GenerateResult:
     prompt_tokens: int
     weight_version: str  # as the server names it (SGLang: any string, "default" unless set)
     guidance_handle: str | None = None
+    # SGLang's meta_info["routed_experts"]: base64 int32 [prompt + output - 1, layers, top_k]
+    # (megatron_trace.guidance.routing decodes it)
+    routed_experts: str | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -120,6 +124,8 @@ class GenerateResult:
         }
         if self.guidance_handle is not None:
             meta["guidance_handle"] = self.guidance_handle
+        if self.routed_experts is not None:
+            meta["routed_experts"] = self.routed_experts
         return {"output_ids": list(self.output_ids), "meta_info": meta}
 
     @classmethod
@@ -140,6 +146,7 @@ class GenerateResult:
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             weight_version=str(meta.get("weight_version", DEFAULT_VERSION)),
             guidance_handle=meta.get("guidance_handle"),
+            routed_experts=meta.get("routed_experts"),
         )
 
 

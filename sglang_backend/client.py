@@ -153,6 +153,8 @@ class RolloutClient:
         if req.return_guidance:  # SGLang drops unknown top-level keys; custom_params reach its scheduler
             sp["custom_params"] = {GUIDANCE_KEY: True}
         payload = {"input_ids": list(req.input_ids), "sampling_params": sp, "return_logprob": req.return_logprob}
+        if req.return_routed_experts:  # a real SGLang answers it only when launched with --enable-return-routed-experts
+            payload["return_routed_experts"] = True
         p = req.sampling_params
         if req.return_logprob and (p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0):
             # SGLang's output_token_logprobs are the unfiltered softmax; the distribution actually

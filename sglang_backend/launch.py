@@ -71,6 +71,8 @@ def parser() -> argparse.ArgumentParser:
                    help="--backend sglang (default: SGLang's on GPU, 0.05 on CPU)")
     p.add_argument("--max-total-tokens", type=_positive, default=None, help="KV pool tokens (default 16384 on CPU)")
     p.add_argument("--weight-version", default="0", help="--backend sglang: the served version's name (default '0')")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="routing replay: SGLang keeps each token's routed expert ids (the embedded engine always can)")
     p.add_argument("--dry-run", action="store_true", help="--backend sglang: print the command, do not run it")
     return p
 
@@ -135,6 +137,8 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
            "TRACE_GUIDED_LAYERS": ",".join(map(str, _guided_layer_list(args)))}
     if args.api_key:
         cmd += ["--api-key", args.api_key]
+    if args.enable_return_routed_experts:
+        cmd += ["--enable-return-routed-experts"]
     export = args.quantization in (None, "nvfp4", "modelopt_fp4") and _is_fp4_export(args.model_path)
     if args.quantization == "modelopt_fp4" or (args.quantization is not None and not export):
         cmd += ["--quantization", SGLANG_QUANT[args.quantization]]
@@ -146,6 +150,11 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
         raise ValueError("--kv-cache-dtype mxfp4 on SGLang's CPU engine: the plugin has a torch_native read path "
                          "for NVFP4 KV only (plugin/kv_read.py); use --kv-cache-dtype nvfp4 or bf16 here, or "
                          "--backend local for MXFP4 KV on CPU")
+    if device == "cpu" and args.enable_return_routed_experts:
+        raise ValueError("--enable-return-routed-experts on SGLang's CPU engine: SGLang 0.5.23 allocates the "
+                         "routed-experts host buffer with cudaHostRegister (state_capturer/base.py BaseHostCache, "
+                         "mem_cache/pool_host/common.py), which fails without CUDA; use a GPU server, or "
+                         "--backend local, whose engine returns routed experts on CPU")
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         cmd += CPU_FLAGS + ["--mem-fraction-static", str(args.mem_fraction_static or 0.05),

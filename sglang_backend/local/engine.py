@@ -177,9 +177,11 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.scheduler.context_length}")
         if req.return_guidance and self.policy.format != "nvfp4":
             raise ValueError("guidance capture needs quant format nvfp4 (guided rounding is NVFP4-only)")
+        if req.return_routed_experts and not self.arch.is_moe:
+            raise ValueError(f"return_routed_experts needs an MoE model; {self.model_path} is {self.arch.family}")
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
-                 rid=None, return_guidance: bool = False, **_ignored):
+                 rid=None, return_guidance: bool = False, return_routed_experts: bool = False, **_ignored):
         """sglang.Engine.generate: a dict for one input, a list for a batch (n>1: n per prompt)."""
         if prompt is not None:
             raise ValueError("the embedded engine has no tokenizer: pass input_ids")
@@ -192,7 +194,8 @@ class Engine:
         if len(params) != len(batch) or len(rids) != len(batch):
             raise ValueError("sampling_params and rid lists must match the number of prompts")
         reqs = [GenerateRequest(list(ids), p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p),
-                                r, return_logprob, return_guidance) for ids, p, r in zip(batch, params, rids)]
+                                r, return_logprob, return_guidance, return_routed_experts)
+                for ids, p, r in zip(batch, params, rids)]
         all_rids = self.submit_all(reqs)
         out = self.wait([r for rs in all_rids for r in rs])
         if not return_logprob:

@@ -39,6 +39,7 @@ class ForwardBatch:
     kv_decode_scales: list | None = None  # NVFP4 KV: per layer [S_dec of K, S_dec of V], set by the model
     kv_global_scales: list | None = None  # NVFP4 KV: per layer (S_enc of K, S_enc of V), set by the model
     decode: bool | None = None  # every span one token (the scheduler knows; otherwise spans are scanned)
+    routed_experts: torch.Tensor | None = None  # int32 [T, layers, top_k]: MoE layers write their top-k ids
 
     def __post_init__(self):
         self.is_decode = self.decode if self.decode is not None else all(e - s == 1 for s, e in self.spans)
@@ -135,17 +136,19 @@ class _Layer(nn.Module):
                 capture(self.kv_sites[which], qt)
             kv.write(self.idx, which, batch.write_slots, t, qt, return_values=False)
 
-    def mlp(self, x, capture) -> torch.Tensor:
+    def mlp(self, x, capture, batch: ForwardBatch) -> torch.Tensor:
         if not self.moe:
             gu = self.gate_up(x, capture)
             half = gu.shape[-1] // 2
             return self.down(F.silu(gu[:, :half]) * gu[:, half:], capture)
-        return self._moe(x, capture)
+        return self._moe(x, capture, batch.routed_experts)
 
-    def _moe(self, x, capture) -> torch.Tensor:
+    def _moe(self, x, capture, routed: torch.Tensor | None = None) -> torch.Tensor:
         a = self.arch
         probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, a.num_experts_per_tok, dim=-1)
+        if routed is not None:  # routing replay: the trainer replays these ids, in this top-k order
+            routed[:, self.idx] = experts
         if a.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -172,7 +175,7 @@ class _Layer(nn.Module):
     def forward(self, x, batch, kv, rot, capture) -> torch.Tensor:
         eps = self.arch.rms_norm_eps
         x = x + self.attention(rms_norm(x, self.input_norm, eps), batch, kv, rot, capture)
-        return x + self.mlp(rms_norm(x, self.post_norm, eps), capture)
+        return x + self.mlp(rms_norm(x, self.post_norm, eps), capture, batch)
 
     def forward_fused(self, x, residual, batch, kv, rot, capture) -> torch.Tensor:
         """The C-kernel path (CPU): x is the residual stream, updated in place with the previous
@@ -181,7 +184,7 @@ class _Layer(nn.Module):
         h = cpu_fused.add_rmsnorm(x, residual, self.input_norm, eps)
         h = cpu_fused.add_rmsnorm(x, self.attention_fused(h, batch, kv, rot, capture), self.post_norm, eps)
         if self.moe:
-            return self._moe(h, capture)
+            return self._moe(h, capture, batch.routed_experts)
         # .forward, not __call__: module hooks cost more than these small GEMMs on a tiny model
         return self.down.forward(cpu_fused.silu_mul(self.gate_up.forward(h, capture)), capture)
 

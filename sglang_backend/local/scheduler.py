@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_trace import faults
-from megatron_trace.guidance import encode_records
+from megatron_trace.guidance import encode_records, encode_routed_experts
 
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams
 
@@ -40,6 +40,9 @@ class Sequence:
     guidance_bytes: bytes | None = None  # its guidance record, written when the sample finishes
     guidance_error: str | None = None
     slot_table: torch.Tensor | None = None  # KV slot of each reserved position (pages never change)
+    want_routing: bool = False  # return_routed_experts
+    routed_rows: list[torch.Tensor] = field(default_factory=list)  # [n, layers, top_k] per forward, in order
+    routed_experts: str | None = None  # the finished sample's ids, SGLang's base64 form
 
     @property
     def tokens(self) -> list[int]:
@@ -110,6 +113,7 @@ class Scheduler:
                       for i, rid in enumerate(g.rids)]
             self.in_flight += g.seqs  # from here on a failure still answers every rid of the group
             for s in g.seqs:
+                s.want_routing = g.request.return_routed_experts
                 s.pages = self.kv.allocate(self.kv.pages_needed(total))
                 s.slot_table = self.kv.slots(s.pages, 0, len(s.pages) * self.kv.page_size)
         return admitted
@@ -129,6 +133,9 @@ class Scheduler:
         else:
             return []
         self.in_flight = []
+        for s in finished:
+            if s.want_routing and s.finish_reason.get("type") != "abort":
+                s.routed_experts = _routed_experts(s)
         wanted = [s for s in finished if s.want_guidance and s.finish_reason.get("type") != "abort"]
         if wanted:
             try:
@@ -192,10 +199,16 @@ class Scheduler:
             read.append(slots)
             off += p
         batch = ForwardBatch(torch.tensor(ids), torch.tensor(pos), spans, torch.cat(write), read)
+        batch.routed_experts = self._routing_buffer([s for g in groups for s in g.seqs], off)
         capture, commit = self._capture([(g.seqs, a, b) for g, (a, b) in zip(groups, spans)], off)
         logits = self.model(batch, self.kv, capture)
         if commit:
             commit()
+        if batch.routed_experts is not None:
+            for g, (a, b) in zip(groups, spans):
+                for s in g.seqs:
+                    if s.want_routing:
+                        s.routed_rows.append(batch.routed_experts[a:b])
         for g, slots in zip(groups, read):
             for s in g.seqs[1:]:  # shared prefill: the other samples copy the prompt's KV
                 self.kv.copy_slots(slots, s.slot_table[: len(s.prompt)])
@@ -216,13 +229,25 @@ class Scheduler:
         write = table.gather(1, pos_t[:, None])[:, 0]
         batch = ForwardBatch(long_tensor([s.output_ids[-1] for s in seqs]), pos_t, spans, write, [],
                              read_index=table, read_lens=pos_t + 1, decode=True)
+        batch.routed_experts = self._routing_buffer(seqs, len(seqs))
         capture = commit = None
         if any(s.want_guidance for s in seqs):
             capture, commit = self._capture([([s], i, i + 1) for i, s in enumerate(seqs)], len(seqs))
         logits = self.model(batch, self.kv, capture)
         if commit:
             commit()
+        if batch.routed_experts is not None:
+            for i, s in enumerate(seqs):
+                if s.want_routing:
+                    s.routed_rows.append(batch.routed_experts[i : i + 1])
         return self._append_all(seqs, logits)
+
+    def _routing_buffer(self, seqs: list[Sequence], num_rows: int) -> torch.Tensor | None:
+        """Where this forward's MoE layers write their top-k ids, if any sample asked for them."""
+        if not any(s.want_routing for s in seqs):
+            return None
+        a = self.model.arch
+        return torch.zeros(num_rows, a.num_layers, a.num_experts_per_tok, dtype=torch.int32)
 
     def _append_all(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
         """Sample one token for each sequence (row i of logits); the survivors form the next batch."""
@@ -279,5 +304,15 @@ def long_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
+def _routed_experts(s: Sequence) -> str:
+    """A finished sample's routed expert ids over its T = prompt + output - 1 positions."""
+    ids = torch.cat(s.routed_rows)
+    s.routed_rows = []
+    if ids.shape[0] != len(s.tokens) - 1:
+        raise RuntimeError(f"routed experts cover {ids.shape[0]} of sample {s.rid}'s {len(s.tokens) - 1} positions")
+    return encode_routed_experts(ids)
+
+
 def to_result(s: Sequence, version: str, guidance_handle: str | None) -> GenerateResult:
-    return GenerateResult(s.rid, s.output_ids, s.logprobs, s.finish_reason, len(s.prompt), version, guidance_handle)
+    return GenerateResult(s.rid, s.output_ids, s.logprobs, s.finish_reason, len(s.prompt), version, guidance_handle,
+                          s.routed_experts)

@@ -120,6 +120,9 @@ class RolloutServer:
         if len(sps) != len(prompts) or len(rids) != len(prompts):
             raise HTTPError(400, f"sampling_params / rid lists must have one entry per prompt ({len(prompts)})", "text")
         ret_lp = bool(d.get("return_logprob", False))
+        routed = d.get("return_routed_experts", False)  # SGLang's top-level key
+        if not isinstance(routed, bool):
+            raise HTTPError(400, f"return_routed_experts must be true or false; got {routed!r}", "text")
         vocab = self.engine.arch.vocab_size
         reqs = []
         for p, s, r in zip(prompts, sps, rids):
@@ -140,7 +143,7 @@ class RolloutServer:
             except (ValueError, TypeError) as e:
                 raise HTTPError(400, str(e), "text") from None
             guided = bool(custom.get(GUIDANCE_KEY, False)) or bool(d.get("return_guidance", False))
-            reqs.append(GenerateRequest(p, params, r, ret_lp, guided))
+            reqs.append(GenerateRequest(p, params, r, ret_lp, guided, routed))
         submitted: list[str] = []
         try:
             for r in reqs:
