@@ -1,4 +1,5 @@
 """QAT sites without Megatron: rtn equals the fp4 reference; guided follows the rollout's records."""
+import pytest
 import torch
 
 from megatron_trace.fp4 import nvfp4
@@ -79,7 +80,41 @@ def test_kv_only_policy_still_models_the_kv_cache():
         chunks = build_model(arch, dtype=torch.float32)
         policy = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4")
         install_qat(chunks, arch, policy, "rtn", [0])
-        wrapped = [n for n, m in chunks[0].named_modules() if "forward" in vars(m)]
-        assert len(wrapped) == arch.num_layers and all(n.endswith("self_attention.core_attention") for n in wrapped)
+        kv = [n for n, m in chunks[0].named_modules() if getattr(m, "qat_kv", None) is not None]
+        linears = [n for n, m in chunks[0].named_modules() if getattr(m, "qat_site", None) is not None]
+        assert len(kv) == arch.num_layers and all(n.endswith("self_attention.core_attention") for n in kv)
+        assert linears == []
     finally:
         destroy()
+
+
+def test_sequence_parallel_rank_rows_equal_the_unsliced_result():
+    """Under sequence parallelism a column-parallel input is one rank's [S/TP, B, K] slice; with the
+    guidance rows sliced to match, each rank's quantized rows are exactly the rows of the unsliced
+    (TP1) result, in rtn and guided mode, and the agreement counts add up to the unsliced ones."""
+    g = torch.Generator().manual_seed(2)
+    lens, s, tp = [8, 5, 8], 8, 2
+    xs_roll = [torch.randn(t, 64, generator=g) for t in lens]
+    recs = _records(xs_roll, "full")
+    x = torch.randn(s, len(lens), 64, generator=g)
+    for j, xr in enumerate(xs_roll):
+        x[: lens[j], j] = xr * (1 + 0.02 * torch.randn(xr.shape, generator=g))
+    for mode in ("rtn", "guided"):
+        whole = QATState(ARCH, QuantPolicy(), mode)
+        whole.guidance = MicroBatchGuidance(recs, s)
+        want = whole.activation(x, SITE, None)
+        per_rank, counts = [], [0, 0]
+        n = (s // tp) * len(lens)
+        for r in range(tp):
+            st = QATState(ARCH, QuantPolicy(), mode)
+            st.guidance = MicroBatchGuidance(recs, s)
+            per_rank.append(st.activation(x[r * s // tp : (r + 1) * s // tp], SITE, None, rows=slice(r * n, (r + 1) * n)))
+            a, c = st.agree[SITE]
+            counts = [counts[0] + a, counts[1] + c]
+        assert torch.equal(torch.cat(per_rank), want), mode
+        assert counts == whole.agree[SITE], mode
+    # Unsliced guidance against one rank's rows is a layout error, not a silent round-to-nearest.
+    st = QATState(ARCH, QuantPolicy(), "guided")
+    st.guidance = MicroBatchGuidance(recs, s)
+    with pytest.raises(ValueError, match=r"QAT site model\.layers\.3\.mlp\.down_proj: the guidance has 24 rows .* has 12 rows"):
+        st.activation(x[: s // tp], SITE, None)

@@ -2,9 +2,10 @@
 
 Call `parallel.init_distributed(tp, pp, ep)` first; every function here works on the calling
 rank's shard and uses Megatron's parallel_state groups. Numerics were checked against HF
-transformers in fp32 on CPU (local layer spec); the Transformer Engine spec is used only when
-CUDA is present and `transformer_engine` imports, with its fused layer-norm parameter names
-translated to the local-spec names the HF map speaks (see `_te_alias`).
+transformers in fp32 on CPU. The layers are the project's layer spec (`layer_spec.py`) on CPU and
+GPU alike; its default layout fuses the pre-attention / pre-MLP RMSNorms into the following linear
+under Transformer Engine's parameter names, translated to the unfused names the HF map speaks (see
+`_te_alias`).
 
 Positions: each row of `input_ids` is one sequence starting at position 0 (Megatron's rope uses
 0..S-1 and ignores position_ids), under a causal mask. Right padding is harmless for the logits of
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 
 from ..models import ModelArch, hf_to_megatron, megatron_to_hf, padded_vocab_size
 
-# TE fuses the pre-attention / pre-MLP norms into the following linear: local name -> TE name.
+# The fused layout (TE's, and the project spec's default) holds the pre-attention / pre-MLP norms in
+# the following linear: unfused name -> fused name.
 _TE_NORM_ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
@@ -55,18 +57,24 @@ def _sequence_parallel(wanted: bool, tp: int) -> bool:
 
 
 def build_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32, vocab_divisible_by: int = 128,
-                sequence_parallel: bool = False) -> list:
+                sequence_parallel: bool = False, fused_norm: bool = True) -> list:
     """This rank's model chunks (one GPTModel; pre/post-process set by its pipeline stage).
 
     The vocab is padded to a multiple of `vocab_divisible_by * TP` as Megatron-LM does (pass 1 to
     only pad to a multiple of TP). `arch` is attached to each chunk as `.hf_arch` so the other
     helpers know the real vocab. On CPU, `apply_cpu_workarounds()` must be active (it is after
     `init_distributed`), and fp32 is the validated dtype.
+
+    The layers are the project's layer spec (`layer_spec.py`) on every machine: QAT linears and
+    attention; `fused_norm` (the default, TE's layout) fuses the pre-attention and dense pre-MLP
+    RMSNorms into linear_qkv / linear_fc1 so QAT quantizes the normalized activation; False keeps
+    them as separate modules (the unfused layout, same logits).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from .layer_spec import block_spec
 
     if arch.rope_scaling:
         raise ValueError(f"unsupported: rope scaling {arch.rope_scaling} is not mapped to Megatron")
@@ -119,18 +127,8 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32, vocab_di
         moe_token_dispatcher_type="allgather",  # alltoall needs CUDA streams
         moe_router_dtype="fp32" if moe else None,
     )
-    te = _use_te()
-    if te:
-        spec = specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=arch.num_experts if moe else None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
-        )
-    else:
-        spec = specs.get_gpt_layer_local_spec(
-            num_experts=arch.num_experts if moe else None,
-            moe_grouped_gemm=False,
-            qk_layernorm=arch.qk_norm,
-            normalization="RMSNorm",
-        )
+    spec = block_spec(cfg, num_experts=arch.num_experts if moe else None, qk_layernorm=arch.qk_norm,
+                      fused_norm=fused_norm)
     model = GPTModel(
         cfg,
         spec,

@@ -15,6 +15,7 @@ rollout's full-width quantizer.
 """
 from __future__ import annotations
 
+import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
 
+log = logging.getLogger(__name__)
 MODES = ("off", "rtn", "guided")
 _LINEAR_SITES = {
     "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.qkv_proj"),
@@ -99,6 +101,7 @@ class QATState:
         # The probe's way to measure mantissa guidance honestly: round with only the mantissa bits
         # of full records, count agreement against their full codes.
         self.mantissa_from_codes = False
+        self.unguided = defaultdict(int)  # site -> rows with a record this rank could not match
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (probs, routing_map)
 
     def tp_size(self) -> int:
@@ -120,14 +123,17 @@ class QATState:
         q = nvfp4.quantize(w.detach(), global_amax=amax)
         return straight_through(w, nvfp4.dequantize(q, w.dtype))
 
-    def activation(self, x: torch.Tensor, site: str, k_slice: slice | None, select=None) -> torch.Tensor:
+    def activation(self, x: torch.Tensor, site: str, k_slice: slice | None, select=None,
+                   rows: slice | None = None) -> torch.Tensor:
         """Per-token NVFP4 of x [S, B, K_local] (or [n, K] rows picked by `select`, a function of
-        the site's [S*B, ...] guidance tensors); guided rows follow the rollout's codes."""
-        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        the site's [S*B, ...] guidance tensors); guided rows follow the rollout's codes.
+        rows: under sequence parallelism, which of the micro-batch's [S*B] rows x holds."""
+        flat = x.detach().reshape(-1, x.shape[-1]).float()
         # row-parallel: the token's amax spans every TP rank's slice (the engine's and plugin's rule too)
-        gs = nvfp4.per_token_global_scale(rows, self._all_max if k_slice is not None else None)
-        q = nvfp4.quantize(rows, global_scale=gs)
-        return straight_through(x, self._guide(rows, q, site, k_slice, select=select).reshape(x.shape).to(x.dtype))
+        gs = nvfp4.per_token_global_scale(flat, self._all_max if k_slice is not None else None)
+        q = nvfp4.quantize(flat, global_scale=gs)
+        out = self._guide(flat, q, site, k_slice, select=select, rows=rows)
+        return straight_through(x, out.reshape(x.shape).to(x.dtype))
 
     def kv(self, t: torch.Tensor, site: str, fmt: str = "nvfp4") -> torch.Tensor:
         """K or V [S, B, groups_local, D] as the rollout caches it in `fmt`: NVFP4 along D with the
@@ -147,14 +153,27 @@ class QATState:
         g0 = self.tp_rank() * groups
         return straight_through(t, self._guide(rows, q, site, None, heads=slice(g0, g0 + groups)).reshape(t.shape).to(t.dtype))
 
-    def _guide(self, rows, q, site, k_slice, heads: slice | None = None, select=None) -> torch.Tensor:
+    def _guide(self, x_rows, q, site, k_slice, heads: slice | None = None, select=None,
+               rows: slice | None = None) -> torch.Tensor:
         deq = nvfp4.dequantize(q)
-        got = self.guidance.site(site, k_slice, rows.device) if self.guidance is not None and site else None
+        got = self.guidance.site(site, k_slice, x_rows.device) if self.guidance is not None and site else None
         if got is None:
             return deq
-        rr, mask = got if select is None else select(*got)
-        if mask.numel() != rows.shape[0]:
-            return deq  # rows this rank can't map to the rollout's (see _expert_rows)
+        if rows is not None:  # sequence parallel: this rank's rows of the micro-batch
+            rr, mask = got
+            pick = lambda t: None if t is None else t[rows]  # noqa: E731
+            got = RolloutRounding(pick(rr.scale), pick(rr.global_scale), pick(rr.codes), pick(rr.mantissa)), mask[rows]
+        if select is not None:
+            got = select(*got)
+            if got is None:  # an expert whose tokens this rank cannot map to the rollout's
+                self._unguided(site, x_rows.shape[0])
+                return deq
+        rr, mask = got
+        if mask.numel() != x_rows.shape[0]:
+            raise ValueError(f"QAT site {site}: the guidance has {mask.numel()} rows for this rank's "
+                             f"activation but the activation has {x_rows.shape[0]} rows (tokens x batch"
+                             f"{' x top-k' if select is not None else ''}); the record and the micro-batch "
+                             f"layout disagree")
         if heads is not None:
             pick = lambda t: None if t is None else t[:, heads]  # noqa: E731
             gs = rr.global_scale[:, heads] if rr.global_scale.dim() > 1 else rr.global_scale
@@ -163,9 +182,9 @@ class QATState:
             self._count(site, q, rr, mask)
             return deq
         if self.mantissa_from_codes and rr.codes is not None:
-            g = guided_quantize(rows, rr.scale, rr.global_scale, mantissa=mantissa_bits_packed(rr.codes))
+            g = guided_quantize(x_rows, rr.scale, rr.global_scale, mantissa=mantissa_bits_packed(rr.codes))
         else:
-            g = guided_quantize(rows, rr.scale, rr.global_scale, codes=rr.codes, mantissa=rr.mantissa)
+            g = guided_quantize(x_rows, rr.scale, rr.global_scale, codes=rr.codes, mantissa=rr.mantissa)
         self._count(site, g, rr, mask)
         changed = (unpack_fp4(g.data) != unpack_fp4(q.data))[mask]
         o = self.override[site]
@@ -173,6 +192,18 @@ class QATState:
         o[1] += changed.numel()
         m = mask.reshape(-1, *([1] * (deq.dim() - 1)))
         return torch.where(m, nvfp4.dequantize(g), deq)
+
+    def _unguided(self, site: str, n: int) -> None:
+        """Rows that had a record but could not be matched to it: round-to-nearest, said loudly
+        (once per site) and counted (`unguided_rows`)."""
+        if site not in self.unguided and self.mode == "guided":
+            log.warning("QAT site %s: guidance could not be matched to this rank's rows (experts under "
+                        "TP/EP > 1 before routing replay): these rows use round-to-nearest", site)
+        self.unguided[site] += n
+
+    def unguided_rows(self) -> dict[str, int]:
+        """site -> rows that had guidance this rank could not use (rtn instead), since the last clear."""
+        return dict(sorted(self.unguided.items()))
 
     def _count(self, site, q, rr: RolloutRounding, mask) -> None:
         """Codeword agreement of this mode's rounding with the rollout's full codes, on covered rows.
@@ -189,8 +220,7 @@ class QATState:
         if mode not in MODES:
             raise ValueError(f"trainer.qat_mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.mode = mode
-        self.agree.clear()
-        self.override.clear()
+        self.clear_counters()
 
     def agreement(self) -> dict[str, float]:
         """site -> share of elements whose code equals the rollout's (full-code records only)."""
@@ -203,6 +233,7 @@ class QATState:
     def clear_counters(self) -> None:
         self.agree.clear()
         self.override.clear()
+        self.unguided.clear()
 
 
 def _zero_as_one(codes: torch.Tensor) -> torch.Tensor:
@@ -212,17 +243,28 @@ def _zero_as_one(codes: torch.Tensor) -> torch.Tensor:
 
 
 def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, layer_offsets: list[int], tp_group=None) -> QATState:
-    """Wrap the FP4 linears and the K/V inputs of attention of each Megatron model chunk.
-
-    The wrappers read `state.mode` at every call, so one installed model can switch modes.
+    """Bind the QAT state and the rollout's site names to the QAT modules of each model chunk
+    (built by `gpt.build_model` from the project's layer spec, `layer_spec.py`): FP4 linears get a
+    `LinearSite`, attention the K/V formats. The modules read `state.mode` at every call, so one
+    installed model can switch modes.
 
     layer_offsets[i]: the global index of chunk i's first decoder layer (pipeline stages).
     """
+    from .layer_spec import LinearSite, QATColumnParallelLinear, QATDotProductAttention, QATRowParallelLinear
+
     policy = policy.for_arch(arch)  # kv="auto" -> this family's K and V formats
     state = QATState(arch, policy, mode, tp_group)
     if not policy.enabled and policy.k_format == policy.v_format == "bf16":
         return state  # nothing is quantized (a BF16 rollout): the trainer runs plain
-    # (a KV-only policy, format bf16 with FP4/FP8 K or V, still wraps attention below)
+    # (a KV-only policy, format bf16 with FP4/FP8 K or V, still binds attention below)
+    fp4_input = policy.activations == "fp4"
+
+    def bind(module, name: str, site: str, select=None) -> None:
+        if not isinstance(module, (QATColumnParallelLinear, QATRowParallelLinear)):
+            raise TypeError(f"install_qat: {name} is a {type(module).__name__}, not a QAT linear of the project's "
+                            f"layer spec (build the model with megatron_trace.trainer.gpt.build_model)")
+        module.qat_site = LinearSite(state, site, fp4_input, select)
+
     for chunk, offset in zip(model_chunks, layer_offsets):
         for name, module in chunk.named_modules():
             parts = name.split(".")
@@ -237,18 +279,19 @@ def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, l
                 hf = f"mlp.experts.{e}.{'gate_proj' if which == 'fc1' else 'down_proj'}"
                 if policy.linear_is_fp4(prefix + hf, arch.num_layers):
                     site = prefix + ("mlp.experts.gate_up_proj" if which == "fc1" else "mlp.experts.down_proj")
-                    select = _expert_rows(state, layer, e, which == "fc2")
-                    _wrap_linear(module, state, site, policy.activations == "fp4", row_parallel=which == "fc2",
-                                 select=select)
+                    bind(module, name, site, select=_expert_rows(state, layer, e, which == "fc2"))
             elif local == "mlp.router":
                 module.register_forward_hook(_remember_routing(state, layer))
             elif local in _LINEAR_SITES:
                 hf_module, site = _LINEAR_SITES[local]
                 if policy.linear_is_fp4(prefix + hf_module, arch.num_layers):
-                    _wrap_linear(module, state, prefix + site, policy.activations == "fp4", row_parallel=local.endswith(("linear_proj", "linear_fc2")))
+                    bind(module, name, prefix + site)
             elif local == "self_attention.core_attention" and policy.kv_is_fp4(layer, arch.num_layers):
+                if not isinstance(module, QATDotProductAttention):
+                    raise TypeError(f"install_qat: {name} is a {type(module).__name__}, not the layer spec's "
+                                    f"QATDotProductAttention (build the model with gpt.build_model)")
                 fmts = tuple(policy.kv_format(layer, arch.num_layers, w) for w in ("k", "v"))
-                _wrap_attention(module, state, prefix + "self_attn.", fmts)
+                module.qat_kv = (state, prefix + "self_attn.", fmts)
     return state
 
 
@@ -264,11 +307,12 @@ def _expert_rows(state: QATState, layer: int, expert: int, per_slot: bool):
     """Pick expert `expert`'s rows of a site's guidance: Megatron hands each expert its tokens in
     increasing token order (as the engine does); down_proj inputs are per (token, top-k slot),
     the slot being the expert's rank by router probability, as torch.topk orders it. Only for
-    experts whose tokens are all local (TP=1; EP=1 for now): elsewhere the experts use rtn."""
+    experts whose tokens are all local (TP=1; EP=1 for now): elsewhere None (the site's rows
+    use rtn, counted in `QATState.unguided_rows` and logged)."""
 
     def select(rr: RolloutRounding, mask: torch.Tensor):
         if state.tp_size() > 1 or layer not in state.routing:
-            return rr, torch.zeros(0, dtype=torch.bool)  # tokens not local to this rank: rtn
+            return None
         probs, routing_map = state.routing[layer]
         tokens = routing_map[:, expert].nonzero().squeeze(-1)
         pick = lambda t: None if t is None else t[tokens]  # noqa: E731
@@ -285,39 +329,3 @@ def _expert_rows(state: QATState, layer: int, expert: int, per_slot: bool):
         return sel, mask[tokens]
 
     return select
-
-
-def _wrap_linear(module, state: QATState, site: str, quantize_input: bool, row_parallel: bool, select=None) -> None:
-    inner = module.forward
-
-    def forward(input_, *args, **kwargs):
-        if state.mode == "off":
-            return inner(input_, *args, **kwargs)
-        if quantize_input:
-            k = input_.shape[-1]
-            k_slice = slice(state.tp_rank() * k, (state.tp_rank() + 1) * k) if row_parallel and state.tp_size() > 1 else None
-            input_ = state.activation(input_, site, k_slice if row_parallel else None, select=select)
-        param = module._parameters["weight"]
-        module._parameters["weight"] = state.weight(param)  # swapped for this call only
-        try:
-            return inner(input_, *args, **kwargs)
-        finally:
-            module._parameters["weight"] = param
-
-    module.forward = forward
-
-
-def _wrap_attention(module, state: QATState, prefix: str, fmts: tuple[str, str]) -> None:
-    inner = module.forward
-    k_fmt, v_fmt = fmts
-
-    def forward(query, key, value, *args, **kwargs):
-        if state.mode == "off":
-            return inner(query, key, value, *args, **kwargs)
-        if k_fmt != "bf16":
-            key = state.kv(key, prefix + "k_cache", k_fmt)
-        if v_fmt != "bf16":
-            value = state.kv(value, prefix + "v_cache", v_fmt)
-        return inner(query, key, value, *args, **kwargs)
-
-    module.forward = forward
