@@ -11,12 +11,14 @@ setup(
     description="RL post-training with FP4 rollout and rollout-guided QAT (TRACE)",
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_trace*", "sglang_backend*", "kernels*"]),
+    package_data={"kernels": ["*.c", "*.h", "*.cpp"]},  # C sources built at first use (kernels/cpu_gemv.py)
     install_requires=[
         "torch>=2.6,<2.15",
         "numpy>=1.26",
         "safetensors>=0.4",
         "pyyaml>=6",
         "tqdm>=4.66",
+        "ninja>=1.11",  # torch.utils.cpp_extension builds kernels/cpu_gemv.c with it at first use
     ],
     extras_require={
         # The trainer side (Megatron-Core) and the HF reference; SGLang containers skip these.

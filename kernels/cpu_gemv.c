@@ -1,0 +1,307 @@
+/* Weight-streaming GEMV/small GEMM for the embedded engine's decode on CPU; see cpu_gemv.h.
+ *
+ * Decode is bound by the bytes of weights read per token, so the weights are read as stored and
+ * decoded in registers, never materialized:
+ *  - NVFP4: 16 packed codes (8 bytes) per block. A 16-entry table (vpermw) maps each nibble to
+ *    the bf16 bits of 2*e2m1 (exact small integers), the block sum of x * 2e is scaled by
+ *    E4M3(SF)/2 and the row's sum by the global decode scale:
+ *        y = gdec * sum_blocks (SF_b / 2) * sum_k x_k * 2 e_k      (fp32 throughout)
+ *    which is fp4's dequantize (e * SF * gdec) followed by a matmul, reassociated: the two differ
+ *    by fp32 rounding only. In a bf16 model this uses the exact FP4 weight values (as FP4 GEMM
+ *    hardware does), not the bf16-rounded dequantized copy the torch path multiplies by.
+ *  - BF16: 32 weights per 64-byte load, widened to fp32 by shifts.
+ * x is fp32 for both (bf16 activations widen exactly), accumulation is fp32 FMA.
+ * Compiled with -march=native: the AVX-512 path when the compiler targets it, else portable scalar
+ * C (gemv_isa() says which). Threads: the caller splits output rows (cpu_gemv_parallel.cpp).
+ */
+#include "cpu_gemv.h"
+
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define GEMV_AVX512 1
+#else
+#define GEMV_AVX512 0
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* E4M3 scale byte / 2 as fp32, exactly: the byte's exponent and mantissa bits placed in an fp32
+   (a subnormal fp32 for exponent 0, which DAZ-free arithmetic keeps) times 2^(127-7-1). The sign
+   bit is ignored (UE4M3). */
+static inline float half_e4m3(uint8_t b) {
+    uint32_t u = (uint32_t)(b & 0x7f) << 20;
+    float f;
+    memcpy(&f, &u, 4);
+    return f * 0x1p119f;
+}
+
+static inline void store(void* y, int y_bf16, int64_t i, float v) {
+    if (y_bf16)
+        ((uint16_t*)y)[i] = f32_to_bf16(v);
+    else
+        ((float*)y)[i] = v;
+}
+
+int64_t gemv_padded_k(int64_t K) { return (K + 31) / 32 * 32; }
+
+void gemv_prepare_x(const void* x, int x_bf16, int64_t M, int64_t K, float* xp) {
+    const int64_t kp = gemv_padded_k(K);
+    for (int64_t m = 0; m < M; m++) {
+        float* row = xp + m * kp;
+        for (int64_t k = 0; k < kp; k++) {
+            const float v = k >= K ? 0.f
+                            : x_bf16 ? bf16_to_f32(((const uint16_t*)x)[m * K + k]) : ((const float*)x)[m * K + k];
+#if GEMV_AVX512
+            row[k / 32 * 32 + (k % 2) * 16 + (k % 32) / 2] = v; /* chunk: 16 even, then 16 odd columns */
+#else
+            row[k] = v;
+#endif
+        }
+    }
+}
+
+#if GEMV_AVX512
+const char* gemv_isa(void) {
+#ifdef __AVX512BF16__
+    return "avx512+bf16";
+#else
+    return "avx512";
+#endif
+}
+
+/* bf16 bits of 2 * e2m1(code), twice: vpermw reads 5 index bits and bit 4 is the neighbour nibble's. */
+static const uint16_t TWO_E2M1_BF16[32] = {
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40c0, 0x4100, 0x4140,
+    0x8000, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0c0, 0xc100, 0xc140,
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40c0, 0x4100, 0x4140,
+    0x8000, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0c0, 0xc100, 0xc140};
+
+/* 16 block scales (one row's next 256 columns; fewer at the row's end) as fp32 SF/2. */
+static inline __m512 load_scales(const uint8_t* s, int64_t count) {
+    const __mmask16 mask = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, s));
+    const __m512i bits = _mm512_slli_epi32(_mm512_and_si512(d, _mm512_set1_epi32(0x7f)), 20);
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p119f));
+}
+
+/* Which fp32 scale lane each 32-column chunk's 16 lanes take: lanes 0-7 block 2j, 8-15 block 2j + 1
+   of the 16 blocks a load_scales vector holds (j = chunk % 8). */
+static inline __m512i scale_pick(int64_t j) {
+    const __m512i lane = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_add_epi32(lane, _mm512_set1_epi32((int)(2 * j)));
+}
+
+/* 32 weights of chunk c as bf16 bits of 2 e2m1 in column order: dword i = byte i | byte << 12
+   puts byte i's low nibble in word 2i's low bits and its high nibble in word 2i+1's. */
+static inline __m512i decode_chunk(const uint8_t* cr, int64_t c, int64_t full, __m512i lut) {
+    const __m128i raw = c < full ? _mm_loadu_si128((const __m128i*)(cr + 16 * c))
+                                 : _mm_maskz_loadu_epi8((__mmask16)0x00ff, cr + 16 * c);
+    const __m512i d = _mm512_cvtepu8_epi32(raw);
+    return _mm512_permutexvar_epi16(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)), lut);
+}
+
+/* MR fp32 activation rows (laid out by gemv_prepare_x) against weight row n: one decode of each
+   32-weight chunk serves all MR. */
+static inline __attribute__((always_inline)) void nvfp4_tile(const float* xp, int64_t kp, int64_t K,
+                                                             const uint8_t* cr, const uint8_t* sr, float* out,
+                                                             const int mr) {
+    const __m512i lut = _mm512_loadu_si512((const void*)TWO_E2M1_BF16);
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    const int64_t chunks = kp / 32, full = K / 32, blocks = K / 16;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 s16 = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        if ((c & 7) == 0) s16 = load_scales(sr + 2 * c, blocks - 2 * c);
+        const __m512i w = decode_chunk(cr, c, full, lut);
+        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));  /* columns 2i */
+        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, hi));   /* columns 2i + 1 */
+        const __m512 sv = _mm512_permutexvar_ps(scale_pick(c & 7), s16);
+        for (int r = 0; r < mr; r++) {
+            const float* xr = xp + r * kp + 32 * c;
+            __m512 t = _mm512_mul_ps(_mm512_loadu_ps(xr), we);
+            t = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), wo, t);
+            acc[r] = _mm512_fmadd_ps(t, sv, acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+#ifdef __AVX512BF16__
+#define GEMV_DPBF16 1
+/* x's 32 bf16 columns of chunk c (the row's tail zero-filled), as read in place. */
+static inline __m512i load_x_bf16(const uint16_t* xr, int64_t c, int64_t K) {
+    const int64_t left = K - 32 * c;
+    return left >= 32 ? _mm512_loadu_si512((const void*)(xr + 32 * c))
+                      : _mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1ull), xr + 32 * c);
+}
+
+/* bf16 activations (rows of stride K, in place): vdpbf16ps multiplies bf16 pairs exactly (2e has
+   3 significant bits, x 8) and adds them in fp32, half the instructions of the fp32 path. */
+static inline __attribute__((always_inline)) void nvfp4_tile_bf16(const uint16_t* x, int64_t K, const uint8_t* cr,
+                                                                  const uint8_t* sr, float* out, const int mr) {
+    const __m512i lut = _mm512_loadu_si512((const void*)TWO_E2M1_BF16);
+    const int64_t chunks = (K + 31) / 32, full = K / 32, blocks = K / 16;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 s16 = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        if ((c & 7) == 0) s16 = load_scales(sr + 2 * c, blocks - 2 * c);
+        const __m512bh w = (__m512bh)decode_chunk(cr, c, full, lut);
+        const __m512 sv = _mm512_permutexvar_ps(scale_pick(c & 7), s16);
+        for (int r = 0; r < mr; r++) {
+            const __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)load_x_bf16(x + r * K, c, K), w);
+            acc[r] = _mm512_fmadd_ps(t, sv, acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static inline __attribute__((always_inline)) void bf16_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* wr,
+                                                                 float* out, const int mr) {
+    const int64_t chunks = (K + 31) / 32;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t c = 0; c < chunks; c++) {
+        const __m512bh w = (__m512bh)load_x_bf16(wr, c, K);
+        for (int r = 0; r < mr; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)load_x_bf16(x + r * K, c, K), w);
+    }
+    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#else
+#define GEMV_DPBF16 0
+#endif
+
+static inline __attribute__((always_inline)) void bf16_tile(const float* xp, int64_t kp, int64_t K,
+                                                            const uint16_t* wr, float* out, const int mr) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    const int64_t chunks = kp / 32, full = K / 32;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t c = 0; c < chunks; c++) {
+        /* the tail chunk reads only the row's remaining (K % 32) / 2 dwords */
+        const __m512i w = c < full ? _mm512_loadu_si512((const void*)(wr + 32 * c))
+                                   : _mm512_maskz_loadu_epi32((__mmask16)((1u << ((K % 32) / 2)) - 1u), wr + 32 * c);
+        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
+        for (int r = 0; r < mr; r++) {
+            const float* xr = xp + r * kp + 32 * c;
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), we, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), wo, acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+#define TILE_SWITCH(call)  \
+    switch (mr) {          \
+        case 4: call(4); break; \
+        case 3: call(3); break; \
+        case 2: call(2); break; \
+        default: call(1);  \
+    }
+
+/* x: raw bf16 rows [M, K] when x_bf16 (the dpbf16 build only, see gemv_reads_bf16), else fp32
+   rows laid out by gemv_prepare_x. */
+void gemv_nvfp4_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                     const float* gdec, const float* bias, void* y, int y_bf16, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t kp = gemv_padded_k(K);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+        for (int64_t n = n0; n < n1; n++) {
+            float out[4];
+            const uint8_t *cr = codes + n * (K / 2), *sr = scales + n * (K / 16);
+#if GEMV_DPBF16
+            if (x_bf16) {
+#define NVFP4_BF16_CALL(R) nvfp4_tile_bf16((const uint16_t*)x + m0 * K, K, cr, sr, out, R)
+                TILE_SWITCH(NVFP4_BF16_CALL)
+            } else
+#endif
+            {
+#define NVFP4_CALL(R) nvfp4_tile((const float*)x + m0 * kp, kp, K, cr, sr, out, R)
+                TILE_SWITCH(NVFP4_CALL)
+            }
+            for (int r = 0; r < mr; r++) store(y, y_bf16, (m0 + r) * N + n, out[r] * gdec[n] + (bias ? bias[n] : 0.f));
+        }
+    }
+}
+
+void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint16_t* w, const float* bias, void* y,
+                    int y_bf16, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t kp = gemv_padded_k(K);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+        for (int64_t n = n0; n < n1; n++) {
+            float out[4];
+#if GEMV_DPBF16
+            if (x_bf16) {
+#define BF16_BF16_CALL(R) bf16_tile_bf16((const uint16_t*)x + m0 * K, K, w + n * K, out, R)
+                TILE_SWITCH(BF16_BF16_CALL)
+            } else
+#endif
+            {
+#define BF16_CALL(R) bf16_tile((const float*)x + m0 * kp, kp, K, w + n * K, out, R)
+                TILE_SWITCH(BF16_CALL)
+            }
+            for (int r = 0; r < mr; r++) store(y, y_bf16, (m0 + r) * N + n, out[r] + (bias ? bias[n] : 0.f));
+        }
+    }
+}
+
+int gemv_reads_bf16(void) { return GEMV_DPBF16; }
+
+#else /* portable scalar C: the same factorization, natural column order */
+const char* gemv_isa(void) { return "scalar"; }
+int gemv_reads_bf16(void) { return 0; }
+
+static const float TWO_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, -0.f, -1, -2, -3, -4, -6, -8, -12};
+
+void gemv_nvfp4_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                     const float* gdec, const float* bias, void* y, int y_bf16, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t kp = gemv_padded_k(K);
+    const float* xp = (const float*)x;
+    (void)x_bf16; /* the scalar build always reads laid-out fp32 rows */
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *cr = codes + n * (K / 2), *sr = scales + n * (K / 16);
+            const float* xr = xp + m * kp;
+            float acc = 0.f;
+            for (int64_t b = 0; b < K / 16; b++) {
+                float s = 0.f;
+                for (int64_t j = 0; j < 8; j++) {
+                    const uint8_t byte = cr[b * 8 + j];
+                    s += xr[b * 16 + 2 * j] * TWO_E2M1[byte & 15] + xr[b * 16 + 2 * j + 1] * TWO_E2M1[byte >> 4];
+                }
+                acc += s * half_e4m3(sr[b]);
+            }
+            store(y, y_bf16, m * N + n, acc * gdec[n] + (bias ? bias[n] : 0.f));
+        }
+}
+
+void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint16_t* w, const float* bias, void* y,
+                    int y_bf16, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t kp = gemv_padded_k(K);
+    const float* xp = (const float*)x;
+    (void)x_bf16;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = n0; n < n1; n++) {
+            const uint16_t* wr = w + n * K;
+            const float* xr = xp + m * kp;
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++) acc += xr[k] * bf16_to_f32(wr[k]);
+            store(y, y_bf16, m * N + n, acc + (bias ? bias[n] : 0.f));
+        }
+}
+#endif
