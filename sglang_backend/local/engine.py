@@ -23,6 +23,7 @@ from megatron_trace.models import ModelArch, QuantPolicy
 from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
 
 from .kv_cache import PagedKVCache
+from .layers import streaming_status
 from .loader import load_checkpoint, load_tensor
 from .model import QwenEngineModel
 from .scheduler import Group, Scheduler, guidance_bytes, to_result
@@ -261,7 +262,9 @@ class Engine:
                 "is_generation": True, "architectures": [self.arch.family],
                 "quant_policy": self.policy.to_dict(), "kv_cache_dtype": self.kv.fmt, "kv_formats": list(self.kv.side_fmt),
                 "kv_bytes_per_token": self.kv.bytes_per_token(), "guided_layers": self.guided,
-                "guidance_mode": self.guidance_mode}
+                "guidance_mode": self.guidance_mode,
+                # what CPU decode linears run on: cpu_gemv/<isa>, or torch (why the kernels are missing)
+                "cpu_linear": streaming_status() if self.model.embed.device.type == "cpu" else None}
 
     def is_alive(self) -> bool:
         return not self._closed and self._worker.is_alive()

@@ -4,8 +4,9 @@ The per-forward work here is filling one argument struct per layer: pointers to 
 weights (transposed for the GEMM; refreshed only after weight loads), its KV pages, the batch's
 attention layout, and, for layers whose guidance is captured, the guidance log's rows for this
 step, which the quantizers write into. `supports` is False for what the kernel does not serve
-(MoE, MXFP4 activations or KV, FP4 widths that are not whole blocks, large layers when torch
-has threads to spare); the model then runs the per-kernel path (`cpu_fused`).
+(MoE, MXFP4 activations or KV, FP4 widths that are not whole blocks, real-size layers); the model
+then runs the per-kernel path (`cpu_fused`), whose linears stream their weights at decode widths
+through kernels/cpu_gemv.
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from megatron_trace.fp4 import fast
 _LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
 
-# Above this many MLP weights per layer, with several torch threads, torch's threaded GEMMs beat
-# this single-threaded kernel; small models gain more from one call than from threads.
+# Above this many MLP weights per layer the layer runs kernel by kernel, whose linears stream the
+# weights as stored across torch's threads at decode (kernels/cpu_gemv) and use torch's GEMM for
+# prefill; this kernel's own GEMM is single-threaded and reads dequantized weights, which only
+# small models (where one call saves more than threads would) should pay.
 ONE_CALL_MAX_WEIGHTS = 1 << 22
 
 
@@ -26,7 +29,7 @@ def supports(layer, kv) -> bool:
     """Whether `layer` (a model._Layer) should run as one C call over this KV cache."""
     if layer.moe or kv.fmt not in ("bf16", "nvfp4") or fast.c_functions() is None:
         return False
-    if torch.get_num_threads() > 1 and layer.gate_up.in_features * layer.gate_up.out_features > ONE_CALL_MAX_WEIGHTS:
+    if layer.gate_up.in_features * layer.gate_up.out_features > ONE_CALL_MAX_WEIGHTS:
         return False
     for name in _LINEARS:
         lin = getattr(layer, name)

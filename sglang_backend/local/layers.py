@@ -8,15 +8,52 @@ from __future__ import annotations
 
 from typing import Callable
 
+import logging
+
 import torch
 from torch import nn
 
+from kernels import cpu_gemv
 from kernels.dispatch import nvfp4_quantize
 from megatron_trace.fp4 import fast, mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 
 # site name, quantized input (NVFP4Tensor), or None when the site is not captured
 CaptureFn = Callable[[str, nvfp4.NVFP4Tensor], None]
+
+# Up to this many rows (decode batches), the CPU path streams the weights as stored through
+# kernels/cpu_gemv (bytes read bound decode); above it, torch's GEMM over the dequantized copy
+# (prefill, large batches: compute bound, where torch's blocked GEMM is faster).
+STREAM_MAX_ROWS = 4
+
+
+def streaming_status() -> str:
+    """What the CPU decode linears run on, for model_info and benchmarks: 'cpu_gemv/<isa>', or
+    'torch (<why the kernels are missing>)'."""
+    return f"cpu_gemv/{cpu_gemv.isa()}" if cpu_gemv.available() else f"torch ({cpu_gemv.unavailable_reason()})"
+
+
+def lm_head_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of h [T, hidden] (CPU): a bf16 head at decode widths streams through cpu_gemv
+    (fp32 accumulation rounded to bf16, as torch's bf16 linear), everything else F.linear."""
+    if (h.device.type == "cpu" and weight.dtype == torch.bfloat16 and h.dtype == torch.bfloat16
+            and h.shape[0] <= STREAM_MAX_ROWS and _streaming()):
+        return cpu_gemv.bf16_linear(h, weight).float()
+    return nn.functional.linear(h, weight).float()
+
+
+def _streaming() -> bool:
+    """cpu_gemv is built; says once, loudly, when it is not (cpu_gemv logs the build error)."""
+    if cpu_gemv.available():
+        return True
+    if not _WARNED:
+        _WARNED.append(True)
+        logging.getLogger(__name__).warning("CPU decode runs torch matmuls over dequantized weights: %s",
+                                            streaming_status())
+    return False
+
+
+_WARNED: list = []
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,6 +197,31 @@ class EngineLinear(nn.Module):
         return nvfp4_quantize(x, per_row_global=True)
 
     def forward(self, x: torch.Tensor, capture: CaptureFn | None = None, site: str | None = None) -> torch.Tensor:
+        return nn.functional.linear(self._matmul_input(x, capture, site), self.weight, self.bias)
+
+    def forward_cpu(self, x: torch.Tensor, capture: CaptureFn | None = None, site: str | None = None) -> torch.Tensor:
+        """The C-kernel forward's linear: decode widths (<= STREAM_MAX_ROWS rows) read the weights
+        as stored (NVFP4 codes + scales, or BF16) through cpu_gemv, after the same activation
+        quantization (and capture) as `forward`; other widths, MXFP4 and fp32 weights: `forward`."""
+        if x.shape[0] > STREAM_MAX_ROWS or x.device.type != "cpu":
+            return self.forward(x, capture, site)
+        if self.weight_fmt == "nvfp4" and isinstance(self.qweight, nvfp4.NVFP4Tensor) and _streaming():
+            q = self.qweight
+            return cpu_gemv.nvfp4_linear(self._matmul_input(x, capture, site), q.data, q.scale,
+                                         self._global_decode(), self.bias)
+        if self.weight_fmt is None and self.weight.dtype == torch.bfloat16 and _streaming():
+            return cpu_gemv.bf16_linear(self._matmul_input(x, capture, site), self.weight, self.bias)
+        return self.forward(x, capture, site)
+
+    def _global_decode(self) -> torch.Tensor:
+        """fp32 S_dec [N] of the NVFP4 weight (what fp4's dequantize multiplies by), per finalize."""
+        if getattr(self, "_gdec_for", None) != (self._generation, id(self.qweight)):
+            self._gdec = nvfp4.decode_scale(self.qweight.global_scale).float().expand(self.out_features).contiguous()
+            self._gdec_for = (self._generation, id(self.qweight))
+        return self._gdec
+
+    def _matmul_input(self, x: torch.Tensor, capture: CaptureFn | None, site: str | None) -> torch.Tensor:
+        """x, or with FP4 activations its quantize-dequantize (reported to capture)."""
         if self.act_fmt is not None:
             if self.act_fmt == "nvfp4" and x.device.type == "cpu":  # fused quantize + dequantize, same bits
                 gs = self.input_global_scale
@@ -170,7 +232,7 @@ class EngineLinear(nn.Module):
             if capture is not None and isinstance(q, nvfp4.NVFP4Tensor):
                 capture(site or self.site, q)
             x = xq
-        return nn.functional.linear(x, self.weight, self.bias)
+        return x
 
     def weight_t(self) -> torch.Tensor:
         """The weight transposed to [in, out] (what the CPU layer kernel's GEMM reads), rebuilt

@@ -21,7 +21,7 @@ from megatron_trace.models import ModelArch, QuantPolicy
 
 from . import layer_c
 from .kv_cache import PagedKVCache
-from .layers import CaptureFn, EngineLinear, Rope, rms_norm
+from .layers import CaptureFn, EngineLinear, Rope, lm_head_logits, rms_norm
 
 
 @dataclass
@@ -185,12 +185,13 @@ class _Layer(nn.Module):
         h = cpu_fused.add_rmsnorm(x, self.attention_fused(h, batch, kv, rot, capture), self.post_norm, eps)
         if self.moe:
             return self._moe(h, capture, batch.routed_experts)
-        # .forward, not __call__: module hooks cost more than these small GEMMs on a tiny model
-        return self.down.forward(cpu_fused.silu_mul(self.gate_up.forward(h, capture)), capture)
+        # .forward_cpu, not __call__: module hooks cost more than these small GEMMs on a tiny model;
+        # decode widths stream the weights as stored (layers.STREAM_MAX_ROWS)
+        return self.down.forward_cpu(cpu_fused.silu_mul(self.gate_up.forward_cpu(h, capture)), capture)
 
     def attention_fused(self, h, batch: ForwardBatch, kv: PagedKVCache, rot, capture) -> torch.Tensor:
         a = self.arch
-        qkv = self.qkv.forward(h, capture)
+        qkv = self.qkv.forward_cpu(h, capture)
         norms = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
         table, row_seq, row_len, width = batch.attention_layout()
         if kv.fmt == "bf16":  # K and V go straight into their cache slots
@@ -221,7 +222,7 @@ class _Layer(nn.Module):
                 kc, vc = kv.read(self.idx, 0, flat), kv.read(self.idx, 1, flat)
                 table = torch.arange(flat.numel()).view(-1, width)
             out = cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, scale)
-        return self.o_proj.forward(out.view(qkv.shape[0], a.q_size), capture)
+        return self.o_proj.forward_cpu(out.view(qkv.shape[0], a.q_size), capture)
 
 
 _WARNED_GATHER: set = set()
@@ -337,4 +338,5 @@ class QwenEngineModel(nn.Module):
             for layer, cap in zip(self.layers, caps):
                 x = layer(x, batch, kv, rot, cap)
             h = rms_norm(x if all_rows else x[rows], self.final_norm, eps)
-        return F.linear(h, self.lm_head).float()
+            return F.linear(h, self.lm_head).float()
+        return lm_head_logits(h, self.lm_head)
