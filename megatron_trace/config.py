@@ -87,6 +87,9 @@ class RolloutConfig:
 class TrainerConfig:
     tp: int = opt(1, "tensor parallel size", low=1)
     pp: int = opt(1, "pipeline parallel size", low=1)
+    ep: int = opt(1, "expert parallel size (MoE; allgather dispatcher, so CPU/gloo works too)", low=1)
+    routing_replay: str = opt("auto", "MoE routing replay (R3): the trainer's routers take the rollout's experts; "
+                              "auto = on for MoE models", ("auto", "on", "off"))
     lr: float = opt(1e-4, "Adam learning rate", low=0)
     clip_grad: float = opt(1.0, "global grad-norm clip", low=0)
     micro_batch_size: int = opt(8, "sequences per micro-batch", low=1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_trace.config import Config
-from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.guidance import GuidanceRecord, decode_routed_experts
 from megatron_trace.rl import LossConfig, mismatch_metrics
 from megatron_trace.trainer.actor import Sample
 from megatron_trace.trainer.comm import broadcast_blobs, broadcast_json
@@ -66,11 +66,14 @@ def guided_sites(cfg: Config) -> list[str]:
 class Rollout:
     """Rank 0's side of a step: prompts, generation, rewards (a raising reward scores 0, counted)."""
 
-    def __init__(self, cfg: Config, backend, tokenizer, prompts, reward_fn):
+    def __init__(self, cfg: Config, backend, tokenizer, prompts, reward_fn, arch=None):
         self.cfg, self.backend, self.tok, self.prompts, self.reward_fn = cfg, backend, tokenizer, prompts, reward_fn
         self.want_guidance = cfg.trainer.qat_mode == "guided"
         if self.want_guidance:
             guided_sites(cfg)
+        # MoE: the routed experts feed routing replay, name expert-site guidance slots and measure
+        # routing agreement, so every MoE rollout returns them
+        self.want_routing = arch is not None and arch.is_moe
 
     def _encode(self, text: str, stats: dict) -> list[int] | None:
         ids = self.tok.encode_prompt(text)
@@ -94,7 +97,8 @@ class Rollout:
                 continue
             sp = SamplingParams(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                                 n=rc.n_samples, sampling_seed=(self.cfg.trainer.seed * 1_000_003 + step) * 1009 + i * rc.n_samples)
-            reqs.append(GenerateRequest(ids, sp, rid=f"{p.prompt_id}-v{version}", return_guidance=self.want_guidance))
+            reqs.append(GenerateRequest(ids, sp, rid=f"{p.prompt_id}-v{version}", return_guidance=self.want_guidance,
+                                        return_routed_experts=self.want_routing))
             kept.append((p, ids))
         results = self.backend.generate(reqs) if reqs else []
         samples, guidance = [], []
@@ -105,7 +109,7 @@ class Rollout:
             stats["reward_errors"] += err is not None
             samples.append({"sample_id": res.rid, "prompt_id": p.prompt_id, "prompt": ids, "response": res.output_ids,
                             "logprobs": res.output_logprobs, "reward": reward,
-                            "version": version_step(res.weight_version)})
+                            "version": version_step(res.weight_version), "routed_experts": res.routed_experts})
             guidance.append(self._guidance(res) if self.want_guidance else None)
         for s, a in zip(samples, grpo_advantages([s["reward"] for s in samples], rc.n_samples)):
             s["advantage"] = a
@@ -185,20 +189,32 @@ class StepRunner:
                 sid = batch.samples[i]["sample_id"]
                 records[n] = self.store.get(sid) if self.store is not None else GuidanceRecord.from_bytes(batch.guidance[i])
         samples = [Sample(batch.samples[i]["sample_id"], batch.samples[i]["prompt"], batch.samples[i]["response"],
-                          batch.samples[i]["logprobs"], batch.samples[i]["advantage"], records[n])
-                   for n, i in enumerate(keep)]
+                          batch.samples[i]["logprobs"], batch.samples[i]["advantage"], records[n],
+                          self._routed(batch.samples[i])) for n, i in enumerate(keep)]
         if not samples:
             return {"rollout/dropped_stale": dropped, "train/skipped": 1}, []
         self.actor.qat.clear_counters()
+        self.actor.routing.clear_counters()
         metrics, train_lp = self.actor.train_step(samples, self.loss_cfg)
+        routing = self.actor.routing_agreement()  # collective: every rank
         if self.store is not None:
             self.store.release_step(batch.step)
         m = mismatch_metrics([s.rollout_logprobs for s in samples], [t.tolist() for t in train_lp], is_clip=self.cfg.algo.is_clip)
         out = {f"train/{k}": float(v) for k, v in metrics.items()}
         out["rollout/dropped_stale"] = dropped
+        out.update({f"mismatch/{k}": v for k, v in routing.items()})
         out["_mismatch"] = m
         out["_records"] = [r for r in records if r is not None]
         return out, [t - torch.tensor(s.rollout_logprobs) for t, s in zip(train_lp, samples)]
+
+
+    def _routed(self, s: dict) -> torch.Tensor | None:
+        """A sample's routed experts [T, layers, top_k] (None when the rollout sent none)."""
+        if s.get("routed_experts") is None:
+            return None
+        a = self.actor.arch
+        return decode_routed_experts(s["routed_experts"], len(s["prompt"]) + len(s["response"]) - 1, a.num_layers,
+                                     a.num_experts_per_tok, a.num_experts, sample=s["sample_id"])
 
 
 def async_executor() -> ThreadPoolExecutor:

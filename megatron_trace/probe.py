@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_trace.data import TASKS
-from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.guidance import GuidanceRecord, decode_routed_experts
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.rl import mismatch_metrics
 from megatron_trace.trainer.comm import all_gather_json, broadcast_blobs, broadcast_json
 
 MODES = ("off", "rtn", "guided-full", "guided-mantissa")
+NO_REPLAY = "guided-full-no-replay"  # MoE with replay: what guided-full is without it
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,11 +59,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rollout-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
+    ap.add_argument("--routing-replay", default="auto", choices=["auto", "on", "off"],
+                    help="MoE: replay the rollout's routed experts in every mode (auto: on for MoE); an MoE "
+                         "probe also runs guided-full without replay, to show what replay buys")
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    for name in ("max_new_tokens", "num_prompts", "prompt_len", "tp", "pp", "micro_batch_size"):
+    for name in ("max_new_tokens", "num_prompts", "prompt_len", "tp", "pp", "ep", "micro_batch_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.temperature <= 0:
@@ -103,12 +108,14 @@ def rollout(args, policy: QuantPolicy) -> list[dict]:
         real = bool(args.prompts or args.dataset)  # real prompts end their answers; random ones never would
         params = [{"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "ignore_eos": not real,
                    "sampling_seed": args.seed * 10_000 + i} for i in range(len(prompts))]
-        outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, return_guidance=True)
+        outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, return_guidance=True,
+                            return_routed_experts=arch.is_moe)
         samples = []
         for prompt, out in zip(prompts, outs):
             handle = out["meta_info"]["guidance_handle"]
             samples.append({"prompt": prompt, "response": out["output_ids"],
                             "logprobs": [t[0] for t in out["meta_info"]["output_token_logprobs"]],
+                            "routed_experts": out["meta_info"].get("routed_experts"),
                             "guidance": eng.fetch_guidance(handle)})
         return samples
     finally:
@@ -127,13 +134,14 @@ def _share(samples: list[dict] | None) -> list[dict]:
 def probe(args) -> dict:
     from megatron_trace.trainer.actor import Actor, ActorConfig, Sample
     from megatron_trace.trainer.parallel import destroy, init_distributed
+    from megatron_trace.trainer.routing_replay import replay_enabled
 
     arch = ModelArch.from_hf_config(args.model_path)
     targets = tuple(args.targets.split(",")) if args.targets else QuantPolicy().targets
     acts = "bf16" if args.quantization.startswith("w4a16") else "fp4"
     policy = QuantPolicy(format="nvfp4", weights="fp4", activations=acts, kv=args.kv_cache_dtype, kv_k=args.kv_k,
                          kv_v=args.kv_v, targets=targets)
-    init_distributed(tp=args.tp, pp=args.pp, seed=args.seed)
+    init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, seed=args.seed)
     try:
         t0 = time.perf_counter()
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -142,28 +150,37 @@ def probe(args) -> dict:
         full = [GuidanceRecord.from_bytes(s["guidance"]) for s in samples]
         records = {"full": full, "mantissa": [r.to_mantissa() for r in full]}
         actor = Actor(arch, policy, ActorConfig(qat_mode="off", micro_batch_size=args.micro_batch_size,
-                                                temperature=args.temperature), hf_path=args.model_path)
+                                                temperature=args.temperature, routing_replay=args.routing_replay),
+                      hf_path=args.model_path)
+        replay = replay_enabled(args.routing_replay, arch)
+        routed = [None if s["routed_experts"] is None else decode_routed_experts(
+            s["routed_experts"], len(s["prompt"]) + len(s["response"]) - 1, arch.num_layers, arch.num_experts_per_tok,
+            arch.num_experts) for s in samples]
         rollout_lp = [s["logprobs"] for s in samples]
         results = {}
-        for mode in MODES:
+        for mode in MODES + ((NO_REPLAY,) if replay else ()):
             kind = "mantissa" if mode == "guided-mantissa" else "full"
+            actor.routing.set_replay(replay and mode != NO_REPLAY)
+            actor.routing.clear_counters()
             actor.qat.set_mode(mode.split("-")[0])
             # Mantissa mode rounds with only the mantissa bits of the full records, so its agreement
             # is measured against the rollout's full codes (bytes are the mantissa records').
             actor.qat.mantissa_from_codes = mode == "guided-mantissa"
-            batch = [Sample(f"s{i}", s["prompt"], s["response"], s["logprobs"], 0.0, full[i])
+            batch = [Sample(f"s{i}", s["prompt"], s["response"], s["logprobs"], 0.0, full[i], routed[i])
                      for i, s in enumerate(samples)]
             train_lp = actor.compute_logprobs(batch)
             m = mismatch_metrics(rollout_lp, [t.tolist() for t in train_lp])
             m["dlogp_by_position"] = dlogp_by_position(rollout_lp, train_lp)
             m["agreement"] = _reduce_agreement(actor.qat.agreement())
             m["override"] = _reduce_agreement(actor.qat.override_rate())
+            m.update(actor.routing_agreement())  # MoE: routing_agreement, routing_replayed
             m["guidance_bytes_per_token"] = sum(r.nbytes() for r in records[kind]) / sum(r.num_positions for r in records[kind])
             results[mode] = m
         if not rank0:
             return {}  # only rank 0 reports (and writes --json): the others return before destroy()
         return {"model_path": str(args.model_path), "policy": policy.to_dict(), "rollout_dtype": args.rollout_dtype,
-                "trainer_dtype": "float32", "tp": args.tp, "pp": args.pp, "num_prompts": len(samples),
+                "trainer_dtype": "float32", "tp": args.tp, "pp": args.pp, "ep": args.ep,
+                "routing_replay": replay, "num_prompts": len(samples),
                 "prompts": args.prompts or args.dataset or "random token ids",
                 "response_lengths": [len(s["response"]) for s in samples],
                 "max_new_tokens": args.max_new_tokens, "rollout_seconds": t_rollout,
@@ -212,6 +229,12 @@ def _reduce_agreement(local: dict[str, float]) -> dict[str, float]:
     return {site: sum(v) / len(v) for site, v in sorted(merged.items())}
 
 
+def _expert_agreement(m: dict) -> float:
+    """The lowest codeword agreement over the routed-expert sites of one mode (nan: none counted)."""
+    vals = [v for site, v in m["agreement"].items() if ".mlp.experts." in site]
+    return min(vals) if vals else float("nan")
+
+
 def format_table(res: dict) -> str:
     lines = ["| mode | mean abs dlogp | max abs dlogp | K3 KL | ratio mean | ratio max | min site agreement | guidance B/token |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -219,6 +242,12 @@ def format_table(res: dict) -> str:
         agree = min(m["agreement"].values()) if m["agreement"] else float("nan")
         lines.append(f"| {mode} | {m['mean_abs_dlogp']:.4g} | {m['max_abs_dlogp']:.4g} | {m['k3_kl']:.3g} | "
                      f"{m['ratio_mean']:.4f} | {m['ratio_max']:.4f} | {agree:.4%} | {m['guidance_bytes_per_token']:.0f} |")
+    if any("routing_agreement" in m for m in res["modes"].values()):
+        lines += ["", "| mode (MoE) | min expert-site agreement | routing agreement (own router) | rollout routing used |",
+                  "|---|---:|---:|---:|"]
+        for mode, m in res["modes"].items():
+            lines.append(f"| {mode} | {_expert_agreement(m):.4%} | {m.get('routing_agreement', float('nan')):.4%} | "
+                         f"{m.get('routing_replayed', float('nan')):.4%} |")
     pos = [k for k in res["modes"]["off"] if k.startswith("dlogp_pos_")]
     lines += ["", "| mode | " + " | ".join(p.removeprefix("dlogp_pos_").replace("_", "-") for p in pos) + " |",
               "|---|" + "---:|" * len(pos)]

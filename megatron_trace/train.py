@@ -42,7 +42,7 @@ class Run:
 
         self.cfg, self.t0 = cfg, time.perf_counter()
         self.run_dir = Path(cfg.logging.run_dir)
-        init_distributed(tp=cfg.trainer.tp, pp=cfg.trainer.pp, seed=cfg.trainer.seed)
+        init_distributed(tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep, seed=cfg.trainer.seed)
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         if self.rank0:
             print("\n".join(console.plan_lines(cfg)), flush=True)
@@ -58,7 +58,8 @@ class Run:
             micro_batch_size=cfg.trainer.micro_batch_size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k,
             dtype=cfg.trainer.dtype, sequence_parallel=cfg.trainer.sequence_parallel,
-            distributed_optimizer=cfg.trainer.distributed_optimizer), hf_path=model_path)
+            distributed_optimizer=cfg.trainer.distributed_optimizer, routing_replay=cfg.trainer.routing_replay),
+            hf_path=model_path)
         self.start_step, self.version = 0, 0
         if resume:
             meta = self.actor.load_checkpoint(self.run_dir / "checkpoints")
@@ -69,7 +70,7 @@ class Run:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / "config.yaml")
             self.backend = self._backend(model_path)
-            self.rollout = Rollout(cfg, self.backend, tok, prompts, get_reward_fn(cfg.rollout.reward))
+            self.rollout = Rollout(cfg, self.backend, tok, prompts, get_reward_fn(cfg.rollout.reward), self.arch)
             self.store = self._store()
             from megatron_trace.transfer.sync import make_transport
 

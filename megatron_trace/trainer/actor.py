@@ -30,6 +30,7 @@ from sglang_backend.sampling_support import keep_mask, needs_filter, support_log
 
 from .gpt import _unwrap, build_model, load_hf_weights
 from .qat import MicroBatchGuidance, install_qat
+from .routing_replay import RoutingReplay, assert_same_micro_batch, replay_enabled
 
 
 @dataclass
@@ -45,6 +46,7 @@ class ActorConfig:
     dtype: str = "float32"
     sequence_parallel: bool = False  # GPU + TE only
     distributed_optimizer: bool = False  # GPU only: Megatron's distributed optimizer rejects CPU params
+    routing_replay: str = "auto"  # auto (on for MoE) | on | off: the routers replay the rollout's experts
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Sample:
     rollout_logprobs: list[float]
     advantage: float = 0.0
     guidance: GuidanceRecord | None = None
+    routed_experts: torch.Tensor | None = None  # the rollout's expert ids [T, layers, top_k] (MoE)
 
     @property
     def tokens(self) -> list[int]:
@@ -70,6 +73,8 @@ class _MicroBatch:
     adv: torch.Tensor
     guidance: MicroBatchGuidance | None
     count: int  # real samples (the rest is padding)
+    routed: list = field(default_factory=list)  # per batch column: the sample's routed experts or None
+    names: list = field(default_factory=list)  # per batch column: the sample id, None for padding
     extra: dict = field(default_factory=dict)
 
 
@@ -88,6 +93,10 @@ class Actor:
         if cfg.distributed_optimizer and not torch.cuda.is_available():
             raise ValueError("trainer.distributed_optimizer needs CUDA (Megatron rejects CPU parameters); "
                              "set it false on this machine")
+        ep = ps.get_expert_model_parallel_world_size()
+        if ep > 1 and (not arch.is_moe or arch.num_experts % ep):
+            raise ValueError(f"trainer.ep={ep} needs an MoE model whose experts split evenly over it; "
+                             f"{arch.family} has {arch.num_experts} experts")
         chunks = build_model(arch, dtype=dtype, sequence_parallel=cfg.sequence_parallel)
         if hf_path is not None:
             load_hf_weights(chunks, hf_path, arch)
@@ -103,6 +112,9 @@ class Actor:
                                   ps.get_pipeline_model_parallel_rank())
         self.qat = install_qat([_unwrap(model)], arch, policy, cfg.qat_mode, [start],
                                tp_group=ps.get_tensor_model_parallel_group())
+        self.routing = RoutingReplay(_unwrap(model), arch, start, replay_enabled(cfg.routing_replay, arch))
+        self.qat.routing_replay = self.routing  # expert-site guidance names slots by the rollout's ids
+        self._ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
 
     @property
     def chunks(self) -> list:
@@ -134,7 +146,9 @@ class Actor:
                     s.guidance.validate(n)
             records = [s.guidance for s in part] + [None] * (mbs - len(part))
             guidance = MicroBatchGuidance(records, seq) if any(r is not None for r in records) else None
-            out.append(_MicroBatch(ids, labels, mask, lp, adv, guidance, len(part)))
+            pad = [None] * (mbs - len(part))
+            out.append(_MicroBatch(ids, labels, mask, lp, adv, guidance, len(part),
+                                   [s.routed_experts for s in part] + pad, [s.sample_id for s in part] + pad))
         return out, seq
 
     def _run(self, micro: list[_MicroBatch], seq: int, forward_only: bool, loss_cfg: LossConfig | None, total: float):
@@ -147,6 +161,9 @@ class Actor:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             self.qat.guidance = mb.guidance
+            if mb.guidance is not None:
+                assert_same_micro_batch(mb.ids, self._ep_group)
+            self.routing.begin(mb.routed, mb.names, seq)
             out = model(mb.ids, pos, causal)
 
             def loss_func(logits):
@@ -195,6 +212,7 @@ class Actor:
         finally:
             self.ddp.train()
             self.qat.guidance = None
+            self.routing.end()
         return self._response_logprobs(store, micro, seq, samples)
 
     def _response_logprobs(self, store, micro, seq, samples) -> list[torch.Tensor]:
@@ -220,6 +238,7 @@ class Actor:
             store = self._run(micro, seq, False, loss_cfg, max(total, 1.0))
         finally:
             self.qat.guidance = None
+            self.routing.end()
         ok, grad_norm, _ = self.optimizer.step()
         sums = torch.zeros(6)
         if ps.is_pipeline_last_stage() and store:
@@ -231,6 +250,12 @@ class Actor:
                    "masked_frac": float(sums[3]) / n, "ratio_mean": float(sums[4]) / n,
                    "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "update_ok": bool(ok)}
         return metrics, self._response_logprobs(store, micro, seq, samples)
+
+    def routing_agreement(self) -> dict[str, float]:
+        """routing_agreement / routing_replayed since the last `routing.clear_counters()` (collective over PP)."""
+        from megatron.core import parallel_state as ps
+
+        return self.routing.agreement(ps.get_pipeline_model_parallel_group())
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, root: str | os.PathLike, step: int, extra: dict | None = None) -> Path:

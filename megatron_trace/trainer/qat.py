@@ -28,6 +28,8 @@ from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
 
+from .routing_replay import expert_rows
+
 log = logging.getLogger(__name__)
 MODES = ("off", "rtn", "guided")
 _LINEAR_SITES = {
@@ -102,7 +104,9 @@ class QATState:
         # of full records, count agreement against their full codes.
         self.mantissa_from_codes = False
         self.unguided = defaultdict(int)  # site -> rows with a record this rank could not match
-        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (probs, routing_map)
+        # the rollout's routed expert ids of the current micro-batch (the actor's RoutingReplay):
+        # expert-site guidance is matched by expert id (routing_replay.expert_rows)
+        self.routing_replay = None
 
     def tp_size(self) -> int:
         return dist.get_world_size(self.tp_group) if self.tp_group is not None and dist.is_initialized() else 1
@@ -276,12 +280,12 @@ def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, l
             expert = _EXPERT.match(local)
             if expert:
                 e, which = int(expert.group(1)), expert.group(2)
-                hf = f"mlp.experts.{e}.{'gate_proj' if which == 'fc1' else 'down_proj'}"
+                moe = chunk.get_submodule(".".join(parts[:3]) + ".mlp")
+                g = int(moe.local_expert_indices[e])  # the HF / rollout expert id (expert parallel: not e)
+                hf = f"mlp.experts.{g}.{'gate_proj' if which == 'fc1' else 'down_proj'}"
                 if policy.linear_is_fp4(prefix + hf, arch.num_layers):
                     site = prefix + ("mlp.experts.gate_up_proj" if which == "fc1" else "mlp.experts.down_proj")
-                    bind(module, name, site, select=_expert_rows(state, layer, e, which == "fc2"))
-            elif local == "mlp.router":
-                module.register_forward_hook(_remember_routing(state, layer))
+                    bind(module, name, site, select=expert_rows(state, moe, layer, e, which == "fc2"))
             elif local in _LINEAR_SITES:
                 hf_module, site = _LINEAR_SITES[local]
                 if policy.linear_is_fp4(prefix + hf_module, arch.num_layers):
@@ -293,39 +297,3 @@ def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, l
                 fmts = tuple(policy.kv_format(layer, arch.num_layers, w) for w in ("k", "v"))
                 module.qat_kv = (state, prefix + "self_attn.", fmts)
     return state
-
-
-def _remember_routing(state: QATState, layer: int):
-    def hook(_module, _inputs, output):
-        probs, routing_map = output
-        state.routing[layer] = (probs.detach(), routing_map.detach())
-
-    return hook
-
-
-def _expert_rows(state: QATState, layer: int, expert: int, per_slot: bool):
-    """Pick expert `expert`'s rows of a site's guidance: Megatron hands each expert its tokens in
-    increasing token order (as the engine does); down_proj inputs are per (token, top-k slot),
-    the slot being the expert's rank by router probability, as torch.topk orders it. Only for
-    experts whose tokens are all local (TP=1; EP=1 for now): elsewhere None (the site's rows
-    use rtn, counted in `QATState.unguided_rows` and logged)."""
-
-    def select(rr: RolloutRounding, mask: torch.Tensor):
-        if state.tp_size() > 1 or layer not in state.routing:
-            return None
-        probs, routing_map = state.routing[layer]
-        tokens = routing_map[:, expert].nonzero().squeeze(-1)
-        pick = lambda t: None if t is None else t[tokens]  # noqa: E731
-        sel = RolloutRounding(pick(rr.scale), pick(rr.global_scale), pick(rr.codes), pick(rr.mantissa))
-        if per_slot:
-            mine = probs[tokens, expert].unsqueeze(-1)
-            chosen = routing_map[tokens]
-            slot = ((probs[tokens] > mine) & chosen).sum(-1)
-            at = lambda t: None if t is None else t[torch.arange(len(tokens)), slot]  # noqa: E731
-            # Megatron scales the expert's activation by its routing weight BEFORE linear_fc2 (the
-            # engine, like HF, after it): same codes under per-token scaling, S_enc divided by it.
-            gs = at(sel.global_scale) / mine.squeeze(-1).float()
-            sel = RolloutRounding(at(sel.scale), gs, at(sel.codes), at(sel.mantissa))
-        return sel, mask[tokens]
-
-    return select

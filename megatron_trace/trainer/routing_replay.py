@@ -1,0 +1,217 @@
+"""MoE routing replay (the paper's R3) through Megatron-Core's `RouterReplay`, and expert-site
+guidance matched by expert id.
+
+    sample.routed_experts [T, layers, top_k] (the rollout's top-k ids, guidance/routing.py)
+      ─► per micro-batch and MoE layer: ids [S*B, top_k] in Megatron's token order (s * B + b)
+      ─► replay on : each router's RouterReplay gets them with REPLAY_FORWARD: the router's
+                     probabilities are its own scores gathered at the rollout's experts (softmax
+                     over those k logits when top-k is renormalized), so the gradient still reaches
+                     the router; no activation recomputation is configured, so backward never
+                     re-routes (REPLAY_BACKWARD is for that) and the forward's choice is the one
+                     trained through
+         replay off: the trainer routes on its own; the ids still name the rollout's slots
+      ─► a forward hook on each router counts, over the rollout's (token, layer, k) choices, how
+         often the trainer's own top-k (its scores, Megatron's topk) holds the same expert
+         (`mismatch/routing_agreement`: below 1 wherever FP4 moved a near-tie, replay or not) and
+         how often the routing its forward USED does (`mismatch/routing_replayed`: 1 under replay,
+         measured from the router's routing map, not assumed; = the agreement without replay)
+Expert-site guidance (`expert_rows`): the allgather dispatcher hands local expert i the tokens of
+the TP x EP group's gathered batch where its routing map is set, in increasing token order; the
+gate_up input record is per token (every expert quantizes a token's input the same way under
+per-token scaling) and the down_proj input record is per (token, slot), the slot being where the
+rollout's ids name this expert's GLOBAL id. A token the rollout did not send to this expert has no
+down_proj record: its row is round-to-nearest, and routing agreement below 100% says how many.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+from megatron_trace.fp4 import RolloutRounding
+
+MODES = ("auto", "on", "off")
+_ROUTER = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.router$")
+
+
+def replay_enabled(mode: str, arch) -> bool:
+    """trainer.routing_replay: auto (on for MoE models), on (an MoE model is required), off."""
+    if mode not in MODES:
+        raise ValueError(f"trainer.routing_replay must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == "on" and not arch.is_moe:
+        raise ValueError(f"trainer.routing_replay=on needs an MoE model; {arch.family} has no routers "
+                         "(use auto or off)")
+    return arch.is_moe and mode != "off"
+
+
+class RoutingReplay:
+    """The routers of one model chunk, the current micro-batch's rollout ids, agreement counters."""
+
+    def __init__(self, model: torch.nn.Module, arch, layer_offset: int, replay: bool):
+        self.arch = arch
+        self.routers: dict[int, torch.nn.Module] = {}
+        for name, module in model.named_modules():
+            m = _ROUTER.match(name)
+            if m:
+                self.routers[layer_offset + int(m.group(1))] = module
+        for layer, router in self.routers.items():
+            router.register_forward_hook(self._agreement_hook(layer))
+        self.set_replay(replay)
+        self.current: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # rollout choices the trainer's own router also makes, those its forward used, compared
+        self.counts = torch.zeros(3, dtype=torch.float64)
+
+    def set_replay(self, on: bool) -> None:
+        """Replay on or off from the next micro-batch (the probe compares both on one model)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        if on and not self.routers:
+            raise ValueError("routing replay needs an MoE model: this one has no routers")
+        self.replay = on
+        for router in self.routers.values():
+            if on and router.router_replay is None:
+                # What TransformerConfig.moe_enable_routing_replay makes TopKRouter.__init__ do, here so
+                # one model build serves replay on and off (the router reads it at every routing call).
+                router.router_replay = RouterReplay()
+
+    # -- per micro-batch -------------------------------------------------------------------------
+    def begin(self, routed: list[torch.Tensor | None], names: list[str | None], seq_len: int) -> None:
+        """The micro-batch's rollout ids (one entry per batch column; None for padding columns or a
+        sample without routed experts). With replay on every real sample must carry them."""
+        self.current = None
+        if not self.routers:
+            return
+        missing = [n for n, r in zip(names, routed) if n is not None and r is None]
+        if self.replay and missing:
+            raise ValueError(
+                f"trainer.routing_replay is on but samples {missing[:3]} carry no routed experts: the rollout "
+                "must return them (GenerateRequest.return_routed_experts; a real SGLang server needs "
+                "--enable-return-routed-experts)")
+        if all(r is None for r in routed):
+            if self.replay:
+                self._set(None)
+            return
+        k, b = self.arch.num_experts_per_tok, len(routed)
+        ids = torch.arange(k).repeat(seq_len, b, self.arch.num_layers, 1)  # [S, B, L, k]; padding rows
+        valid = torch.zeros(seq_len, b, dtype=torch.bool)
+        for j, r in enumerate(routed):
+            if r is None:
+                continue
+            if r.dim() != 3 or r.shape[1:] != (self.arch.num_layers, k) or r.shape[0] > seq_len:
+                raise ValueError(f"sample {names[j]}: routed experts of shape {tuple(r.shape)}; the micro-batch "
+                                 f"needs [<= {seq_len}, {self.arch.num_layers} layers, top-{k}]")
+            ids[: r.shape[0], j] = r.long()
+            valid[: r.shape[0], j] = True
+        flat = ids.reshape(seq_len * b, self.arch.num_layers, k)
+        self.current = {layer: (flat[:, layer].contiguous(), valid.reshape(-1)) for layer in self.routers}
+        if self.replay:
+            self._set(self.current)
+
+    def _set(self, current) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for layer, router in self.routers.items():
+            rr = router.router_replay
+            rr.clear_indices()
+            if current is None:
+                rr.clear_router_replay_action()
+                continue
+            rr.set_target_indices(current[layer][0])
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def end(self) -> None:
+        self.current = None
+        for router in self.routers.values():
+            if router.router_replay is not None:
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()
+
+    def rollout_ids(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ids [S*B, top_k] int64 in the rollout's top-k order, valid rows [S*B]) of this micro-batch."""
+        return None if self.current is None else self.current.get(layer)
+
+    # -- agreement -------------------------------------------------------------------------------
+    def _agreement_hook(self, layer: int):
+        def hook(router, args, output):
+            got = self.rollout_ids(layer)
+            if got is None:
+                return
+            _probs, routing_map = output
+            with torch.no_grad():
+                ids, valid = got[0].to(routing_map.device), got[1].to(routing_map.device)
+                logits = router.gating(args[0]).reshape(-1, router.config.num_moe_experts)
+                # Megatron's own choice: top-k of the logits (or of their softmax: the same order)
+                own = torch.topk(logits.float(), router.topk, dim=-1).indices
+                same = (ids[:, :, None] == own[:, None, :]).any(-1)[valid]
+                used = routing_map.gather(1, ids)[valid]
+            self.counts += torch.tensor([float(same.sum()), float(used.sum()), float(same.numel())], dtype=torch.float64)
+
+        return hook
+
+    def agreement(self, pp_group=None) -> dict[str, float]:
+        """{"routing_agreement": share of the rollout's (token, layer, k) choices the trainer's own
+        router also made, "routing_replayed": share its forward used}, over every pipeline stage's
+        layers (collective over `pp_group` when given); empty if nothing was counted."""
+        c = self.counts.clone()
+        if pp_group is not None and dist.is_initialized() and dist.get_world_size(pp_group) > 1:
+            dist.all_reduce(c, group=pp_group)
+        if c[2] == 0:
+            return {}
+        return {"routing_agreement": float(c[0] / c[2]), "routing_replayed": float(c[1] / c[2])}
+
+    def clear_counters(self) -> None:
+        self.counts.zero_()
+
+
+def assert_same_micro_batch(ids: torch.Tensor, group) -> None:
+    """Expert guidance maps the dispatcher's gathered rows to this rank's rows (row % S*B): every
+    rank of the expert-parallel group must hold the same micro-batch (the actor feeds all ranks the
+    same samples). Refuse loudly if that ever stops holding."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    parts = [torch.empty_like(ids) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, ids.contiguous(), group=group)
+    if not all(torch.equal(p, parts[0]) for p in parts):
+        raise RuntimeError("expert-parallel ranks hold different micro-batches: expert-site guidance cannot map "
+                           "the dispatcher's gathered tokens to the rollout's records")
+
+
+def expert_rows(state, moe_layer: torch.nn.Module, layer: int, local_expert: int, per_slot: bool):
+    """`select` for local expert `local_expert` of `moe_layer`: its rows of a site's [S*B, ...]
+    guidance, matched by the expert's global id; None (the site's rows use rtn, counted by the QAT
+    state) where the rows cannot be mapped: a dispatcher other than allgather, or a down_proj
+    record without the rollout's routed experts to name its slot."""
+    global_expert = int(moe_layer.local_expert_indices[local_expert])
+
+    def select(rr: RolloutRounding, mask: torch.Tensor):
+        d = moe_layer.token_dispatcher
+        local_map = getattr(d, "local_map", None)
+        n = mask.numel()
+        if local_map is None or local_map.shape[0] % n:
+            return None
+        tokens = local_map[:, local_expert].nonzero().squeeze(-1)
+        rows = tokens % n  # the gathered batch is the TP x EP group's copies of this micro-batch
+        pick = lambda t: None if t is None else t[rows]  # noqa: E731
+        sel = RolloutRounding(pick(rr.scale), pick(rr.global_scale), pick(rr.codes), pick(rr.mantissa))
+        keep = mask[rows]
+        if not per_slot:
+            return sel, keep
+        replay = getattr(state, "routing_replay", None)
+        routed = replay.rollout_ids(layer) if replay is not None else None
+        if routed is None:
+            return None
+        ids, valid = routed
+        hit = ids.to(rows.device)[rows] == global_expert  # [n_e, top_k]
+        slot = hit.to(torch.int8).argmax(-1)
+        keep = keep & hit.any(-1) & valid.to(rows.device)[rows]
+        # Megatron scales the expert's activation by its routing weight BEFORE linear_fc2 (the engine,
+        # like HF, after it): the same codes under per-token scaling, with S_enc scaled by the weight.
+        # local_probs: this rank's experts' weights, expert-major, tokens ascending (as `tokens`).
+        start = int(local_map[:, :local_expert].sum())
+        weight = d.local_probs.detach()[start : start + len(tokens)].float()
+        at = lambda t: None if t is None else t[torch.arange(len(rows)), slot]  # noqa: E731
+        gs = at(sel.global_scale) / weight.clamp_min(torch.finfo(torch.float32).tiny)
+        return RolloutRounding(at(sel.scale), gs, at(sel.codes), at(sel.mantissa)), keep
+
+    return select
