@@ -30,8 +30,9 @@ place where Megatron assumes a GPU even though the computation itself is device-
    `jit_fuser` is Megatron's own no-op choice and the kernels run eagerly (same math).
 
 Limits that are configuration, not patches (see `gpt.build_model`): the alltoall MoE token
-dispatcher needs CUDA streams (use "allgather"), sequence parallelism is impossible with the
-local spec, and `use_distributed_optimizer=True` rejects CPU params (use the plain optimizer).
+dispatcher needs CUDA streams (use "allgather") and `use_distributed_optimizer=True` rejects CPU
+params (use the plain optimizer). Sequence parallelism runs on gloo with the project's layer spec
+(`layer_spec.py`: its norms allow it, where Megatron's WrappedTorchNorm refuses it).
 """
 from __future__ import annotations
 

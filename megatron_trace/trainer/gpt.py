@@ -31,16 +31,6 @@ _TE_NORM_ALIASES = {
 }
 
 
-def _use_te() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # ImportError, or a broken install raising at import time
-        return False
-    return True
-
-
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel under DDP / Float16Module wrappers."""
     while hasattr(model, "module"):
@@ -49,10 +39,9 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _sequence_parallel(wanted: bool, tp: int) -> bool:
-    """The local spec's norms refuse sequence parallelism: it needs the TE layer spec (CUDA)."""
-    if wanted and not _use_te():
-        raise ValueError("trainer.sequence_parallel needs CUDA and Transformer Engine (the local layer "
-                         "spec's norms do not support it); set it false on this machine")
+    """Sequence parallelism splits the residual stream over TP ranks; the project's layer spec
+    supports it on every backend (its norms mark their weights for Megatron's SP grad all-reduce,
+    its QAT linears slice the guidance to the rank's rows). With TP=1 there is nothing to split."""
     return wanted and tp > 1
 
 

@@ -11,7 +11,12 @@ Megatron lays activations out [seq, batch, hidden]; a micro-batch's guidance is 
 that layout once per site (`MicroBatchGuidance`), with each sample's positions 0..T-1 in its
 batch column. Row-parallel inputs hold a K slice per TP rank: per-token amax is all-reduced
 (MAX) over TP and the guidance is sliced along K, so every rank rounds exactly like the
-rollout's full-width quantizer.
+rollout's full-width quantizer. Under sequence parallelism a column-parallel input is the rank's
+[S/TP, B, H] rows (gathered for the GEMM after quantization; per-token rounding is row-local), and
+the guidance is sliced to those rows. Guidance whose row count does not match the activation's is
+an error naming the site, never a silent round-to-nearest.
+
+The modules that call this state are the project's layer spec (`layer_spec.py`).
 """
 from __future__ import annotations
 
