@@ -69,26 +69,23 @@ if [[ -z ${SLURM_JOB_ID:-} && $DRY_RUN == 0 ]]; then
 fi
 
 # -- the run config, resolved by the project's own loader ----------------------------------------
-resolved=$(DRY_RUN=$DRY_RUN "$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
+resolved=$(CPU_MODE=${CPU_MODE:-0} "$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
 import os, shlex, sys
 from megatron_trace.config import Config
 cfg = Config.load(sys.argv[1], sys.argv[2:])
 q, g, r, t = cfg.quant, cfg.guidance, cfg.rollout, cfg.trainer
 quant = "" if "bf16" in (q.format, q.weights) else (q.format if q.activations == "fp4" else f"w4a16_{q.format}")
 pol = q.policy().for_family(cfg.model.family)  # kv=auto -> the family's K and V formats
-kv = pol.k_format
-if pol.k_format != pol.v_format and cfg.rollout.backend == "http":
-    msg = (f"quant.kv_k={pol.k_format} / quant.kv_v={pol.v_format}: SGLang servers take one --kv-cache-dtype and "
-           "the plugin has no per-side KV method yet, so servers and trainer would quantize K differently; "
-           "set quant.kv (quant.kv=bf16 loses nothing) or use rollout.backend=local")
-    if os.environ.get("DRY_RUN") != "1":
-        sys.exit(msg)
-    print(f"warning: a real run stops here: {msg}", file=sys.stderr)
-    kv = f"K:{pol.k_format}+V:{pol.v_format}"
+kv = pol.k_format if pol.k_format == pol.v_format else f"K:{pol.k_format}+V:{pol.v_format}"
+if pol.k_format != pol.v_format and cfg.rollout.backend == "http" and os.environ.get("CPU_MODE") != "1":
+    # the plugin's per-side KV method (sglang_backend/plugin/kv_sides.py) is read through torch_native
+    print(f"note: quant.kv_k={pol.k_format} / quant.kv_v={pol.v_format}: SGLang servers read K and V through the "
+          "plugin's per-side KV method with --attention-backend torch_native (slower than the GPU backends)",
+          file=sys.stderr)
 if not isinstance(g.layers, (int, str)):
     sys.exit(f"guidance.layers={g.layers!r}: servers take last_half|all|none|N")
 vals = {"TP": t.tp, "PP": t.pp, "CFG_SGLANG_TP": cfg.cluster.sglang_tp, "CFG_GPUS": cfg.cluster.gpus_per_node,
-        "QUANT": quant, "KV": kv, "GUIDE_MODE": g.mode, "GUIDE_LAYERS": g.layers, "ROLLOUT_DTYPE": r.dtype,
+        "KV_K": pol.k_format, "KV_V": pol.v_format, "QUANT": quant, "KV": kv, "GUIDE_MODE": g.mode, "GUIDE_LAYERS": g.layers, "ROLLOUT_DTYPE": r.dtype,
         "MAX_RUNNING": r.max_running, "SEED": t.seed, "CFG_RUN_DIR": cfg.logging.run_dir,
         "CFG_MODEL": cfg.model.path, "CFG_TRANSPORT": cfg.transfer.transport}
 for k, v in vals.items():
@@ -248,7 +245,7 @@ for node in "${ROLLOUT_HOSTS[@]}"; do
     launch "$LOG_DIR/server_$i.log" srun --nodes 1 --ntasks 1 -w "$node" "${SERVER_GRES[@]}" --job-name "rollout$i" \
       "$PYTHON" -m sglang_backend.launch --backend "$ROLLOUT_BACKEND" --model-path "$MODEL_PATH" \
       --host 0.0.0.0 --port "$port" --api-key "$API_KEY" ${QUANT:+--quantization "$QUANT"} \
-      --kv-cache-dtype "$KV" --dtype "$ROLLOUT_DTYPE" --guidance-mode "$GUIDE_MODE" --guided-layers "$GUIDE_LAYERS" \
+      --kv-k "$KV_K" --kv-v "$KV_V" --dtype "$ROLLOUT_DTYPE" --guidance-mode "$GUIDE_MODE" --guided-layers "$GUIDE_LAYERS" \
       --max-running-requests "$MAX_RUNNING" --random-seed $((SEED + i)) "${extra[@]}"
     URLS+=("$url"); ((${#PIDS[@]})) && SERVER_PIDS+=("${PIDS[-1]}"); i=$((i + 1))
   done

@@ -9,9 +9,13 @@ that command instead of running it.
 Quantization: an exported NVFP4 (ModelOpt) checkpoint needs no flag (the plugin claims it; an
 explicit nvfp4 is dropped for it); on a BF16/FP32 checkpoint nvfp4 -> trace_nvfp4 and mxfp4 ->
 trace_mxfp4 quantize online with the same policy as the engine (passed in TRACE_QUANT_POLICY).
-KV nvfp4 -> nvfp4, mxfp4 -> fp4_mx_block16. `--device cpu` (the default without CUDA) adds what
-SGLang's CPU engine needs: SGLANG_USE_CPU_ENGINE=1, --device cpu, --attention-backend
-torch_native, --sampling-backend pytorch, --disable-cuda-graph, a small --mem-fraction-static.
+KV nvfp4 -> nvfp4, mxfp4 -> fp4_mx_block16 (on GPUs). K and V in their own formats (`--kv-k` /
+`--kv-v`, the policy's quant.kv_k / quant.kv_v), FP8 KV and MXFP4 KV on the CPU engine go through
+the plugin's per-side method (plugin/kv_sides.py): SGLang's --kv-cache-dtype nvfp4 plus
+TRACE_KV_SIDES=<k>,<v>, read through torch_native attention (added, with a warning, on GPUs).
+`--device cpu` (the default without CUDA) adds what SGLang's CPU engine needs:
+SGLANG_USE_CPU_ENGINE=1, --device cpu, --attention-backend torch_native, --sampling-backend
+pytorch, --disable-cuda-graph, a small --mem-fraction-static.
 Always: --skip-tokenizer-init (the rollout speaks token ids) and --weight-version (default "0",
 the trainer's first version).
 """
@@ -33,6 +37,7 @@ CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampli
              "--disable-cuda-graph"]
 SGLANG_KV = {"auto": "auto", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "fp4_mx_block16"}
 PLUGIN_NAME = "trace_fp4"
+KV_SIDES = ("bf16", "fp8", "nvfp4", "mxfp4")
 
 
 def _guided_layers(v: str):
@@ -57,7 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None, help="required on a non-loopback host")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None)
-    p.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "nvfp4", "mxfp4"], default="auto")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4", "mxfp4"], default="auto")
+    p.add_argument("--kv-k", choices=KV_SIDES, default=None, help="K cache format (default: --kv-cache-dtype)")
+    p.add_argument("--kv-v", choices=KV_SIDES, default=None, help="V cache format (default: --kv-cache-dtype)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--guidance-mode", choices=["full", "mantissa"], default="mantissa")
     p.add_argument("--guided-layers", type=_guided_layers, default="last_half", metavar="last_half|all|none|N")
@@ -96,11 +103,43 @@ def _is_fp4_export(model_path: str) -> bool:
 def _online_policy(args: argparse.Namespace) -> str:
     """TRACE_QUANT_POLICY for online quantization: the engine's policy for these flags + the layer count."""
     from megatron_trace.models import ModelArch
+
+    policy = _policy(args)
+    layers = ModelArch.from_hf_config(Path(args.model_path)).num_layers
+    return json.dumps({"policy": policy.to_dict(), "num_layers": layers})
+
+
+def _policy(args: argparse.Namespace):
+    """The engine's QuantPolicy for these flags, with --kv-k / --kv-v applied."""
+    from megatron_trace.models import QuantPolicy
     from sglang_backend.local.engine import policy_for
 
     policy = policy_for(args.quantization, args.kv_cache_dtype, Path(args.model_path))
-    layers = ModelArch.from_hf_config(Path(args.model_path)).num_layers
-    return json.dumps({"policy": policy.to_dict(), "num_layers": layers})
+    if args.kv_k is None and args.kv_v is None:
+        return policy
+    return QuantPolicy.from_dict({**policy.to_dict(), "kv_k": args.kv_k or "", "kv_v": args.kv_v or ""})
+
+
+def kv_sides(args: argparse.Namespace) -> tuple[str, str]:
+    """(K format, V format) of these flags; 'auto' is the model dtype (bf16 in the policy's words)."""
+    both = "bf16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    return args.kv_k or both, args.kv_v or both
+
+
+def sglang_kv(args: argparse.Namespace, device: str) -> tuple[list[str], dict[str, str]]:
+    """SGLang's KV flags and the plugin's environment for our K/V formats."""
+    sides = kv_sides(args)
+    if sides == ("bf16", "bf16"):
+        return ["--kv-cache-dtype", args.kv_cache_dtype if args.kv_cache_dtype in SGLANG_KV else "bf16"], {}
+    if sides == ("nvfp4", "nvfp4") or (sides == ("mxfp4", "mxfp4") and device != "cpu"):
+        return ["--kv-cache-dtype", SGLANG_KV[sides[0]]], {}
+    flags = ["--kv-cache-dtype", "nvfp4"]
+    if device != "cpu":  # the CPU flags select torch_native already
+        print(f"warning: K cache {sides[0]} + V cache {sides[1]} is read through the plugin's plain dequantized "
+              "path, which only SGLang's torch_native attention takes: adding --attention-backend torch_native "
+              "(slower than the GPU backends; plugin/kv_sides.py)", file=sys.stderr)
+        flags += ["--attention-backend", "torch_native"]
+    return flags, {"TRACE_KV_SIDES": ",".join(sides)}
 
 
 def _guided_layer_list(args: argparse.Namespace) -> list[int]:
@@ -130,7 +169,7 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
                          f"{', '.join(SGLANG_QUANT)}")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_path, "--host", args.host,
            "--port", str(args.port), "--tp-size", str(args.tp_size), "--dtype", args.dtype,
-           "--kv-cache-dtype", SGLANG_KV[args.kv_cache_dtype], "--random-seed", str(args.random_seed),
+           "--random-seed", str(args.random_seed),
            "--max-running-requests", str(args.max_running_requests), "--skip-tokenizer-init",
            "--weight-version", str(args.weight_version)]
     env = {"SGLANG_PLUGINS": PLUGIN_NAME, "TRACE_GUIDANCE_MODE": args.guidance_mode,
@@ -146,10 +185,9 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
             env["TRACE_QUANT_POLICY"] = _online_policy(args)
     device = _device(args)
     env["TRACE_KV_READ_DTYPE"] = args.dtype
-    if device == "cpu" and args.kv_cache_dtype == "mxfp4":
-        raise ValueError("--kv-cache-dtype mxfp4 on SGLang's CPU engine: the plugin has a torch_native read path "
-                         "for NVFP4 KV only (plugin/kv_read.py); use --kv-cache-dtype nvfp4 or bf16 here, or "
-                         "--backend local for MXFP4 KV on CPU")
+    kv_flags, kv_env = sglang_kv(args, device)
+    cmd += kv_flags
+    env.update(kv_env)
     if device == "cpu" and args.enable_return_routed_experts:
         raise ValueError("--enable-return-routed-experts on SGLang's CPU engine: SGLang 0.5.23 allocates the "
                          "routed-experts host buffer with cudaHostRegister (state_capturer/base.py BaseHostCache, "
@@ -208,8 +246,8 @@ def main(argv: list[str] | None = None, *, ready: threading.Event | None = None,
         return 2
     try:
         engine = Engine(args.model_path, dtype=args.dtype, quantization=args.quantization,
-                        kv_cache_dtype=args.kv_cache_dtype, guidance_mode=args.guidance_mode,
-                        guided_layers=args.guided_layers, max_running_requests=args.max_running_requests,
+                        kv_cache_dtype=args.kv_cache_dtype, quant_policy=_policy(args),
+                        guidance_mode=args.guidance_mode, guided_layers=args.guided_layers, max_running_requests=args.max_running_requests,
                         random_seed=args.random_seed)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: cannot load {args.model_path}: {e}", file=sys.stderr)

@@ -58,12 +58,22 @@ def test_cpu_engine_flags(capsys, bf16_ckpt):
     assert "--disable-cuda-graph" in cmd
 
 
-def test_mxfp4_kv_on_the_cpu_engine_is_refused_naming_the_missing_piece(capsys, bf16_ckpt):
-    argv = ["--backend", "sglang", "--model-path", bf16_ckpt, "--dry-run", "--device", "cpu", "--kv-cache-dtype", "mxfp4"]
-    assert main(argv) == 2
-    assert "read path for NVFP4 KV only" in capsys.readouterr().err
+def test_per_side_kv_goes_through_the_plugins_per_side_method(capsys, bf16_ckpt):
+    """FP8 K + NVFP4 V (and MXFP4 KV on the CPU engine) run as SGLang's nvfp4 KV pool with the
+    plugin's per-side method named in TRACE_KV_SIDES; on GPUs the launcher adds torch_native, loudly."""
+    env, cmd = _dry(capsys, "--device", "cpu", "--kv-k", "fp8", "--kv-v", "nvfp4", model=bf16_ckpt)
+    assert _flag(cmd, "--kv-cache-dtype") == "nvfp4" and env["TRACE_KV_SIDES"] == "fp8,nvfp4"
+    env, cmd = _dry(capsys, "--device", "cpu", "--kv-cache-dtype", "mxfp4", model=bf16_ckpt)
+    assert _flag(cmd, "--kv-cache-dtype") == "nvfp4" and env["TRACE_KV_SIDES"] == "mxfp4,mxfp4"
     env, cmd = _dry(capsys, "--device", "cpu", "--kv-cache-dtype", "nvfp4", "--dtype", "float32", model=bf16_ckpt)
     assert _flag(cmd, "--kv-cache-dtype") == "nvfp4" and env["TRACE_KV_READ_DTYPE"] == "float32"
+    assert "TRACE_KV_SIDES" not in env  # both NVFP4: the plugin's NVFP4 method, GPU layouts included
+    assert main(["--backend", "sglang", "--model-path", bf16_ckpt, "--dry-run", "--device", "cuda",
+                 "--kv-cache-dtype", "fp8", "--kv-v", "bf16"]) == 0
+    out = capsys.readouterr()
+    cmd = shlex.split(out.out.strip())
+    assert "TRACE_KV_SIDES=fp8,bf16" in cmd and _flag(cmd, "--attention-backend") == "torch_native"
+    assert "torch_native" in out.err and "warning" in out.err
 
 
 def test_nvfp4_export_needs_no_flag(capsys, tmp_path, bf16_ckpt):

@@ -1,20 +1,28 @@
-"""NVFP4 KV through a real SGLang 0.5.23 server on CPU: the plugin's KV method writes the pages with
-the project's quantizer and serves SGLang's torch_native attention through plain dequantized reads
-(plugin/kv_read.py). One real server (NVFP4 W4A4 + NVFP4 KV, fp32), compared with the embedded
-engine on the same checkpoint and flags. SGLang must be installed (the test command installs it).
+"""FP4/FP8 KV through a real SGLang 0.5.23 server on CPU: the plugin's KV methods write the pages
+with the project's quantizers and serve SGLang's torch_native attention through plain dequantized
+reads (plugin/kv_read.py; K and V in their own formats: plugin/kv_sides.py). One real server per
+KV setting (NVFP4 W4A4 weights, fp32, full-code guidance of the last half), each compared with the
+embedded engine on the same checkpoint and policy. SGLang must be installed (the test command
+installs it).
 """
 from __future__ import annotations
 
-import json
+from pathlib import Path
 
 import pytest
 
 import sglang  # noqa: F401 - a missing SGLang fails this module, it is not skipped
-from megatron_trace.models import make_tiny_checkpoint
+from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
 from sglang_backend.api import GenerateRequest, SamplingParams
-from sglang_backend.client import RolloutClient, RolloutError
+from sglang_backend.client import RolloutClient
 from sglang_backend.local import Engine
-from tests.test_sglang_real import PROMPTS, _post, start_sglang
+from sglang_backend.local.engine import policy_for
+from tests.test_sglang_real import PROMPTS, _agreement, _check, start_sglang
+
+# (launcher KV flags, K format, V format)
+SETTINGS = {"nvfp4": (("--kv-cache-dtype", "nvfp4"), "nvfp4", "nvfp4"),
+            "fp8k_nvfp4v": (("--kv-k", "fp8", "--kv-v", "nvfp4"), "fp8", "nvfp4")}
 
 
 @pytest.fixture(scope="module")
@@ -22,41 +30,57 @@ def ckpt(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("q2kv"), "qwen2", seed=1))
 
 
-@pytest.fixture(scope="module")
-def sglang_url(ckpt, tmp_path_factory):
-    yield from start_sglang(ckpt, tmp_path_factory, "--quantization", "nvfp4", "--kv-cache-dtype", "nvfp4")
+@pytest.fixture(scope="module", params=list(SETTINGS))
+def setting(request, ckpt, tmp_path_factory):
+    flags, k_fmt, v_fmt = SETTINGS[request.param]
+    gen = start_sglang(ckpt, tmp_path_factory, "--quantization", "nvfp4", "--guidance-mode", "full", *flags)
+    url = next(gen)
+    base = policy_for("nvfp4", "bf16", Path(ckpt)).to_dict()
+    engine = Engine(ckpt, quant_policy=QuantPolicy.from_dict({**base, "kv_k": k_fmt, "kv_v": v_fmt}),
+                    guidance_mode="full")
+    try:
+        yield url, engine, (k_fmt, v_fmt)
+    finally:
+        engine.shutdown()
+        gen.close()  # stops the server (the generator's finally)
 
 
-def test_nvfp4_kv_greedy_matches_the_embedded_engine(ckpt, sglang_url):
-    client = RolloutClient(sglang_url, retries=0)
+def test_greedy_matches_the_embedded_engine_and_differs_from_bf16_pages(ckpt, setting):
+    url, engine, sides = setting
+    client = RolloutClient(url, retries=0)
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     got = client.generate([GenerateRequest(p, params, rid=f"kv{i}") for i, p in enumerate(PROMPTS)])
-    engine = Engine(ckpt, quantization="nvfp4", kv_cache_dtype="nvfp4")
     bf16_kv = Engine(ckpt, quantization="nvfp4")
     try:
         sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
         want = engine.generate(input_ids=PROMPTS, sampling_params=sp, return_logprob=True)
         plain = bf16_kv.generate(input_ids=PROMPTS, sampling_params=sp, return_logprob=True)
     finally:
-        engine.shutdown()
         bf16_kv.shutdown()
+    assert engine.kv.side_fmt == sides
     assert [r.output_ids for r in got] == [w["output_ids"] for w in want]
     worst = max(abs(r.output_logprobs[j] - w["meta_info"]["output_token_logprobs"][j][0])
                 for r, w in zip(got, want) for j in range(8))
-    assert worst <= 1e-5, worst
-    # the pages really are FP4: BF16 pages give other logprobs
+    assert worst <= 1e-5, (sides, worst)
+    # the pages really are quantized: BF16 pages give other logprobs
     gap = max(abs(r.output_logprobs[j] - p["meta_info"]["output_token_logprobs"][j][0])
               for r, p in zip(got, plain) for j in range(8))
-    assert gap > 1e-3, gap
+    assert gap > 1e-3, (sides, gap)
 
 
-def test_guidance_with_fp4_kv_is_refused_not_partial(sglang_url):
-    """K/V sites are not captured inside SGLang yet: a guidance request answers why, never a record
-    without them."""
-    client = RolloutClient(sglang_url, retries=0)
-    res = client.generate([GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=2, temperature=0),
-                                           rid="kvg", return_guidance=True)])[0]
-    status, body = _post(sglang_url, "/get_guidance", {"rid": res.rid})
-    assert status == 500 and "k_cache/v_cache" in json.loads(body)["error"]
-    with pytest.raises(RolloutError):
-        client.fetch_guidance("kvg")
+def test_guidance_records_carry_the_fp4_kv_sites_as_the_engine_does(setting):
+    """The record of a real-SGLang sample has the engine's sites, K/V included for each NVFP4 side
+    (FP8 and BF16 sides record nothing on either stack), with >= 99.9% equal bytes."""
+    url, engine, sides = setting
+    client = RolloutClient(url, retries=0)
+    req = GenerateRequest(PROMPTS[2], SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True),
+                          rid=f"kvg-{'-'.join(sides)}", return_guidance=True)
+    res = client.generate([req])[0]
+    mine = client.fetch_guidance(res.guidance_handle)
+    out = engine.wait(engine.submit(req))[0]
+    assert out["output_ids"] == res.output_ids
+    theirs = engine.fetch_guidance(req.rid)
+    kv_sites = {s for s in GuidanceRecord.from_bytes(mine).sites if s.endswith(("k_cache", "v_cache"))}
+    assert kv_sites == {f"model.layers.{i}.self_attn.{n}_cache" for i in (2, 3)
+                        for n, f in zip("kv", sides) if f == "nvfp4"}
+    _check(_agreement(mine, theirs))

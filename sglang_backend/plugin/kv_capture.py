@@ -22,6 +22,9 @@ import torch
 from megatron_trace.fp4 import fast, fp8, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 
+from .capture import get_capture_buffer
+from .slot_capture import SlotCapture
+
 KV_METHOD_MODULES = ("sglang.srt.layers.quantization.fp4_kv_cache_quant_method",
                      "sglang.srt.layers.quantization.kv_cache_quant_method")
 
@@ -38,8 +41,8 @@ def quantize_kv(x: torch.Tensor, global_scale_dec) -> nvfp4.NVFP4Tensor:
 
 def quantize_kv_fp8(x: torch.Tensor) -> fp8.FP8Tensor:
     """FP8 K (quant.kv_k=fp8): x [T, heads, head_dim] -> E4M3 bytes [T, H, D] and one fp32 S_dec per
-    token over its heads [T], the bits of the engine's pages and the trainer's QAT. Not yet wired into
-    a SGLang KV method (SGLang's pool takes one dtype for K and V); with TP the heads of a token span
+    token over its heads [T], the bits of the engine's pages and the trainer's QAT (inside SGLang the
+    per-side method, kv_sides.py, quantizes FP8 sides the same way); with TP the heads of a token span
     ranks, and the row amax must be MAX-reduced over them before calling fp8.quantize(x, 2, amax)."""
     return fp8.quantize(x, dims=2)
 
@@ -68,11 +71,14 @@ class KVCaptureBuffer:
 
 
 class TraceKVQuantMixin:
-    """quantize_and_store with TRACE's NVFP4 rules, plus optional capture. Mix in before a base method."""
+    """quantize_and_store with TRACE's NVFP4 rules, plus optional capture. Mix in before a base method.
+    Inside SGLang the K/V codes also go to the guidance capture of the batch (slot_capture), as sites
+    model.layers.{i}.self_attn.k_cache / v_cache."""
 
     name = "nvfp4"
     SCALE_BLOCK_SIZE = 16
     capture: KVCaptureBuffer | None = None
+    records_guidance = True  # slot_capture refuses guidance with a KV method that does not
 
     def bind_layers(self, k_buffers, v_buffers=None) -> None:
         """Remember which layer each per-layer buffer belongs to (the capture is keyed by layer)."""
@@ -106,6 +112,10 @@ class TraceKVQuantMixin:
         if self.capture is not None and layer is not None:
             self.capture.write(layer, 0, loc, qk)
             self.capture.write(layer, 1, loc, qv)
+        guidance = get_capture_buffer()
+        if layer is not None and isinstance(guidance, SlotCapture):
+            for side, q in (("k_cache", qk), ("v_cache", qv)):
+                guidance.write(f"model.layers.{layer}.self_attn.{side}", loc, None, q)
 
     def _store_native_scales(self, nk, nv, loc, k_sf, v_sf) -> None:
         page_size = getattr(self, "page_size", None)

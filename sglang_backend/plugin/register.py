@@ -13,7 +13,8 @@ SGLang lacks the hook:
    exported NVFP4 checkpoints before we are asked.
 2. CLI: `sglang.srt.server_args.add_quantization_method_choices` (or QUANTIZATION_CHOICES).
 3. KV cache: SGLang's NVFP4 KV method with TRACE's quantize_and_store replaces the `nvfp4` entry
-   of KV_CACHE_QUANT_REGISTRY (TRACE_FP4_KV=0 keeps SGLang's).
+   of KV_CACHE_QUANT_REGISTRY (TRACE_FP4_KV=0 keeps SGLang's); with TRACE_KV_SIDES=<k>,<v> the
+   entry stores K and V in their own formats (kv_sides.py).
 4. HTTP: `POST /get_guidance {"rid"}` on `sglang.srt.entrypoints.http_server.app` (main process
    only): the GuidanceRecord bytes, 404 JSON for an unknown or already-fetched rid.
 5. Capture (slot_capture.py, SGLang's state-capturer shape): an AROUND hook on ModelRunner.forward
@@ -28,7 +29,7 @@ import multiprocessing
 import os
 import sys
 
-from . import capture, kv_read, slot_capture
+from . import capture, kv_read, kv_sides, slot_capture
 from .kv_capture import sglang_nvfp4_base
 from .online_quant import TraceMXFP4OnlineConfig, TraceNVFP4OnlineConfig
 from .quant_method import TraceFP4Config, set_active
@@ -85,17 +86,39 @@ def register_cli_choices() -> bool:
     return False
 
 
+def _refusing_kv_method(message: str):
+    """A registry entry that stops the server when it builds its KV pool: K/V formats that were asked
+    for and cannot be served must not turn into SGLang's NVFP4 for both sides."""
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError(f"trace_fp4 KV cache: {message}")
+    return refuse
+
+
 def register_kv_method() -> bool:
+    _, mod = sglang_nvfp4_base()
+    try:
+        sides = kv_sides.sides_from_env()
+    except ValueError as e:
+        if mod is not None:
+            mod.KV_CACHE_QUANT_REGISTRY["nvfp4"] = _refusing_kv_method(str(e))
+        raise
+    per_side = sides is not None and sides != ("nvfp4", "nvfp4")
     if os.environ.get("TRACE_FP4_KV", "1") == "0":
+        if per_side and mod is not None:
+            mod.KV_CACHE_QUANT_REGISTRY["nvfp4"] = _refusing_kv_method(
+                f"TRACE_FP4_KV=0 keeps SGLang's nvfp4 method, which stores K and V alike; {kv_sides.SIDES_ENV}="
+                f"{','.join(sides)} needs the plugin's")
+            return False
         log.info("trace_fp4: TRACE_FP4_KV=0, SGLang's nvfp4 KV method is kept")
         return False
-    _, mod = sglang_nvfp4_base()
-    cls = kv_read.plain_read_method_class()  # + plain dequantized reads for torch_native (kv_read.py)
+    # + plain dequantized reads for torch_native (kv_read.py); per-side formats: kv_sides.py
+    cls = kv_sides.per_side_method_class(sides) if per_side else kv_read.plain_read_method_class()
     if mod is None or cls is None:
         log.warning("trace_fp4: no KV_CACHE_QUANT_REGISTRY with an NVFP4 method in this SGLang; nvfp4 KV writes "
-                    "use SGLang's quantizer and are not captured")
+                    "use SGLang's quantizer and are not captured%s",
+                    f", and {kv_sides.SIDES_ENV}={','.join(sides)} is NOT served" if per_side else "")
         return False
-    mod.KV_CACHE_QUANT_REGISTRY[cls.name] = cls
+    mod.KV_CACHE_QUANT_REGISTRY["nvfp4"] = cls
     return True
 
 

@@ -33,7 +33,7 @@ import torch
 
 from megatron_trace.fp4 import nvfp4
 from megatron_trace.guidance import encode_records, make_site
-from megatron_trace.guidance.record import layer_of
+from megatron_trace.guidance.record import KV_SITES, layer_of
 
 from sglang_backend.api import GUIDANCE_KEY  # in sampling_params.custom_params
 
@@ -60,10 +60,11 @@ class SlotCapture:
         self.error: str | None = None
 
     def write(self, site: str, slots: torch.Tensor, positions, q: nvfp4.NVFP4Tensor) -> None:
-        """q: the [T, K] quantized input of `site`; row t belongs to KV slot slots[t]."""
+        """q: the [T, ..., K] quantized input of `site` (K/V sites are [T, heads, head_dim]); row t belongs
+        to KV slot slots[t]."""
         if layer_of(site) not in self.guided:
             return
-        if q.data.dim() != 2 or slots.shape[0] != q.data.shape[0]:
+        if q.data.dim() < 2 or slots.shape[0] != q.data.shape[0]:
             self.error = (f"{site}: {q.data.shape[0]} quantized rows but {slots.shape[0]} token slots in the "
                           "batch (padded or split batches are not captured)")
             return
@@ -71,8 +72,8 @@ class SlotCapture:
         if s is None:
             rows = self.capacity + 1
             s = self.sites[site] = {
-                "codes": torch.zeros(rows, q.data.shape[1], dtype=torch.uint8, device=self.device),
-                "scales": torch.zeros(rows, q.scale.shape[1], dtype=torch.uint8, device=self.device),
+                "codes": torch.zeros(rows, *q.data.shape[1:], dtype=torch.uint8, device=self.device),
+                "scales": torch.zeros(rows, *q.scale.shape[1:], dtype=torch.uint8, device=self.device),
                 "gs": torch.zeros(rows, dtype=torch.float32, device=self.device)}
             self.static[site] = float(q.global_scale) if q.global_scale.dim() == 0 else None
         loc = slots.to(device=self.device, dtype=torch.long)
@@ -97,12 +98,19 @@ class SlotCapture:
         if bool(((idx < 0) | (idx >= self.capacity)).any()):
             raise RuntimeError(f"request {rid}: KV slots outside the capture's {self.capacity} rows")
         sites = {}
-        for name, s in self.sites.items():
+        for name, s in sorted(self.sites.items(), key=_record_order):
             static = self.static[name]
             gs = torch.tensor(static, dtype=torch.float32) if static is not None else s["gs"].index_select(0, idx)
             sites[name] = make_site(s["scales"].index_select(0, idx).cpu(), gs.cpu(),
                                     s["codes"].index_select(0, idx).cpu(), self.mode)
         return encode_records([rid], self.mode, [int(idx.shape[0])], sites)[0]
+
+
+def _record_order(item) -> tuple[int, bool]:
+    """Sites by layer, a layer's K/V cache sites after its linears (the embedded engine's record order;
+    SGLang writes K/V between the attention and MLP linears). sorted() keeps first-write order within."""
+    name = item[0]
+    return layer_of(name), name.rsplit(".", 1)[-1] in KV_SITES
 
 
 # -- the record's way out of the model process -------------------------------------------------
@@ -169,9 +177,11 @@ def ensure_capture(runner) -> SlotCapture | None:
     if tp > 1:  # a guidance request then answers this, never a partial record
         cap.error = (f"guidance capture at SGLang TP={tp} is not implemented: the inputs of row-parallel "
                      "linears (o_proj, down_proj) are sharded across ranks")
-    if getattr(runner.token_to_kv_pool, "is_quantized_kv_cache", False) and cap.error is None:
-        cap.error = ("guidance of the FP4 K/V cache sites (k_cache/v_cache) is not captured inside SGLang yet; "
-                     "serve FP4 KV with guidance through --backend local, or BF16 KV here")
+    method = getattr(pool, "quant_method", None)
+    if getattr(pool, "is_quantized_kv_cache", False) and not getattr(method, "records_guidance", False) \
+            and cap.error is None:
+        cap.error = (f"the KV cache method {type(method).__name__} does not record guidance of the FP4 K/V sites "
+                     "(k_cache/v_cache); the plugin's KV methods do (TRACE_FP4_KV=0 keeps SGLang's, which does not)")
     capture.set_capture_buffer(cap)
     log.info("trace_fp4: guidance capture for layers %s, %d KV slots, mode %s", layers, capacity, cap.mode)
     return cap

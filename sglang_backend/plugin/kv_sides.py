@@ -1,0 +1,206 @@
+"""K and V cache in their own formats inside SGLang (the policy's quant.kv_k / quant.kv_v).
+
+SGLang's pool takes one `--kv-cache-dtype` for K and V, but it lets the KV quant method own the
+buffers (`MHATokenToKVPool._create_quantized_buffers`) and, for PLAIN access, hands attention
+`dequantize_kv_tensor(buffer, scale_buffer, layer_id)` for each side (`_get_key_buffer`). So the
+server runs with `--kv-cache-dtype nvfp4` (the FP4-KV plumbing and its argument checks) and this
+method, chosen by `TRACE_KV_SIDES=<k>,<v>` (the launcher sets it), stores each side in its format
+with the embedded engine's bits (`sglang_backend/local/kv_cache.py`):
+
+    bf16   the model-dtype values, as bytes            data [slots, heads, D * itemsize]
+    fp8    E4M3 bytes + one fp32 S_dec per token over  data [slots, heads, D], scale [slots, 4]
+           all its KV heads (megatron_trace.fp4.fp8)   (the fp32 bytes)
+    nvfp4  E2M1 codes + E4M3 per 16 + the per-layer    data [slots, heads, D/2], scale [.., D/16]
+           global scale SGLang keeps (k/v_scales_gpu)
+    mxfp4  E2M1 codes + E8M0 per 16, ceil rule         data [slots, heads, D/2], scale [.., D/16]
+           (SGLang's fp4_mx_block16 layout)
+
+Every buffer is uint8, so the pool's slot moves (data pointers and byte strides) stay valid.
+Reads dequantize the whole layer, as SGLang's own PLAIN FP4 recipe does, so the method serves the
+PLAIN backends of kv_read (torch_native) only and refuses others by name. NVFP4 sides are
+captured for guidance (site `model.layers.{i}.self_attn.k_cache` / `v_cache`), as the embedded
+engine captures them; FP8 and BF16 sides record nothing there either (docs/quality.md).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_trace.fp4 import fp8, mxfp4, nvfp4
+
+from . import capture, kv_read
+from .slot_capture import SlotCapture
+from .kv_capture import quantize_kv, quantize_kv_fp8, sglang_nvfp4_base
+
+SIDES_ENV = "TRACE_KV_SIDES"
+SIDE_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+KV_SITE = "model.layers.{layer}.self_attn.{side}"
+
+
+def parse_sides(raw: str) -> tuple[str, str]:
+    """'fp8,nvfp4' -> ('fp8', 'nvfp4'); a clear error for anything else."""
+    parts = tuple(p.strip() for p in raw.split(","))
+    if len(parts) != 2 or any(p not in SIDE_FORMATS for p in parts):
+        raise ValueError(f"{SIDES_ENV} must be '<K format>,<V format>' with each one of {', '.join(SIDE_FORMATS)}; "
+                         f"got {raw!r}")
+    return parts  # type: ignore[return-value]
+
+
+def sides_from_env() -> tuple[str, str] | None:
+    raw = os.environ.get(SIDES_ENV)
+    return None if raw is None else parse_sides(raw)
+
+
+def side_shapes(fmt: str, heads: int, head_dim: int, itemsize: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-slot shapes of (data, scale) for one side, in bytes (uint8 buffers)."""
+    if fmt == "bf16":
+        return (heads, head_dim * itemsize), (1,)  # no scale: a one-byte placeholder keeps the pool's lists
+    if fmt == "fp8":
+        return (heads, head_dim), (4,)
+    if head_dim % 16:
+        raise ValueError(f"{fmt} KV needs head_dim divisible by 16; got {head_dim}")
+    return (heads, head_dim // 2), (heads, head_dim // 16)
+
+
+def quantize_side(fmt: str, x: torch.Tensor, s_dec, dtype: torch.dtype):
+    """x [T, heads, D] -> (data, scale) uint8 rows as stored, and the NVFP4Tensor for guidance (else None)."""
+    if fmt == "bf16":
+        return x.to(dtype).contiguous().view(torch.uint8).reshape(x.shape[0], x.shape[1], -1), \
+            torch.zeros(x.shape[0], 1, dtype=torch.uint8, device=x.device), None
+    if fmt == "fp8":
+        q = quantize_kv_fp8(x)
+        return q.data, q.scale.reshape(-1, 1).view(torch.uint8), None
+    if fmt == "mxfp4":
+        q = mxfp4.quantize(x, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
+        return q.data, q.scale, None
+    q = quantize_kv(x, s_dec)
+    return q.data, q.scale, q
+
+
+def dequantize_side(fmt: str, data: torch.Tensor, scale: torch.Tensor, s_dec, dtype: torch.dtype) -> torch.Tensor:
+    """Stored rows of one side -> values [slots, heads, D] in `dtype`."""
+    data, scale = data.view(torch.uint8), scale.view(torch.uint8)
+    if fmt == "bf16":
+        return data.reshape(data.shape[0], data.shape[1], -1).view(dtype)
+    if fmt == "fp8":
+        return fp8.dequantize(fp8.FP8Tensor(data, scale.contiguous().view(torch.float32).reshape(-1)), dtype)
+    if fmt == "mxfp4":
+        return mxfp4.dequantize(mxfp4.MXFP4Tensor(data, scale, mxfp4.KV_BLOCK), dtype)
+    from megatron_trace.fp4.modelopt import encode_scale_from_decode
+
+    s_enc = encode_scale_from_decode(torch.as_tensor(s_dec).detach().float().cpu()).to(data.device)
+    return nvfp4.dequantize(nvfp4.NVFP4Tensor(data, scale, s_enc), dtype)
+
+
+def side_bytes(fmt: str, heads: int, head_dim: int, itemsize: int) -> int:
+    data, scale = side_shapes(fmt, heads, head_dim, itemsize)
+    return int(torch.Size(data).numel() + torch.Size(scale).numel())
+
+
+def _tp_size() -> int:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_size)
+    except Exception:  # noqa: BLE001 - no parallel state (a standalone pool): one rank
+        return 1
+
+
+def per_side_method_class(sides: tuple[str, str]):
+    """The plugin's NVFP4 method (kv_read) with K and V stored as `sides` (None without SGLang)."""
+    base = kv_read.plain_read_method_class()
+    _, mod = sglang_nvfp4_base()
+    if base is None:
+        return None
+    k_fmt, v_fmt = sides
+    plain_kind = mod.KVCacheAttentionAccessKind.PLAIN
+
+    class TracePerSideKVCacheMethod(base):
+        side_formats = (k_fmt, v_fmt)
+        records_guidance = True
+
+        def attention_accesses(self):
+            return tuple(a for a in super().attention_accesses() if a.kind == plain_kind)
+
+        def configure_attention_backends(self, prefill_backend: str, decode_backend: str) -> None:
+            other = sorted({prefill_backend, decode_backend} - kv_read.PLAIN_BACKENDS)
+            if other:
+                raise ValueError(f"K cache {k_fmt} + V cache {v_fmt} ({SIDES_ENV}) is read through the plugin's plain "
+                                 f"dequantized path, which serves attention backends {sorted(kv_read.PLAIN_BACKENDS)}; "
+                                 f"this server uses {other}: pass --attention-backend torch_native")
+            super().configure_attention_backends(prefill_backend, decode_backend)
+
+        def needs_linear_scale_buffer(self) -> bool:
+            return True
+
+        def needs_native_fp4_scales(self) -> bool:
+            return False
+
+        def _read_dtype(self) -> torch.dtype:
+            return getattr(torch, os.environ.get(kv_read.READ_DTYPE_ENV, "float32"))
+
+        def create_buffers(self, size, head_num, head_dim, layer_num, device) -> dict:
+            if "fp8" in self.side_formats and _tp_size() > 1:
+                raise ValueError("FP8 K/V takes one scale per token over all its KV heads; at SGLang TP > 1 the heads "
+                                 "are split across ranks and the plugin does not MAX-reduce the amax over them yet: "
+                                 "serve FP8 K/V at --tp-size 1, or use NVFP4/BF16 sides")
+            itemsize = torch.tensor([], dtype=self._read_dtype()).element_size()
+            self._heads, self._head_dim = head_num, head_dim
+            bufs = {}
+            for side, fmt in zip("kv", self.side_formats):
+                data, scale = side_shapes(fmt, head_num, head_dim, itemsize)
+                bufs[f"{side}_buffer"] = [torch.zeros(size, *data, dtype=torch.uint8, device=device)
+                                          for _ in range(layer_num)]
+                bufs[f"{side}_scale_buffer"] = [torch.zeros(size, *scale, dtype=torch.uint8, device=device)
+                                                for _ in range(layer_num)]
+            self._layer_of = {t.data_ptr(): i for i, t in enumerate(bufs["k_buffer"])}
+            self._layer_of_v = {t.data_ptr(): i for i, t in enumerate(bufs["v_buffer"])}
+            return {**bufs, "native_k_scale_buffer": None, "native_v_scale_buffer": None, "dq_k_buffer": None,
+                    "dq_v_buffer": None, "store_dtype": torch.uint8}
+
+        def quantize_and_store(self, k_buffer, v_buffer, k_scale_buffer, v_scale_buffer, loc, cache_k, cache_v,
+                               k_scale=None, v_scale=None, native_k_scale_buffer=None,
+                               native_v_scale_buffer=None) -> None:
+            if native_k_scale_buffer is not None or native_v_scale_buffer is not None:
+                raise ValueError("per-side KV stores linear scales only; the pool passed native FP4 scale buffers")
+            loc = loc.to(torch.long)
+            layer = self._layer_of.get(k_buffer.data_ptr())
+            shape = (loc.shape[0], self._heads, self._head_dim)
+            for side, fmt, buf, sbuf, x, s_dec in (("k_cache", self.side_formats[0], k_buffer, k_scale_buffer, cache_k,
+                                                    k_scale),
+                                                   ("v_cache", self.side_formats[1], v_buffer, v_scale_buffer, cache_v,
+                                                    v_scale)):
+                data, scale, q = quantize_side(fmt, x.reshape(shape), s_dec, self._read_dtype())
+                buf.index_copy_(0, loc, data.reshape(loc.shape[0], *buf.shape[1:]))
+                sbuf.index_copy_(0, loc, scale.reshape(loc.shape[0], *sbuf.shape[1:]))
+                cap = capture.get_capture_buffer()
+                if q is not None and layer is not None and isinstance(cap, SlotCapture):
+                    cap.write(KV_SITE.format(layer=layer, side=side), loc, None, q)
+
+        def _side_of(self, buffer) -> int:
+            ptr = buffer.data_ptr()
+            if ptr in self._layer_of:
+                return 0
+            if ptr in self._layer_of_v:
+                return 1
+            raise ValueError("dequantize_kv_tensor: the buffer is neither a K nor a V buffer of this pool")
+
+        def dequantize_kv_tensor(self, fp4_tensor, scales, layer_id, dtype=None):
+            which = self._side_of(fp4_tensor)
+            s_dec = (self.k_scales_gpu if which == 0 else self.v_scales_gpu)[layer_id]
+            return dequantize_side(self.side_formats[which], fp4_tensor, scales, s_dec, dtype or self._read_dtype())
+
+        def dequantize_prev_kv(self, k_fp4, k_scales, v_fp4, v_scales, layer_id, dtype=None):
+            dt = dtype or self._read_dtype()
+            return (dequantize_side(self.side_formats[0], k_fp4, k_scales, self.k_scales_gpu[layer_id], dt),
+                    dequantize_side(self.side_formats[1], v_fp4, v_scales, self.v_scales_gpu[layer_id], dt))
+
+        def compute_cell_size(self, head_num, head_dim, num_layers, kv_size) -> int:
+            itemsize = torch.tensor([], dtype=self._read_dtype()).element_size()
+            per_layer = sum(side_bytes(f, head_num, head_dim, itemsize) for f in self.side_formats)
+            return per_layer * num_layers * kv_size
+
+    TracePerSideKVCacheMethod.__name__ = TracePerSideKVCacheMethod.__qualname__ = \
+        f"TracePerSideKVCacheMethod_{k_fmt}_{v_fmt}"
+    return TracePerSideKVCacheMethod

@@ -1,0 +1,91 @@
+"""The plugin's per-side KV method (plugin/kv_sides.py) on SGLang 0.5.23's KV quant-method contract:
+for every K/V format pair the policy allows, what attention reads back through SGLang's PLAIN access
+equals the embedded engine's pages bit for bit, and its bytes per token are the engine's (plus the
+one-byte placeholder scale of a BF16 side). No server: the method class SGLang's pool would build.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sglang  # noqa: F401 - the test command installs it
+from sglang_backend.local.kv_cache import PagedKVCache
+from sglang_backend.plugin import kv_sides
+
+PAIRS = list(itertools.product(kv_sides.SIDE_FORMATS, repeat=2))
+HEADS, HEAD_DIM, SLOTS, LAYERS = 2, 32, 64, 2
+
+
+def _method(sides):
+    m = kv_sides.per_side_method_class(sides)(num_layers=LAYERS, device="cpu", page_size=16)
+    m.configure_attention_backends("torch_native", "torch_native")
+    return m, m.create_buffers(SLOTS, HEADS, HEAD_DIM, LAYERS, "cpu")
+
+
+@settings(max_examples=25, deadline=None)
+@given(pair=st.sampled_from(PAIRS), seed=st.integers(0, 2**31 - 1), k_mag=st.sampled_from([1e-3, 1.0, 40.0, 300.0]),
+       tokens=st.integers(1, 12))
+def test_reads_equal_the_engine_pages(pair, seed, k_mag, tokens):
+    m, bufs = _method(pair)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(tokens, HEADS, HEAD_DIM, generator=g) * k_mag
+    k[:, :, 3] += 200.0 * k_mag  # an outlier channel, as Qwen2.5's K has
+    v = torch.randn(tokens, HEADS, HEAD_DIM, generator=g)
+    loc = torch.randperm(SLOTS, generator=g)[:tokens]
+    layer = 1
+    # the pool passes cache_k flat over heads on some paths: the method takes either shape
+    m.quantize_and_store(bufs["k_buffer"][layer], bufs["v_buffer"][layer], bufs["k_scale_buffer"][layer],
+                         bufs["v_scale_buffer"][layer], loc, k.reshape(tokens, -1), v,
+                         m.k_scales_gpu[layer:layer + 1], m.v_scales_gpu[layer:layer + 1])
+    got_k = m.dequantize_kv_tensor(bufs["k_buffer"][layer], bufs["k_scale_buffer"][layer], layer)
+    got_v = m.dequantize_kv_tensor(bufs["v_buffer"][layer], bufs["v_scale_buffer"][layer], layer)
+    kv = PagedKVCache(num_layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, num_pages=SLOTS // 16, page_size=16,
+                      kv_dtype="auto", k_dtype=pair[0], v_dtype=pair[1], dtype=torch.float32)
+    kv.write(layer, 0, loc, k, return_values=False)
+    kv.write(layer, 1, loc, v, return_values=False)
+    assert torch.equal(got_k[loc], kv.read(layer, 0, loc)), pair
+    assert torch.equal(got_v[loc], kv.read(layer, 1, loc)), pair
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_cell_size_is_the_engines_bytes_per_token(pair):
+    m, _ = _method(pair)
+    kv = PagedKVCache(num_layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, num_pages=1, page_size=16,
+                      kv_dtype="auto", k_dtype=pair[0], v_dtype=pair[1], dtype=torch.float32)
+    placeholder = LAYERS * pair.count("bf16")  # a BF16 side keeps a one-byte scale row for the pool's lists
+    assert m.compute_cell_size(HEADS, HEAD_DIM, LAYERS, 1) == kv.bytes_per_token() + placeholder
+
+
+def test_other_attention_backends_and_bad_sides_are_refused_by_name(monkeypatch):
+    cls = kv_sides.per_side_method_class(("fp8", "nvfp4"))
+    with pytest.raises(ValueError, match=r"K cache fp8 \+ V cache nvfp4.*\['flashinfer'\].*torch_native"):
+        cls(num_layers=1, device="cpu").configure_attention_backends("flashinfer", "torch_native")
+    for raw in ("fp8", "fp8,nvfp5", "fp8,nvfp4,bf16"):
+        monkeypatch.setenv(kv_sides.SIDES_ENV, raw)
+        with pytest.raises(ValueError, match="TRACE_KV_SIDES must be '<K format>,<V format>'"):
+            kv_sides.sides_from_env()
+
+
+def test_registration_serves_the_asked_sides_or_stops_the_pool(monkeypatch):
+    """TRACE_KV_SIDES picks the registry's nvfp4 entry; with TRACE_FP4_KV=0 a per-side request stops the
+    server when it builds its pool instead of becoming SGLang's NVFP4 for both sides."""
+    from sglang_backend.plugin import register
+    from sglang_backend.plugin.kv_capture import sglang_nvfp4_base
+
+    _, mod = sglang_nvfp4_base()
+    saved = dict(mod.KV_CACHE_QUANT_REGISTRY)
+    try:
+        monkeypatch.setenv(kv_sides.SIDES_ENV, "fp8,nvfp4")
+        assert register.register_kv_method()
+        assert mod.KV_CACHE_QUANT_REGISTRY["nvfp4"].side_formats == ("fp8", "nvfp4")
+        monkeypatch.setenv("TRACE_FP4_KV", "0")
+        assert not register.register_kv_method()
+        with pytest.raises(RuntimeError, match="TRACE_FP4_KV=0 keeps SGLang's nvfp4 method"):
+            mod.get_kv_cache_quant_method("nvfp4", num_layers=1, device="cpu", page_size=16)
+    finally:
+        mod.KV_CACHE_QUANT_REGISTRY.clear()
+        mod.KV_CACHE_QUANT_REGISTRY.update(saved)
