@@ -1,7 +1,8 @@
 """How far apart are the FP4 rollout and the trainer? Run this before trusting FP4 rollout.
 
     python -m megatron_trace.probe --model-path HF_DIR [--prompts FILE.jsonl | --dataset long_addition]
-        [--quantization nvfp4] [--kv-cache-dtype nvfp4] [--json OUT.json] [--plot OUT.png]
+        [--quantization nvfp4|mxfp4|w4a16_nvfp4|w4a16_mxfp4|none] [--kv-cache-dtype nvfp4|mxfp4|fp8|bf16]
+        [--json OUT.json] [--plot OUT.png]
     torchrun --nproc-per-node 2 -m megatron_trace.probe --model-path HF_DIR --tp 2
 
     prompts ─► rollout engine (FP4 policy, --rollout-dtype, full guidance recorded)
@@ -34,16 +35,22 @@ from megatron_trace.rl import mismatch_metrics
 from megatron_trace.trainer.comm import all_gather_json, broadcast_blobs, broadcast_json
 
 MODES = ("off", "rtn", "guided-full", "guided-mantissa")
+# --quantization -> (quant.format, quant.weights, quant.activations), SGLang's spellings
+QUANTIZATIONS = {"nvfp4": ("nvfp4", "fp4", "fp4"), "mxfp4": ("mxfp4", "fp4", "fp4"),
+                 "w4a16_nvfp4": ("nvfp4", "fp4", "bf16"), "w4a16_mxfp4": ("mxfp4", "fp4", "bf16"),
+                 "none": ("bf16", "bf16", "bf16")}
+KV_FORMATS = ("nvfp4", "mxfp4", "fp8", "bf16")
 NO_REPLAY = "guided-full-no-replay"  # MoE with replay: what guided-full is without it
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m megatron_trace.probe", description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json + safetensors)")
-    ap.add_argument("--quantization", default="nvfp4", choices=["nvfp4", "w4a16_nvfp4"])
-    ap.add_argument("--kv-cache-dtype", default="nvfp4", choices=["nvfp4", "fp8", "bf16"])
-    ap.add_argument("--kv-k", default="", choices=["", "nvfp4", "fp8", "bf16"], help="K cache format (default: --kv-cache-dtype)")
-    ap.add_argument("--kv-v", default="", choices=["", "nvfp4", "fp8", "bf16"], help="V cache format (default: --kv-cache-dtype)")
+    ap.add_argument("--quantization", default="nvfp4", choices=list(QUANTIZATIONS),
+                    help="linears: W4A4 or W4A16 in NVFP4 or MXFP4, or none (BF16 linears: a KV-only run)")
+    ap.add_argument("--kv-cache-dtype", default="nvfp4", choices=list(KV_FORMATS))
+    ap.add_argument("--kv-k", default="", choices=["", *KV_FORMATS], help="K cache format (default: --kv-cache-dtype)")
+    ap.add_argument("--kv-v", default="", choices=["", *KV_FORMATS], help="V cache format (default: --kv-cache-dtype)")
     ap.add_argument("--targets", default=None, help="comma-separated module patterns (default: MLP + experts)")
     # All layers by default: an unguided layer's round-to-nearest flips cascade into every later
     # layer, so "last_half" (the RL default, for memory) shows how much the early flips cost.
@@ -108,18 +115,29 @@ def rollout(args, policy: QuantPolicy) -> list[dict]:
         real = bool(args.prompts or args.dataset)  # real prompts end their answers; random ones never would
         params = [{"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "ignore_eos": not real,
                    "sampling_seed": args.seed * 10_000 + i} for i in range(len(prompts))]
-        outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, return_guidance=True,
+        guided = guidance_skipped(policy) is None
+        outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, return_guidance=guided,
                             return_routed_experts=arch.is_moe)
         samples = []
         for prompt, out in zip(prompts, outs):
-            handle = out["meta_info"]["guidance_handle"]
+            handle = out["meta_info"]["guidance_handle"] if guided else None
             samples.append({"prompt": prompt, "response": out["output_ids"],
                             "logprobs": [t[0] for t in out["meta_info"]["output_token_logprobs"]],
                             "routed_experts": out["meta_info"].get("routed_experts"),
-                            "guidance": eng.fetch_guidance(handle)})
+                            "guidance": eng.fetch_guidance(handle) if guided else b""})
         return samples
     finally:
         eng.shutdown()
+
+
+def guidance_skipped(policy: QuantPolicy) -> str | None:
+    """Why this policy's probe has no guided modes, or None. The embedded engine captures guidance
+    under quant.format nvfp4 only (Engine._validate): an MXFP4 or KV-only (format bf16) rollout
+    records none, though its NVFP4 K/V would be guidable."""
+    if policy.format != "nvfp4":
+        return (f"no guided modes: the embedded engine records guidance only under quant format nvfp4 "
+                f"(this run: {policy.format}), so the trainer has no rollout codes to follow")
+    return None
 
 
 def _share(samples: list[dict] | None) -> list[dict]:
@@ -138,8 +156,8 @@ def probe(args) -> dict:
 
     arch = ModelArch.from_hf_config(args.model_path)
     targets = tuple(args.targets.split(",")) if args.targets else QuantPolicy().targets
-    acts = "bf16" if args.quantization.startswith("w4a16") else "fp4"
-    policy = QuantPolicy(format="nvfp4", weights="fp4", activations=acts, kv=args.kv_cache_dtype, kv_k=args.kv_k,
+    fmt, weights, acts = QUANTIZATIONS[args.quantization]
+    policy = QuantPolicy(format=fmt, weights=weights, activations=acts, kv=args.kv_cache_dtype, kv_k=args.kv_k,
                          kv_v=args.kv_v, targets=targets)
     init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, seed=args.seed)
     try:
@@ -147,8 +165,11 @@ def probe(args) -> dict:
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         samples = _share(rollout(args, policy) if rank0 else None)
         t_rollout = time.perf_counter() - t0
-        full = [GuidanceRecord.from_bytes(s["guidance"]) for s in samples]
-        records = {"full": full, "mantissa": [r.to_mantissa() for r in full]}
+        skipped = guidance_skipped(policy)
+        if skipped and rank0:
+            print(f"WARNING: {skipped}", flush=True)
+        full = [GuidanceRecord.from_bytes(s["guidance"]) if s["guidance"] else None for s in samples]
+        records = {"full": full, "mantissa": [r.to_mantissa() for r in full] if not skipped else full}
         actor = Actor(arch, policy, ActorConfig(qat_mode="off", micro_batch_size=args.micro_batch_size,
                                                 temperature=args.temperature, routing_replay=args.routing_replay),
                       hf_path=args.model_path)
@@ -158,7 +179,8 @@ def probe(args) -> dict:
             arch.num_experts) for s in samples]
         rollout_lp = [s["logprobs"] for s in samples]
         results = {}
-        for mode in MODES + ((NO_REPLAY,) if replay else ()):
+        modes = ("off", "rtn") if skipped else MODES + ((NO_REPLAY,) if replay else ())
+        for mode in modes:
             kind = "mantissa" if mode == "guided-mantissa" else "full"
             actor.routing.set_replay(replay and mode != NO_REPLAY)
             actor.routing.clear_counters()
@@ -174,13 +196,14 @@ def probe(args) -> dict:
             m["agreement"] = _reduce_agreement(actor.qat.agreement())
             m["override"] = _reduce_agreement(actor.qat.override_rate())
             m.update(actor.routing_agreement())  # MoE: routing_agreement, routing_replayed
-            m["guidance_bytes_per_token"] = sum(r.nbytes() for r in records[kind]) / sum(r.num_positions for r in records[kind])
+            m["guidance_bytes_per_token"] = 0.0 if skipped else (
+                sum(r.nbytes() for r in records[kind]) / sum(r.num_positions for r in records[kind]))
             results[mode] = m
         if not rank0:
             return {}  # only rank 0 reports (and writes --json): the others return before destroy()
         return {"model_path": str(args.model_path), "policy": policy.to_dict(), "rollout_dtype": args.rollout_dtype,
                 "trainer_dtype": "float32", "tp": args.tp, "pp": args.pp, "ep": args.ep,
-                "routing_replay": replay, "num_prompts": len(samples),
+                "routing_replay": replay, "guided_skipped": skipped, "num_prompts": len(samples),
                 "prompts": args.prompts or args.dataset or "random token ids",
                 "response_lengths": [len(s["response"]) for s in samples],
                 "max_new_tokens": args.max_new_tokens, "rollout_seconds": t_rollout,

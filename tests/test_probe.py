@@ -81,3 +81,38 @@ def test_moe_experts_follow_the_rollout(tmp_path_factory, tmp_path):
     # (TRACE pairs guidance with routing replay for that).
     rtn_experts = [v for k, v in m["rtn"]["agreement"].items() if ".mlp.experts." in k]
     assert min(experts.values()) > 0.95 and sum(rtn_experts) / len(rtn_experts) < 0.8
+
+
+def _probe_in_process(ckpt, *flags):
+    from megatron_trace import probe
+
+    return probe.probe(probe.parse_args(["--model-path", str(ckpt), "--num-prompts", "4", "--max-new-tokens", "12",
+                                         *flags]))
+
+
+def test_w4a16_with_nvfp4_kv_guides_k_and_v(ckpt):
+    """W4A16 NVFP4 + NVFP4 KV: the only guided sites are K and V; guided < rtn < off there."""
+    res = _probe_in_process(ckpt, "--quantization", "w4a16_nvfp4", "--kv-cache-dtype", "nvfp4")
+    m = res["modes"]
+    assert res["guided_skipped"] is None
+    assert m["guided-full"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
+    agree = m["guided-full"]["agreement"]
+    assert sorted({k.rsplit(".", 1)[1] for k in agree}) == ["k_cache", "v_cache"] and min(agree.values()) >= 0.999
+
+
+def test_mxfp4_weights_are_modelled_as_mxfp4_and_unguidable_runs_say_so(ckpt):
+    """W4A16 MXFP4: plain QAT with the engine's MXFP4 weights closes most of the gap (NVFP4-modelled
+    weights would not); the engine records no MXFP4 guidance, so the probe runs off/rtn and says why."""
+    res = _probe_in_process(ckpt, "--quantization", "w4a16_mxfp4", "--kv-cache-dtype", "bf16")
+    m = res["modes"]
+    assert sorted(m) == ["off", "rtn"] and "quant format nvfp4" in res["guided_skipped"]
+    assert m["rtn"]["mean_abs_dlogp"] < 0.2 * m["off"]["mean_abs_dlogp"]
+    assert res["policy"]["format"] == "mxfp4" and res["policy"]["activations"] == "bf16"
+
+
+def test_kv_only_policy_models_the_fp4_kv_cache(ckpt):
+    """quant.format bf16 with NVFP4 K and V (--quantization none): rtn models the cache (closer than off)."""
+    res = _probe_in_process(ckpt, "--quantization", "none", "--kv-cache-dtype", "nvfp4")
+    m = res["modes"]
+    assert res["policy"]["format"] == "bf16" and res["guided_skipped"]
+    assert m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]

@@ -118,3 +118,41 @@ def test_sequence_parallel_rank_rows_equal_the_unsliced_result():
     st.guidance = MicroBatchGuidance(recs, s)
     with pytest.raises(ValueError, match=r"QAT site model\.layers\.3\.mlp\.down_proj: the guidance has 24 rows .* has 12 rows"):
         st.activation(x[: s // tp], SITE, None)
+
+
+def test_mxfp4_policy_weights_and_activations_are_the_engines_mxfp4():
+    """quant.format=mxfp4: the trainer's weight and activation equal the embedded engine's MXFP4
+    linear (its dequantized weight and quantize-dequantized input), not NVFP4; TP shards of the
+    weight (K split at block boundaries) quantize to the full weight's slices."""
+    from sglang_backend.local.layers import EngineLinear
+
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(48, 128, generator=g), torch.randn(6, 128, generator=g)
+    eng = EngineLinear({"w": 48}, 128, bias=False, weight_fmt="mxfp4", act_fmt="mxfp4", dtype=torch.float32, site=SITE)
+    eng.load_shard("w", w)
+    eng.finalize()
+    st = QATState(ARCH, QuantPolicy(format="mxfp4"), "rtn")
+    assert torch.equal(st.weight(w), eng.weight.data)
+    assert not torch.equal(st.weight(w), QATState(ARCH, QuantPolicy(), "rtn").weight(w))
+    assert torch.equal(st.weight(w[:, 64:]), eng.weight.data[:, 64:])
+    want = eng._matmul_input(x, None, None)
+    assert torch.equal(st.activation(x.reshape(3, 2, 128), SITE, None).reshape(6, 128), want)
+    st.set_mode("guided")  # no MXFP4 guidance exists: a record for the site is refused, not ignored
+    st.guidance = MicroBatchGuidance(_records([x[:3], x[3:]], "full"), 3)
+    with pytest.raises(ValueError, match="MXFP4 activation"):
+        st.activation(x.reshape(3, 2, 128), SITE, None)
+
+
+def test_static_activation_scale_is_used_in_rtn_and_for_uncovered_guided_rows():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 2, 64, generator=g)
+    s_enc = nvfp4.encode_scale_from_amax(torch.tensor(5.0))
+    ref = nvfp4.dequantize(nvfp4.quantize(x.reshape(-1, 64), global_scale=s_enc)).reshape(4, 2, 64)
+    for mode in ("rtn", "guided"):
+        st = QATState(ARCH, QuantPolicy(), mode)
+        st.set_static_activation_scales({SITE: s_enc})
+        assert torch.equal(st.activation(x, SITE, None), ref), mode
+    per_token = QATState(ARCH, QuantPolicy(), "rtn").activation(x, SITE, None)
+    assert not torch.equal(per_token, ref)
+    with pytest.raises(ValueError, match="finite S_enc > 0"):
+        st.set_static_activation_scales({SITE: 0.0})

@@ -109,6 +109,7 @@ class QATState:
         # of full records, count agreement against their full codes.
         self.mantissa_from_codes = False
         self.unguided = defaultdict(int)  # site -> rows with a record this rank could not match
+        self.static_scales: dict[str, torch.Tensor] = {}  # site -> static activation S_enc (0-d)
         # the rollout's routed expert ids of the current micro-batch (the actor's RoutingReplay):
         # expert-site guidance is matched by expert id (routing_replay.expert_rows)
         self.routing_replay = None
@@ -127,10 +128,25 @@ class QATState:
 
     # -- the three quantization sites ------------------------------------------------------
     def weight(self, w: torch.Tensor) -> torch.Tensor:
-        """Fake-quantized weight: one global amax over the TP-gathered (fused) weight."""
+        """Fake-quantized weight in the policy's format. NVFP4: one global amax over the
+        TP-gathered (fused) weight, as the exporter quantizes it. MXFP4: 32-element E8M0 blocks
+        along K with the OCP floor rule, the engine's MXFP4 linears' default (no global scale, so
+        each TP shard quantizes alone exactly as the full weight's blocks)."""
+        if self.policy.format == "mxfp4":
+            return straight_through(w, mxfp4.dequantize(mxfp4.quantize(w.detach()), w.dtype))
         amax = self._all_max(nvfp4.nan_free_amax(w.detach().float()).reshape(1)).reshape(())
         q = nvfp4.quantize(w.detach(), global_amax=amax)
         return straight_through(w, nvfp4.dequantize(q, w.dtype))
+
+    def set_static_activation_scales(self, scales: dict[str, float | torch.Tensor]) -> None:
+        """site -> the static activation S_enc the rollout quantizes that site's input with (a
+        checkpoint's input_scale as the engine reads it). Every mode uses it: rtn rounds with it,
+        guided rows take the record's (the same value), uncovered rows it."""
+        for site, v in scales.items():
+            t = torch.as_tensor(v, dtype=torch.float32)
+            if t.dim() or not (torch.isfinite(t) and t > 0):
+                raise ValueError(f"static activation scale for {site} must be one finite S_enc > 0; got {v!r}")
+            self.static_scales[site] = t
 
     def activation(self, x: torch.Tensor, site: str, k_slice: slice | None, select=None,
                    rows: slice | None = None) -> torch.Tensor:
@@ -138,11 +154,26 @@ class QATState:
         the site's [S*B, ...] guidance tensors); guided rows follow the rollout's codes.
         rows: under sequence parallelism, which of the micro-batch's [S*B] rows x holds."""
         flat = x.detach().reshape(-1, x.shape[-1]).float()
-        # row-parallel: the token's amax spans every TP rank's slice (the engine's and plugin's rule too)
-        gs = nvfp4.per_token_global_scale(flat, self._all_max if k_slice is not None else None)
+        if self.policy.format == "mxfp4":
+            return straight_through(x, self._mxfp4_activation(flat, site).reshape(x.shape).to(x.dtype))
+        if site in self.static_scales:
+            gs = self.static_scales[site].to(flat.device)
+        else:
+            # row-parallel: the token's amax spans every TP rank's slice (the engine's and plugin's rule too)
+            gs = nvfp4.per_token_global_scale(flat, self._all_max if k_slice is not None else None)
         q = nvfp4.quantize(flat, global_scale=gs)
         out = self._guide(flat, q, site, k_slice, select=select, rows=rows)
         return straight_through(x, out.reshape(x.shape).to(x.dtype))
+
+    def _mxfp4_activation(self, flat: torch.Tensor, site: str) -> torch.Tensor:
+        """MXFP4 input rows as the engine's MXFP4 linears quantize them (32-blocks along K, floor
+        rule; a row-parallel K slice holds whole blocks). Round-to-nearest in every mode: the
+        rollout records no MXFP4 guidance (loop.guided_sites says so before a guided run), and a
+        record that did carry this site would be one this trainer cannot follow."""
+        if self.guidance is not None and any(r is not None and site in r.sites for r in self.guidance.records):
+            raise ValueError(f"QAT site {site}: the rollout recorded guidance for an MXFP4 activation, which the "
+                             "trainer cannot apply (guided rounding is NVFP4 only)")
+        return mxfp4.dequantize(mxfp4.quantize(flat))
 
     def kv(self, t: torch.Tensor, site: str, fmt: str = "nvfp4") -> torch.Tensor:
         """K or V [S, B, groups_local, D] as the rollout caches it in `fmt`: NVFP4 along D with the
