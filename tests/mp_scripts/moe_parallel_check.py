@@ -1,0 +1,77 @@
+"""torchrun worker: routing-replayed, guided QAT recompute and one train step of a tiny Qwen3-MoE
+under each given TPxEP layout (one launch; the groups are re-initialized per layout).
+
+Reads the rollout's samples (JSON + guidance record bytes, written by the test); writes
+out/tp<T>_ep<E>.json on rank 0: logprobs before the step, and at TP1 the step's own forward, the
+logprobs after it, grad norm and loss; every rank's codeword agreement per site, unguided rows and
+routing agreement.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megatron_trace.guidance import GuidanceRecord, decode_routed_experts  # noqa: E402
+from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
+from megatron_trace.rl import LossConfig  # noqa: E402
+from megatron_trace.trainer.actor import Actor, ActorConfig, Sample  # noqa: E402
+from megatron_trace.trainer.comm import all_gather_json  # noqa: E402
+from megatron_trace.trainer.parallel import destroy, init_distributed  # noqa: E402
+
+POLICY = QuantPolicy(format="nvfp4", weights="fp4", activations="fp4", kv="nvfp4")
+
+
+def load_samples(root: Path, arch: ModelArch) -> list[Sample]:
+    out = []
+    for i, s in enumerate(json.loads((root / "samples.json").read_text())):
+        t = len(s["prompt"]) + len(s["response"]) - 1
+        routed = decode_routed_experts(s["routed_experts"], t, arch.num_layers, arch.num_experts_per_tok, arch.num_experts)
+        rec = GuidanceRecord.from_bytes((root / f"guidance_{i}.bin").read_bytes())
+        out.append(Sample(f"s{i}", s["prompt"], s["response"], s["logprobs"], (-1.0) ** i, rec, routed))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--samples", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layouts", default="1x1", help="comma-separated TPxEP")
+    args = ap.parse_args()
+    for layout in args.layouts.split(","):
+        tp, ep = (int(x) for x in layout.split("x"))
+        run_layout(args, tp, ep)
+        dist.barrier()
+    destroy()
+
+
+def run_layout(args, tp: int, ep: int) -> None:
+    init_distributed(tp=tp, ep=ep, seed=0)
+    arch = ModelArch.from_hf_config(args.ckpt)
+    actor = Actor(arch, POLICY, ActorConfig(qat_mode="guided", routing_replay="on", lr=1e-3, micro_batch_size=2),
+                  hf_path=args.ckpt)
+    batch = load_samples(Path(args.samples), arch)
+    actor.qat.clear_counters()
+    actor.routing.clear_counters()
+    before = actor.compute_logprobs(batch)
+    agreement, unguided, routing = actor.qat.agreement(), dict(actor.qat.unguided), actor.routing_agreement()
+    res = {"before": [t.tolist() for t in before]}
+    # Megatron's MoELayer refuses to train with TP > 1 unless sequence parallelism is on, which the
+    # CPU layer spec cannot do: TP layouts check the recompute only.
+    if tp == 1:
+        metrics, step_lp = actor.train_step(batch, LossConfig())
+        after = actor.compute_logprobs(batch)
+        res.update({"step": [t.tolist() for t in step_lp], "after": [t.tolist() for t in after],
+                    "grad_norm": metrics["grad_norm"], "loss": metrics["loss"]})
+    ranks = all_gather_json({"agreement": agreement, "unguided": unguided, "routing": routing})
+    if dist.get_rank() == 0:
+        res["ranks"] = ranks
+        (Path(args.out) / f"tp{tp}_ep{ep}.json").write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
