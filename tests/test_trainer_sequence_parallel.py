@@ -18,12 +18,12 @@ from tests.ports import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 POLICY = QuantPolicy(kv="nvfp4", targets=("*.self_attn.*", "*.mlp.*"))  # as in the worker
-PROMPTS = [[5, 17, 40, 2, 99, 7, 31], [11, 3, 250, 8], [64, 1, 9, 200, 45]]
+PROMPTS = [[5, 17, 40, 2, 99, 7, 31, 4], [11, 3, 250, 8], [64, 1, 9, 200, 45]]
 
 
 def _rollout(ckpt, root: Path) -> None:
-    """bf16 engine rollout with full guidance; 7 + 6 tokens make the longest row S = 12 (SP splits
-    S over the 2 ranks)."""
+    """bf16 engine rollout with full guidance; 8 + 6 tokens make the longest row S = 13, which the
+    actor pads to 14 under SP (SP splits S over the 2 ranks)."""
     from sglang_backend.local import Engine
 
     eng = Engine(str(ckpt), dtype="bfloat16", quant_policy=POLICY, guidance_mode="full", guided_layers="all",

@@ -44,7 +44,7 @@ class ActorConfig:
     top_p: float = 1.0
     top_k: int = -1
     dtype: str = "float32"
-    sequence_parallel: bool = False  # GPU + TE only
+    sequence_parallel: bool = False  # needs TP > 1; micro-batches are padded to a multiple of TP
     distributed_optimizer: bool = False  # GPU only: Megatron's distributed optimizer rejects CPU params
     routing_replay: str = "auto"  # auto (on for MoE) | on | off: the routers replay the rollout's experts
 
@@ -124,6 +124,11 @@ class Actor:
     def _micro_batches(self, samples: list[Sample]) -> tuple[list[_MicroBatch], int]:
         mbs = self.cfg.micro_batch_size
         seq = max(len(s.tokens) - 1 for s in samples)
+        if self.cfg.sequence_parallel:  # SP splits the sequence over TP: pad it to a multiple of TP
+            from megatron.core import parallel_state as ps
+
+            tp = ps.get_tensor_model_parallel_world_size()
+            seq = -(-seq // tp) * tp
         out = []
         for i in range(0, len(samples), mbs):
             part = samples[i : i + mbs]
