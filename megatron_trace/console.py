@@ -44,11 +44,15 @@ def plan_lines(cfg) -> list[str]:
               "off": "BF16 trainer (no QAT)"}[t.qat_mode]
     backend = "embedded engine, in-process" if r.backend == "local" else f"HTTP: {', '.join(r.urls) or '(no urls)'}"
     where = cfg.logging.run_dir
+    # MoE: expert parallelism and routing replay (auto: on for MoE)
+    tiny_moe = not cfg.model.path and cfg.model.family == "qwen3_moe"
+    replay = {"auto": "on" if tiny_moe else "auto (on for MoE)", "on": "on", "off": "off"}[t.routing_replay]
+    moe = f" EP{t.ep}, routing replay {replay}" if tiny_moe or t.ep > 1 or t.routing_replay != "auto" else ""
     return [
         "== megatron-trace ==",
         f"model:      {model}",
         f"rollout:    {backend}, {r.dtype}; {weights}; KV {kv}",
-        f"trainer:    Megatron-Core TP{t.tp} PP{t.pp}, {t.dtype}, {guided}, loss {cfg.algo.loss}",
+        f"trainer:    Megatron-Core TP{t.tp} PP{t.pp}{moe}, {t.dtype}, {guided}, loss {cfg.algo.loss}",
         f"steps:      {t.steps} x {r.prompts_per_step} prompts x {r.n_samples} samples ({r.prompts}, T={r.temperature}, "
         f"top_p={r.top_p}, up to {r.max_new_tokens} tokens); eval on up to {r.eval_prompts} prompts of the "
         f"eval split ({r.eval_fraction:.0%} of the problems, never trained on)",
