@@ -33,6 +33,16 @@ void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint1
 /* 1 when bf16 activations are read in place (AVX512-BF16 dot products), 0 when they are widened. */
 int gemv_reads_bf16(void);
 
+/* W4A4 (kernels/cpu_gemv_w4a4.c): the activations as NVFP4 too (codes [M, K/2], scales [M, K/16],
+ * decode global scale adec [M]), laid out once by gemv_w4a4_prepare into M * 256 * gemv_w4a4_chunks(K)
+ * bytes; exact integer block products. */
+int64_t gemv_w4a4_chunks(int64_t K);
+void gemv_w4a4_prepare(const uint8_t* codes, const uint8_t* scales, int64_t M, int64_t K, uint8_t* out);
+void gemv_w4a4_rows(const uint8_t* ap, const float* adec, int64_t M, int64_t K, const uint8_t* codes,
+                    const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16, int64_t N,
+                    int64_t n0, int64_t n1);
+const char* gemv_w4a4_isa(void);
+
 /* Which code path this build selected: "avx512+bf16", "avx512" or "scalar". */
 const char* gemv_isa(void);
 

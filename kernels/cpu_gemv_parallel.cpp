@@ -58,4 +58,21 @@ int gemv_bf16(const void* x, int x_bf16, int64_t M, int64_t K, const uint16_t* w
     return 0;
 }
 
+int gemv_w4a4(const uint8_t* acodes, const uint8_t* ascales, const float* adec, int64_t M, int64_t K,
+              const uint8_t* codes, const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16,
+              int64_t N) {
+    std::vector<uint8_t> ap;
+    try {
+        ap.resize(static_cast<size_t>(M * gemv_w4a4_chunks(K) * 256));
+    } catch (...) {
+        return 1;
+    }
+    gemv_w4a4_prepare(acodes, ascales, M, K, ap.data());
+    const uint8_t* app = ap.data();
+    at::parallel_for(0, N, grain(K, N), [&](int64_t n0, int64_t n1) {
+        gemv_w4a4_rows(app, adec, M, K, codes, scales, wdec, bias, y, y_bf16, N, n0, n1);
+    });
+    return 0;
+}
+
 }  // extern "C"

@@ -15,6 +15,11 @@ from kernels import cpu_gemv
 from megatron_trace.fp4 import nvfp4
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
+BUILDS = ["native", "portable"]  # this machine's SIMD paths, and the scalar C every compiler builds
+
+
+def _lib(build):
+    return cpu_gemv.portable_library() if build == "portable" else None
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -34,10 +39,11 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None):
 shapes = st.tuples(st.integers(1, 40), st.integers(1, 67).map(lambda n: n | 1), st.integers(1, 24).map(lambda b: 16 * b))
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.parametrize("build", BUILDS)
+@settings(max_examples=15, deadline=None)
 @given(shape=shapes, seed=st.integers(0, 2 ** 31 - 1), x_bf16=st.booleans(), bias=st.booleans(),
        per_row=st.booleans())
-def test_nvfp4_linear_equals_dequantize_then_matmul(shape, seed, x_bf16, bias, per_row):
+def test_nvfp4_linear_equals_dequantize_then_matmul(build, shape, seed, x_bf16, bias, per_row):
     m, n, k = shape
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4
@@ -45,30 +51,57 @@ def test_nvfp4_linear_equals_dequantize_then_matmul(shape, seed, x_bf16, bias, p
     x = torch.randn(m, k, generator=g)
     x = x.bfloat16() if x_bf16 else x
     b = torch.randn(n, generator=g) if bias else None
-    y = cpu_gemv.nvfp4_linear(x, q.data, q.scale, nvfp4.decode_scale(q.global_scale), b, out_dtype=torch.float32)
+    y = cpu_gemv.nvfp4_linear(x, q.data, q.scale, nvfp4.decode_scale(q.global_scale), b, out_dtype=torch.float32,
+                              lib=_lib(build))
     _check(y, x.float(), nvfp4.dequantize(q), b)
 
 
-@settings(max_examples=30, deadline=None)
+@pytest.mark.parametrize("build", BUILDS)
+@settings(max_examples=15, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2 ** 31 - 1), static=st.booleans(), out_bf16=st.booleans())
+def test_w4a4_linear_equals_both_dequantized_then_matmul(build, shape, seed, static, out_bf16):
+    """Activations quantized by fp4 (per token or under one static scale) times an NVFP4 weight."""
+    m, n, k = shape
+    g = torch.Generator().manual_seed(seed)
+    q = nvfp4.quantize(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 8
+    qa = nvfp4.quantize(x, global_scale=torch.tensor(0.5)) if static else nvfp4.quantize(x, per_row_global=True)
+    y = cpu_gemv.w4a4_linear(qa.data, qa.scale, nvfp4.decode_scale(qa.global_scale), q.data, q.scale,
+                             nvfp4.decode_scale(q.global_scale), out_dtype=torch.bfloat16 if out_bf16 else torch.float32,
+                             lib=_lib(build))
+    _check(y, nvfp4.dequantize(qa), nvfp4.dequantize(q))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@settings(max_examples=12, deadline=None)
 @given(shape=shapes, seed=st.integers(0, 2 ** 31 - 1), x_bf16=st.booleans(), out_bf16=st.booleans())
-def test_bf16_linear_equals_fp64_matmul(shape, seed, x_bf16, out_bf16):
+def test_bf16_linear_equals_fp64_matmul(build, shape, seed, x_bf16, out_bf16):
     m, n, k = shape
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k + 2 * (seed % 3), generator=g).bfloat16()  # K need only be even here
     x = torch.randn(m, w.shape[1], generator=g)
     x = x.bfloat16() if x_bf16 else x
-    y = cpu_gemv.bf16_linear(x, w, out_dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    y = cpu_gemv.bf16_linear(x, w, out_dtype=torch.bfloat16 if out_bf16 else torch.float32, lib=_lib(build))
     _check(y, x.float(), w.float())
 
 
-def test_nvfp4_linear_reads_the_modelopt_layout_exactly():
+@pytest.mark.parametrize("build", BUILDS)
+def test_nvfp4_linear_reads_the_modelopt_layout_exactly(build):
     """fp4.md's test vector 2 as one weight row: codes 10 32 54 76 98 BA DC FE, SF 0x40 (2.0), S_enc 1."""
     codes = torch.tensor([[0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]], dtype=torch.uint8)
     scale = torch.tensor([[0x40]], dtype=torch.uint8)
     x = torch.eye(16)
-    y = cpu_gemv.nvfp4_linear(x, codes, scale, torch.tensor(1.0))
+    y = cpu_gemv.nvfp4_linear(x, codes, scale, torch.tensor(1.0), lib=_lib(build))
     want = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, -0.0, -1, -2, -3, -4, -6, -8, -12])
     assert torch.equal(y[:, 0], want)
+    qa = nvfp4.quantize(torch.eye(16), per_row_global=True)  # W4A4: unit activations pick the same row out
+    y4 = cpu_gemv.w4a4_linear(qa.data, qa.scale, nvfp4.decode_scale(qa.global_scale), codes, scale,
+                              torch.tensor(1.0), lib=_lib(build))
+    torch.testing.assert_close(y4[:, 0], want, rtol=2 ** -22, atol=0)  # S_dec = fp32(1/2688) rounds
+
+
+def test_the_portable_build_is_the_scalar_code():
+    assert cpu_gemv.portable_library().gemv_isa() == b"scalar"
 
 
 def test_bad_shapes_are_refused_with_what_is_allowed():
@@ -77,6 +110,8 @@ def test_bad_shapes_are_refused_with_what_is_allowed():
         cpu_gemv.nvfp4_linear(torch.zeros(2, 32), codes, scale, torch.tensor(1.0))
     with pytest.raises(ValueError, match="multiple of 16"):
         cpu_gemv.nvfp4_linear(torch.zeros(2, 14), torch.zeros(3, 7, dtype=torch.uint8), scale, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="w4a4_linear"):
+        cpu_gemv.w4a4_linear(codes[:2, :4], scale[:2], torch.tensor(1.0), codes, scale, torch.tensor(1.0))
     with pytest.raises(ValueError, match="bfloat16"):
         cpu_gemv.bf16_linear(torch.zeros(2, 4), torch.zeros(3, 4))
 

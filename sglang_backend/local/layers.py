@@ -202,12 +202,21 @@ class EngineLinear(nn.Module):
     def forward_cpu(self, x: torch.Tensor, capture: CaptureFn | None = None, site: str | None = None) -> torch.Tensor:
         """The C-kernel forward's linear: decode widths (<= STREAM_MAX_ROWS rows) read the weights
         as stored (NVFP4 codes + scales, or BF16) through cpu_gemv, after the same activation
-        quantization (and capture) as `forward`; other widths, MXFP4 and fp32 weights: `forward`."""
+        quantization (and capture) as `forward`; W4A4 multiplies the activation codes themselves
+        (fp4's dequantized values exactly, where `forward` rounds them to the model dtype first).
+        Other widths, MXFP4 and fp32 weights: `forward`."""
         if x.shape[0] > STREAM_MAX_ROWS or x.device.type != "cpu":
             return self.forward(x, capture, site)
         if self.weight_fmt == "nvfp4" and isinstance(self.qweight, nvfp4.NVFP4Tensor) and _streaming():
-            q = self.qweight
-            return cpu_gemv.nvfp4_linear(self._matmul_input(x, capture, site), q.data, q.scale,
+            w = self.qweight
+            if self.act_fmt == "nvfp4":  # W4A4: fp4 codes on both sides, exact integer block products
+                gs = self.input_global_scale
+                q, _ = fast.quantize_dequantize(x, per_row_global=gs is None, global_scale=gs)
+                if capture is not None:
+                    capture(site or self.site, q)
+                return cpu_gemv.w4a4_linear(q.data, q.scale, nvfp4.decode_scale(q.global_scale), w.data, w.scale,
+                                            self._global_decode(), self.bias, out_dtype=x.dtype)
+            return cpu_gemv.nvfp4_linear(self._matmul_input(x, capture, site), w.data, w.scale,
                                          self._global_decode(), self.bias)
         if self.weight_fmt is None and self.weight.dtype == torch.bfloat16 and _streaming():
             return cpu_gemv.bf16_linear(self._matmul_input(x, capture, site), self.weight, self.bias)

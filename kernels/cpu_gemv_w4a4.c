@@ -1,0 +1,154 @@
+/* W4A4 NVFP4 x NVFP4 rows for decode (see cpu_gemv.h): both operands as fp4 codes, the block
+ * products in exact integers, as NVFP4 GEMM hardware computes them:
+ *     y[m, n] = adec[m] * wdec[n] * sum_b (SFa_b SFw_b / 4) * sum_{k in b} (2 ea_k) (2 ew_k)
+ * The integer block sum (|.| <= 16 * 144) times the 8-significant-bit scale product is exact in fp32;
+ * only the sum over blocks and the two global scales round, so the result equals fp4's dequantize
+ * of both operands followed by a matmul to fp32 rounding.
+ * AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, so weights enter offset by +12
+ * (2 ew + 12 in 0..24, straight from the nibble table) and each block's 12 * sum(2 ea) is
+ * subtracted up front; activations are laid out once per call (gemv_w4a4_prepare).
+ */
+#include "cpu_gemv.h"
+
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define W4A4_VNNI 1
+#else
+#define W4A4_VNNI 0
+#endif
+
+static const int8_t TWO_E2M1_I8[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* E4M3 byte as fp32, exactly (see cpu_gemv.c's half_e4m3; here times 2^-2 for the two factors of 2). */
+static inline float quarter_e4m3(uint8_t b) {
+    uint32_t u = (uint32_t)(b & 0x7f) << 20;
+    float f;
+    memcpy(&f, &u, 4);
+    return f * 0x1p118f;
+}
+
+int64_t gemv_w4a4_chunks(int64_t K) { return (K + 127) / 128; }
+
+/* Per activation row and 128-column chunk c (8 blocks): 64 bytes of 2 ea at even columns, 64 at
+   odd columns (the packed bytes' low and high nibbles, in place), 16 int32 lanes of -6 * sum(2 ea)
+   of the lane's block (two lanes per block), 16 fp32 lanes of SFa / 4 of the lane's block. Bytes
+   per chunk: 128 + 64 + 64; zero past the row's end. */
+void gemv_w4a4_prepare(const uint8_t* codes, const uint8_t* scales, int64_t M, int64_t K, uint8_t* out) {
+    const int64_t chunks = gemv_w4a4_chunks(K), blocks = K / 16;
+    for (int64_t m = 0; m < M; m++) {
+        uint8_t* row = out + m * chunks * 256;
+        memset(row, 0, (size_t)(chunks * 256));
+        for (int64_t c = 0; c < chunks; c++) {
+            int8_t *lo = (int8_t*)(row + c * 256), *hi = lo + 64;
+            int32_t* corr = (int32_t*)(row + c * 256 + 128);
+            float* sfa = (float*)(row + c * 256 + 192);
+            for (int64_t j = 0; j < 8 && 8 * c + j < blocks; j++) {
+                const int64_t b = 8 * c + j;
+                int32_t s = 0;
+                for (int64_t i = 0; i < 8; i++) {
+                    const uint8_t byte = codes[m * (K / 2) + b * 8 + i];
+                    lo[j * 8 + i] = TWO_E2M1_I8[byte & 15];
+                    hi[j * 8 + i] = TWO_E2M1_I8[byte >> 4];
+                    s += lo[j * 8 + i] + hi[j * 8 + i];
+                }
+                corr[2 * j] = corr[2 * j + 1] = -6 * s;
+                sfa[2 * j] = sfa[2 * j + 1] = quarter_e4m3(scales[m * blocks + b]) * 4.f;  /* SFa; /4 on the weight side */
+            }
+        }
+    }
+}
+
+static inline void store(void* y, int y_bf16, int64_t i, float v) {
+    if (y_bf16) {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        ((uint16_t*)y)[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)
+                                                            : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    } else {
+        ((float*)y)[i] = v;
+    }
+}
+
+#if W4A4_VNNI
+/* Weight row n against MR prepared activation rows: one nibble decode of 128 weights serves all MR. */
+static inline __attribute__((always_inline)) void w4a4_tile(const uint8_t* ap, int64_t chunks, int64_t K,
+                                                            const uint8_t* cr, const uint8_t* sr, float* out,
+                                                            const int mr) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const int64_t bytes = K / 2, blocks = K / 16;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t left = bytes - 64 * c, lb = blocks - 8 * c;
+        const __m512i raw = left >= 64 ? _mm512_loadu_si512((const void*)(cr + 64 * c))
+                                       : _mm512_maskz_loadu_epi8((__mmask64)((1ull << left) - 1ull), cr + 64 * c);
+        const __m512i wl = _mm512_shuffle_epi8(lut, _mm512_and_si512(raw, low4));
+        const __m512i wh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+        const __m128i s8 = lb >= 8 ? _mm_loadl_epi64((const __m128i*)(sr + 8 * c))
+                                   : _mm_maskz_loadu_epi8((__mmask16)((1u << lb) - 1u), sr + 8 * c);
+        const __m512i sd = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(s8, dup));
+        const __m512 sw = _mm512_mul_ps(
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(sd, _mm512_set1_epi32(0x7f)), 20)),
+            _mm512_set1_ps(0x1p118f));
+        for (int r = 0; r < mr; r++) {
+            const uint8_t* a = ap + (r * chunks + c) * 256;
+            __m512i t = _mm512_loadu_si512((const void*)(a + 128));
+            t = _mm512_dpbusd_epi32(t, wl, _mm512_loadu_si512((const void*)a));
+            t = _mm512_dpbusd_epi32(t, wh, _mm512_loadu_si512((const void*)(a + 64)));
+            const __m512 s = _mm512_mul_ps(sw, _mm512_loadu_ps((const float*)(a + 192)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+const char* gemv_w4a4_isa(void) { return "avx512-vnni"; }
+#else
+/* Portable C: the same integer block sums, from the same prepared layout. */
+static void w4a4_tile(const uint8_t* ap, int64_t chunks, int64_t K, const uint8_t* cr, const uint8_t* sr, float* out,
+                      const int mr) {
+    const int64_t blocks = K / 16;
+    for (int r = 0; r < mr; r++) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t* a = ap + (r * chunks + b / 8) * 256;
+            const int8_t *lo = (const int8_t*)a + (b % 8) * 8, *hi = lo + 64;
+            int32_t s = 0;
+            for (int64_t i = 0; i < 8; i++) {
+                const uint8_t byte = cr[b * 8 + i];
+                s += lo[i] * TWO_E2M1_I8[byte & 15] + hi[i] * TWO_E2M1_I8[byte >> 4];
+            }
+            float sfa;
+            memcpy(&sfa, a + 192 + 4 * (2 * (b % 8)), 4);
+            acc += (float)s * (quarter_e4m3(sr[b]) * sfa);
+        }
+        out[r] = acc;
+    }
+}
+
+const char* gemv_w4a4_isa(void) { return "scalar"; }
+#endif
+
+void gemv_w4a4_rows(const uint8_t* ap, const float* adec, int64_t M, int64_t K, const uint8_t* codes,
+                    const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16, int64_t N,
+                    int64_t n0, int64_t n1) {
+    const int64_t chunks = gemv_w4a4_chunks(K);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+        for (int64_t n = n0; n < n1; n++) {
+            float out[4];
+            const uint8_t *cr = codes + n * (K / 2), *sr = scales + n * (K / 16), *a = ap + m0 * chunks * 256;
+            switch (mr) {
+                case 4: w4a4_tile(a, chunks, K, cr, sr, out, 4); break;
+                case 3: w4a4_tile(a, chunks, K, cr, sr, out, 3); break;
+                case 2: w4a4_tile(a, chunks, K, cr, sr, out, 2); break;
+                default: w4a4_tile(a, chunks, K, cr, sr, out, 1);
+            }
+            for (int r = 0; r < mr; r++)
+                store(y, y_bf16, (m0 + r) * N + n, out[r] * adec[m0 + r] * wdec[n] + (bias ? bias[n] : 0.f));
+        }
+    }
+}
