@@ -1,4 +1,5 @@
-"""TRACE rounding: pin the trainer's FP4 rounding to the codeword the rollout used.
+"""TRACE rounding: pin the trainer's FP4 rounding to the codeword the rollout used (NVFP4, and
+MXFP4 with the rollout's E8M0 block scales: `guided_quantize_mxfp4`).
 
 The trainer's activation x is scaled with the rollout's own block scale and global scale
 (z = x * enc, the quantizer's exact arithmetic), clipped to +-6, and bracketed by the two
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .codecs import E2M1_MAX, as_float32, e2m1_grid, pack_fp4, unpack_fp4
+from . import mxfp4
 from .nvfp4 import BLOCK, NVFP4Tensor, check_blocks, encode_with_scales
 
 _UPPER = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # grid magnitudes above 0
@@ -100,11 +102,11 @@ def unpack_mantissa_bits(packed: torch.Tensor) -> torch.Tensor:
     return bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
 
 
-def _check_guidance(x: torch.Tensor, scale, global_scale, codes, mantissa) -> None:
+def _check_guidance(x: torch.Tensor, scale, global_scale, codes, mantissa, block: int = BLOCK) -> None:
     if (codes is None) == (mantissa is None):
         raise ValueError("guided rounding needs exactly one of codes= (full) or mantissa= (1 bit per element)")
     k = x.shape[-1]
-    expect = {"scale": (scale, k // BLOCK)}
+    expect = {"scale": (scale, k // block)}
     if codes is not None:
         expect["codes"] = (codes, k // 2)
     else:
@@ -116,6 +118,8 @@ def _check_guidance(x: torch.Tensor, scale, global_scale, codes, mantissa) -> No
             raise ValueError(
                 f"guidance {name} has shape {tuple(t.shape)} but x {tuple(x.shape)} needs {(*x.shape[:-1], last)}"
             )
+    if global_scale is None:  # MXFP4: block scales only
+        return
     gs = torch.as_tensor(global_scale)
     if gs.dim() and tuple(gs.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"global_scale must be 0-d or one per row {tuple(x.shape[:-1])}; got {tuple(gs.shape)}")
@@ -140,6 +144,32 @@ def guided_quantize(
     global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
     _check_guidance(x, scale, global_scale, codes, mantissa)
     z = encode_with_scales(x, scale, global_scale).reshape(x.shape)
+    return NVFP4Tensor(pack_fp4(_guided_codes(z, codes, mantissa)), scale, global_scale)
+
+
+def guided_quantize_mxfp4(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    codes: torch.Tensor | None = None,
+    mantissa: torch.Tensor | None = None,
+    block: int = mxfp4.BLOCK,
+) -> mxfp4.MXFP4Tensor:
+    """MXFP4 with the rollout's E8M0 block-scale bytes [..., K/block] (either scale rule: the rule
+    only chose the bytes), rounding each element as the rollout did: z = x * 2^-(scale - 127), the
+    quantizer's exact arithmetic, then the same bracket choice as NVFP4 (values mapping past 6,
+    which the floor rule allows, bracket as 6)."""
+    x = as_float32(x)
+    check_blocks(x, block, "MXFP4")
+    _check_guidance(x, scale, None, codes, mantissa, block=block)
+    exp = scale.to(torch.int32) - 127
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    z = torch.ldexp(xb, -exp.unsqueeze(-1)).reshape(x.shape)
+    return mxfp4.MXFP4Tensor(pack_fp4(_guided_codes(z, codes, mantissa)), scale, block)
+
+
+def _guided_codes(z: torch.Tensor, codes: torch.Tensor | None, mantissa: torch.Tensor | None) -> torch.Tensor:
+    """Unpacked 4-bit codes for the scaled values z, pinned to the rollout's codes or mantissa bits."""
     lo, hi, on_grid = bracket_indices(z)
     if codes is not None:
         ref = unpack_fp4(codes)
@@ -153,5 +183,4 @@ def guided_quantize(
         bit = unpack_mantissa_bits(mantissa).to(torch.int8)
         pick = torch.where((hi.abs() & 1) == bit, hi, lo)
         out = codes_from_index(pick, torch.signbit(z))
-    out = torch.where(torch.isnan(z), torch.full_like(out, 7), out)
-    return NVFP4Tensor(pack_fp4(out), scale, global_scale)
+    return torch.where(torch.isnan(z), torch.full_like(out, 7), out)
