@@ -1,0 +1,100 @@
+"""Decode attention over BF16 pages against NVFP4 / MXFP4 pages: time and bytes read, one run.
+
+    .venv/bin/python scripts/bench_kv_attention.py                    # 4K context, batch 8, Qwen2.5-0.5B heads
+    .venv/bin/python scripts/bench_kv_attention.py --context 512 --quick
+
+One layer's decode step: --batch sequences of --context cached tokens each (slots scattered over
+the cache as a paged allocator leaves them), one query row per sequence, --heads query heads over
+--kv-heads KV heads of --head-dim. Contenders (the engine's kernels, kernels/cpu_attention.py):
+BF16 pages (`paged_attention`), NVFP4 pages decoded in registers (`paged_attention_nvfp4`), and
+MXFP4 pages, which the engine attends over a dequantized gather of (`PagedKVCache.read` +
+`paged_attention`: no in-register kernel yet). --runs interleaved rounds, the median each; the
+page bytes one step reads are K + V of batch x context tokens (NVFP4: codes + E4M3 scales; MXFP4:
+codes + E8M0 scales).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+GOAL = 2.0  # NVFP4 pages vs BF16 pages at 4K context, batch 8 (the byte ceiling is 3.56x)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=14)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=21)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--quick", action="store_true", help="512 context, 3 runs: a smoke test")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.context, args.runs = 512, 3
+    return args
+
+
+def main(argv=None) -> str:
+    from kernels import cpu_attention
+    from megatron_trace.fp4 import mxfp4, nvfp4
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    b, n, hkv, d = args.batch, args.context, args.kv_heads, args.head_dim
+    slots = b * n
+    k, v = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
+    table = torch.randperm(slots, generator=g).view(b, n).contiguous()  # scattered pages
+    q = torch.randn(b, args.heads, d, generator=g).bfloat16()
+    row_seq, row_len, scale = torch.arange(b), torch.full((b,), n), d ** -0.5
+    kb, vb = k.bfloat16(), v.bfloat16()
+    qk, qv = nvfp4.quantize(k), nvfp4.quantize(v)
+    sk, sv = float(nvfp4.decode_scale(qk.global_scale)), float(nvfp4.decode_scale(qv.global_scale))
+    mk, mv = mxfp4.quantize(k), mxfp4.quantize(v)
+    flat = table.reshape(-1)
+
+    def mx_gathered():
+        kc = mxfp4.dequantize(mxfp4.MXFP4Tensor(mk.data[flat], mk.scale[flat]), torch.bfloat16)
+        vc = mxfp4.dequantize(mxfp4.MXFP4Tensor(mv.data[flat], mv.scale[flat]), torch.bfloat16)
+        return cpu_attention.paged_attention(q, kc, vc, torch.arange(slots).view(b, n), row_seq, row_len, scale)
+
+    runs = {
+        "BF16 pages": (lambda: cpu_attention.paged_attention(q, kb, vb, table, row_seq, row_len, scale),
+                       2 * slots * hkv * d * 2),
+        "NVFP4 pages (in registers)": (lambda: cpu_attention.paged_attention_nvfp4(
+            q, qk.data, qk.scale, qv.data, qv.scale, sk, sv, table, row_seq, row_len, scale),
+            2 * slots * hkv * (d // 2 + d // 16)),
+        "MXFP4 pages (dequantized gather)": (mx_gathered, 2 * slots * hkv * (d // 2 + d // 32)),
+    }
+    times = {name: [] for name in runs}
+    for f, _ in runs.values():
+        f()
+    for _ in range(args.runs):
+        for name, (f, _) in runs.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["BF16 pages"])
+    lines = [f"decode attention, batch {b}, context {n}, {args.heads}/{hkv} heads x {d}, threads {args.threads}, "
+             f"median of {args.runs} interleaved rounds", "",
+             "| pages | ms/step | vs BF16 pages | page MB read | GB/s |", "|---|---:|---:|---:|---:|"]
+    for name, (_, nbytes) in runs.items():
+        t = statistics.median(times[name])
+        lines.append(f"| {name} | {t * 1e3:.2f} | {base / t:.2f}x | {nbytes / 1e6:.3f} | {nbytes / t / 1e9:.1f} |")
+    lines.append(f"goal: NVFP4 pages >= {GOAL}x BF16 pages at 4K context, batch 8")
+    report = "\n".join(lines)
+    print(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

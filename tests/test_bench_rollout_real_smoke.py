@@ -1,0 +1,48 @@
+"""Smoke test of scripts/bench_rollout_real.py: `--quick` (a tiny random model) prints every row."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_rollout_real.py"
+
+
+@pytest.mark.timeout(120)
+def test_quick_prints_every_contender_at_both_batches(capsys):
+    spec = importlib.util.spec_from_file_location("bench_rollout_real", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = bench.main(["--quick", "--threads", "1"])
+    assert report in capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| engine") or
+            line.startswith("| HF")]
+    names = [(r[0].strip(), int(r[1])) for r in rows]
+    contenders = list(bench.ENGINES) + ["HF generate BF16"]
+    assert names == [(c, b) for b in (1, 4) for c in contenders]
+    for r in rows:
+        assert re.fullmatch(r"\d+\.\d", r[2].strip()) and float(r[2]) > 0
+        if r[0].startswith(" engine"):
+            assert re.fullmatch(r"\d+", r[4].strip()) and r[6].strip().endswith("%")
+            assert r[7].strip().startswith(("cpu_gemv/", "torch ("))  # which linears ran, never unsaid
+    # the tiny model runs the one-call C layer, which reads the dequantized weights: BF16's bytes
+    mb = {(r[0].strip(), int(r[1])): int(r[4]) for r in rows if r[0].startswith(" engine")}
+    assert len(set(mb.values())) == 1
+    assert "read bandwidth" in report and "anchors" in report
+
+
+@pytest.mark.timeout(60)
+def test_kv_attention_bench_quick_reports_all_page_formats(capsys):
+    spec = importlib.util.spec_from_file_location("bench_kv_attention", SCRIPT.parent / "bench_kv_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = bench.main(["--quick", "--threads", "1", "--batch", "2"])
+    rows = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in report.splitlines() if r.startswith("| ") and
+            "pages" in r.split("|")[1] and not r.startswith("| pages")}
+    assert list(rows) == ["BF16 pages", "NVFP4 pages (in registers)", "MXFP4 pages (dequantized gather)"]
+    mb = {k: float(v[2]) for k, v in rows.items()}
+    assert mb["BF16 pages"] / mb["NVFP4 pages (in registers)"] == pytest.approx(128 / 36, rel=0.02)  # 16 vs 4.5 bits
