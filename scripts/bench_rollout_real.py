@@ -92,9 +92,10 @@ def step_weight_bytes(engine, rows: int) -> int:
     """Weight bytes one decode step of `rows` sequences reads: each linear as the path at that width
     reads it (layers.EngineLinear.forward_cpu streams packed NVFP4; the one-call C layer of small
     models and torch's GEMM read the dequantized copy) and the LM head."""
+    from kernels import cpu_gemv
     from sglang_backend.local import layer_c, layers
 
-    stream = rows <= layers.STREAM_MAX_ROWS and "cpu_gemv" in layers.streaming_status()
+    stream = rows <= layers.STREAM_MAX_ROWS and cpu_gemv.available()
     total = engine.model.lm_head.numel() * engine.model.lm_head.element_size()
     for layer in engine.model.layers:
         packed = stream and not layer_c.supports(layer, engine.kv)
