@@ -16,7 +16,9 @@ PROMPTS = [[5, 17, 40, 2, 99, 7], [11, 3, 250, 8]]
 
 def _rollout(ckpt, policy):
     """Greedy rollout on the embedded engine (fp32, so the sides differ only by kernels) with full
-    guidance; returns the [B, S] token rows and each sample's record."""
+    guidance (and, for MoE, the routed experts that name the expert slots); returns the [B, S] token
+    rows, each sample's record and its routed experts (None for dense models)."""
+    from megatron_trace.guidance import decode_routed_experts
     from sglang_backend.local import Engine
 
     eng = Engine(str(ckpt), dtype="bfloat16", quant_policy=policy, guidance_mode="full", guided_layers="all",
@@ -24,9 +26,12 @@ def _rollout(ckpt, policy):
     try:
         outs = eng.generate(input_ids=PROMPTS, sampling_params={"temperature": 0.0, "max_new_tokens": 6,
                                                                  "ignore_eos": True},
-                            return_logprob=True, return_guidance=True)
+                            return_logprob=True, return_guidance=True, return_routed_experts=eng.arch.is_moe)
         recs = [GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs]
         seqs = [p + o["output_ids"] for p, o in zip(PROMPTS, outs)]
+        a = eng.arch
+        routed = [decode_routed_experts(o["meta_info"]["routed_experts"], len(t) - 1, a.num_layers,
+                                        a.num_experts_per_tok) if a.is_moe else None for o, t in zip(outs, seqs)]
     finally:
         eng.shutdown()
     s = max(len(t) for t in seqs) - 1
@@ -34,22 +39,27 @@ def _rollout(ckpt, policy):
     for j, t in enumerate(seqs):
         ids[j, : len(t) - 1] = torch.tensor(t[:-1])
         recs[j].validate(len(t) - 1)
-    return ids, recs
+    return ids, recs, routed
 
 
-def _qat_logits(ckpt, arch, ids, recs, fused: bool):
+def _qat_logits(ckpt, arch, ids, recs, routed, fused: bool):
     from megatron_trace.trainer.gpt import build_model, forward_logits, load_hf_weights
     from megatron_trace.trainer.qat import MicroBatchGuidance, install_qat
+    from megatron_trace.trainer.routing_replay import RoutingReplay
 
     chunks = build_model(arch, dtype=torch.float32, fused_norm=fused)
     load_hf_weights(chunks, ckpt, arch)
     names = {n for n, _ in chunks[0].named_parameters()}
     state = install_qat(chunks, arch, POLICY, "off", [0])
+    # MoE: the rollout's routing replayed, and its expert ids name the expert-site slots
+    state.routing_replay = RoutingReplay(chunks[0], arch, 0, replay=arch.is_moe)
     out = {}
     for mode in ("off", "rtn", "guided"):
         state.set_mode(mode)
         state.guidance = MicroBatchGuidance(recs, ids.shape[1])
+        state.routing_replay.begin(routed, [f"s{j}" for j in range(len(routed))], ids.shape[1])
         out[mode] = forward_logits(chunks, ids)
+        state.routing_replay.end()
         out[mode + "_agreement"] = state.agreement()
     return out, names
 
@@ -60,11 +70,11 @@ def test_fused_norm_layout_equals_unfused_in_every_qat_mode(family, tmp_path):
 
     ckpt = make_tiny_checkpoint(tmp_path / family, family, seed=0)
     arch = ModelArch.from_hf_config(ckpt)
-    ids, recs = _rollout(ckpt, POLICY)
+    ids, recs, routed = _rollout(ckpt, POLICY)
     init_distributed(tp=1, pp=1, seed=0)
     try:
-        fused, fused_names = _qat_logits(ckpt, arch, ids, recs, fused=True)
-        plain, plain_names = _qat_logits(ckpt, arch, ids, recs, fused=False)
+        fused, fused_names = _qat_logits(ckpt, arch, ids, recs, routed, fused=True)
+        plain, plain_names = _qat_logits(ckpt, arch, ids, recs, routed, fused=False)
     finally:
         destroy()
     # The fused layout holds the norms under TE's names, and the HF map loads them there.
