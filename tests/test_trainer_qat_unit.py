@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_trace.fp4 import nvfp4
+from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.guidance import GuidanceRecord, make_site
 from megatron_trace.models import ModelArch, QuantPolicy, tiny_hf_config
 from megatron_trace.trainer.qat import MicroBatchGuidance, QATState
@@ -137,10 +137,42 @@ def test_mxfp4_policy_weights_and_activations_are_the_engines_mxfp4():
     assert torch.equal(st.weight(w[:, 64:]), eng.weight.data[:, 64:])
     want = eng._matmul_input(x, None, None)
     assert torch.equal(st.activation(x.reshape(3, 2, 128), SITE, None).reshape(6, 128), want)
-    st.set_mode("guided")  # no MXFP4 guidance exists: a record for the site is refused, not ignored
-    st.guidance = MicroBatchGuidance(_records([x[:3], x[3:]], "full"), 3)
-    with pytest.raises(ValueError, match="MXFP4 activation"):
-        st.activation(x.reshape(3, 2, 128), SITE, None)
+
+
+def _mx_records(xs, mode, block=32):
+    """MXFP4 records as an engine would write them: E8M0 scale bytes [T, K/block], no global scale."""
+    recs = []
+    for i, x in enumerate(xs):
+        q = mxfp4.quantize(x, block=block)
+        recs.append(GuidanceRecord(f"s{i}", mode, x.shape[0], {SITE: make_site(q.scale, torch.ones(()), q.data, mode)}))
+    return recs
+
+
+@pytest.mark.parametrize("mode", ["full", "mantissa"])
+def test_guided_mxfp4_follows_the_rollouts_e8m0_scales_and_codes(mode):
+    g = torch.Generator().manual_seed(6)
+    xs_roll = [torch.randn(5, 128, generator=g), torch.randn(5, 128, generator=g)]
+    x = torch.stack([xr * (1 + 0.02 * torch.randn(xr.shape, generator=g)) for xr in xs_roll], dim=1)
+    out = {}
+    for qat_mode in ("rtn", "guided"):
+        st = QATState(ARCH, QuantPolicy(format="mxfp4"), qat_mode)
+        st.guidance = MicroBatchGuidance(_mx_records(xs_roll, mode), 5)
+        out[qat_mode] = st.activation(x, SITE, None)
+        out[qat_mode + "_override"] = st.override_rate()
+        if mode == "full":
+            out[qat_mode + "_agree"] = st.agreement()[SITE]
+    for j, xr in enumerate(xs_roll):
+        want = mxfp4.dequantize(mxfp4.quantize(xr))
+        assert torch.equal(out["guided"][:, j], want)
+        assert not torch.equal(out["rtn"][:, j], want)
+    assert out["guided_override"][SITE] > 0
+    if mode == "full":
+        assert out["guided_agree"] == 1.0 and out["rtn_agree"] < 1.0
+    # A row-parallel K slice takes whole 32-blocks of the guidance.
+    st = QATState(ARCH, QuantPolicy(format="mxfp4"), "guided")
+    st.guidance = MicroBatchGuidance(_mx_records(xs_roll, mode), 5)
+    half = st.activation(x[..., 64:], SITE, slice(64, 128))
+    assert torch.equal(half, out["guided"][..., 64:])
 
 
 def test_static_activation_scale_is_used_in_rtn_and_for_uncovered_guided_rows():
@@ -156,3 +188,19 @@ def test_static_activation_scale_is_used_in_rtn_and_for_uncovered_guided_rows():
     assert not torch.equal(per_token, ref)
     with pytest.raises(ValueError, match="finite S_enc > 0"):
         st.set_static_activation_scales({SITE: 0.0})
+
+
+def test_guided_mxfp4_kv_follows_the_rollouts_pages():
+    """MXFP4 K as the engine's pages (E8M0 per 16, ceil rule), guided by a record of them."""
+    g = torch.Generator().manual_seed(7)
+    site = "model.layers.3.self_attn.k_cache"
+    k_roll = torch.randn(6, 2, 32, generator=g)  # [T, kv_heads, head_dim]
+    q = mxfp4.quantize(k_roll, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
+    rec = GuidanceRecord("s0", "full", 6, {site: make_site(q.scale, torch.ones(()), q.data, "full")})
+    k_train = (k_roll * (1 + 0.02 * torch.randn(k_roll.shape, generator=g))).unsqueeze(1)  # [S, B=1, 2, 32]
+    res = {}
+    for mode in ("rtn", "guided"):
+        st = QATState(ARCH, QuantPolicy(kv="mxfp4"), mode)
+        st.guidance = MicroBatchGuidance([rec], 6)
+        res[mode] = st.kv(k_train, site, "mxfp4").squeeze(1)
+    assert torch.equal(res["guided"], mxfp4.dequantize(q)) and not torch.equal(res["rtn"], mxfp4.dequantize(q))

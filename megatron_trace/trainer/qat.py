@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_trace.fp4 import RolloutRounding, guided_quantize, mantissa_bits_packed, straight_through, unpack_fp4
+from megatron_trace.fp4 import (RolloutRounding, guided_quantize, guided_quantize_mxfp4, mantissa_bits_packed,
+                                 straight_through, unpack_fp4)
+from megatron_trace.fp4.fake_quant import dequantize_any
 from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
@@ -82,8 +84,9 @@ class MicroBatchGuidance:
             mask[:t, j] = True
         if k_slice is not None:
             k0, k1 = k_slice.start, k_slice.stop
-            scale = scale[..., k0 // 16 : k1 // 16]
-            per = 2 if full else 8
+            per = 2 if full else 8  # elements per payload byte
+            block = ref.payload.shape[-1] * per // ref.scale.shape[-1]  # 16 (NVFP4) or 32 (MXFP4)
+            scale = scale[..., k0 // block : k1 // block]
             payload = payload[..., k0 // per : k1 // per]
         flat = lambda t: t.reshape(s * b, *t.shape[2:]).contiguous().to(dev)  # noqa: E731
         rr = RolloutRounding(flat(scale), flat(gs), codes=flat(payload) if full else None,
@@ -155,7 +158,10 @@ class QATState:
         rows: under sequence parallelism, which of the micro-batch's [S*B] rows x holds."""
         flat = x.detach().reshape(-1, x.shape[-1]).float()
         if self.policy.format == "mxfp4":
-            return straight_through(x, self._mxfp4_activation(flat, site).reshape(x.shape).to(x.dtype))
+            # the engine's MXFP4 linears: 32-blocks along K, floor rule (a row-parallel K slice holds
+            # whole blocks, and there is no global scale to reduce over TP)
+            out = self._guide(flat, mxfp4.quantize(flat), site, k_slice, select=select, rows=rows)
+            return straight_through(x, out.reshape(x.shape).to(x.dtype))
         if site in self.static_scales:
             gs = self.static_scales[site].to(flat.device)
         else:
@@ -165,37 +171,30 @@ class QATState:
         out = self._guide(flat, q, site, k_slice, select=select, rows=rows)
         return straight_through(x, out.reshape(x.shape).to(x.dtype))
 
-    def _mxfp4_activation(self, flat: torch.Tensor, site: str) -> torch.Tensor:
-        """MXFP4 input rows as the engine's MXFP4 linears quantize them (32-blocks along K, floor
-        rule; a row-parallel K slice holds whole blocks). Round-to-nearest in every mode: the
-        rollout records no MXFP4 guidance (loop.guided_sites says so before a guided run), and a
-        record that did carry this site would be one this trainer cannot follow."""
-        if self.guidance is not None and any(r is not None and site in r.sites for r in self.guidance.records):
-            raise ValueError(f"QAT site {site}: the rollout recorded guidance for an MXFP4 activation, which the "
-                             "trainer cannot apply (guided rounding is NVFP4 only)")
-        return mxfp4.dequantize(mxfp4.quantize(flat))
-
     def kv(self, t: torch.Tensor, site: str, fmt: str = "nvfp4") -> torch.Tensor:
         """K or V [S, B, groups_local, D] as the rollout caches it in `fmt`: NVFP4 along D with the
-        per-layer scale (guided where the rollout recorded it), FP8 E4M3 with one scale per token
-        over its KV heads (amax MAX-reduced over TP, which splits the heads) or MXFP4 as the engine's
-        pages, both round-to-nearest: the rollout records no guidance for them (docs/quality.md)."""
+        per-layer scale or MXFP4 as the engine's pages (16-blocks, ceil rule), each guided where the
+        rollout recorded the site (today's engine records NVFP4 sides only), or FP8 E4M3 with one
+        scale per token over its KV heads (amax MAX-reduced over TP, which splits the heads),
+        round-to-nearest: the rollout records no FP8 guidance (docs/quality.md)."""
         if fmt == "fp8":
             x = t.detach().float()
             amax = self._all_max(nvfp4.nan_free_amax(x.reshape(*x.shape[:-2], -1), dim=-1))
             return straight_through(t, fp8.quantize_dequantize(x, t.dtype, dims=2, amax=amax))
-        if fmt == "mxfp4":
-            q = mxfp4.quantize(t.detach().float(), rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
-            return straight_through(t, mxfp4.dequantize(q, t.dtype))
         rows = t.detach().float().reshape(-1, t.shape[-2], t.shape[-1])
-        q = nvfp4.quantize(rows, global_scale=torch.tensor(KV_SCALE))
+        if fmt == "mxfp4":
+            q = mxfp4.quantize(rows, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
+        else:
+            q = nvfp4.quantize(rows, global_scale=torch.tensor(KV_SCALE))
         groups = t.shape[-2]
         g0 = self.tp_rank() * groups
         return straight_through(t, self._guide(rows, q, site, None, heads=slice(g0, g0 + groups)).reshape(t.shape).to(t.dtype))
 
     def _guide(self, x_rows, q, site, k_slice, heads: slice | None = None, select=None,
                rows: slice | None = None) -> torch.Tensor:
-        deq = nvfp4.dequantize(q)
+        """The dequantized rows of q (an NVFP4Tensor or MXFP4Tensor of x_rows), with the rows the
+        micro-batch's guidance covers rounded to the rollout's codes in guided mode."""
+        deq = dequantize_any(q)
         got = self.guidance.site(site, k_slice, x_rows.device) if self.guidance is not None and site else None
         if got is None:
             return deq
@@ -221,17 +220,20 @@ class QATState:
         if self.mode != "guided":
             self._count(site, q, rr, mask)
             return deq
-        if self.mantissa_from_codes and rr.codes is not None:
-            g = guided_quantize(x_rows, rr.scale, rr.global_scale, mantissa=mantissa_bits_packed(rr.codes))
+        codes, mant = rr.codes, rr.mantissa
+        if self.mantissa_from_codes and codes is not None:
+            codes, mant = None, mantissa_bits_packed(codes)
+        if isinstance(q, mxfp4.MXFP4Tensor):  # E8M0 block scales, no global scale
+            g = guided_quantize_mxfp4(x_rows, rr.scale, codes=codes, mantissa=mant, block=q.block)
         else:
-            g = guided_quantize(x_rows, rr.scale, rr.global_scale, codes=rr.codes, mantissa=rr.mantissa)
+            g = guided_quantize(x_rows, rr.scale, rr.global_scale, codes=codes, mantissa=mant)
         self._count(site, g, rr, mask)
         changed = (unpack_fp4(g.data) != unpack_fp4(q.data))[mask]
         o = self.override[site]
         o[0] += int(changed.sum())
         o[1] += changed.numel()
         m = mask.reshape(-1, *([1] * (deq.dim() - 1)))
-        return torch.where(m, nvfp4.dequantize(g), deq)
+        return torch.where(m, dequantize_any(g), deq)
 
     def _unguided(self, site: str, n: int) -> None:
         """Rows that had a record but could not be matched to it: round-to-nearest, said loudly
