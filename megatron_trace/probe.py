@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     if res:  # rank 0
         kv = f"K {args.kv_k or args.kv_cache_dtype} V {args.kv_v or args.kv_cache_dtype}"
         print(f"rollout {args.quantization} + KV {kv} in {args.rollout_dtype}; trainer fp32 "
-              f"TP{args.tp} PP{args.pp}; {res['num_prompts']} prompts ({res['prompts']}), answers of "
+              f"TP{args.tp} PP{args.pp}{f' EP{args.ep}' if args.ep > 1 else ''}; {res['num_prompts']} prompts ({res['prompts']}), answers of "
               f"{min(res['response_lengths'])}-{max(res['response_lengths'])} tokens; "
               f"{res['total_seconds']:.1f} s")
         print(format_table(res))
