@@ -95,7 +95,7 @@ class TrainerConfig:
     micro_batch_size: int = opt(8, "sequences per micro-batch", low=1)
     qat_mode: str = opt("guided", "trainer forward: off (BF16), rtn (plain QAT), guided (TRACE)", ("off", "rtn", "guided"))
     dtype: str = opt("float32", "trainer params dtype (float32 on CPU)", ("float32", "bfloat16"))
-    sequence_parallel: bool = opt(False, "GPU/TE only: Megatron sequence parallelism (needs tp > 1)")
+    sequence_parallel: bool = opt(False, "Megatron sequence parallelism (needs tp > 1; CPU/gloo too)")
     distributed_optimizer: bool = opt(False, "GPU/TE only: shard optimizer state across data-parallel ranks")
     steps: int = opt(20, "RL steps", low=0)
     save_every: int = opt(10, "checkpoint every N steps (0: only at the end)", low=0)
