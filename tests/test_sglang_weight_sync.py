@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("sglang.srt.entrypoints.http_server")
+import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from megatron_trace.models import QuantPolicy, make_tiny_checkpoint  # noqa: E402
@@ -25,7 +26,7 @@ from megatron_trace.transfer.export import export_checkpoint, load_hf_dir  # noq
 from megatron_trace.transfer.sglang_tensor import SGLangTensorTransport  # noqa: E402
 from megatron_trace.transfer.transports import DiskTransport, DistributedTransport, TransferError  # noqa: E402
 from sglang_backend.api import WeightBucket  # noqa: E402
-from sglang_backend.client import RolloutClient  # noqa: E402
+from sglang_backend.client import RolloutClient, RolloutError  # noqa: E402
 from sglang_backend.local import Engine  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.sglang_server import start_sglang  # noqa: E402
@@ -147,3 +148,38 @@ def test_sync_failure_keeps_served_version(server, exports):
         assert _info(server)["weight_version"] == before
     finally:
         t.close()
+
+
+def test_bad_updates_are_refused_before_loading(server, exports, tmp_path):
+    """An unknown name, a wrong shape, a wrong dtype: the plugin refuses each transport's update as a
+    whole before any tensor is loaded, with SGLang's 400 {"success": false, "message"} naming the tensor;
+    the server keeps its version and weights (every update also carries export b's valid tensors, so a
+    partial load would show). Unpatched SGLang skips unknown names, and a wrong shape on the tensor
+    path kills its scheduler."""
+    before_version, before = _info(server)["weight_version"], _served(server)
+    sd = load_file(str(exports["b"] / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert sd[name].dtype == torch.uint8  # packed FP4 codes of the NVFP4 export
+    unknown = {**sd, "model.layers.0.mlp.no_such_proj.weight": sd[name].clone()}
+    bad_shape = {**sd, name: sd[name][:, :-1].contiguous()}
+    bad_dtype = {**sd, name: sd[name].float()}
+    client = RolloutClient([server], api_key=KEY, retries=0)
+    dist = DistributedTransport([server], api_key=KEY, master_port=free_port(), timeout_s=120)
+    disk = DiskTransport(client, tmp_path / "bad", json.loads((exports["b"] / "config.json").read_text()))
+    cases = [(SGLangTensorTransport([server], api_key=KEY), unknown,
+              "'model.layers.0.mlp.no_such_proj.weight': no such"),
+             (SGLangTensorTransport([server], api_key=KEY), bad_shape, f"'{name}': shape [{sd[name].shape[0]}, "),
+             (dist, bad_dtype, f"'{name}': dtype float32, the served model takes uint8"),
+             (dist, bad_shape, f"'{name}': shape"), (disk, unknown, "no_such_proj.weight': no such tensor")]
+    try:
+        for version, (transport, tensors, says) in enumerate(cases, start=50):
+            with pytest.raises((TransferError, RolloutError)) as e:
+                transport.send([WeightBucket(tensors, version)], version)
+            status = getattr(e.value, "status", None)  # RolloutError keeps it apart; the transports' text says it
+            assert (status == 400 or "HTTP 400" in str(e.value)) and "refused before loading" in str(e.value), e.value
+            assert says in str(e.value), (says, str(e.value))
+            assert _info(server)["weight_version"] == before_version
+        assert _served(server) == before  # the scheduler lives and serves the previous weights
+    finally:
+        dist.close()
+        client.close()

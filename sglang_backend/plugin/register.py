@@ -20,6 +20,8 @@ SGLang lacks the hook:
 5. Capture (slot_capture.py, SGLang's state-capturer shape): an AROUND hook on ModelRunner.forward
    gives guided linears the batch's KV slots; an AFTER hook on the finish of each request
    (SchedulerBatchResultProcessor._maybe_collect_routed_experts) publishes its record.
+6. Weight updates: AROUND hooks check a whole update against the checkpoint's first load before
+   any tensor is loaded (weight_check.py).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import multiprocessing
 import os
 import sys
 
-from . import capture, kv_read, kv_sides, slot_capture
+from . import capture, kv_read, kv_sides, slot_capture, weight_check
 from .kv_capture import sglang_nvfp4_base
 from .online_quant import TraceMXFP4OnlineConfig, TraceNVFP4OnlineConfig
 from .quant_method import TraceFP4Config, set_active
@@ -184,12 +186,25 @@ def register_capture_hook() -> bool:
     return True
 
 
+def register_weight_check() -> bool:
+    """Weight updates are checked against the first load before anything is loaded (weight_check.py)."""
+    mod = _import("sglang.srt.plugins.hook_registry")
+    reg, kinds = (getattr(mod, "HookRegistry", None), getattr(mod, "HookType", None)) if mod else (None, None)
+    if reg is None or kinds is None:
+        log.warning("trace_fp4: no HookRegistry in this SGLang; weight updates are NOT checked before loading")
+        return False
+    reg.register(weight_check.LOAD_TARGET, weight_check.record_first_load, kinds.AROUND)
+    for target, fn in weight_check.HOOK_TARGETS.items():
+        reg.register(target, getattr(weight_check, fn), kinds.AROUND)
+    return True
+
+
 def register() -> dict[str, bool]:
     """Run every registration step; returns which succeeded (each failure is logged)."""
     done = {}
     for name, step in (("quantization", register_quantization), ("cli_choices", register_cli_choices),
                        ("kv_cache", register_kv_method), ("http_route", register_http_route),
-                       ("capture_hook", register_capture_hook)):
+                       ("capture_hook", register_capture_hook), ("weight_check", register_weight_check)):
         try:
             done[name] = bool(step())
         except Exception:  # noqa: BLE001 - a plugin must not take the server down with it
