@@ -146,13 +146,33 @@ def run(args) -> tuple[dict, dict, list[float]]:
                 t = statistics.median(times[k])
                 step_bytes = step_weight_bytes(engines[k], b) if k in engines else None
                 ids = last[k].tolist() if k not in engines else [r["output_ids"] for r in last[k]]
-                results[(k, b)] = dict(tok_s=b * args.new_tokens / t, bytes=step_bytes,
-                                       eff_bw=None if step_bytes is None else step_bytes * args.new_tokens / t, ids=ids)
+                lps = None if k not in engines else [t[0] for t in last[k][0]["meta_info"]["output_token_logprobs"]]
+                results[(k, b)] = dict(tok_s=b * args.new_tokens / t, bytes=step_bytes, ids=ids, lps=lps,
+                                       eff_bw=None if step_bytes is None else step_bytes * args.new_tokens / t)
     finally:
         for e in engines.values():
             e.shutdown()
     bandwidth.append(read_bandwidth(gib))
+    if not args.skip_hf:
+        info["teacher_forced"] = teacher_forced(path, prompts[0], results[("engine BF16", 1)])
     return results, info, bandwidth
+
+
+@torch.inference_mode()
+def teacher_forced(path: Path, prompt: list[int], engine_run: dict) -> tuple[int, int, float]:
+    """HF BF16 on the prompt + the engine BF16's batch-1 tokens: (positions where HF's argmax is the
+    engine's token, positions, max |HF logprob - engine logprob| of those tokens). Free-running
+    greedy runs of a random-init model part at the first near-tie, which any change of bf16
+    rounding order flips; this compares every position on the same prefix."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    ids = engine_run["ids"][0]
+    logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+    lp = torch.log_softmax(logits, -1)
+    agree = int((logits.argmax(-1) == torch.tensor(ids)).sum())
+    diff = max(abs(float(lp[i, t]) - e) for i, (t, e) in enumerate(zip(ids, engine_run["lps"])))
+    return agree, len(ids), diff
 
 
 def table(args, results, info, bandwidth) -> list[str]:
@@ -175,7 +195,10 @@ def table(args, results, info, bandwidth) -> list[str]:
     hf = results.get(("HF generate BF16", 1))
     if hf:
         same = sum(a == h for a, h in zip(results[("engine BF16", 1)]["ids"][0], hf["ids"][0]))
-        lines.append(f"\nbatch 1 greedy tokens, engine BF16 vs HF: {same}/{args.new_tokens} equal")
+        agree, n, diff = info["teacher_forced"]
+        lines.append(f"\nbatch 1 greedy tokens, engine BF16 vs HF: {same}/{args.new_tokens} equal free-running; "
+                     f"HF teacher-forced on the engine's tokens picks the same token at {agree}/{n} positions, "
+                     f"max |logprob difference| {diff:.3g}")
     lines += [f"goals: {GOALS}", anchors_note()]
     return lines
 
