@@ -204,3 +204,35 @@ def test_guided_mxfp4_kv_follows_the_rollouts_pages():
         st.guidance = MicroBatchGuidance([rec], 6)
         res[mode] = st.kv(k_train, site, "mxfp4").squeeze(1)
     assert torch.equal(res["guided"], mxfp4.dequantize(q)) and not torch.equal(res["rtn"], mxfp4.dequantize(q))
+
+
+def test_static_scales_from_calibrated_amax_match_the_engine_reading_the_checkpoint():
+    """input amax -> ModelOpt input_scale -> the engine's static S_enc, and the trainer's rtn input
+    of the fused gate/up site equals the engine's quantize-dequantize under it."""
+    from megatron_trace.fp4.modelopt import to_modelopt_fused
+    from megatron_trace.trainer.qat import static_site_scales
+    from sglang_backend.local.layers import EngineLinear
+
+    g = torch.Generator().manual_seed(8)
+    h, f = ARCH.hidden_size, ARCH.intermediate_size
+    wg, wu, x = torch.randn(f, h, generator=g), torch.randn(f, h, generator=g), 2 * torch.randn(6, h, generator=g)
+    prefix = "model.layers.2.mlp."
+    amax = {prefix + "gate_proj": 3.0, prefix + "up_proj": 5.0, prefix + "down_proj": 7.0}
+    eng = EngineLinear({"gate_proj": f, "up_proj": f}, h, bias=False, weight_fmt="nvfp4", act_fmt="nvfp4",
+                       dtype=torch.float32, site=prefix + "gate_up_proj")
+    for shard, t in zip(("gate_proj", "up_proj"), to_modelopt_fused([wg, wu], input_amax=5.0)):
+        for kind, v in t.items():
+            eng.load_shard(shard, v, "weight_packed" if kind == "weight" else kind)
+    eng.finalize()
+    policy = QuantPolicy(activation_scale="static")
+    scales = static_site_scales({f"model.layers.{i}.mlp.{m}": a for i in range(ARCH.num_layers)
+                                 for m, a in (("gate_proj", 3.0), ("up_proj", 5.0), ("down_proj", 7.0))}, ARCH, policy)
+    assert sorted(scales) == sorted(f"model.layers.{i}.mlp.{s}" for i in range(ARCH.num_layers)
+                                    for s in ("gate_up_proj", "down_proj"))
+    assert torch.equal(scales[prefix + "gate_up_proj"], eng.input_global_scale)
+    st = QATState(ARCH, policy, "rtn")
+    st.set_static_activation_scales(scales)
+    got = st.activation(x.reshape(3, 2, h), prefix + "gate_up_proj", None).reshape(6, h)
+    assert torch.equal(got, eng._matmul_input(x, None, None))
+    with pytest.raises(KeyError, match="no calibrated input amax"):
+        static_site_scales(amax, ARCH, policy)  # only layer 2 calibrated

@@ -278,6 +278,42 @@ class QATState:
         self.unguided.clear()
 
 
+# trainer site (HF names under model.layers.N.) -> the HF linears whose input it is
+_SITE_MEMBERS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def static_site_scales(input_amax: dict[str, float], arch: ModelArch, policy: QuantPolicy) -> dict[str, torch.Tensor]:
+    """{HF module: calibrated input amax} (what the exporter and the transfer take) -> the static
+    S_enc of each FP4-activation site, for `QATState.set_static_activation_scales`: the max over
+    a fused group's members, through the checkpoint's decode-direction input_scale, exactly as the
+    engine reads it back (EngineLinear.finalize). Routed experts are refused: their site spans every
+    expert of the layer, while each expert has its own input_scale."""
+    from megatron_trace.fp4.modelopt import encode_scale_from_decode, input_scale_from_amax
+
+    if arch.is_moe and policy.linear_is_fp4("model.layers.0.mlp.experts.0.gate_proj", arch.num_layers):
+        raise ValueError("static activation scales for routed experts are not modelled by the trainer "
+                         "(one guidance site per layer, one input_scale per expert)")
+    out = {}
+    for layer in range(arch.num_layers):
+        prefix = f"model.layers.{layer}."
+        for site, members in _SITE_MEMBERS.items():
+            names = [prefix + m for m in members if policy.activation_is_fp4(prefix + m, arch.num_layers)]
+            if not names:
+                continue
+            missing = [n for n in names if n not in input_amax]
+            if missing:
+                raise KeyError(f"no calibrated input amax for {missing[:3]}: static activation scales need one "
+                               f"per FP4-activation linear")
+            amax = max(float(input_amax[n]) for n in names)
+            out[prefix + site] = encode_scale_from_decode(input_scale_from_amax(amax))
+    return out
+
+
 def _zero_as_one(codes: torch.Tensor) -> torch.Tensor:
     # -0 (0x8) and +0 dequantize to the same value: agreement is about values, not zero's sign
     # (mantissa guidance cannot name the sign of a zero, and it changes nothing downstream).
