@@ -137,7 +137,7 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32, vocab_di
 
 
 def _te_alias(model_keys: set[str], name: str) -> str:
-    """The model's name for local-spec parameter `name` (differs only under the TE spec)."""
+    """The model's name for unfused-layout parameter `name` (differs in the fused-norm layout)."""
     if name in model_keys:
         return name
     for local, te_name in _TE_NORM_ALIASES.items():
@@ -149,7 +149,7 @@ def _te_alias(model_keys: set[str], name: str) -> str:
 
 
 def _local_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters (no `_extra_state`) under local-spec names."""
+    """Parameters (no `_extra_state`) under the unfused layout's names (the HF map's)."""
     sd = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     reverse = {}
     for k in sd:

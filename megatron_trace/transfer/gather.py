@@ -133,7 +133,7 @@ def iter_hf_params(model_chunks: list, arch: ModelArch, *, out_device: str | tor
     EP/PP broadcasts per parameter). Every rank yields the same stream. Tensors are moved to
     `out_device` (CPU by default: the transports and the quantizer work on host memory).
     """
-    from ..trainer.gpt import _local_state_dict  # local-spec names also under the TE spec
+    from ..trainer.gpt import _local_state_dict  # unfused names also for the fused-norm layout
 
     ps = _groups()
     par, vocab = model_parallel(model_chunks)
