@@ -54,8 +54,8 @@ class Run:
         if self.arch.is_moe and cfg.trainer.tp > 1 and not cfg.trainer.sequence_parallel:
             # Megatron's MoELayer raises at the first training forward otherwise (after a whole rollout)
             raise ValueError("an MoE model with trainer.tp > 1 trains only with trainer.sequence_parallel=true "
-                             "(Megatron-Core's MoELayer refuses TP without it; that needs CUDA + Transformer "
-                             "Engine); on this machine use trainer.ep for the experts and trainer.tp=1")
+                             "(Megatron-Core's MoELayer refuses TP without it); set it, or use trainer.ep for the "
+                             "experts with trainer.tp=1")
         if self.rank0:
             self._check_rollout_quality(model_path, tok, prompts)
         self.actor = Actor(self.arch, cfg.quant.policy(), ActorConfig(

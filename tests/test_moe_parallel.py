@@ -1,7 +1,7 @@
 """Expert and tensor parallelism of the tiny Qwen3-MoE with routing replay and guided QAT on
-CPU/gloo (allgather dispatcher): EP2 recompute, train step and guidance match EP1; TP2 recompute
-and guidance match TP1 (Megatron's MoELayer refuses to TRAIN with TP > 1 without sequence
-parallelism, which needs the GPU/TE path).
+CPU/gloo (allgather dispatcher): EP2 and TP2 + sequence parallelism recompute, train step and
+guidance match EP1/TP1; TP2 without SP recompute and guidance match TP1 (Megatron's MoELayer
+refuses to TRAIN with TP > 1 without sequence parallelism).
 
 One rollout (embedded engine, bf16, NVFP4 W4A4 + KV, full guidance of every layer, routed experts),
 then one 1-process and one 2-process launch (imports dominate: ~1 min on 2 cores).
@@ -45,29 +45,30 @@ def results(tmp_path_factory):
         eng.shutdown()
     (root / "samples.json").write_text(json.dumps(meta))
     out = tmp_path_factory.mktemp("out")
-    for nproc, layouts in [(1, "1x1"), (2, "1x2,2x1")]:
+    for nproc, layouts in [(1, "1x1"), (2, "1x2,2x1,2x1sp")]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                str(free_port()), str(SCRIPT), "--ckpt", str(ckpt), "--samples", str(root), "--out", str(out),
                "--layouts", layouts]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, proc.stderr[-4000:]
-    return {tag: json.loads((out / f"{tag}.json").read_text()) for tag in ("tp1_ep1", "tp1_ep2", "tp2_ep1")}
+    return {tag: json.loads((out / f"{tag}.json").read_text()) for tag in ("tp1_ep1", "tp1_ep2", "tp2_ep1", "tp2_ep1_sp")}
 
 
 def _expert_sites(rank: dict) -> dict:
     return {k: v for k, v in rank["agreement"].items() if ".mlp.experts." in k}
 
 
-@pytest.mark.parametrize("layout", ["tp1_ep2", "tp2_ep1"])
+@pytest.mark.parametrize("layout", ["tp1_ep2", "tp2_ep1", "tp2_ep1_sp"])
 def test_parallel_layout_equals_one_rank(results, layout):
     ref, got = results["tp1_ep1"], results[layout]
     for key in ("before", "step", "after"):
-        if key not in got:  # TP2: Megatron's MoELayer trains with TP only under sequence parallelism (GPU/TE)
+        if key not in got:  # TP2 without SP: Megatron's MoELayer trains with TP only under SP
             assert layout == "tp2_ep1"
             continue
+        # after the step: one Adam step (lr 1e-3) amplifies the grads' last-bit differences
         for a, b in zip(ref[key], got[key]):
-            assert b == pytest.approx(a, abs=2e-5), key
-    if layout == "tp1_ep2":
+            assert b == pytest.approx(a, abs=5e-5 if key == "after" else 2e-5), key
+    if layout != "tp2_ep1":
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6)
     for rank in got["ranks"]:

@@ -58,7 +58,11 @@ class RoutingReplay:
         for layer, router in self.routers.items():
             router.register_forward_hook(self._agreement_hook(layer))
         self.set_replay(replay)
-        self.current: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.current: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # [S*B] rows
+        self.local: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # this rank's router rows
+        # Sequence parallelism: each TP rank routes its [S/TP, B] slice of the tokens
+        sp = any(r.config.sequence_parallel for r in self.routers.values())
+        self.sp_split = _tp_rank_size() if sp else (0, 1)
         # rollout choices the trainer's own router also makes, those its forward used, compared
         self.counts = torch.zeros(3, dtype=torch.float64)
 
@@ -79,7 +83,7 @@ class RoutingReplay:
     def begin(self, routed: list[torch.Tensor | None], names: list[str | None], seq_len: int) -> None:
         """The micro-batch's rollout ids (one entry per batch column; None for padding columns or a
         sample without routed experts). With replay on every real sample must carry them."""
-        self.current = None
+        self.current = self.local = None
         if not self.routers:
             return
         missing = [n for n, r in zip(names, routed) if n is not None and r is None]
@@ -105,8 +109,14 @@ class RoutingReplay:
             valid[: r.shape[0], j] = True
         flat = ids.reshape(seq_len * b, self.arch.num_layers, k)
         self.current = {layer: (flat[:, layer].contiguous(), valid.reshape(-1)) for layer in self.routers}
+        rank, size = self.sp_split
+        if seq_len % size:
+            raise ValueError(f"sequence parallel over {size} ranks needs the micro-batch's {seq_len} positions "
+                             "padded to a multiple of it (the actor pads)")
+        rows = slice(rank * seq_len // size * b, (rank + 1) * seq_len // size * b)  # rows are s * B + b
+        self.local = {layer: (ids_[rows], v[rows]) for layer, (ids_, v) in self.current.items()}
         if self.replay:
-            self._set(self.current)
+            self._set(self.local)
 
     def _set(self, current) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -121,7 +131,7 @@ class RoutingReplay:
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def end(self) -> None:
-        self.current = None
+        self.current = self.local = None
         for router in self.routers.values():
             if router.router_replay is not None:
                 router.router_replay.clear_indices()
@@ -134,7 +144,7 @@ class RoutingReplay:
     # -- agreement -------------------------------------------------------------------------------
     def _agreement_hook(self, layer: int):
         def hook(router, args, output):
-            got = self.rollout_ids(layer)
+            got = None if self.local is None else self.local.get(layer)
             if got is None:
                 return
             _probs, routing_map = output
@@ -152,16 +162,27 @@ class RoutingReplay:
     def agreement(self, pp_group=None) -> dict[str, float]:
         """{"routing_agreement": share of the rollout's (token, layer, k) choices the trainer's own
         router also made, "routing_replayed": share its forward used}, over every pipeline stage's
-        layers (collective over `pp_group` when given); empty if nothing was counted."""
+        layers (collective over `pp_group` when given, and over TP under sequence parallelism); empty
+        if nothing was counted."""
         c = self.counts.clone()
         if pp_group is not None and dist.is_initialized() and dist.get_world_size(pp_group) > 1:
             dist.all_reduce(c, group=pp_group)
+        if self.sp_split[1] > 1:  # sequence parallel: each TP rank counted its own tokens
+            from megatron.core import parallel_state as ps
+
+            dist.all_reduce(c, group=ps.get_tensor_model_parallel_group())
         if c[2] == 0:
             return {}
         return {"routing_agreement": float(c[0] / c[2]), "routing_replayed": float(c[1] / c[2])}
 
     def clear_counters(self) -> None:
         self.counts.zero_()
+
+
+def _tp_rank_size() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
 def assert_same_micro_batch(ids: torch.Tensor, group) -> None:

@@ -2,8 +2,8 @@
 under each given TPxEP layout (one launch; the groups are re-initialized per layout).
 
 Reads the rollout's samples (JSON + guidance record bytes, written by the test); writes
-out/tp<T>_ep<E>.json on rank 0: logprobs before the step, and at TP1 the step's own forward, the
-logprobs after it, grad norm and loss; every rank's codeword agreement per site, unguided rows and
+out/tp<T>_ep<E>[_sp].json on rank 0: logprobs before the step, and at TP1 or with sequence
+parallelism (layout suffix "sp") the step's own forward, the logprobs after it, grad norm and loss; every rank's codeword agreement per site, unguided rows and
 routing agreement.
 """
 import argparse
@@ -43,26 +43,26 @@ def main():
     ap.add_argument("--layouts", default="1x1", help="comma-separated TPxEP")
     args = ap.parse_args()
     for layout in args.layouts.split(","):
-        tp, ep = (int(x) for x in layout.split("x"))
-        run_layout(args, tp, ep)
+        sp = layout.endswith("sp")  # e.g. 2x1sp: TP2 with sequence parallelism
+        tp, ep = (int(x) for x in layout.removesuffix("sp").split("x"))
+        run_layout(args, tp, ep, sp)
         dist.barrier()
     destroy()
 
 
-def run_layout(args, tp: int, ep: int) -> None:
+def run_layout(args, tp: int, ep: int, sp: bool) -> None:
     init_distributed(tp=tp, ep=ep, seed=0)
     arch = ModelArch.from_hf_config(args.ckpt)
-    actor = Actor(arch, POLICY, ActorConfig(qat_mode="guided", routing_replay="on", lr=1e-3, micro_batch_size=2),
-                  hf_path=args.ckpt)
+    actor = Actor(arch, POLICY, ActorConfig(qat_mode="guided", routing_replay="on", lr=1e-3, micro_batch_size=2,
+                                            sequence_parallel=sp), hf_path=args.ckpt)
     batch = load_samples(Path(args.samples), arch)
     actor.qat.clear_counters()
     actor.routing.clear_counters()
     before = actor.compute_logprobs(batch)
     agreement, unguided, routing = actor.qat.agreement(), dict(actor.qat.unguided), actor.routing_agreement()
     res = {"before": [t.tolist() for t in before]}
-    # Megatron's MoELayer refuses to train with TP > 1 unless sequence parallelism is on, which the
-    # CPU layer spec cannot do: TP layouts check the recompute only.
-    if tp == 1:
+    # Megatron's MoELayer refuses to train with TP > 1 unless sequence parallelism is on
+    if tp == 1 or sp:
         metrics, step_lp = actor.train_step(batch, LossConfig())
         after = actor.compute_logprobs(batch)
         res.update({"step": [t.tolist() for t in step_lp], "after": [t.tolist() for t in after],
@@ -70,7 +70,7 @@ def run_layout(args, tp: int, ep: int) -> None:
     ranks = all_gather_json({"agreement": agreement, "unguided": unguided, "routing": routing})
     if dist.get_rank() == 0:
         res["ranks"] = ranks
-        (Path(args.out) / f"tp{tp}_ep{ep}.json").write_text(json.dumps(res))
+        (Path(args.out) / f"tp{tp}_ep{ep}{'_sp' if sp else ''}.json").write_text(json.dumps(res))
 
 
 if __name__ == "__main__":
