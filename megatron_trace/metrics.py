@@ -2,7 +2,10 @@
 
 Namespaces (DESIGN.md): rollout/, train/, mismatch/, perf/, eval/. `mismatch/` always carries
 mean and max |logp_rollout - logp_train|, the K3 KL estimate, importance-ratio mean/max and
-clipped fraction, per-layer codeword disagreement and guidance bytes per token.
+clipped fraction, per-layer codeword disagreement and guidance bytes per token; MoE runs add
+`mismatch/routing_agreement` (share of the rollout's (token, layer, k) expert choices the trainer's
+own router makes too) and `mismatch/routing_replayed` (share its forward used: 1 under routing
+replay), from trainer/routing_replay.py.
 """
 from __future__ import annotations
 
