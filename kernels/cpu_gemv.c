@@ -123,22 +123,35 @@ static inline __attribute__((always_inline)) void nvfp4_tile(const float* xp, in
     const __m512i lut = _mm512_loadu_si512((const void*)TWO_E2M1_BF16);
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
     const int64_t chunks = kp / 32, full = K / 32, blocks = K / 16;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m512 s16 = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; c++) {
-        if ((c & 7) == 0) s16 = load_scales(sr + 2 * c, blocks - 2 * c);
-        const __m512i w = decode_chunk(cr, c, full, lut);
-        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));  /* columns 2i */
-        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, hi));   /* columns 2i + 1 */
-        const __m512 sv = _mm512_permutexvar_ps(scale_pick(c & 7), s16);
-        for (int r = 0; r < mr; r++) {
-            const float* xr = xp + r * kp + 32 * c;
-            __m512 t = _mm512_mul_ps(_mm512_loadu_ps(xr), we);
-            t = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), wo, t);
-            acc[r] = _mm512_fmadd_ps(t, sv, acc[r]);
-        }
+    /* two accumulators per row, alternating by chunk: one FMA chain would wait on its latency */
+    __m512 acc[4][2];
+    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    /* Groups of 8 chunks share one scale load; unrolled, so the accumulator and scale lane picks are constants. */
+#define NVFP4_F32_CHUNK(c, j, a)                                                                   \
+    do {                                                                                          \
+        const __m512i w = decode_chunk(cr, c, full, lut);                                         \
+        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); /* columns 2i */         \
+        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, hi));  /* columns 2i + 1 */     \
+        const __m512 sv = _mm512_permutexvar_ps(scale_pick(j), s16);                              \
+        for (int r = 0; r < mr; r++) {                                                            \
+            const float* xr = xp + r * kp + 32 * (c);                                             \
+            __m512 t = _mm512_mul_ps(_mm512_loadu_ps(xr), we);                                    \
+            t = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), wo, t);                                 \
+            acc[r][a] = _mm512_fmadd_ps(t, sv, acc[r][a]);                                        \
+        }                                                                                         \
+    } while (0)
+    int64_t c = 0;
+    for (; c + 8 <= chunks; c += 8) {
+        const __m512 s16 = load_scales(sr + 2 * c, blocks - 2 * c);
+        NVFP4_F32_CHUNK(c, 0, 0); NVFP4_F32_CHUNK(c + 1, 1, 1); NVFP4_F32_CHUNK(c + 2, 2, 0); NVFP4_F32_CHUNK(c + 3, 3, 1);
+        NVFP4_F32_CHUNK(c + 4, 4, 0); NVFP4_F32_CHUNK(c + 5, 5, 1); NVFP4_F32_CHUNK(c + 6, 6, 0); NVFP4_F32_CHUNK(c + 7, 7, 1);
     }
-    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+    if (c < chunks) {
+        const __m512 s16 = load_scales(sr + 2 * c, blocks - 2 * c);
+        for (int64_t j = 0; c + j < chunks; j++) NVFP4_F32_CHUNK(c + j, j, 0);
+    }
+#undef NVFP4_F32_CHUNK
+    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
 #ifdef __AVX512BF16__
@@ -156,30 +169,51 @@ static inline __attribute__((always_inline)) void nvfp4_tile_bf16(const uint16_t
                                                                   const uint8_t* sr, float* out, const int mr) {
     const __m512i lut = _mm512_loadu_si512((const void*)TWO_E2M1_BF16);
     const int64_t chunks = (K + 31) / 32, full = K / 32, blocks = K / 16;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m512 s16 = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; c++) {
-        if ((c & 7) == 0) s16 = load_scales(sr + 2 * c, blocks - 2 * c);
-        const __m512bh w = (__m512bh)decode_chunk(cr, c, full, lut);
-        const __m512 sv = _mm512_permutexvar_ps(scale_pick(c & 7), s16);
-        for (int r = 0; r < mr; r++) {
-            const __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)load_x_bf16(x + r * K, c, K), w);
-            acc[r] = _mm512_fmadd_ps(t, sv, acc[r]);
-        }
+    /* two accumulators per row, alternating by chunk: one FMA chain would wait on its latency */
+    __m512 acc[4][2];
+    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+#define NVFP4_BF16_CHUNK(c, j, a)                                                                        \
+    do {                                                                                               \
+        const __m512bh w = (__m512bh)decode_chunk(cr, c, full, lut);                                   \
+        const __m512 sv = _mm512_permutexvar_ps(scale_pick(j), s16);                                   \
+        for (int r = 0; r < mr; r++) {                                                                 \
+            const __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)load_x_bf16(x + r * K, c, K), w); \
+            acc[r][a] = _mm512_fmadd_ps(t, sv, acc[r][a]);                                             \
+        }                                                                                              \
+    } while (0)
+    int64_t c = 0;
+    for (; c + 8 <= chunks; c += 8) {
+        const __m512 s16 = load_scales(sr + 2 * c, blocks - 2 * c);
+        NVFP4_BF16_CHUNK(c, 0, 0); NVFP4_BF16_CHUNK(c + 1, 1, 1); NVFP4_BF16_CHUNK(c + 2, 2, 0); NVFP4_BF16_CHUNK(c + 3, 3, 1);
+        NVFP4_BF16_CHUNK(c + 4, 4, 0); NVFP4_BF16_CHUNK(c + 5, 5, 1); NVFP4_BF16_CHUNK(c + 6, 6, 0); NVFP4_BF16_CHUNK(c + 7, 7, 1);
     }
-    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+    if (c < chunks) {
+        const __m512 s16 = load_scales(sr + 2 * c, blocks - 2 * c);
+        for (int64_t j = 0; c + j < chunks; j++) NVFP4_BF16_CHUNK(c + j, j, 0);
+    }
+#undef NVFP4_BF16_CHUNK
+    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
 static inline __attribute__((always_inline)) void bf16_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* wr,
                                                                  float* out, const int mr) {
     const int64_t chunks = (K + 31) / 32;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t c = 0; c < chunks; c++) {
-        const __m512bh w = (__m512bh)load_x_bf16(wr, c, K);
-        for (int r = 0; r < mr; r++)
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)load_x_bf16(x + r * K, c, K), w);
+    /* two accumulators per row, alternating by chunk: one FMA chain would wait on its latency */
+    __m512 acc[4][2];
+    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 2 <= chunks; c += 2) {
+        const __m512bh w0 = (__m512bh)load_x_bf16(wr, c, K), w1 = (__m512bh)load_x_bf16(wr, c + 1, K);
+        for (int r = 0; r < mr; r++) {
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)load_x_bf16(x + r * K, c, K), w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)load_x_bf16(x + r * K, c + 1, K), w1);
+        }
     }
-    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+    if (c < chunks) {
+        const __m512bh w = (__m512bh)load_x_bf16(wr, c, K);
+        for (int r = 0; r < mr; r++) acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)load_x_bf16(x + r * K, c, K), w);
+    }
+    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 #else
 #define GEMV_DPBF16 0
@@ -189,7 +223,9 @@ static inline __attribute__((always_inline)) void bf16_tile(const float* xp, int
                                                             const uint16_t* wr, float* out, const int mr) {
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
     const int64_t chunks = kp / 32, full = K / 32;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    /* two accumulators per row, alternating by chunk: one FMA chain would wait on its latency */
+    __m512 acc[4][2];
+    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         /* the tail chunk reads only the row's remaining (K % 32) / 2 dwords */
         const __m512i w = c < full ? _mm512_loadu_si512((const void*)(wr + 32 * c))
@@ -198,11 +234,11 @@ static inline __attribute__((always_inline)) void bf16_tile(const float* xp, int
         const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
         for (int r = 0; r < mr; r++) {
             const float* xr = xp + r * kp + 32 * c;
-            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), we, acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), wo, acc[r]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), we, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), wo, acc[r][1]);
         }
     }
-    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
 #define TILE_SWITCH(call)  \
