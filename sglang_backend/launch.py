@@ -188,11 +188,6 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
     kv_flags, kv_env = sglang_kv(args, device)
     cmd += kv_flags
     env.update(kv_env)
-    if device == "cpu" and args.enable_return_routed_experts:
-        raise ValueError("--enable-return-routed-experts on SGLang's CPU engine: SGLang 0.5.23 allocates the "
-                         "routed-experts host buffer with cudaHostRegister (state_capturer/base.py BaseHostCache, "
-                         "mem_cache/pool_host/common.py), which fails without CUDA; use a GPU server, or "
-                         "--backend local, whose engine returns routed experts on CPU")
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         cmd += CPU_FLAGS + ["--mem-fraction-static", str(args.mem_fraction_static or 0.05),

@@ -2,9 +2,8 @@
 
 The embedded engine's ids are checked against HF transformers' router (the model reference) at
 every prompt and response position; the wire form against SGLang 0.5.23's own encoder and decoder
-(`DetokenizerManager._b64_encode_per_request`, `extract_routed_experts_from_meta_info`). A real
-SGLang server cannot be the reference here: its CPU engine refuses --enable-return-routed-experts
-(the routed-experts host buffer is cudaHostRegister'ed), which the launcher test pins.
+(`DetokenizerManager._b64_encode_per_request`, `extract_routed_experts_from_meta_info`); a real
+SGLang server's ids: tests/test_sglang_real_routing.py.
 """
 from __future__ import annotations
 

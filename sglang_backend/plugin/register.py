@@ -22,6 +22,8 @@ SGLang lacks the hook:
    (SchedulerBatchResultProcessor._maybe_collect_routed_experts) publishes its record.
 6. Weight updates: AROUND hooks check a whole update against the checkpoint's first load before
    any tensor is loaded (weight_check.py).
+7. Routed experts on the CPU engine: host buffers unpinned where CUDA is absent
+   (routed_experts_cpu.py), so --enable-return-routed-experts starts there.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import multiprocessing
 import os
 import sys
 
-from . import capture, kv_read, kv_sides, slot_capture, weight_check
+from . import capture, kv_read, kv_sides, routed_experts_cpu, slot_capture, weight_check
 from .kv_capture import sglang_nvfp4_base
 from .online_quant import TraceMXFP4OnlineConfig, TraceNVFP4OnlineConfig
 from .quant_method import TraceFP4Config, set_active
@@ -204,7 +206,8 @@ def register() -> dict[str, bool]:
     done = {}
     for name, step in (("quantization", register_quantization), ("cli_choices", register_cli_choices),
                        ("kv_cache", register_kv_method), ("http_route", register_http_route),
-                       ("capture_hook", register_capture_hook), ("weight_check", register_weight_check)):
+                       ("capture_hook", register_capture_hook), ("weight_check", register_weight_check),
+                       ("cpu_routed_experts", routed_experts_cpu.allow_unpinned_cpu_host_buffers)):
         try:
             done[name] = bool(step())
         except Exception:  # noqa: BLE001 - a plugin must not take the server down with it
