@@ -72,6 +72,10 @@ class RoutingReplay:
 
         if on and not self.routers:
             raise ValueError("routing replay needs an MoE model: this one has no routers")
+        if on and any(r.config.recompute_granularity is not None for r in self.routers.values()):
+            # a recomputed forward during backward would re-route with whatever targets are set then
+            raise ValueError("routing replay with activation recomputation (recompute_granularity) is not "
+                             "supported: it needs RouterReplay's REPLAY_BACKWARD per micro-batch")
         self.replay = on
         for router in self.routers.values():
             if on and router.router_replay is None:
