@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
 
@@ -142,3 +144,48 @@ def test_probe_replay_buys_expert_agreement_and_logprob(moe_ckpt):
     assert experts(NO_REPLAY) < experts("guided-full")
     assert m["guided-full"]["mean_abs_dlogp"] < m[NO_REPLAY]["mean_abs_dlogp"]
     assert m["guided-full"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 9), copies=st.integers(1, 3), num_local=st.integers(1, 3), ep_rank=st.integers(0, 1),
+       seed=st.integers(0, 2**16))
+def test_expert_rows_pick_the_slot_the_rollout_gave_this_expert(n, copies, num_local, ep_rank, seed):
+    """expert_rows against a brute-force walk over the allgather dispatcher's state: `copies` TP x EP
+    copies of n tokens, this rank's experts [ep_rank * num_local, ...), the rollout's top-k ids and
+    the trainer's own routing map drawn independently."""
+    from types import SimpleNamespace
+
+    from megatron_trace.fp4 import RolloutRounding
+    from megatron_trace.trainer.routing_replay import expert_rows
+
+    g = torch.Generator().manual_seed(seed)
+    k, experts = 2, 2 * num_local
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])  # rollout [n, k]
+    own = torch.zeros(n, experts, dtype=torch.bool)
+    for t in range(n):
+        own[t, torch.randperm(experts, generator=g)[:k]] = True
+    first = ep_rank * num_local
+    local_map = own[:, first : first + num_local].repeat(copies, 1)  # gathered [copies * n, num_local]
+    probs = torch.rand(copies * n, num_local, generator=g) + 0.1
+    local_probs = probs.T.contiguous().masked_select(local_map.T.contiguous())
+    moe = SimpleNamespace(local_expert_indices=list(range(first, first + num_local)),
+                          token_dispatcher=SimpleNamespace(local_map=local_map, local_probs=local_probs))
+    state = SimpleNamespace(routing_replay=SimpleNamespace(
+        rollout_ids=lambda layer: (ids, torch.ones(n, dtype=torch.bool))))
+    tag = torch.arange(n * k, dtype=torch.float32).view(n, k)  # names (token, slot)
+    rr = RolloutRounding(tag.to(torch.uint8)[..., None], tag + 1.0, codes=tag.to(torch.uint8)[..., None])
+    mask = torch.rand(n, generator=g) < 0.8
+    for e in range(num_local):
+        sel, keep = expert_rows(state, moe, 0, e, per_slot=True)(rr, mask)
+        rows = local_map[:, e].nonzero().squeeze(-1)
+        assert len(keep) == len(rows)
+        for i, j in enumerate(rows.tolist()):
+            t = j % n
+            hit = (ids[t] == first + e).nonzero().squeeze(-1).tolist()
+            assert bool(keep[i]) == (bool(mask[t]) and len(hit) == 1)
+            if keep[i]:
+                assert int(sel.codes[i, 0]) == int(tag[t, hit[0]])
+                assert float(sel.global_scale[i]) == pytest.approx(float(tag[t, hit[0]] + 1) / float(probs[j, e]))
+        sel, keep = expert_rows(state, moe, 0, e, per_slot=False)(RolloutRounding(
+            tag[:, 0].to(torch.uint8)[:, None], tag[:, 0], codes=tag[:, 0].to(torch.uint8)[:, None]), mask)
+        assert torch.equal(sel.codes[:, 0], tag[rows % n, 0].to(torch.uint8)) and torch.equal(keep, mask[rows % n])
