@@ -1,6 +1,7 @@
 """A failing step or guidance record answers every request with an abort; the engine keeps serving."""
 import pytest
 
+from megatron_trace.guidance.record import GuidanceRecord
 from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.local import Engine
 from sglang_backend.local import engine as engine_mod
@@ -68,3 +69,23 @@ def test_failing_guidance_record_aborts_only_that_request(eng, monkeypatch):
     ok = eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_guidance=True)
     assert ok["meta_info"]["finish_reason"]["type"] == "length" and ok["meta_info"]["guidance_handle"]
     eng.fetch_guidance(ok["meta_info"]["guidance_handle"])
+
+
+def test_guidance_without_any_nvfp4_site_is_refused_by_name(tmp_path):
+    """W4A16 MXFP4 weights + BF16 KV: no site records NVFP4 codes, so a guidance request is an error
+    naming the policy (not a record with nothing in it); a KV-only NVFP4 engine records K/V guidance."""
+    ckpt = make_tiny_checkpoint(tmp_path, "qwen2", seed=2)
+    e = Engine(str(ckpt), quantization="w4a16_mxfp4", kv_cache_dtype="bf16")
+    try:
+        with pytest.raises(ValueError, match="NVFP4 sites.*format mxfp4, activations bf16, K bf16, V bf16"):
+            e.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY, return_guidance=True)
+    finally:
+        e.shutdown()
+    e = Engine(str(ckpt), quantization=None, kv_cache_dtype="nvfp4")
+    try:
+        out = e.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY, return_guidance=True, rid="kv")
+        record = GuidanceRecord.from_bytes(e.fetch_guidance(out[0]["meta_info"].get("guidance_handle", "kv")))
+        assert {name.rsplit(".", 1)[1] for name in record.sites} == {"k_cache", "v_cache"}
+        assert len(record.sites) == 2 * len(e.guided) and record.num_positions == 3 + 4 - 1  # K and V per guided layer
+    finally:
+        e.shutdown()
