@@ -147,7 +147,7 @@ def test_guidance_record_of_wrong_length_is_a_clear_error(ckpt):
     finally:
         engine.shutdown()
     resp = out["output_ids"]
-    fake_actor = SimpleNamespace(cfg=SimpleNamespace(micro_batch_size=2))
+    fake_actor = SimpleNamespace(cfg=SimpleNamespace(micro_batch_size=2, sequence_parallel=False))
     good = Sample("s0", [3, 4, 5], resp, [-0.1] * len(resp), 1.0, rec)
     Actor._micro_batches(fake_actor, [good])  # the matching record passes
     for prompt, response in [([3, 4, 5, 6, 7], resp), ([3, 4, 5], resp[:-2])]:  # record for another length
