@@ -25,7 +25,7 @@ CKPT = {"model.embed_tokens.weight": torch.zeros(8, 4), "model.layers.0.mlp.down
 def test_first_load_is_recorded_once():
     model = _first_load(CKPT)
     spec = getattr(model, weight_check.SPEC_ATTR)
-    assert spec["model.layers.0.mlp.down_proj.weight"] == ((4, 8), torch.uint8) and len(spec) == 4
+    assert spec["model.layers.0.mlp.down_proj.weight"] == [((4, 8), torch.uint8)] and len(spec) == 4
     weight_check.record_first_load(lambda *a: None, model, iter([("other", torch.zeros(1))]), "cpu")
     assert getattr(model, weight_check.SPEC_ATTR) is spec  # a disk update later does not replace it
 

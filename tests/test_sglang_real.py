@@ -224,3 +224,32 @@ def test_kv_quantize_and_store_takes_sglang_0523_scale_layouts(linear):
         assert torch.equal(native[1][int(page[t])][:, row, pos], qv.scale[t]), t  # [heads, D/16]
     with pytest.raises(ValueError, match="given together"):
         method.quantize_and_store(bufs["k_buffer"][0], bufs["v_buffer"][0], bufs["k_scale_buffer"][0], None, loc, k, v)
+
+
+def test_trainer_update_in_modelopt_layout_into_the_online_server(clients, sglang_url, embedded_url, tmp_path):
+    """Last in the module (it changes the served weights): the trainer's weight sync sends ModelOpt
+    tensors (packed codes, E4M3 scales, weight_scale_2) quantized on its side; the online trace_nvfp4
+    server takes them over the distributed transport and then serves those bits: its greedy tokens
+    and logprobs equal the embedded server's after the same push."""
+    from megatron_trace.transfer.export import load_hf_dir
+    from megatron_trace.transfer.pipeline import push_hf_state_dict
+    from megatron_trace.transfer.transports import DistributedTransport, HttpTransport
+    from sglang_backend.local.engine import policy_for
+    from tests.ports import free_port
+
+    sg, emb = clients
+    arch, sd, _ = load_hf_dir(make_tiny_checkpoint(tmp_path / "next", "qwen2", seed=4))
+    policy = policy_for("nvfp4", "auto", tmp_path / "next")
+    before = sg.generate([GenerateRequest(PROMPTS[0], greedy())])[0]
+    dist = DistributedTransport([sglang_url], master_port=free_port(), timeout_s=120)
+    try:
+        push_hf_state_dict(sd, arch, policy, dist, version=7)
+    finally:
+        dist.close()
+    push_hf_state_dict(sd, arch, policy, HttpTransport(emb), version=7)
+    reqs = [GenerateRequest(p, greedy(), rid=f"u{i}") for i, p in enumerate(PROMPTS)]
+    a, b = sg.generate(reqs), emb.generate(reqs)
+    assert {r.weight_version for r in a + b} == {"7"}
+    assert [r.output_ids for r in a] == [r.output_ids for r in b] and a[0].output_ids != before.output_ids
+    worst = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.output_logprobs, rb.output_logprobs))
+    assert worst <= 1e-5, worst

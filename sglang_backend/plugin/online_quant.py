@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megatron_trace.fp4 import nvfp4
+from megatron_trace.fp4.modelopt import encode_scale_from_decode
 from megatron_trace.models.quant_policy import QuantPolicy
 
 from .quant_method import (
@@ -80,21 +81,41 @@ class _PolicyMixin:
 
 
 class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
-    """BF16/FP32 `weight` loaded as is; after load, NVFP4 with one global amax over the fused shards."""
+    """BF16/FP32 `weight` loaded as is; after load, NVFP4 with one global amax over the fused shards.
+
+    The trainer's weight updates arrive in the ModelOpt layout (the rollout tensors it quantized with
+    the same fp4 code as its QAT): packed uint8 `weight` rows go to `trace_packed_weight`, the scales
+    to `weight_scale` / `weight_scale_2` / `input_scale` (0 = per-token), and the layer then serves
+    those bits (as an NVFP4 export would) until a BF16 weight is loaded again."""
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
-        self._common(layer, input_size_per_partition, output_partition_sizes, input_size, params_dtype)
+        k, parts = input_size_per_partition, len(output_partition_sizes)
+        self._common(layer, k, output_partition_sizes, input_size, params_dtype)
         rows = sum(output_partition_sizes)
-        self._param(layer, "weight", torch.zeros(rows, input_size_per_partition, dtype=params_dtype))
+        self._param(layer, "weight", torch.zeros(rows, k, dtype=params_dtype))
+        self._param(layer, "weight_scale", torch.zeros(rows, k // 16, dtype=torch.float8_e4m3fn))
+        self._param(layer, "weight_scale_2", torch.zeros(parts, dtype=torch.float32))
+        self._param(layer, "input_scale", torch.zeros(parts, dtype=torch.float32))
+        packed = nn.Parameter(torch.zeros(rows, k // 2, dtype=torch.uint8), requires_grad=False)
+        packed.trace_name = "weight"  # the rows _load_rows writes; not a checkpoint name of its own
+        layer.trace_packed_weight = packed.data
+        layer._trace_packed_param, layer._trace_packed = packed, False
 
     def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.trace_name != "weight":  # the ModelOpt scales of an update
+            return TraceFP4LinearMethod.load_shard(self, layer, param, loaded, shard_id)
         if loaded.dtype == torch.uint8:
-            raise TypeError(f"{layer.trace_site}: the checkpoint holds packed FP4 weights; trace_nvfp4 quantizes "
-                            "BF16/FP32 checkpoints (an NVFP4 export is served without --quantization)")
+            self._load_rows(layer, layer._trace_packed_param, loaded, shard_id)
+            layer._trace_packed = True
+            return None
         self._load_rows(layer, param, loaded.to(param.dtype), shard_id)
+        layer._trace_packed = False
+        return None
 
     def refresh(self, layer: nn.Module) -> None:
+        if getattr(layer, "_trace_packed", False):
+            return self._refresh_packed(layer)
         if _tp(layer)[1] > 1:
             raise NotImplementedError(f"{layer.trace_site}: online NVFP4 at TP > 1 needs the fused group's amax "
                                       "over all ranks; export an NVFP4 checkpoint for TP > 1")
@@ -107,8 +128,41 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
         _set_derived(layer, "trace_weight_dequant", nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype))
         layer._trace_dirty = False
 
+    def _refresh_packed(self, layer: nn.Module) -> None:
+        """Serve an update's ModelOpt tensors: the export path's rules (one S_enc per fused shard from
+        weight_scale_2, input_scale 0 = per-token activations)."""
+        s2, si = layer.weight_scale_2.data, layer.input_scale.data
+        if not bool((s2 > 0).all()):
+            raise ValueError(f"{layer.trace_site}: a packed FP4 weight update without weight_scale_2 for partitions "
+                             f"{(s2 <= 0).nonzero().flatten().tolist()}")
+        gs = torch.cat([encode_scale_from_decode(s2[i].cpu()).expand(w) for i, w in enumerate(layer.logical_widths)])
+        _set_derived(layer, "trace_weight_codes", layer.trace_packed_weight.clone())
+        _set_derived(layer, "trace_weight_scales", layer.weight_scale.data.view(torch.uint8).clone())
+        _set_derived(layer, "trace_weight_global_scale", gs.to(s2.device))
+        static = bool((si > 0).all())
+        _set_derived(layer, "trace_input_global_scale",
+                     encode_scale_from_decode(si.max().cpu()).to(si.device) if static else None)
+        _set_derived(layer, "trace_weight_dequant", nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype))
+        layer._trace_dirty = False
+
     def quantized_weight(self, layer) -> nvfp4.NVFP4Tensor:
         return nvfp4.NVFP4Tensor(layer.trace_weight_codes, layer.trace_weight_scales, layer.trace_weight_global_scale)
+
+    @staticmethod
+    def update_alternates(spec: dict, policy: QuantPolicy, num_layers: int) -> dict:
+        """For weight_check: the ModelOpt tensors an update may carry for each FP4 linear's `weight`."""
+        out = {}
+        for name, shapes in spec.items():
+            module, _, last = name.rpartition(".")
+            (shape, dtype) = shapes[0]
+            if last != "weight" or len(shape) != 2 or shape[1] % 16 or not policy.linear_is_fp4(module, num_layers):
+                continue
+            rows, k = shape
+            out[name] = [((rows, k // 2), torch.uint8)]
+            out[module + ".weight_scale"] = [((rows, k // 16), torch.float8_e4m3fn)]
+            for s in ("weight_scale_2", "input_scale"):
+                out[f"{module}.{s}"] = [((), torch.float32), ((1,), torch.float32)]
+        return out
 
     @staticmethod
     def _native(layer) -> bool:
@@ -128,6 +182,11 @@ class TraceNVFP4OnlineConfig(_PolicyMixin, TraceFP4Config):
 
     def linear_method(self, site: str | None = None):
         return TraceNVFP4OnlineLinearMethod(self, site=site)
+
+    def weight_update_alternates(self, spec: dict) -> dict:
+        """name -> extra (shape, dtype) a weight update may bring (weight_check.py asks the model's config)."""
+        policy, num_layers = self._policy()
+        return TraceNVFP4OnlineLinearMethod.update_alternates(spec, policy, num_layers or 1 << 30)
 
 
 class TraceMXFP4OnlineConfig(_PolicyMixin, TraceMXFP4Config):

@@ -5,7 +5,9 @@ model_runner_components/weight_updater.py): an unknown name is skipped without a
 shape fails inside a weight loader half way through the bucket (on the tensor path the exception
 kills the scheduler; on the distributed path the model is left partially updated). The plugin
 records, during the server's own first load (`DefaultModelLoader.load_weights_only`), the name,
-shape and dtype of every checkpoint tensor the model took; AROUND hooks on the weight updater's
+shape and dtype of every checkpoint tensor the model took (plus the forms its quant config says an
+update may take instead: `weight_update_alternates`, the online NVFP4 method's ModelOpt tensors);
+AROUND hooks on the weight updater's
 three entry points compare the whole update with that record first and answer SGLang's own
 `(False, message)` when anything differs, so the HTTP route returns 400 `{"success": false,
 "message": ...}` naming the tensors, nothing is loaded and the served version stays the previous
@@ -45,14 +47,18 @@ def record_first_load(original, model, weights, *args, **kwargs):
     """AROUND DefaultModelLoader.load_weights_only: remember what the model's first load took."""
     if getattr(model, SPEC_ATTR, None) is not None:
         return original(model, weights, *args, **kwargs)
-    spec: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    spec: dict[str, list[tuple[tuple[int, ...], torch.dtype]]] = {}
 
     def recording(items):
         for name, t in items:
-            spec[name] = (tuple(t.shape), t.dtype)
+            spec[name] = [(tuple(t.shape), t.dtype)]
             yield name, t
 
     out = original(model, recording(weights), *args, **kwargs)
+    # a quant config may take other forms of some tensors (online NVFP4: the trainer's ModelOpt tensors)
+    alternates = getattr(getattr(model, "quant_config", None), "weight_update_alternates", None)
+    for name, forms in (alternates(spec) if callable(alternates) else {}).items():
+        spec.setdefault(name, []).extend(forms)
     setattr(model, SPEC_ATTR, spec)
     log.info("trace_fp4: %d checkpoint tensors recorded for checking weight updates", len(spec))
     return out
@@ -70,17 +76,20 @@ def problems(spec: dict | None, items) -> list[str]:
     out, seen = [], set()
     for name, shape, dtype in items:
         dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."), dtype)
-        want = spec.get(name)
+        forms = spec.get(name)
+        fits = [d for s, d in forms or () if s == tuple(shape)]
+        allowed = frozenset().union(*map(_allowed, fits))
         if name in seen:
             out.append(f"{name!r}: given twice")
-        elif want is None:
+        elif forms is None:
             out.append(f"{name!r}: no such tensor in the served checkpoint ({len(spec)} tensors, e.g. "
                        f"{next(iter(spec), '-')!r})")
-        elif tuple(shape) != want[0]:
-            out.append(f"{name!r}: shape {list(shape)}, the served model takes {list(want[0])}")
-        elif dtype not in _allowed(want[1]):
-            allowed = ", ".join(sorted(str(d).removeprefix("torch.") for d in _allowed(want[1])))
-            out.append(f"{name!r}: dtype {str(dtype).removeprefix('torch.')}, the served model takes {allowed}")
+        elif not fits:
+            out.append(f"{name!r}: shape {list(shape)}, the served model takes "
+                       + " or ".join(str(list(s)) for s, _ in forms))
+        elif dtype not in allowed:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in allowed))
+            out.append(f"{name!r}: dtype {str(dtype).removeprefix('torch.')}, the served model takes {names}")
         seen.add(name)
     return out
 
