@@ -69,7 +69,7 @@ if [[ -z ${SLURM_JOB_ID:-} && $DRY_RUN == 0 ]]; then
 fi
 
 # -- the run config, resolved by the project's own loader ----------------------------------------
-resolved=$(DRY_RUN=$DRY_RUN CPU_MODE=${CPU_MODE:-0} "$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
+resolved=$(CPU_MODE=${CPU_MODE:-0} "$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
 import os, shlex, sys
 from megatron_trace.config import Config
 cfg = Config.load(sys.argv[1], sys.argv[2:])
@@ -78,20 +78,11 @@ quant = "" if "bf16" in (q.format, q.weights) else (q.format if q.activations ==
 pol = q.policy().for_family(cfg.model.family)  # kv=auto -> the family's K and V formats
 kv = pol.k_format if pol.k_format == pol.v_format else f"K:{pol.k_format}+V:{pol.v_format}"
 per_side = pol.k_format != pol.v_format or "fp8" in (pol.k_format, pol.v_format)
-sglang_tp = int(os.environ.get("SGLANG_TP") or cfg.cluster.sglang_tp)
 if per_side and cfg.rollout.backend == "http" and os.environ.get("CPU_MODE") != "1":
     # the plugin's per-side KV method (sglang_backend/plugin/kv_sides.py) is read through torch_native
     print(f"note: quant.kv_k={pol.k_format} / quant.kv_v={pol.v_format}: SGLang servers read K and V through the "
           "plugin's per-side KV method with --attention-backend torch_native (slower than the GPU backends)",
           file=sys.stderr)
-    if "fp8" in (pol.k_format, pol.v_format) and sglang_tp > 1:
-        msg = (f"quant.kv_k={pol.k_format} / quant.kv_v={pol.v_format} at SGLang TP={sglang_tp}: FP8 K/V takes one "
-               "scale per token over all its KV heads, which TP splits, and the plugin's per-side KV method does "
-               "not MAX-reduce that amax over the ranks yet (it refuses FP8 at TP > 1); set SGLANG_TP=1 / "
-               "cluster.sglang_tp=1, quant.kv=nvfp4 or bf16, or ROLLOUT_BACKEND=local")
-        if os.environ.get("DRY_RUN") != "1":
-            sys.exit(msg)
-        print(f"warning: a real run stops here: {msg}", file=sys.stderr)
 if not isinstance(g.layers, (int, str)):
     sys.exit(f"guidance.layers={g.layers!r}: servers take last_half|all|none|N")
 vals = {"TP": t.tp, "PP": t.pp, "CFG_SGLANG_TP": cfg.cluster.sglang_tp, "CFG_GPUS": cfg.cluster.gpus_per_node,

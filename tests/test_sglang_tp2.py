@@ -51,3 +51,11 @@ def test_row_parallel_scale_is_the_full_row(ranks):
     # rank 1's half of every token is 10x smaller: its slice-local scale would differ on all 6 tokens
     assert ranks[1]["o"]["tokens_local_scale_differs"] == 6 and ranks[1]["down"]["tokens_local_scale_differs"] == 6
     assert ranks[1]["o"]["global_scales_equal"] and ranks[1]["down"]["global_scales_equal"]
+
+
+def test_fp8_kv_scale_spans_the_heads_of_every_rank(ranks):
+    """FP8 K in the plugin's per-side KV method at TP=2: one scale per token over all KV heads, MAX-reduced
+    over SGLang's TP group, so every rank stores TP=1's bytes and scales for its head."""
+    for rank, rep in enumerate(ranks):
+        assert rep["kv_fp8"]["bytes_equal"] and rep["kv_fp8"]["scales_equal"], (rank, rep["kv_fp8"])
+    assert ranks[1]["kv_fp8"]["tokens_local_scale_differs"] == 6  # a rank-local scale would differ on every token

@@ -39,12 +39,16 @@ def quantize_kv(x: torch.Tensor, global_scale_dec) -> nvfp4.NVFP4Tensor:
     return nvfp4_quantize(x, global_scale=s_enc)
 
 
-def quantize_kv_fp8(x: torch.Tensor) -> fp8.FP8Tensor:
+def quantize_kv_fp8(x: torch.Tensor, all_max=None) -> fp8.FP8Tensor:
     """FP8 K (quant.kv_k=fp8): x [T, heads, head_dim] -> E4M3 bytes [T, H, D] and one fp32 S_dec per
     token over its heads [T], the bits of the engine's pages and the trainer's QAT (inside SGLang the
     per-side method, kv_sides.py, quantizes FP8 sides the same way); with TP the heads of a token span
-    ranks, and the row amax must be MAX-reduced over them before calling fp8.quantize(x, 2, amax)."""
-    return fp8.quantize(x, dims=2)
+    ranks, and the row amax must be MAX-reduced over them: `all_max` (a MAX all-reduce over the ranks
+    that split the heads) does that."""
+    if all_max is None:
+        return fp8.quantize(x, dims=2)
+    amax = nvfp4.nan_free_amax(x.float().reshape(x.shape[0], -1), dim=-1)  # fp8.quantize's row amax
+    return fp8.quantize(x, dims=2, amax=all_max(amax))
 
 
 class KVCaptureBuffer:

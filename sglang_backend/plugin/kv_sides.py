@@ -15,6 +15,8 @@ with the embedded engine's bits (`sglang_backend/local/kv_cache.py`):
     mxfp4  E2M1 codes + E8M0 per 16, ceil rule         data [slots, heads, D/2], scale [.., D/16]
            (SGLang's fp4_mx_block16 layout)
 
+At SGLang TP > 1 (KV heads split or replicated over the ranks) the FP8 per-token amax is
+MAX-reduced over the TP group, so every rank stores TP=1's bytes for its heads.
 Every buffer is uint8, so the pool's slot moves (data pointers and byte strides) stay valid.
 Reads dequantize the whole layer, as SGLang's own PLAIN FP4 recipe does, so the method serves the
 PLAIN backends of kv_read (torch_native) only and refuses others by name. NVFP4 sides are
@@ -63,13 +65,14 @@ def side_shapes(fmt: str, heads: int, head_dim: int, itemsize: int) -> tuple[tup
     return (heads, head_dim // 2), (heads, head_dim // 16)
 
 
-def quantize_side(fmt: str, x: torch.Tensor, s_dec, dtype: torch.dtype):
-    """x [T, heads, D] -> (data, scale) uint8 rows as stored, and the NVFP4Tensor for guidance (else None)."""
+def quantize_side(fmt: str, x: torch.Tensor, s_dec, dtype: torch.dtype, all_max=None):
+    """x [T, heads, D] -> (data, scale) uint8 rows as stored, and the NVFP4Tensor for guidance (else None).
+    `all_max`: MAX over the TP ranks that split the KV heads (FP8's per-token amax spans all heads)."""
     if fmt == "bf16":
         return x.to(dtype).contiguous().view(torch.uint8).reshape(x.shape[0], x.shape[1], -1), \
             torch.zeros(x.shape[0], 1, dtype=torch.uint8, device=x.device), None
     if fmt == "fp8":
-        q = quantize_kv_fp8(x)
+        q = quantize_kv_fp8(x, all_max)
         return q.data, q.scale.reshape(-1, 1).view(torch.uint8), None
     if fmt == "mxfp4":
         q = mxfp4.quantize(x, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
@@ -107,6 +110,25 @@ def _tp_size() -> int:
         return 1
 
 
+def heads_all_max():
+    """A MAX all-reduce over SGLang's TP group, which splits (or replicates) the KV heads of a layer
+    (models/qwen2.py divides them by get_parallel().tp_size); None at TP=1. Replicated heads are
+    duplicates, so the MAX is still the amax over all of a token's heads."""
+    if _tp_size() <= 1:
+        return None
+    from sglang.srt.runtime_context import get_parallel
+
+    group = get_parallel().tp_group
+
+    def all_max(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous().clone()
+        pg = group.cpu_group if t.device.type == "cpu" else group.device_group
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=pg)
+        return t
+
+    return all_max
+
+
 def per_side_method_class(sides: tuple[str, str]):
     """The plugin's NVFP4 method (kv_read) with K and V stored as `sides` (None without SGLang)."""
     base = kv_read.plain_read_method_class()
@@ -141,10 +163,7 @@ def per_side_method_class(sides: tuple[str, str]):
             return getattr(torch, os.environ.get(kv_read.READ_DTYPE_ENV, "float32"))
 
         def create_buffers(self, size, head_num, head_dim, layer_num, device) -> dict:
-            if "fp8" in self.side_formats and _tp_size() > 1:
-                raise ValueError("FP8 K/V takes one scale per token over all its KV heads; at SGLang TP > 1 the heads "
-                                 "are split across ranks and the plugin does not MAX-reduce the amax over them yet: "
-                                 "serve FP8 K/V at --tp-size 1, or use NVFP4/BF16 sides")
+            self._all_max = heads_all_max() if "fp8" in self.side_formats else None
             itemsize = torch.tensor([], dtype=self._read_dtype()).element_size()
             self._heads, self._head_dim = head_num, head_dim
             bufs = {}
@@ -171,7 +190,8 @@ def per_side_method_class(sides: tuple[str, str]):
                                                     k_scale),
                                                    ("v_cache", self.side_formats[1], v_buffer, v_scale_buffer, cache_v,
                                                     v_scale)):
-                data, scale, q = quantize_side(fmt, x.reshape(shape), s_dec, self._read_dtype())
+                data, scale, q = quantize_side(fmt, x.reshape(shape), s_dec, self._read_dtype(),
+                                               getattr(self, "_all_max", None))
                 buf.index_copy_(0, loc, data.reshape(loc.shape[0], *buf.shape[1:]))
                 sbuf.index_copy_(0, loc, scale.reshape(loc.shape[0], *sbuf.shape[1:]))
                 cap = capture.get_capture_buffer()

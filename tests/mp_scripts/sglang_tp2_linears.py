@@ -128,8 +128,34 @@ def main(out: Path) -> None:
         r["scales_equal"] = bool(torch.equal(q2.scale, q1.scale))
         r["global_scales_equal"] = bool(torch.equal(q2.global_scale, q1.global_scale))
         report[kind] = r
+    report["kv_fp8"] = kv_fp8_check(rank)
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     torch.distributed.barrier()
+
+
+def kv_fp8_check(rank: int) -> dict:
+    """The plugin's per-side KV method (FP8 K + NVFP4 V) with this rank's one of 2 KV heads: FP8's
+    per-token scale must be the one over BOTH heads (all-reduce MAX over SGLang's TP group), so its
+    bytes and scales equal TP=1's slice; rank 1's head is 100x smaller, so a local scale would differ."""
+    from megatron_trace.fp4 import fp8
+    from sglang_backend.plugin.kv_sides import per_side_method_class
+
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(T, 2, 32, generator=g), torch.randn(T, 2, 32, generator=g)
+    k[:, 1] /= 100
+    m = per_side_method_class(("fp8", "nvfp4"))(num_layers=1, device="cpu", page_size=16)
+    m.configure_attention_backends("torch_native", "torch_native")
+    bufs = m.create_buffers(16, 1, 32, 1, "cpu")
+    loc = torch.arange(T)
+    m.quantize_and_store(bufs["k_buffer"][0], bufs["v_buffer"][0], bufs["k_scale_buffer"][0],
+                         bufs["v_scale_buffer"][0], loc, k[:, rank:rank + 1], v[:, rank:rank + 1],
+                         m.k_scales_gpu[0:1], m.v_scales_gpu[0:1])
+    ref = fp8.quantize(k, dims=2)  # TP=1: both heads
+    got_scale = bufs["k_scale_buffer"][0][loc].contiguous().view(torch.float32).reshape(-1)
+    local = fp8.quantize(k[:, rank:rank + 1], dims=2)
+    return {"bytes_equal": bool(torch.equal(bufs["k_buffer"][0][loc], ref.data[:, rank:rank + 1])),
+            "scales_equal": bool(torch.equal(got_scale, ref.scale)),
+            "tokens_local_scale_differs": int((local.scale != ref.scale).sum())}
 
 
 if __name__ == "__main__":
