@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 
 import pytest
 from safetensors.torch import load_file
@@ -17,6 +16,7 @@ from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket  # 
 from sglang_backend.client import RolloutClient, RolloutError  # noqa: E402
 from sglang_backend.local import Engine  # noqa: E402
 from sglang_backend.local.server import serve  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 KEY = "client-key"
 
@@ -116,7 +116,7 @@ def test_4xx_raises_without_retry(client, monkeypatch):
         RolloutClient([client.urls[0]], api_key="nope").model_info()
 
 
-def test_control_endpoints(client):
+def test_control_endpoints(client, servers):
     assert client.health() is True
     info = client.model_info()
     assert info["architectures"] == ["qwen2"] and info["weight_version"] == "0"
@@ -125,8 +125,9 @@ def test_control_endpoints(client):
     box = {}
     t = threading.Thread(target=lambda: box.update(r=client.generate([GenerateRequest([5], greedy(max_new_tokens=2))])))
     t.start()
-    time.sleep(0.3)
-    assert t.is_alive()
+    # held, not merely slow: the request reached a server and waits there while paused
+    wait_until(lambda: any(s.engine.scheduler.waiting for s in servers), "the paused server to queue the request")
+    assert t.is_alive() and "r" not in box
     client.resume()
     t.join(30)
     assert len(box["r"][0].output_ids) == 2

@@ -5,7 +5,6 @@ import base64
 import json
 import os
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -22,6 +21,7 @@ from sglang_backend.local import Engine  # noqa: E402
 from sglang_backend.local.server import serve  # noqa: E402
 from sglang_backend.weight_group import WeightGroup, WeightSender  # noqa: E402
 from tests.ports import free_port
+from tests.waiting import wait_until
 
 KEY = "test-key"
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
@@ -181,8 +181,8 @@ def test_pause_blocks_generate_until_continue(srv):
     t = threading.Thread(target=lambda: box.update(r=jhttp(srv.url, "/generate", {"input_ids": [3], "sampling_params": GREEDY})))
     try:
         t.start()
-        time.sleep(0.5)
-        assert t.is_alive() and jhttp(srv.url, "/model_info")[1]["paused"] is True
+        wait_until(lambda: srv.engine.scheduler.waiting, "the paused server to queue the request")
+        assert t.is_alive() and "r" not in box and jhttp(srv.url, "/model_info")[1]["paused"] is True
         assert http(srv.url, "/health_generate", key=None)[0] == 200
     finally:
         assert jhttp(srv.url, "/continue_generation", {})[0] == 200
