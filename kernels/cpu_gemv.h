@@ -22,9 +22,14 @@ int64_t gemv_padded_k(int64_t K);
 /* x [M, K] (fp32, or bf16 when x_bf16) -> xp [M, gemv_padded_k(K)] in the kernels' order. */
 void gemv_prepare_x(const void* x, int x_bf16, int64_t M, int64_t K, float* xp);
 
+/* bf16 x [M, K] -> xb [M, K] in the order the NVFP4 kernel's bf16 path reads (gemv_nvfp4_rows with
+ * x_bf16 takes xb, not x; the BF16-weight kernel reads x as is). */
+void gemv_prepare_x_bf16(const uint16_t* x, int64_t M, int64_t K, uint16_t* xb);
+
 /* Output rows n0..n1 of y (fp32, or bf16 rounded to nearest even when y_bf16), row stride N.
- * x: the raw bf16 rows [M, K] when x_bf16 (only where gemv_reads_bf16()), else fp32 rows laid out
- * by gemv_prepare_x. bias: fp32 [N] or NULL. K: a multiple of 16 (NVFP4) or of 2 (BF16). */
+ * x: bf16 rows [M, K] when x_bf16 (only where gemv_reads_bf16(); NVFP4: laid out by
+ * gemv_prepare_x_bf16, BF16: as they are), else fp32 rows laid out by gemv_prepare_x.
+ * bias: fp32 [N] or NULL. K: a multiple of 16 (NVFP4) or of 2 (BF16). */
 void gemv_nvfp4_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
                      const float* gdec, const float* bias, void* y, int y_bf16, int64_t N, int64_t n0, int64_t n1);
 void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint16_t* w, const float* bias, void* y,

@@ -37,9 +37,18 @@ extern "C" {
 int gemv_nvfp4(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
                const float* gdec, const float* bias, void* y, int y_bf16, int64_t N) {
     std::vector<float> xp;
+    std::vector<uint16_t> xb;
     const int direct = x_bf16 && gemv_reads_bf16();
     if (!direct && prepare(x, x_bf16, M, K, xp)) return 1;
-    const void* x_in = direct ? x : static_cast<const void*>(xp.data());
+    if (direct) {
+        try {
+            xb.resize(static_cast<size_t>(M * K));
+        } catch (...) {
+            return 1;
+        }
+        gemv_prepare_x_bf16(static_cast<const uint16_t*>(x), M, K, xb.data());
+    }
+    const void* x_in = direct ? static_cast<const void*>(xb.data()) : static_cast<const void*>(xp.data());
     at::parallel_for(0, N, grain(K, N), [&](int64_t n0, int64_t n1) {
         gemv_nvfp4_rows(x_in, direct, M, K, codes, scales, gdec, bias, y, y_bf16, N, n0, n1);
     });
