@@ -348,7 +348,7 @@ def test_launch_local_and_sglang_stub(ckpts, capsys):
     assert main(["--backend", "sglang", "--model-path", str(ckpts[0]), "--dry-run"]) == 0
     assert "sglang.launch_server" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["--model-path", str(ckpts[0]), "--kv-cache-dtype", "fp8"])
+        main(["--model-path", str(ckpts[0]), "--kv-cache-dtype", "int4"])
     assert "--kv-cache-dtype" in capsys.readouterr().err
     port, ready, stop, box = free_port(), threading.Event(), threading.Event(), {}
     argv = ["--model-path", str(ckpts[0]), "--port", str(port), "--api-key", KEY, "--quantization", "nvfp4",
