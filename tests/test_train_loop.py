@@ -85,6 +85,20 @@ def test_async_mode_counts_stale_samples(runs):
     assert m[1]["rollout/dropped_stale"] > 0  # made while step 0 trained: one version old
 
 
+def test_kill_mid_weight_sync_then_resume_matches_uninterrupted(runs, main_run):
+    """Killed after step 2 trained and while its weights were half handed over (20 KB buckets: the
+    tiny model's version takes several): nothing of step 2 survives, resume redoes it exactly."""
+    full, cut = main_run[0], runs / "cut_sync"
+    _train(cut, *MAIN, "transfer.bucket_mb=0.02", kill_at="transfer.bucket:version=3,bucket=2")
+    assert (cut / "checkpoints" / "latest").read_text() == "step_1"
+    assert sorted(_metrics(cut)) == [0, 1]
+    _train(cut, *MAIN, "transfer.bucket_mb=0.02", "--resume")
+    a, b = _metrics(full), _metrics(cut)
+    for step in (2, 3):
+        for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "mismatch/mean_abs_dlogp"):
+            assert b[step][key] == a[step][key], (step, key)
+
+
 def test_kill_mid_step_then_resume_matches_uninterrupted(runs, main_run):
     full, cut = main_run[0], runs / "cut"
     # Step 2 trained but neither synced nor checkpointed: the kill loses it, resume redoes it.

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
+from .. import faults
 from ..models import ModelArch, QuantPolicy
 from .bucket import BucketStats, pack_buckets
 from .gather import hf_order, iter_hf_params, model_parallel
@@ -31,7 +32,15 @@ def _send(stream: Iterable[tuple[str, torch.Tensor]], arch: ModelArch, policy: Q
           version: int, *, bucket_mb: float, input_amax, dtype, plan, bucket_stats) -> TransferStats:
     units = rollout_tensors(stream, arch, policy, input_amax=input_amax, dtype=dtype)
     buckets = pack_buckets(units, version, bucket_mb, stats=bucket_stats)
-    return transport.send(buckets, version, manifest=plan)
+    return transport.send(_with_fault_point(buckets, version), version, manifest=plan)
+
+
+def _with_fault_point(buckets: Iterable, version: int) -> Iterator:
+    """Hits `transfer.bucket` before handing bucket i over: armed at i >= 1, a kill lands after the
+    transport has taken buckets 0..i-1 of this version and before it has all of them (mid-sync)."""
+    for i, b in enumerate(buckets):
+        faults.hit("transfer.bucket", version=version, bucket=i)
+        yield b
 
 
 def push_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], arch: ModelArch, policy: QuantPolicy,
