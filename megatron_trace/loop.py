@@ -45,21 +45,16 @@ def grpo_advantages(rewards: list[float], group: int) -> list[float]:
 
 
 def guided_sites(cfg: Config) -> list[str]:
-    """Which FP4 sites TRACE guidance covers under this config; refuses a guided run with none, and
-    says loudly which FP4 sites it leaves to round-to-nearest (guidance records NVFP4 codes only)."""
+    """Which FP4 sites TRACE guidance covers under this config (NVFP4 and MXFP4 activations and
+    K/V; FP8 and BF16 sides record nothing); refuses a guided run with none."""
     q = cfg.quant
     kv = {"K": q.kv_k or q.kv, "V": q.kv_v or q.kv}
-    sites = (["activations"] if q.format == "nvfp4" and q.activations == "fp4" else [])
-    sites += [side for side, fmt in kv.items() if fmt in ("nvfp4", "auto")]
+    sites = (["activations"] if q.format in ("nvfp4", "mxfp4") and q.activations == "fp4" else [])
+    sites += [side for side, fmt in kv.items() if fmt in ("nvfp4", "mxfp4", "auto")]
     if not sites:
-        raise ValueError(f"trainer.qat_mode=guided has nothing to guide: guidance records NVFP4 codes, and this "
+        raise ValueError(f"trainer.qat_mode=guided has nothing to guide: guidance records FP4 codes, and this "
                          f"run has quant.format={q.format}, activations={q.activations}, K={kv['K']}, V={kv['V']}. "
-                         "Use trainer.qat_mode=rtn, or NVFP4 activations or KV")
-    unguided = ([f"{q.format} activations"] if q.format == "mxfp4" and q.activations == "fp4" else [])
-    unguided += [f"{fmt} {side}" for side, fmt in kv.items() if fmt == "mxfp4"]
-    if unguided:
-        print(f"WARNING: guidance covers NVFP4 sites only; {', '.join(unguided)} are modelled with round-to-"
-              "nearest in the trainer (plain QAT at those sites)", flush=True)
+                         "Use trainer.qat_mode=rtn, or FP4 activations or KV")
     return sites
 
 

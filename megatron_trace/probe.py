@@ -131,10 +131,11 @@ def rollout(args, policy: QuantPolicy) -> list[dict]:
 
 
 def guidance_skipped(policy: QuantPolicy) -> str | None:
-    """Why this policy's probe has no guided modes, or None. The embedded engine records NVFP4 sites
-    only (Engine._validate): NVFP4 activations, or an NVFP4 K or V cache (a KV-only run guides K/V)."""
-    if not ((policy.format == "nvfp4" and policy.activations == "fp4") or "nvfp4" in (policy.k_format, policy.v_format)):
-        return (f"no guided modes: the embedded engine records guidance for NVFP4 sites only, and this run has "
+    """Why this policy's probe has no guided modes, or None. The embedded engine records FP4 sites
+    (Engine._validate): NVFP4/MXFP4 activations, or an FP4 K or V cache (a KV-only run guides K/V)."""
+    fp4 = ("nvfp4", "mxfp4")
+    if not ((policy.format in fp4 and policy.activations == "fp4") or {policy.k_format, policy.v_format} & set(fp4)):
+        return (f"no guided modes: the embedded engine records guidance for FP4 sites only, and this run has "
                 f"none (format {policy.format}, activations {policy.activations}, K {policy.k_format}, "
                 f"V {policy.v_format}), so the trainer has no rollout codes to follow")
     return None

@@ -100,12 +100,24 @@ def test_w4a16_with_nvfp4_kv_guides_k_and_v(ckpt):
     assert sorted({k.rsplit(".", 1)[1] for k in agree}) == ["k_cache", "v_cache"] and min(agree.values()) >= 0.999
 
 
+def test_mxfp4_activations_and_kv_are_guided(ckpt):
+    """MXFP4 W4A4 + MXFP4 KV: the rollout records E8M0 scales and codes at every FP4 site (linear
+    inputs, K, V), and guided < rtn < off with every site's agreement >= 99.9%."""
+    res = _probe_in_process(ckpt, "--quantization", "mxfp4", "--kv-cache-dtype", "mxfp4")
+    m = res["modes"]
+    assert res["guided_skipped"] is None and res["policy"]["format"] == "mxfp4"
+    assert m["guided-full"]["mean_abs_dlogp"] < 0.1 * m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
+    agree = m["guided-full"]["agreement"]
+    assert {"k_cache", "v_cache", "gate_up_proj", "down_proj"} <= {k.rsplit(".", 1)[1] for k in agree}
+    assert min(agree.values()) >= 0.999 and min(m["rtn"]["agreement"].values()) < 0.9
+
+
 def test_mxfp4_weights_are_modelled_as_mxfp4_and_unguidable_runs_say_so(ckpt):
     """W4A16 MXFP4: plain QAT with the engine's MXFP4 weights closes most of the gap (NVFP4-modelled
     weights would not); the engine records no MXFP4 guidance, so the probe runs off/rtn and says why."""
     res = _probe_in_process(ckpt, "--quantization", "w4a16_mxfp4", "--kv-cache-dtype", "bf16")
     m = res["modes"]
-    assert sorted(m) == ["off", "rtn"] and "NVFP4 sites only" in res["guided_skipped"]
+    assert sorted(m) == ["off", "rtn"] and "FP4 sites only" in res["guided_skipped"]
     assert m["rtn"]["mean_abs_dlogp"] < 0.2 * m["off"]["mean_abs_dlogp"]
     assert res["policy"]["format"] == "mxfp4" and res["policy"]["activations"] == "bf16"
 

@@ -174,7 +174,7 @@ class QATState:
     def kv(self, t: torch.Tensor, site: str, fmt: str = "nvfp4") -> torch.Tensor:
         """K or V [S, B, groups_local, D] as the rollout caches it in `fmt`: NVFP4 along D with the
         per-layer scale or MXFP4 as the engine's pages (16-blocks, ceil rule), each guided where the
-        rollout recorded the site (today's engine records NVFP4 sides only), or FP8 E4M3 with one
+        rollout recorded the site (the engine records NVFP4 and MXFP4 sides), or FP8 E4M3 with one
         scale per token over its KV heads (amax MAX-reduced over TP, which splits the heads),
         round-to-nearest: the rollout records no FP8 guidance (docs/quality.md)."""
         if fmt == "fp8":

@@ -176,16 +176,17 @@ class Engine:
             raise ValueError(f"input_ids hold tokens outside the vocabulary [0, {self.arch.vocab_size}): {bad[:5]}")
         if len(ids) >= self.scheduler.context_length:
             raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.scheduler.context_length}")
-        if req.return_guidance and not self._nvfp4_sites():
+        if req.return_guidance and not self._fp4_sites():
             p = self.policy
-            raise ValueError(f"guidance records NVFP4 sites, and this engine has none (format {p.format}, activations "
-                             f"{p.activations}, K {p.k_format}, V {p.v_format}): serve NVFP4 activations or KV")
+            raise ValueError(f"guidance records FP4 sites, and this engine has none (format {p.format}, activations "
+                             f"{p.activations}, K {p.k_format}, V {p.v_format}): serve FP4 activations or KV")
         if req.return_routed_experts and not self.arch.is_moe:
             raise ValueError(f"return_routed_experts needs an MoE model; {self.model_path} is {self.arch.family}")
 
-    def _nvfp4_sites(self) -> bool:
+    def _fp4_sites(self) -> bool:
         p = self.policy
-        return (p.format == "nvfp4" and p.activations == "fp4") or "nvfp4" in (p.k_format, p.v_format)
+        fp4 = {"nvfp4", "mxfp4"}
+        return (p.format in fp4 and p.activations == "fp4") or bool(fp4 & {p.k_format, p.v_format})
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
                  rid=None, return_guidance: bool = False, return_routed_experts: bool = False, **_ignored):

@@ -13,10 +13,12 @@ import itertools
 
 import torch
 
+from megatron_trace.fp4.mxfp4 import MXFP4Tensor
 from megatron_trace.fp4.nvfp4 import NVFP4Tensor
 from megatron_trace.guidance import SiteRecord, make_site
 
 _LAYOUTS = itertools.count()
+_NO_GLOBAL_SCALE = torch.tensor(1.0)
 
 
 class _SiteRows:
@@ -111,15 +113,17 @@ class GuidanceLog:
         s = self._site(site, data_row, scale_row, gs_row, static_gs, static_value)
         return s.addr
 
-    def store(self, site: str, first: int, q: NVFP4Tensor) -> None:
-        """Copy one quantizer output (rows = the step's rows) into the site's arrays."""
-        static = q.global_scale if q.global_scale.dim() == 0 else None
+    def store(self, site: str, first: int, q: NVFP4Tensor | MXFP4Tensor) -> None:
+        """Copy one quantizer output (rows = the step's rows) into the site's arrays. MXFP4 has no
+        global scale: its record carries a static 1.0 next to the E8M0 block scales."""
+        global_scale = _NO_GLOBAL_SCALE if isinstance(q, MXFP4Tensor) else q.global_scale
+        static = global_scale if global_scale.dim() == 0 else None
         d, sc, gs = self.buffers(site, first, q.data.shape[0], q.data.shape[1:], q.scale.shape[1:],
-                                 q.global_scale.shape[1:], static)
+                                 global_scale.shape[1:], static)
         d.copy_(q.data)
         sc.copy_(q.scale)
         if gs is not None:
-            gs.copy_(q.global_scale)
+            gs.copy_(global_scale)
 
     # -- reading -----------------------------------------------------------------------------------
     def gather(self, finished, alive) -> tuple[dict[str, SiteRecord], list[int]]:
