@@ -41,6 +41,7 @@ DEFAULT_SETTINGS = (REFERENCE, "bf16:nvfp4:nvfp4", "bf16:bf16:nvfp4", "bf16:nvfp
 # The train CLI warns above this NLL increase per token over BF16 (the real-model check of FP8 K +
 # NVFP4 V asks for <= 0.01; NVFP4 K+V on Qwen2.5-Coder-0.5B costs 0.39: BENCHMARKS.md).
 WARN_NATS_PER_TOKEN = 0.02
+WARN_ACCURACY_DROP = 0.05  # greedy accuracy lost against BF16 on the check's prompts
 
 
 @dataclass(frozen=True)
@@ -251,11 +252,13 @@ def plot(report: dict, path: str | Path) -> None:
 
 # ------------------------------------------------------------------ the train CLI's hook
 def quality_warning(model_path, policy: QuantPolicy, prompts: list[dict] | None = None, *,
-                    threshold: float = WARN_NATS_PER_TOKEN, max_new_tokens: int = 32, dtype: str = "float32"
-                    ) -> str | None:
+                    threshold: float = WARN_NATS_PER_TOKEN, max_new_tokens: int = 32, dtype: str = "float32",
+                    tokenizer=None, score=None, accuracy_drop: float = WARN_ACCURACY_DROP) -> str | None:
     """A warning line when `policy`'s setting loses more than `threshold` nats/token against BF16
-    on `prompts` (default: 4 synthetic prompts of 16 tokens), else None. Costs two model loads and
-    the prompts' greedy decode: call once before a long run."""
+    on `prompts` (default: 4 synthetic prompts of 16 tokens) or, given a tokenizer and the run's
+    `score(response, answer)`, more than `accuracy_drop` of BF16's greedy accuracy on them; else
+    None. Both count: a worked answer's many easy tokens can hide its wrong final digits from the
+    NLL. Costs two model loads and the prompts' greedy decode: call once before a long run."""
     from megatron_trace.models import ModelArch
 
     arch = ModelArch.from_hf_config(model_path)
@@ -264,13 +267,21 @@ def quality_warning(model_path, policy: QuantPolicy, prompts: list[dict] | None 
         g = torch.Generator().manual_seed(0)
         prompts = [{"ids": torch.randint(0, arch.vocab_size, (16,), generator=g).tolist(), "text": None, "answer": None}
                    for _ in range(4)]
-    rep = run(model_path, prompts, [setting], max_new_tokens=max_new_tokens, dtype=dtype, targets=policy.targets)
-    r = rep["settings"][setting.name]
-    if r["nll_increase"] <= threshold:
+    rep = run(model_path, prompts, [setting], max_new_tokens=max_new_tokens, dtype=dtype, targets=policy.targets,
+              tokenizer=tokenizer)
+    r, ref = rep["settings"][setting.name], rep["settings"][REFERENCE]
+    acc = ref_acc = None
+    if score is not None and tokenizer is not None and any(p["answer"] is not None for p in prompts):
+        scored = [(score(t, p["answer"]), score(u, p["answer"]))
+                  for p, t, u in zip(prompts, r["texts"], ref["texts"]) if p["answer"] is not None]
+        acc, ref_acc = (sum(x) / len(scored) for x in zip(*scored))
+    lost_acc = acc is not None and ref_acc - acc > accuracy_drop
+    if r["nll_increase"] <= threshold and not lost_acc:
         return None
+    said = f"greedy accuracy {ref_acc:.1%} -> {acc:.1%}, " if acc is not None else ""
     return (f"quantization {setting.name} (weights:K:V) loses {r['nll_increase']:.4f} nats/token against BF16 "
-            f"(threshold {threshold}); top-1 agreement {r['top1_agreement']:.1%} on {rep['num_prompts']} prompts. "
-            "Consider quant.kv_k=fp8 (python -m megatron_trace.quality shows every setting)")
+            f"(threshold {threshold}); {said}top-1 agreement {r['top1_agreement']:.1%} on {rep['num_prompts']} "
+            "prompts. Consider quant.kv_k=fp8 (python -m megatron_trace.quality shows every setting)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

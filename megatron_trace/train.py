@@ -107,11 +107,14 @@ class Run:
             print(f"note: measure what this quantization costs the model before a long run: python -m "
                   f"megatron_trace.quality --model-path {model_path} --prompts YOUR.jsonl", flush=True)
             return
+        from megatron_trace.data import get_reward_fn
         from megatron_trace.quality import quality_warning
 
-        picked = prompts.eval_set(4) or prompts.sample(4, 0)
+        picked = prompts.eval_set(16) or prompts.sample(16, 0)
+        rc = self.cfg.rollout
         warning = quality_warning(model_path, self.cfg.quant.policy(), [
-            {"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked])
+            {"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked],
+            max_new_tokens=rc.max_new_tokens, tokenizer=tok, score=get_reward_fn(rc.reward))
         if warning:
             print(f"WARNING: {warning}", flush=True)
 

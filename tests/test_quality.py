@@ -81,3 +81,24 @@ def test_train_hook_warns_only_above_the_threshold(outlier_ckpt):
                                      ("the sum is 1,042.", 0.0)])
 def test_verifier_reads_the_last_number_when_nothing_is_boxed(text, ok):
     assert quality.verify_answer(text, "42") == ok
+
+
+class _IdsText:
+    """Decodes ids to their numbers: enough text for an exact-match score on synthetic prompts."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_train_hook_warns_on_lost_accuracy_the_nll_hides(outlier_ckpt):
+    """With the run's verifier, a greedy-accuracy drop warns even when the NLL threshold would not."""
+    tok, prompts = _IdsText(), _prompts(4)
+    ref = quality.run(outlier_ckpt, prompts, [], max_new_tokens=8, tokenizer=tok)["settings"][quality.REFERENCE]
+    for p, text in zip(prompts, ref["texts"]):
+        p["answer"] = text  # BF16's own greedy answers: BF16 scores 100%
+    kw = dict(max_new_tokens=8, tokenizer=tok, score=lambda r, a: float(r == a), threshold=1e9)
+    lossy = quality.quality_warning(outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16",
+                                                              kv="nvfp4"), prompts, **kw)
+    assert lossy is not None and "greedy accuracy 100.0% -> " in lossy
+    assert quality.quality_warning(outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16",
+                                                             kv="bf16"), prompts, **kw) is None
