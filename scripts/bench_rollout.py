@@ -135,12 +135,7 @@ def throughput(path: Path, args, prompts) -> tuple[dict, dict | None]:
                     for name, e in engines.items()}
             if hf:
                 runs["HF"] = lambda: hf(batch)
-            times, last = {k: [] for k in runs}, {k: f() for k, f in runs.items()}  # warm-up
-            for _ in range(args.runs):
-                for k, f in runs.items():
-                    t0 = time.perf_counter()
-                    last[k] = f()
-                    times[k].append(time.perf_counter() - t0)
+            times, last = interleaved_times(runs, args.runs)
             for name in engines:
                 ids = [r["output_ids"] for r in last[name]]
                 ntok = sum(len(i) for i in ids)
@@ -165,6 +160,18 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     return ids, mask
+
+
+def interleaved_times(runs: dict, rounds: int) -> tuple[dict, dict]:
+    """One warm-up call each, then `rounds` rounds timing every contender once in turn (drift on a
+    shared machine hits all alike). Returns ({name: [seconds]}, {name: last output})."""
+    times, last = {k: [] for k in runs}, {k: f() for k, f in runs.items()}
+    for _ in range(rounds):
+        for k, f in runs.items():
+            t0 = time.perf_counter()
+            last[k] = f()
+            times[k].append(time.perf_counter() - t0)
+    return times, last
 
 
 def hf_generate_fn(path: Path, args):

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_rollout import hf_generate_fn, make_prompts  # noqa: E402
+from bench_rollout import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
                   num_hidden_layers=24, vocab_size=151936, tie_word_embeddings=False, rope_theta=1_000_000.0,
@@ -136,12 +136,7 @@ def run(args) -> tuple[dict, dict, list[float]]:
                     for name, e in engines.items()}
             if hf:
                 runs["HF generate BF16"] = lambda: hf(batch)
-            times, last = {k: [] for k in runs}, {k: f() for k, f in runs.items()}  # warm-up
-            for _ in range(args.runs):
-                for k, f in runs.items():
-                    t0 = time.perf_counter()
-                    last[k] = f()
-                    times[k].append(time.perf_counter() - t0)
+            times, last = interleaved_times(runs, args.runs)
             for k in runs:
                 t = statistics.median(times[k])
                 step_bytes = step_weight_bytes(engines[k], b) if k in engines else None
