@@ -203,7 +203,7 @@ def test_register_mutates_fake_sglang(monkeypatch):
 
 def test_config_from_exported_checkpoint_and_exclusion(monkeypatch):
     monkeypatch.setitem(quant_method._ACTIVE, "on", False)
-    monkeypatch.setattr(quant_method, "_sglang_attr", lambda *_: None)  # bare nn.Modules stand in for SGLang's layers
+    monkeypatch.setattr(quant_method, "sglang_attr", lambda *_: None)  # bare nn.Modules stand in for SGLang's layers
     hq = {"producer": {"name": "megatron_trace"}, "quantization": {
         "quant_algo": "NVFP4", "group_size": 16, "trace_targets": ["*.mlp.*"],
         "exclude_modules": ["lm_head", "model.layers.*.self_attn.*"]}}

@@ -24,15 +24,8 @@ from megatron_trace.fp4 import nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 from megatron_trace.models.quant_policy import QuantPolicy
 
-from .quant_method import (
-    PACKED_MODULES,
-    TraceFP4Config,
-    TraceFP4LinearMethod,
-    TraceMXFP4Config,
-    _set_derived,
-    _sglang_attr,
-    _tp,
-)
+from .layer_tp import set_derived, sglang_attr, tp_rank_size
+from .quant_method import PACKED_MODULES, TraceFP4Config, TraceFP4LinearMethod, TraceMXFP4Config
 
 POLICY_ENV = "TRACE_QUANT_POLICY"
 
@@ -71,11 +64,11 @@ class _PolicyMixin:
         return bool(hits) and all(hits)
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
-        linear_base = _sglang_attr("sglang.srt.layers.linear", "LinearBase")
+        linear_base = sglang_attr("sglang.srt.layers.linear", "LinearBase")
         if linear_base is not None and not isinstance(layer, linear_base):
             return None
         if not self.is_fp4_prefix(prefix) or self.is_layer_excluded(prefix):
-            unquant = _sglang_attr("sglang.srt.layers.quantization.unquant", "UnquantizedLinearMethod")
+            unquant = sglang_attr("sglang.srt.layers.quantization.unquant", "UnquantizedLinearMethod")
             return unquant() if unquant is not None else None
         return self.linear_method(site=prefix)
 
@@ -116,16 +109,16 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
     def refresh(self, layer: nn.Module) -> None:
         if getattr(layer, "_trace_packed", False):
             return self._refresh_packed(layer)
-        if _tp(layer)[1] > 1:
+        if tp_rank_size(layer)[1] > 1:
             raise NotImplementedError(f"{layer.trace_site}: online NVFP4 at TP > 1 needs the fused group's amax "
                                       "over all ranks; export an NVFP4 checkpoint for TP > 1")
         q = nvfp4.quantize(layer.weight.data.float())
         gs = q.global_scale.reshape(()).expand(q.data.shape[0]).clone()
-        _set_derived(layer, "trace_weight_codes", q.data)
-        _set_derived(layer, "trace_weight_scales", q.scale)
-        _set_derived(layer, "trace_weight_global_scale", gs)
-        _set_derived(layer, "trace_input_global_scale", None)
-        _set_derived(layer, "trace_weight_dequant", nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype))
+        set_derived(layer, "trace_weight_codes", q.data)
+        set_derived(layer, "trace_weight_scales", q.scale)
+        set_derived(layer, "trace_weight_global_scale", gs)
+        set_derived(layer, "trace_input_global_scale", None)
+        set_derived(layer, "trace_weight_dequant", nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype))
         layer._trace_dirty = False
 
     def _refresh_packed(self, layer: nn.Module) -> None:
@@ -136,13 +129,13 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
             raise ValueError(f"{layer.trace_site}: a packed FP4 weight update without weight_scale_2 for partitions "
                              f"{(s2 <= 0).nonzero().flatten().tolist()}")
         gs = torch.cat([encode_scale_from_decode(s2[i].cpu()).expand(w) for i, w in enumerate(layer.logical_widths)])
-        _set_derived(layer, "trace_weight_codes", layer.trace_packed_weight.clone())
-        _set_derived(layer, "trace_weight_scales", layer.weight_scale.data.view(torch.uint8).clone())
-        _set_derived(layer, "trace_weight_global_scale", gs.to(s2.device))
+        set_derived(layer, "trace_weight_codes", layer.trace_packed_weight.clone())
+        set_derived(layer, "trace_weight_scales", layer.weight_scale.data.view(torch.uint8).clone())
+        set_derived(layer, "trace_weight_global_scale", gs.to(s2.device))
         static = bool((si > 0).all())
-        _set_derived(layer, "trace_input_global_scale",
+        set_derived(layer, "trace_input_global_scale",
                      encode_scale_from_decode(si.max().cpu()).to(si.device) if static else None)
-        _set_derived(layer, "trace_weight_dequant", nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype))
+        set_derived(layer, "trace_weight_dequant", nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype))
         layer._trace_dirty = False
 
     def quantized_weight(self, layer) -> nvfp4.NVFP4Tensor:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import importlib
 import logging
 import os
 
@@ -31,6 +30,7 @@ from megatron_trace.fp4.modelopt import encode_scale_from_decode
 from megatron_trace.fp4.swizzle import swizzle_scales
 
 from . import capture
+from .layer_tp import narrow_tp, row_parallel_all_max, set_derived, sglang_attr
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +49,6 @@ _ACTIVE = {"on": False}  # set by register(): claim `modelopt` NVFP4 checkpoints
 
 def set_active(on: bool = True) -> None:
     _ACTIVE["on"] = bool(on)
-
-
-def _sglang_attr(module: str, name: str):
-    try:
-        return getattr(importlib.import_module(module), name)
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def is_modelopt_nvfp4(cfg) -> bool:
@@ -139,11 +132,11 @@ class TraceFP4Config(_ConfigBase):
         return (TraceFP4LinearMethod if self.FMT == "nvfp4" else TraceMXFP4LinearMethod)(self, site=site)
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
-        linear_base = _sglang_attr("sglang.srt.layers.linear", "LinearBase")
+        linear_base = sglang_attr("sglang.srt.layers.linear", "LinearBase")
         if linear_base is not None and not isinstance(layer, linear_base):
             return None  # attention/MoE/embeddings keep SGLang's defaults (the KV path is kv_capture)
         if self.is_layer_excluded(prefix):
-            unquant = _sglang_attr("sglang.srt.layers.quantization.unquant", "UnquantizedLinearMethod")
+            unquant = sglang_attr("sglang.srt.layers.quantization.unquant", "UnquantizedLinearMethod")
             return unquant() if unquant is not None else None
         return self.linear_method(site=prefix)
 
@@ -158,63 +151,6 @@ class TraceMXFP4Config(TraceFP4Config):
 
 
 # -- linear methods ---------------------------------------------------------------------------
-def _tp(layer, shard_id=None) -> tuple[int, int]:
-    """(rank, size) of the layer's tensor-parallel group, read as SGLang 0.5.23 layers expose it:
-    `tp_group` (k/v shards of a QKV layer: `kv_tp_group`) through `get_group_rank_size`, None
-    meaning unsharded. Layers without a group attribute (plain modules in CPU tests) are TP=1."""
-    attr = "kv_tp_group" if shard_id in ("k", "v") and hasattr(layer, "kv_tp_group") else "tp_group"
-    if not hasattr(layer, attr):
-        return 0, 1
-    group = getattr(layer, attr)
-    rank_size = _sglang_attr("sglang.srt.distributed.utils", "get_group_rank_size")
-    if rank_size is not None:
-        rank, size = rank_size(group)
-    else:
-        rank, size = (0, 1) if group is None else (group.rank_in_group, group.world_size)
-    return int(rank), int(size)
-
-
-def _narrow_tp(t: torch.Tensor, dim: int, want: int, layer, what: str, shard_id=None) -> torch.Tensor:
-    """This rank's `want` rows/cols of a full tensor (replicated KV heads share a chunk)."""
-    full = t.shape[dim]
-    if full == want:
-        return t
-    rank, size = _tp(layer, shard_id)
-    if want == 0 or full % want or full // want > size:
-        raise ValueError(f"{what}: checkpoint size {full} along dim {dim} does not split into {want} per rank (tp={size})")
-    chunk = rank * (full // want) // size
-    return t.narrow(dim, chunk * want, want)
-
-
-def _row_parallel_all_max(layer):
-    """For a row-parallel layer at TP > 1 (its input row is split over the TP ranks): a function
-    returning the elementwise max over the layer's TP group (all_reduce MAX), else None."""
-    if not hasattr(layer, "input_is_parallel") or _tp(layer)[1] <= 1:
-        return None
-    group = layer.tp_group
-
-    def all_max(t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous().clone()
-        pg = group.device_group if t.device.type != "cpu" else group.cpu_group
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=pg)
-        return t
-
-    return all_max
-
-
-def _set_derived(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:
-    """Write a derived buffer in place when the shape allows (CUDA graphs keep its address)."""
-    cur = getattr(layer, name, None)
-    if value is None:
-        setattr(layer, name, None)
-    elif isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype and cur.device == value.device:
-        cur.copy_(value)
-    elif name in layer._buffers or cur is None:
-        layer.register_buffer(name, value, persistent=False)
-    else:
-        setattr(layer, name, value)
-
-
 class _TraceLinearBase(_LinearBase):
     def __init__(self, quant_config: TraceFP4Config | None = None, site: str | None = None):
         self.quant_config = quant_config or (TraceFP4Config() if self.FMT == "nvfp4" else TraceMXFP4Config())
@@ -251,8 +187,8 @@ class _TraceLinearBase(_LinearBase):
     def _load_rows(self, layer, param, loaded: torch.Tensor, shard_id) -> None:
         off, rows, _ = self._shard(layer, shard_id)
         what = f"{layer.trace_site}:{shard_id}.{param.trace_name}"
-        t = _narrow_tp(loaded, 0, rows, layer, what, shard_id)
-        t = _narrow_tp(t, 1, param.shape[1], layer, what)  # row-parallel: this rank's K slice
+        t = narrow_tp(loaded, 0, rows, layer, what, shard_id)
+        t = narrow_tp(t, 1, param.shape[1], layer, what)  # row-parallel: this rank's K slice
         if tuple(t.shape) != (rows, param.shape[1]):
             raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != model shape {(rows, param.shape[1])}")
         param.data[off:off + rows].copy_(t.to(param.device))
@@ -309,15 +245,15 @@ class TraceFP4LinearMethod(_TraceLinearBase):
             log.warning("%s: fused shards carry different weight_scale_2 %s; the native GEMM uses their max",
                         layer.trace_site, s2.tolist())
         gs = torch.cat([encode_scale_from_decode(s2[i].cpu()).expand(w) for i, w in enumerate(layer.logical_widths)])
-        _set_derived(layer, "trace_weight_global_scale", gs.to(s2.device))
+        set_derived(layer, "trace_weight_global_scale", gs.to(s2.device))
         in_gs = encode_scale_from_decode(si.max().cpu()).to(si.device) if bool(static.all()) else None
-        _set_derived(layer, "trace_input_global_scale", in_gs)
+        set_derived(layer, "trace_input_global_scale", in_gs)
         alpha = (s2.max() * si.max()) if in_gs is not None else s2.max()
-        _set_derived(layer, "trace_alpha", alpha.to(torch.float32).reshape(()))
-        _set_derived(layer, "trace_weight_scale_swizzled", swizzle_scales(layer.weight_scale.data.view(torch.uint8)))
+        set_derived(layer, "trace_alpha", alpha.to(torch.float32).reshape(()))
+        set_derived(layer, "trace_weight_scale_swizzled", swizzle_scales(layer.weight_scale.data.view(torch.uint8)))
         kernel = layer.weight.is_cuda and _sglang_free_fp4_linear() is not None
         wdeq = None if self._native(layer) or kernel else nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype)
-        _set_derived(layer, "trace_weight_dequant", wdeq)
+        set_derived(layer, "trace_weight_dequant", wdeq)
         layer._trace_dirty = False
 
     def quantized_weight(self, layer) -> nvfp4.NVFP4Tensor:
@@ -328,7 +264,7 @@ class TraceFP4LinearMethod(_TraceLinearBase):
         mode = os.environ.get("TRACE_FP4_NATIVE", "auto")
         if mode == "0" or not layer.weight.is_cuda or not HAVE_SGLANG:
             return False
-        ok = torch.cuda.get_device_capability(layer.weight.device)[0] >= 10 and _sglang_attr(
+        ok = torch.cuda.get_device_capability(layer.weight.device)[0] >= 10 and sglang_attr(
             "sglang.srt.layers.quantization.modelopt_quant", "fp4_gemm") is not None
         aligned = layer.weight.shape[0] % 32 == 0 and layer.weight.shape[1] % 16 == 0
         return ok and aligned
@@ -340,7 +276,7 @@ class TraceFP4LinearMethod(_TraceLinearBase):
         full row's (`nvfp4.per_token_global_scale` with an all-reduce MAX over the TP group), as
         the trainer and the embedded engine (TP=1) have it."""
         gs = layer.trace_input_global_scale
-        all_max = _row_parallel_all_max(layer) if gs is None else None
+        all_max = row_parallel_all_max(layer) if gs is None else None
         if all_max is not None:
             gs = nvfp4.per_token_global_scale(x, all_max)
             q = nvfp4.quantize(x, global_scale=gs)
@@ -372,7 +308,7 @@ class TraceFP4LinearMethod(_TraceLinearBase):
     @staticmethod
     def _native_gemm(layer, q: nvfp4.NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """SGLang's CUTLASS/FlashInfer FP4 GEMM; a per-token S_dec is applied to the output rows."""
-        fp4_gemm = _sglang_attr("sglang.srt.layers.quantization.modelopt_quant", "fp4_gemm")
+        fp4_gemm = sglang_attr("sglang.srt.layers.quantization.modelopt_quant", "fp4_gemm")
         m, n = q.data.shape[0], layer.weight.shape[0]
         x_sf = swizzle_scales(q.scale).view(torch.float8_e4m3fn)
         w_sf = layer.trace_weight_scale_swizzled.view(torch.float8_e4m3fn)
@@ -384,7 +320,7 @@ class TraceFP4LinearMethod(_TraceLinearBase):
 
 def _sglang_free_fp4_linear():
     """kernels.dispatch.fp4_linear(x_dequant, weight: NVFP4Tensor, bias=None) when that kernel exists."""
-    return _sglang_attr("kernels.dispatch", "fp4_linear")
+    return sglang_attr("kernels.dispatch", "fp4_linear")
 
 
 class TraceMXFP4LinearMethod(_TraceLinearBase):
@@ -401,9 +337,9 @@ class TraceMXFP4LinearMethod(_TraceLinearBase):
 
     def refresh(self, layer: nn.Module) -> None:
         q = mxfp4.quantize(layer.weight.data.float(), rule=self.quant_config.mx_rule)
-        _set_derived(layer, "trace_weight_codes", q.data)
-        _set_derived(layer, "trace_weight_scales", q.scale)
-        _set_derived(layer, "trace_weight_dequant", mxfp4.dequantize(q, layer.params_dtype))
+        set_derived(layer, "trace_weight_codes", q.data)
+        set_derived(layer, "trace_weight_scales", q.scale)
+        set_derived(layer, "trace_weight_dequant", mxfp4.dequantize(q, layer.params_dtype))
         layer._trace_dirty = False
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

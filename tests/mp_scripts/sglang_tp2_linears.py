@@ -83,7 +83,8 @@ def load(layer, shards, biases=None) -> None:
 def main(out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup(rank, world)
-    from sglang_backend.plugin.quant_method import TraceFP4Config, _tp
+    from sglang_backend.plugin.layer_tp import tp_rank_size
+    from sglang_backend.plugin.quant_method import TraceFP4Config
 
     cfg = TraceFP4Config()
     gen = torch.Generator().manual_seed(0)
@@ -99,7 +100,7 @@ def main(out: Path) -> None:
         tp2, tp1 = build(kind, cfg, False), build(kind, cfg, True)
         load(tp2, shards, biases)
         load(tp1, shards, biases)
-        r = {"tp": list(_tp(tp2)), "tp_ref": list(_tp(tp1))}
+        r = {"tp": list(tp_rank_size(tp2)), "tp_ref": list(tp_rank_size(tp1))}
         row = kind in ("o", "down")
         k_loc = x.shape[1] // world
         x_loc = x[:, rank * k_loc:(rank + 1) * k_loc] if row else x

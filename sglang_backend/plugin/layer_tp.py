@@ -1,0 +1,76 @@
+"""How a plugin linear method sees its SGLang layer: the layer's tensor-parallel rank and size,
+this rank's slice of a full checkpoint tensor, the all-reduce MAX a row-parallel layer needs for
+its per-token scale, and derived buffers written in place (so CUDA graphs keep their addresses).
+Shared by `quant_method` (checkpoint FP4) and `online_quant` (BF16 checkpoints quantized at load).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+
+def sglang_attr(module: str, name: str):
+    """`module.name` when SGLang (or the module) provides it, else None: 0.5.x moves things around."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def tp_rank_size(layer, shard_id=None) -> tuple[int, int]:
+    """(rank, size) of the layer's tensor-parallel group, read as SGLang 0.5.23 layers expose it:
+    `tp_group` (k/v shards of a QKV layer: `kv_tp_group`) through `get_group_rank_size`, None
+    meaning unsharded. Layers without a group attribute (plain modules in CPU tests) are TP=1."""
+    attr = "kv_tp_group" if shard_id in ("k", "v") and hasattr(layer, "kv_tp_group") else "tp_group"
+    if not hasattr(layer, attr):
+        return 0, 1
+    group = getattr(layer, attr)
+    rank_size = sglang_attr("sglang.srt.distributed.utils", "get_group_rank_size")
+    if rank_size is not None:
+        rank, size = rank_size(group)
+    else:
+        rank, size = (0, 1) if group is None else (group.rank_in_group, group.world_size)
+    return int(rank), int(size)
+
+
+def narrow_tp(t: torch.Tensor, dim: int, want: int, layer, what: str, shard_id=None) -> torch.Tensor:
+    """This rank's `want` rows/cols of a full tensor (replicated KV heads share a chunk)."""
+    full = t.shape[dim]
+    if full == want:
+        return t
+    rank, size = tp_rank_size(layer, shard_id)
+    if want == 0 or full % want or full // want > size:
+        raise ValueError(f"{what}: checkpoint size {full} along dim {dim} does not split into {want} per rank (tp={size})")
+    chunk = rank * (full // want) // size
+    return t.narrow(dim, chunk * want, want)
+
+
+def row_parallel_all_max(layer):
+    """For a row-parallel layer at TP > 1 (its input row is split over the TP ranks): a function
+    returning the elementwise max over the layer's TP group (all_reduce MAX), else None."""
+    if not hasattr(layer, "input_is_parallel") or tp_rank_size(layer)[1] <= 1:
+        return None
+    group = layer.tp_group
+
+    def all_max(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous().clone()
+        pg = group.device_group if t.device.type != "cpu" else group.cpu_group
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=pg)
+        return t
+
+    return all_max
+
+
+def set_derived(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """Write a derived buffer in place when the shape allows (CUDA graphs keep its address)."""
+    cur = getattr(layer, name, None)
+    if value is None:
+        setattr(layer, name, None)
+    elif isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype and cur.device == value.device:
+        cur.copy_(value)
+    elif name in layer._buffers or cur is None:
+        layer.register_buffer(name, value, persistent=False)
+    else:
+        setattr(layer, name, value)
