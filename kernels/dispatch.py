@@ -11,7 +11,7 @@ import torch
 
 from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.codecs import unpack_fp4
-from megatron_trace.fp4.guided import mantissa_bits
+from megatron_trace.fp4.guided import GUIDANCE_MODES, mantissa_bits
 
 BACKENDS = ("auto", "triton", "reference")
 
@@ -85,7 +85,7 @@ def nvfp4_quantize(
 
 # -- FP4 GEMM, paged FP4 attention, quantize + guidance ---------------------------------------
 # Torch references live here (importable without triton); the kernels in kernels/fp4_gemm.py,
-# kernels/fp4_attention.py and kernels/nvfp4_guidance.py reproduce them.
+# kernels/fp4_attention.py and kernels/nvfp4_quantize.py (guidance option) reproduce them.
 
 def _kernel_module(name: str):
     if not triton_available():
@@ -192,9 +192,6 @@ def paged_decode_attention(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, 
                                              slot_table, lens, fmt, sm_scale, **cfg)
 
 
-GUIDANCE_MODES = ("full", "mantissa")
-
-
 def nvfp4_quantize_with_guidance_reference(x, *, mode="full", global_amax=None, per_row_global=False,
                                            global_scale=None):
     if mode not in GUIDANCE_MODES:
@@ -209,7 +206,7 @@ def nvfp4_quantize_with_guidance(x, *, mode="full", global_amax=None, per_row_gl
     guidance), guidance = the packed codes [..., K/2] (mode "full", the same tensor as q.data) or
     the packed mantissa bits [..., K/8] (mode "mantissa", `megatron_trace.fp4.mantissa_bits`
     layout). Bit-identical to nvfp4.quantize + mantissa_bits(unpack_fp4(q.data))."""
-    mod = _pick(backend, x, "nvfp4_guidance")
+    mod = _pick(backend, x, "nvfp4_quantize")
     kw = dict(mode=mode, global_amax=global_amax, per_row_global=per_row_global, global_scale=global_scale)
     if mod is None:
         return nvfp4_quantize_with_guidance_reference(x, **kw)

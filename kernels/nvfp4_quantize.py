@@ -1,8 +1,15 @@
-"""Triton NVFP4 quantization, bit-identical with `megatron_trace.fp4.nvfp4.quantize`.
+"""Triton NVFP4 quantization, bit-identical with `megatron_trace.fp4.nvfp4.quantize`, and the
+same pass fused with TRACE guidance capture (one kernel, `MANTISSA` a compile-time option).
 
 One program owns BLOCK_M rows x BLOCK_K columns (BLOCK_K/16 scale blocks). Each scale block is
 loaded as its 8 even and 8 odd elements ([BLOCK_M, NB, 8] twice), so the two nibbles of every
 output byte sit at the same index and no split/join or reshape is needed.
+
+Guidance (`quantize_with_guidance_triton`): mode "full" is the packed codes themselves (no extra
+store); mode "mantissa" also writes the codes' mantissa bits packed 8 per byte, element 8i+j at
+bit j of byte i, exactly `megatron_trace.fp4.mantissa_bits(unpack_fp4(q.data))`. Pair p of a
+block carries elements 2p and 2p+1, so mantissa byte 2*blk collects pairs 0-3 and byte 2*blk+1
+pairs 4-7: two masked sums along the pair axis.
 
 Exactness notes (the reason for the unusual code below):
 * Triton's fp32 `/` is approximate on GPUs, so every division uses `tl.math.div_rn`, or fp64
@@ -24,6 +31,7 @@ import triton.language as tl
 
 from megatron_trace.fp4 import nvfp4
 from megatron_trace.fp4.codecs import FLT_MAX as _FLT_MAX
+from megatron_trace.fp4.guided import GUIDANCE_MODES
 
 FLT_MAX: tl.constexpr = tl.constexpr(_FLT_MAX)
 ONE_SIXTH: tl.constexpr = tl.constexpr(nvfp4._ONE_SIXTH)  # fp32(1/6), exactly as TE writes it
@@ -103,7 +111,7 @@ def _e2m1_rn_satfinite(z):
 def _row_encode_scales(x_row, senc_ptr, sdec_ptr, senc_out_ptr, rows64, row_ok, blk, pair, k_first, K,
                        k_tiles_per_prog, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """S_enc and S_dec of each row: fused from the row's amax (MODE 2), given per row (1) or per
-    tensor (0). Shared by the quantize and the quantize+guidance kernels."""
+    tensor (0)."""
     if MODE == 2:
         # Fused per-row S_enc: a first pass over the row for its amax (NaN ignored); the second
         # pass below re-reads the row, mostly from L2.
@@ -132,9 +140,9 @@ def _row_encode_scales(x_row, senc_ptr, sdec_ptr, senc_out_ptr, rows64, row_ok, 
 
 @triton.jit
 def _nvfp4_quantize_kernel(
-    x_ptr, data_ptr, scale_ptr, senc_ptr, sdec_ptr, senc_out_ptr,
+    x_ptr, data_ptr, scale_ptr, mant_ptr, senc_ptr, sdec_ptr, senc_out_ptr,
     M, K, stride_xm, k_tiles_per_prog,
-    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr, MANTISSA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // 16
     pid_m = tl.program_id(0)
@@ -153,6 +161,9 @@ def _nvfp4_quantize_kernel(
 
     half_k = K // 2
     n_blocks = K // 16
+    # Bit position of each pair's even element inside its mantissa byte (odd: +1).
+    shift = (2 * pair) % 8
+    first_half = pair < 4
     for t in range(0, k_tiles_per_prog):
         k0 = k_first + t * BLOCK_K
         col = k0 + blk * 16 + 2 * pair  # [1, NB, 8]
@@ -172,8 +183,15 @@ def _nvfp4_quantize_kernel(
         byte = (qe | (qo << 4)).to(tl.uint8)
         tl.store(data_ptr + rows64 * half_k + (k0 // 2 + blk * 8 + pair), byte, mask=ok)
         blk_idx = k0 // 16 + blk
-        tl.store(scale_ptr + rows64 * n_blocks + blk_idx, sf.to(tl.uint8),
-                 mask=row_ok & (blk_idx < n_blocks))
+        blk_ok = row_ok & (blk_idx < n_blocks)
+        tl.store(scale_ptr + rows64 * n_blocks + blk_idx, sf.to(tl.uint8), mask=blk_ok)
+        if MANTISSA:
+            bits = ((qe & 1) << shift) | ((qo & 1) << (shift + 1))  # [BM, NB, 8], disjoint bits
+            lo = tl.sum(tl.where(first_half, bits, 0), axis=2, keep_dims=True)
+            hi = tl.sum(tl.where(first_half, 0, bits), axis=2, keep_dims=True)
+            mrow = mant_ptr + rows64 * (K // 8) + 2 * blk_idx
+            tl.store(mrow, lo.to(tl.uint8), mask=blk_ok)
+            tl.store(mrow + 1, hi.to(tl.uint8), mask=blk_ok)
 
 
 def _tensor_amax(x2: torch.Tensor) -> torch.Tensor:
@@ -205,14 +223,35 @@ def quantize_triton(
     Same contract and bits as `megatron_trace.fp4.nvfp4.quantize` (without four_over_six).
     x must be on CUDA, or on CPU with TRITON_INTERPRET=1 set before triton was imported.
     """
+    return _quantize(x, global_amax, per_row_global, global_scale, mantissa=False)[0]
+
+
+def quantize_with_guidance_triton(
+    x: torch.Tensor,
+    *,
+    mode: str = "full",
+    global_amax: torch.Tensor | float | None = None,
+    per_row_global: bool = False,
+    global_scale: torch.Tensor | float | None = None,
+) -> tuple[nvfp4.NVFP4Tensor, torch.Tensor]:
+    """(NVFP4Tensor, guidance) for x; see `kernels.dispatch.nvfp4_quantize_with_guidance`."""
+    if mode not in GUIDANCE_MODES:
+        raise ValueError(f"guidance mode must be one of {GUIDANCE_MODES}; got {mode!r}")
+    q, mant = _quantize(x, global_amax, per_row_global, global_scale, mantissa=mode == "mantissa")
+    return q, (q.data if mant is None else mant)
+
+
+def _quantize(x, global_amax, per_row_global: bool, global_scale, *, mantissa: bool):
+    """(NVFP4Tensor, packed mantissa bits [..., K/8] or None) from one kernel launch."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         nvfp4.as_float32(x)  # raises the reference's TypeError
     nvfp4.check_blocks(x, nvfp4.BLOCK, "NVFP4")
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
     if x.numel() == 0:
-        return nvfp4.quantize(x, global_amax=global_amax, per_row_global=per_row_global, global_scale=global_scale)
+        q = nvfp4.quantize(x, global_amax=global_amax, per_row_global=per_row_global, global_scale=global_scale)
+        return q, (torch.empty(*lead, k // 8, dtype=torch.uint8, device=x.device) if mantissa else None)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.to(torch.float32)  # float64 etc.: the reference rounds to fp32 first, too
-    lead, k = tuple(x.shape[:-1]), x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -241,13 +280,15 @@ def quantize_triton(
 
     data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
     scale = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
+    mant = torch.empty((m, k // 8), dtype=torch.uint8, device=dev) if mantissa else data  # data: never written
     block_m, block_k, k_progs, k_tiles = _launch_shape(m, k, mode == _FUSED_ROW)
     grid = (triton.cdiv(m, block_m), k_progs)
     _nvfp4_quantize_kernel[grid](
-        x2, data, scale, s_enc, s_dec, s_enc,
+        x2, data, scale, mant, s_enc, s_dec, s_enc,
         m, k, x2.stride(0), k_tiles,
-        MODE=mode, BLOCK_M=block_m, BLOCK_K=block_k,
+        MODE=mode, MANTISSA=mantissa, BLOCK_M=block_m, BLOCK_K=block_k,
         num_warps=4, enable_fp_fusion=False,
     )
     g = s_enc.reshape(lead) if per_row_global else s_enc.reshape(())
-    return nvfp4.NVFP4Tensor(data.reshape(*lead, k // 2), scale.reshape(*lead, k // 16), g)
+    q = nvfp4.NVFP4Tensor(data.reshape(*lead, k // 2), scale.reshape(*lead, k // 16), g)
+    return q, (mant.reshape(*lead, k // 8) if mantissa else None)

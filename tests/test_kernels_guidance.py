@@ -1,12 +1,16 @@
-"""The fused Triton quantize + guidance kernel (TRITON_INTERPRET=1) against nvfp4.quantize and
+"""The Triton quantize kernel's guidance option (TRITON_INTERPRET=1) against nvfp4.quantize and
 mantissa_bits(unpack_fp4(codes)), bit for bit."""
 import importlib
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
 from kernels.dispatch import nvfp4_quantize_with_guidance, nvfp4_quantize_with_guidance_reference, triton_available
-from megatron_trace.fp4 import guided_quantize, unpack_mantissa_bits
+from megatron_trace.fp4 import guided_quantize, mantissa_bits_packed, unpack_mantissa_bits
 
 pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="triton is not importable"),
@@ -16,7 +20,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted():
-    if not importlib.import_module("kernels.nvfp4_guidance").INTERPRETED:
+    if not importlib.import_module("kernels.nvfp4_quantize").INTERPRETED:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; CPU runs need it")
 
 
@@ -64,3 +68,17 @@ def test_mantissa_guidance_reproduces_the_rollout_rounding():
 def test_bad_mode():
     with pytest.raises(ValueError):
         nvfp4_quantize_with_guidance(torch.randn(1, 16), mode="half", backend="triton")
+
+
+def _rows():
+    shapes = st.tuples(st.integers(1, 3), st.sampled_from((16, 32, 48)))
+    return shapes.flatmap(lambda s: arrays(np.float32, s, elements=st.floats(width=32))).map(torch.from_numpy)
+
+
+@settings(max_examples=25, deadline=None)
+@given(_rows(), st.sampled_from(["full", "mantissa"]), st.booleans())
+def test_hypothesis_any_floats(x, mode, per_row):
+    # NaN, Inf, subnormals and signed zeros included; the packed bits also equal fp4's packer.
+    q, g = _check(x, mode, per_row_global=per_row)
+    if mode == "mantissa":
+        assert torch.equal(g, mantissa_bits_packed(q.data))

@@ -25,6 +25,9 @@ from .codecs import E2M1_MAX, as_float32, e2m1_grid, pack_fp4, unpack_fp4
 from . import mxfp4
 from .nvfp4 import BLOCK, NVFP4Tensor, check_blocks, encode_with_scales
 
+# What the rollout records per element (`guidance.mode`): its 4-bit code, or its mantissa bit.
+GUIDANCE_MODES = ("full", "mantissa")
+
 _UPPER = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # grid magnitudes above 0
 _upper_cache: dict[torch.device, torch.Tensor] = {}
 

@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from megatron_trace.fp4 import RolloutRounding, mantissa_bits_packed
-
-MODES = ("full", "mantissa")
+from megatron_trace.fp4.guided import GUIDANCE_MODES
 KV_SITES = ("k_cache", "v_cache")
 
 
@@ -48,8 +47,8 @@ class SiteRecord:
 
 def make_site(scale, global_scale, codes_packed, mode: str) -> SiteRecord:
     """Build a site from a quantizer's output (packed codes), keeping what `mode` asks for."""
-    if mode not in MODES:
-        raise ValueError(f"guidance.mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode not in GUIDANCE_MODES:
+        raise ValueError(f"guidance.mode must be one of {', '.join(GUIDANCE_MODES)}; got {mode!r}")
     payload = codes_packed if mode == "full" else mantissa_bits_packed(codes_packed)
     return SiteRecord(scale.contiguous(), global_scale.to(torch.float32).contiguous(), payload.contiguous())
 
@@ -74,8 +73,8 @@ class GuidanceRecord:
     sites: dict[str, SiteRecord] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"guidance.mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.mode not in GUIDANCE_MODES:
+            raise ValueError(f"guidance.mode must be one of {', '.join(GUIDANCE_MODES)}; got {self.mode!r}")
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.sites.values())
@@ -137,8 +136,8 @@ def encode_records(sample_ids: list[str], mode: str, lens: list[int], sites: dic
     """Each sample's `GuidanceRecord.to_bytes()`, from sites that hold all samples' positions one
     after another (lens[i] rows each; a 0-d global scale is shared). Each tensor is converted and
     described once per batch; per sample only offsets and slices remain (the engine's hot path)."""
-    if mode not in MODES:
-        raise ValueError(f"guidance.mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode not in GUIDANCE_MODES:
+        raise ValueError(f"guidance.mode must be one of {', '.join(GUIDANCE_MODES)}; got {mode!r}")
     if len(sample_ids) != len(lens):
         raise ValueError(f"{len(sample_ids)} sample ids but {len(lens)} position counts")
     total = sum(lens)
