@@ -22,7 +22,7 @@ RUN pip install --no-cache-dir \
         "megatron-core==${MEGATRON_CORE_VERSION}" \
         "transformer-engine[pytorch]==${TRANSFORMER_ENGINE_VERSION}" \
         "tensorboard==${TENSORBOARD_VERSION}" \
-        "safetensors==0.6.2" "pyyaml==6.0.2" "tqdm==4.67.1" \
+        "safetensors==0.6.2" "pyyaml==6.0.2" "tqdm==4.67.1" "tenacity==9.2.1" \
     && useradd --create-home --uid 1000 --user-group --home-dir /opt/megatron-trace trace
 
 WORKDIR /opt/megatron-trace/src

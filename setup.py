@@ -19,6 +19,11 @@ setup(
         "pyyaml>=6",
         "tqdm>=4.66",
         "ninja>=1.11",  # torch.utils.cpp_extension builds kernels/cpu_gemv.c with it at first use
+        # The HTTP layer (sglang_backend/local/server.py, client.py); ranges admit what sglang 0.5.23 pins.
+        "fastapi>=0.110",
+        "uvicorn>=0.51,<1",  # server.py subclasses its H11Protocol (half-closed uploads answer 400)
+        "httpx>=0.27,<1",
+        "tenacity>=8.2,<10",  # the client's 5xx / dead-server retry policy
     ],
     extras_require={
         # The trainer side (Megatron-Core) and the HF reference; SGLang containers skip these.
