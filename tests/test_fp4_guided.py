@@ -1,4 +1,4 @@
-"""TRACE guided rounding: properties against the rollout's codes, and the STE fake-quant."""
+"""TRACE guided rounding: properties against the rollout's codes, and the straight-through estimator."""
 import numpy as np
 import pytest
 import torch
@@ -6,10 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_trace.fp4 import (
-    RolloutRounding, e2m1_decode, e2m1_encode, fake_quant, guided_quantize, mantissa_bits,
-    quantize_site, unpack_fp4, unpack_mantissa_bits,
+    e2m1_decode, e2m1_encode, guided_quantize, mantissa_bits, straight_through, unpack_fp4, unpack_mantissa_bits,
 )
-from megatron_trace.fp4 import mxfp4, nvfp4
+from megatron_trace.fp4 import nvfp4
 
 SIGNED = [-6, -4, -3, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 3, 4, 6]
 
@@ -111,33 +110,17 @@ def test_guidance_shape_and_mode_errors():
         guided_quantize(x, q.scale, q.global_scale, codes=q.data[:1])
     with pytest.raises(ValueError, match="mantissa has shape"):
         guided_quantize(x, q.scale, q.global_scale, mantissa=torch.zeros(2, 3, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="mode must be one of rtn, guided"):
-        fake_quant(x, mode="nearest")
-    with pytest.raises(ValueError, match="needs the rollout"):
-        fake_quant(x, mode="guided")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fake_quant_forward_exact_backward_straight_through(dtype):
+def test_straight_through_forward_exact_backward_identity(dtype):
     x = torch.randn(4, 64, dtype=dtype, requires_grad=True)
-    y = fake_quant(x, per_row_global=True)
+    y = straight_through(x, nvfp4.dequantize(nvfp4.quantize(x.detach(), per_row_global=True), dtype))
     assert y.dtype == dtype
     assert torch.equal(y, nvfp4.dequantize(nvfp4.quantize(x.detach(), per_row_global=True), dtype))
     w = torch.randn(4, 64, dtype=dtype)
     (y * w).sum().backward()
     assert torch.equal(x.grad, w)
-
-
-def test_fake_quant_guided_and_mxfp4():
-    x_roll, x_train, q = _pair(3, 4, 64, 0.01, False)
-    site = RolloutRounding(q.scale, q.global_scale, codes=q.data)
-    x = x_train.clone().requires_grad_(True)
-    y = fake_quant(x, mode="guided", guidance=site)
-    assert torch.equal(y.detach(), nvfp4.dequantize(quantize_site(x_train, mode="guided", guidance=site)))
-    y.sum().backward()
-    assert torch.equal(x.grad, torch.ones_like(x))
-    ym = fake_quant(x_train, fmt="mxfp4", mx_rule="ceil")
-    assert torch.equal(ym, mxfp4.dequantize(mxfp4.quantize(x_train, rule="ceil")))
 
 
 @settings(max_examples=30, deadline=None)

@@ -19,6 +19,8 @@ full codes (tests/test_fp4_guided.py shows both cases).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .codecs import E2M1_MAX, as_float32, e2m1_grid, pack_fp4, unpack_fp4
@@ -27,6 +29,18 @@ from .nvfp4 import BLOCK, NVFP4Tensor, check_blocks, encode_with_scales
 
 # What the rollout records per element (`guidance.mode`): its 4-bit code, or its mantissa bit.
 GUIDANCE_MODES = ("full", "mantissa")
+
+
+@dataclass
+class RolloutRounding:
+    """What the rollout recorded at one quantization site for a [..., K] activation: the input of
+    `guided_quantize` (exactly one of codes / mantissa is set)."""
+
+    scale: torch.Tensor  # uint8 E4M3 block scales [..., K/16]
+    global_scale: torch.Tensor  # fp32 S_enc, 0-d or one per row
+    codes: torch.Tensor | None = None  # packed codes [..., K/2] (full guidance)
+    mantissa: torch.Tensor | None = None  # packed mantissa bits [..., K/8]
+
 
 _UPPER = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # grid magnitudes above 0
 _upper_cache: dict[torch.device, torch.Tensor] = {}

@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_trace.fp4 import (RolloutRounding, guided_quantize, guided_quantize_mxfp4, mantissa_bits_packed,
-                                 straight_through, unpack_fp4)
-from megatron_trace.fp4.fake_quant import dequantize_any
+from megatron_trace.fp4 import (RolloutRounding, dequantize_any, guided_quantize, guided_quantize_mxfp4,
+                                 mantissa_bits_packed, straight_through, unpack_fp4)
 from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
@@ -38,7 +37,7 @@ from megatron_trace.models import ModelArch, QuantPolicy
 from .routing_replay import expert_rows
 
 log = logging.getLogger(__name__)
-MODES = ("off", "rtn", "guided")
+QAT_MODES = ("off", "rtn", "guided")  # trainer.qat_mode: no FP4, round-to-nearest QAT, TRACE
 _LINEAR_SITES = {
     "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.qkv_proj"),
     "self_attention.linear_proj": ("self_attn.o_proj", "self_attn.o_proj"),
@@ -100,8 +99,8 @@ class QATState:
     """Owns the mode, the current micro-batch's guidance and the agreement counters."""
 
     def __init__(self, arch: ModelArch, policy: QuantPolicy, mode: str, tp_group=None):
-        if mode not in MODES:
-            raise ValueError(f"trainer.qat_mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if mode not in QAT_MODES:
+            raise ValueError(f"trainer.qat_mode must be one of {', '.join(QAT_MODES)}; got {mode!r}")
         self.arch, self.policy, self.mode, self.tp_group = arch, policy, mode, tp_group
         self.guidance: MicroBatchGuidance | None = None
         self.agree = defaultdict(lambda: [0, 0])  # site -> [elements agreeing with the rollout's codes, compared]
@@ -259,8 +258,8 @@ class QATState:
         c[1] += same.numel()
 
     def set_mode(self, mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"trainer.qat_mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if mode not in QAT_MODES:
+            raise ValueError(f"trainer.qat_mode must be one of {', '.join(QAT_MODES)}; got {mode!r}")
         self.mode = mode
         self.clear_counters()
 
