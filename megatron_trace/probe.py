@@ -34,7 +34,7 @@ from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.rl import mismatch_metrics
 from megatron_trace.trainer.comm import all_gather_json, broadcast_blobs, broadcast_json
 
-MODES = ("off", "rtn", "guided-full", "guided-mantissa")
+PROBE_MODES = ("off", "rtn", "guided-full", "guided-mantissa")  # the trainer roundings the probe scores
 # --quantization -> (quant.format, quant.weights, quant.activations), SGLang's spellings
 QUANTIZATIONS = {"nvfp4": ("nvfp4", "fp4", "fp4"), "mxfp4": ("mxfp4", "fp4", "fp4"),
                  "w4a16_nvfp4": ("nvfp4", "fp4", "bf16"), "w4a16_mxfp4": ("mxfp4", "fp4", "bf16"),
@@ -180,7 +180,7 @@ def probe(args) -> dict:
             arch.num_experts) for s in samples]
         rollout_lp = [s["logprobs"] for s in samples]
         results = {}
-        modes = ("off", "rtn") if skipped else MODES + ((NO_REPLAY,) if replay else ())
+        modes = ("off", "rtn") if skipped else PROBE_MODES + ((NO_REPLAY,) if replay else ())
         for mode in modes:
             kind = "mantissa" if mode == "guided-mantissa" else "full"
             actor.routing.set_replay(replay and mode != NO_REPLAY)

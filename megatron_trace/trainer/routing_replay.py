@@ -31,14 +31,14 @@ import torch.distributed as dist
 
 from megatron_trace.fp4 import RolloutRounding
 
-MODES = ("auto", "on", "off")
+ROUTING_REPLAY_MODES = ("auto", "on", "off")  # trainer.routing_replay
 _ROUTER = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.router$")
 
 
 def replay_enabled(mode: str, arch) -> bool:
     """trainer.routing_replay: auto (on for MoE models), on (an MoE model is required), off."""
-    if mode not in MODES:
-        raise ValueError(f"trainer.routing_replay must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode not in ROUTING_REPLAY_MODES:
+        raise ValueError(f"trainer.routing_replay must be one of {', '.join(ROUTING_REPLAY_MODES)}; got {mode!r}")
     if mode == "on" and not arch.is_moe:
         raise ValueError(f"trainer.routing_replay=on needs an MoE model; {arch.family} has no routers "
                          "(use auto or off)")
