@@ -40,7 +40,7 @@ PLUGIN_NAME = "trace_fp4"
 KV_SIDES = ("bf16", "fp8", "nvfp4", "mxfp4")
 
 
-def _guided_layers(v: str):
+def _parse_guided_layers(v: str):
     if v in ("last_half", "all", "none"):
         return v
     if v.isdigit():
@@ -67,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-v", choices=KV_SIDES, default=None, help="V cache format (default: --kv-cache-dtype)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--guidance-mode", choices=["full", "mantissa"], default="mantissa")
-    p.add_argument("--guided-layers", type=_guided_layers, default="last_half", metavar="last_half|all|none|N")
+    p.add_argument("--guided-layers", type=_parse_guided_layers, default="last_half", metavar="last_half|all|none|N")
     p.add_argument("--max-running-requests", type=_positive, default=64)
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--max-body-mb", type=_positive, default=64, help="request body limit in MiB (default 64)")
@@ -142,16 +142,16 @@ def sglang_kv(args: argparse.Namespace, device: str) -> tuple[list[str], dict[st
     return flags, {"TRACE_KV_SIDES": ",".join(sides)}
 
 
-def _guided_layer_list(args: argparse.Namespace) -> list[int]:
+def _resolve_guided_layers(args: argparse.Namespace) -> list[int]:
     """--guided-layers resolved against the checkpoint's layer count (the plugin gets explicit indices)."""
-    from megatron_trace.guidance import guided_layers
+    from megatron_trace.guidance import resolve_guided_layers
     from megatron_trace.models import ModelArch
 
     try:
         layers = ModelArch.from_hf_config(Path(args.model_path)).num_layers
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read the model config of {args.model_path}: {e}") from None
-    return guided_layers(layers, args.guided_layers)
+    return resolve_guided_layers(layers, args.guided_layers)
 
 
 def _device(args: argparse.Namespace) -> str:
@@ -173,7 +173,7 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
            "--max-running-requests", str(args.max_running_requests), "--skip-tokenizer-init",
            "--weight-version", str(args.weight_version)]
     env = {"SGLANG_PLUGINS": PLUGIN_NAME, "TRACE_GUIDANCE_MODE": args.guidance_mode,
-           "TRACE_GUIDED_LAYERS": ",".join(map(str, _guided_layer_list(args)))}
+           "TRACE_GUIDED_LAYERS": ",".join(map(str, _resolve_guided_layers(args)))}
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     if args.enable_return_routed_experts:

@@ -1,7 +1,7 @@
 """TRACE guidance: the record layout (what the rollout rounded to) and, later, its store."""
-from .record import GUIDANCE_MODES, KV_SITES, GuidanceRecord, SiteRecord, concat_sites, encode_records, guided_layers, make_site
+from .record import GUIDANCE_MODES, KV_SITES, GuidanceRecord, SiteRecord, concat_sites, encode_records, make_site, resolve_guided_layers
 from .routing import decode_routed_experts, encode_routed_experts
 from .store import GuidanceStore, GuidanceStoreError
 
-__all__ = ["GUIDANCE_MODES", "KV_SITES", "GuidanceRecord", "SiteRecord", "concat_sites", "encode_records", "guided_layers", "make_site", "GuidanceStore", "GuidanceStoreError",
+__all__ = ["GUIDANCE_MODES", "KV_SITES", "GuidanceRecord", "SiteRecord", "concat_sites", "encode_records", "make_site", "resolve_guided_layers", "GuidanceStore", "GuidanceStoreError",
            "decode_routed_experts", "encode_routed_experts"]

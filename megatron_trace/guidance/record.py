@@ -248,7 +248,7 @@ def layer_of(site: str) -> int:
     return int(site.split(".")[2])
 
 
-def guided_layers(num_layers: int, spec: str | int | list[int] | None) -> list[int]:
+def resolve_guided_layers(num_layers: int, spec: str | int | list[int] | None) -> list[int]:
     """Which layers are guided: "last_half" (default), "all", "none", an int N (the last N),
     or an explicit list of layer indices."""
     if spec in (None, "last_half"):

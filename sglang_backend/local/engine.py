@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron_trace.guidance import guided_layers as resolve_guided_layers
+from megatron_trace.guidance import resolve_guided_layers
 from megatron_trace.models import ModelArch, QuantPolicy
 
 from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
