@@ -274,7 +274,7 @@ def test_export_cli_loads_and_matches(ckpts, tmp_path):
     amax_file = tmp_path / "amax.json"
     amax_file.write_text(json.dumps(dict.fromkeys(QuantPolicy().quantized_linears(arch), 3.0)))
     out = tmp_path / "nvfp4"
-    r = subprocess.run([sys.executable, "-m", "megatron_trace.export", "--load", str(src), "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "megatron_trace.transfer.export", "--load", str(src), "--out", str(out),
                         "--format", "nvfp4", "--max-shard-mb", "0.1", "--input-amax", str(amax_file)], cwd=REPO,
                        env=_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -1,6 +1,6 @@
 """Write a rollout-ready HF checkpoint: ModelOpt NVFP4 (what stock SGLang/vLLM load) or unquantized.
 
-    python -m megatron_trace.export --load CKPT --out DIR --format nvfp4|bf16 \
+    python -m megatron_trace.transfer.export --load CKPT --out DIR --format nvfp4|bf16 \
         [--quant-targets '*.mlp.*' ...] [--dtype auto|bfloat16|float32] [--max-shard-mb 4096] \
         (--calib-prompts prompts.jsonl | --input-amax amax.json) [--hf-config DIR]
 
@@ -219,7 +219,7 @@ def export_checkpoint(hf_sd: Mapping[str, torch.Tensor], arch: ModelArch, out: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_trace.export", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megatron_trace.transfer.export", description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="HF checkpoint dir, or a single-rank Actor checkpoint root")
     p.add_argument("--out", required=True)
     p.add_argument("--format", choices=["nvfp4", "bf16"], default="nvfp4")
@@ -261,3 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {out} ({args.format})")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
