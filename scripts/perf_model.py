@@ -31,6 +31,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_trace import perf_model as pm  # noqa: E402
+from megatron_trace import perf_step as ps  # noqa: E402
 
 KS = (4096, 8192, 16384, 32768, 65536, 131072)
 PRECS = ("bf16", "fp8", "nvfp4")
@@ -147,7 +148,7 @@ def step_tables(a, md) -> list[str]:
         m = pm.MODELS[mk]
         for nodes in a.sync_nodes:
             bw = a.net_gbps / 8 * 1e9 * nodes
-            b16, b4 = pm.sync_bytes(m, "bf16"), pm.sync_bytes(m, "nvfp4")
+            b16, b4 = ps.sync_bytes(m, "bf16"), ps.sync_bytes(m, "nvfp4")
             rows.append([m.name, nodes, f"{bw / 1e9:.0f}", f"{b16 / 1e9:.1f}", f"{b16 / bw:.2f}",
                          f"{b4 / 1e9:.1f}", f"{b4 / bw:.2f}", fx(b16 / b4)])
     out.append(table(f"Weight sync trainer -> rollout ({a.net_gbps:g} Gb/s per node x nodes; NVFP4 = 4.5-bit "
@@ -160,10 +161,10 @@ def step_tables(a, md) -> list[str]:
         toks = n * (a.prompt_len + max(a.lengths))
         for mode in ("full", "mantissa"):
             for layers in ("half", "all"):
-                act, kv = pm.guidance_bytes_per_token(m, mode, layers)
+                act, kv = ps.guidance_bytes_per_token(m, mode, layers)
                 per = act + kv
                 tot = per * toks
-                pa, pk = pm.paper_style_guidance(m, mode, layers)
+                pa, pk = ps.paper_style_guidance(m, mode, layers)
                 ptot = (pa + pk) * toks
                 rows.append([m.name, mode, layers, f"{act / 1024:.1f}", f"{kv / 1024:.2f}",
                              f"{tot / 1e9:,.0f}", f"{tot / (a.host_mem_gb * 1e9):.2f}",
@@ -176,11 +177,11 @@ def step_tables(a, md) -> list[str]:
                       "x host mem", "disk write s", "1-site/layer KiB/tok", "1-site GB", "1-site x host"],
                      rows, md))
     q = pm.QWEN35_35B_A3B
-    fa, fk = pm.paper_style_guidance(q, "full", "all")
-    ma, mkv = pm.paper_style_guidance(q, "mantissa", "half")
-    ra, rk = pm.guidance_bytes_per_token(q, "full", "all")
-    da, _ = pm.guidance_bytes_per_token(q, "full", "all", dedup_experts=True)
-    rma, rmk = pm.guidance_bytes_per_token(q, "mantissa", "half")
+    fa, fk = ps.paper_style_guidance(q, "full", "all")
+    ma, mkv = ps.paper_style_guidance(q, "mantissa", "half")
+    ra, rk = ps.guidance_bytes_per_token(q, "full", "all")
+    da, _ = ps.guidance_bytes_per_token(q, "full", "all", dedup_experts=True)
+    rma, rmk = ps.guidance_bytes_per_token(q, "mantissa", "half")
     out.append(table(f"Cross-check vs TRACE paper, {q.name}: 40 layers (10 attention: 2 KV heads x 256), hidden "
                      "2048, 256 experts top-8 (inter 512) + shared 512",
                      ["quantity", "paper", "1 hidden site/layer, no globals", "our record format (per-slot)"],
@@ -198,7 +199,7 @@ def step_tables(a, md) -> list[str]:
         m = pm.MODELS[mk]
         for g in a.gpus:
             for passes, tag in ((2, "fused (1R+1W)"), (15, "reference (~15 passes)")):
-                q_ = pm.qat_overhead(m, pm.GPUS[g], a.tp, a.train_tokens, a.eff(g), passes=passes)
+                q_ = ps.qat_overhead(m, pm.GPUS[g], a.tp, a.train_tokens, a.eff(g), passes=passes)
                 rows.append([m.name, pm.GPUS[g].name, tag, f"{q_['compute_s'] * 1e3:.0f}",
                              f"{q_['act_frac']:.1%}", f"{q_['weight_frac']:.1%}"])
     out.append(table(f"QAT fake-quant overhead per micro-batch of {a.train_tokens} tokens on {a.tp} GPUs "

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_trace import perf_model as pm
+from megatron_trace import perf_step as ps
 
 M72 = pm.MODELS["qwen2.5-72b"]
 H200, B200 = pm.GPUS["h200"], pm.GPUS["b200"]
@@ -109,22 +110,22 @@ def test_moe_expert_fraction():
 def test_guidance_bytes():
     for m in list(pm.MODELS.values()) + [pm.QWEN35_35B_A3B]:
         for layers in ("half", "all"):
-            fa, fk = pm.guidance_bytes_per_token(m, "full", layers)
-            ma, mk = pm.guidance_bytes_per_token(m, "mantissa", layers)
+            fa, fk = ps.guidance_bytes_per_token(m, "full", layers)
+            ma, mk = ps.guidance_bytes_per_token(m, "mantissa", layers)
             assert ma < fa and mk < fk
-        assert sum(pm.guidance_bytes_per_token(m, "full", "half")) < sum(pm.guidance_bytes_per_token(m, "full", "all"))
+        assert sum(ps.guidance_bytes_per_token(m, "full", "half")) < sum(ps.guidance_bytes_per_token(m, "full", "all"))
     # site format: 2048 elements full = 1024 B codes + 128 B scales + 4 B global
-    assert pm.site_bytes(2048, "full") == 1156 and pm.site_bytes(2048, "mantissa") == 388
+    assert ps.site_bytes(2048, "full") == 1156 and ps.site_bytes(2048, "mantissa") == 388
     # TRACE paper figures for Qwen3.5-35B-A3B: 45 KB act + 5.6 KB KV full, 7.5 KB mantissa (last 20)
-    act, kv = pm.paper_style_guidance(pm.QWEN35_35B_A3B, "full", "all")
+    act, kv = ps.paper_style_guidance(pm.QWEN35_35B_A3B, "full", "all")
     assert act / 1024 == pytest.approx(45.0) and kv / 1024 == pytest.approx(5.6, abs=0.05)
-    assert pm.paper_style_guidance(pm.QWEN35_35B_A3B, "mantissa", "half")[0] / 1024 == pytest.approx(7.5)
+    assert ps.paper_style_guidance(pm.QWEN35_35B_A3B, "mantissa", "half")[0] / 1024 == pytest.approx(7.5)
 
 
 def test_sync_and_qat():
-    r = pm.sync_bytes(M72, "bf16") / pm.sync_bytes(M72, "nvfp4")
+    r = ps.sync_bytes(M72, "bf16") / ps.sync_bytes(M72, "nvfp4")
     assert 3.0 < r < 16 / 4.5
-    q = pm.qat_overhead(M72, H200, 8, 16384, pm.Eff())
+    q = ps.qat_overhead(M72, H200, 8, 16384, pm.Eff())
     assert 0 < q["act_frac"] < 0.05 and 0 < q["weight_frac"] < 0.05
 
 
