@@ -54,7 +54,7 @@ def test_binds_loopback_unless_configured(engine):
     assert launch.parser().parse_args(["--model-path", "x"]).host == "127.0.0.1"
     s = serve(engine)  # the default host
     try:
-        assert s.httpd.socket.getsockname()[0] == "127.0.0.1"
+        assert s.socket.getsockname()[0] == "127.0.0.1"
     finally:
         s.shutdown()
     with pytest.raises(ValueError, match="non-loopback"):

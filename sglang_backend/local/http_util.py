@@ -1,20 +1,31 @@
-"""HTTP plumbing for the embedded server: auth, bounded body reads, SGLang-shaped errors.
+"""HTTP plumbing for the embedded server (FastAPI/uvicorn): auth, body limits, SGLang-shaped errors.
 
 Kept apart from the route table (`server.py`) so the routes read as "what SGLang does" and this
-file as "how a request is received safely". Every failure here becomes an `HTTPError`, which
-the handler turns into a response; nothing a client sends may kill the server.
+file as "how a request is received safely": one ASGI middleware (`RequestGuard`: bearer token,
+body-size limit) in front of every route, exception handlers that give every failure one of
+SGLang's JSON error shapes, and a uvicorn protocol that answers a sender who hangs up mid-body.
+Every failure becomes an `HTTPError` (or a Starlette 404/405), which the handlers turn into a
+response; nothing a client sends may kill the server.
 """
 from __future__ import annotations
 
 import hmac
 import ipaddress
 import json
-from http.server import BaseHTTPRequestHandler
+import logging
+import socket
+import threading
 from typing import Any
 
-# Drain at most this much of a refused body before answering: a client still sending a body
-# we never read would otherwise see a connection reset instead of our 413/401.
-_DRAIN_CAP = 256 << 20
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+BACKLOG = 2048  # uvicorn's (and SGLang's) listen backlog: a burst of clients is never reset
 
 
 class HTTPError(Exception):
@@ -31,6 +42,12 @@ class HTTPError(Exception):
         return {"error": {"message": self.message, "code": self.status}}
 
 
+def json_response(status: int, payload: Any, headers: dict[str, str] | None = None) -> Response:
+    # json.dumps, not Starlette's JSONResponse: that one refuses NaN/inf (allow_nan=False), which a
+    # logprob of -inf is, and the stdlib server this replaces sent them as Python's json does.
+    return Response(json.dumps(payload).encode(), status, headers=headers, media_type="application/json")
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -40,104 +57,134 @@ def is_loopback(host: str) -> bool:
         return False  # a hostname: assume it may be reachable from elsewhere
 
 
-def check_auth(handler: BaseHTTPRequestHandler, api_key: str | None) -> None:
+def authorized(header: str | None, api_key: str | None) -> bool:
     """SGLang's `Authorization: Bearer <key>`; constant-time compare so timing leaks nothing."""
     if not api_key:
-        return
-    got = handler.headers.get("Authorization", "")
-    scheme, _, token = got.partition(" ")
-    ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
-    if not ok:
-        raise HTTPError(401, "Unauthorized", style="text")
+        return True
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
-class Body:
-    """The request body, read at most once and never past the configured limit."""
+class RequestGuard:
+    """ASGI middleware in front of every route: the API key (every path but `open_paths`, as
+    SGLang's `add_api_key_middleware`), then the body limit: a declared Content-Length over it is
+    answered 413 before a byte is read; a chunked body is counted as it arrives."""
 
-    def __init__(self, handler: BaseHTTPRequestHandler, limit: int):
-        self.h, self.limit, self.consumed = handler, limit, False
-        te = handler.headers.get("Transfer-Encoding", "")
-        if te and te.lower() != "identity":
-            # No chunked decoding here: refuse up front and drop the connection, whose framing
-            # we cannot follow.
-            self.h.close_connection = True
-            self.consumed = True
-            raise HTTPError(411, "chunked request bodies are not supported; send Content-Length")
-        raw = handler.headers.get("Content-Length")
-        try:
-            self.length = int(raw) if raw is not None else 0
-            if self.length < 0:
-                raise ValueError
-        except ValueError:
-            self.h.close_connection = True
-            self.consumed = True
-            raise HTTPError(400, f"bad Content-Length header {raw!r}") from None
+    def __init__(self, app, *, api_key: str | None, open_paths: set[str], max_body_bytes: int):
+        self.app, self.api_key, self.open_paths, self.limit = app, api_key, open_paths, max_body_bytes
 
-    def read(self) -> bytes:
-        if self.length > self.limit:
-            raise HTTPError(413, f"request body is {self.length} bytes; the limit is {self.limit} bytes "
-                                 f"({self.limit / 2**20:g} MiB, --max-body-mb)")
-        self.consumed = True
-        data = self.h.rfile.read(self.length) if self.length else b""
-        if len(data) != self.length:
-            self.h.close_connection = True
-            raise HTTPError(400, f"request body truncated: got {len(data)} of {self.length} bytes")
-        return data
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if scope["path"] not in self.open_paths and not authorized(headers.get("authorization"), self.api_key):
+            return await json_response(401, {"error": "Unauthorized"})(scope, receive, send)
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            # uvicorn reads and drops the rest of the body after this answer, so the client sees
+            # the 413 rather than a reset connection.
+            return await json_response(413, HTTPError(413, self._too_big(int(declared))).body())(scope, receive, send)
+        seen = 0
 
-    def json(self, *, required: bool = False) -> dict[str, Any]:
-        data = self.read()
-        if not data.strip():
-            if required:
-                raise HTTPError(400, "request body must be a JSON object; got an empty body")
-            return {}
-        try:
-            obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HTTPError(400, f"malformed JSON body: {e}") from None
-        if not isinstance(obj, dict):
-            raise HTTPError(400, f"request body must be a JSON object; got {type(obj).__name__}")
-        return obj
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise HTTPError(413, self._too_big(seen, "at least "))
+            return message
 
-    def discard(self) -> None:
-        """Read and drop an unread body so the client can read our answer; huge ones: hang up."""
-        if self.consumed:
-            return
-        self.consumed = True
-        left = self.length
-        if left > _DRAIN_CAP:
-            self.h.close_connection = True
-            return
-        try:
-            while left > 0:
-                chunk = self.h.rfile.read(min(left, 1 << 20))
-                if not chunk:
-                    break
-                left -= len(chunk)
-        except OSError:
-            pass
-        self.h.close_connection = True
+        await self.app(scope, counted_receive, send)
+
+    def _too_big(self, n: int, prefix: str = "") -> str:
+        return (f"request body is {prefix}{n} bytes; the limit is {self.limit} bytes "
+                f"({self.limit / 2**20:g} MiB, --max-body-mb)")
 
 
-def send(handler: BaseHTTPRequestHandler, status: int, payload: Any = None, *,
-         content_type: str = "application/json", headers: dict[str, str] | None = None) -> None:
-    """Write one complete response (always with Content-Length, so keep-alive stays framed)."""
-    if payload is None:
-        data = b""
-    elif isinstance(payload, (bytes, bytearray)):
-        data = bytes(payload)
-    elif isinstance(payload, str):
-        data = payload.encode()
-    else:
-        data = json.dumps(payload).encode()
-    handler.send_response(status)
-    if data or content_type != "application/json":
-        handler.send_header("Content-Type", content_type)
-    handler.send_header("Content-Length", str(len(data)))
-    for k, v in (headers or {}).items():
-        handler.send_header(k, v)
-    handler.end_headers()
-    if data and handler.command != "HEAD":
-        handler.wfile.write(data)
+async def read_body(request: Request) -> bytes:
+    """The whole body; a short one (the sender hung up mid-body) is a 400 that says so."""
+    try:
+        data = await request.body()
+    except ClientDisconnect:  # gone for good: nobody reads the answer, but say what happened
+        raise HTTPError(400, "request body truncated: the client disconnected") from None
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and len(data) != int(declared):
+        raise HTTPError(400, f"request body truncated: got {len(data)} of {declared} bytes")
+    return data
+
+
+async def read_json(request: Request, *, required: bool = False) -> dict[str, Any]:
+    data = await read_body(request)
+    if not data.strip():
+        if required:
+            raise HTTPError(400, "request body must be a JSON object; got an empty body")
+        return {}
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HTTPError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(obj, dict):
+        raise HTTPError(400, f"request body must be a JSON object; got {type(obj).__name__}")
+    return obj
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error answers in one of SGLang's shapes (see HTTPError); 404/405 keep their headers."""
+
+    async def on_http_error(request: Request, e: HTTPError) -> Response:
+        return json_response(e.status, e.body())
+
+    async def on_starlette_error(request: Request, e: StarletteHTTPException) -> Response:
+        message = e.detail
+        if e.status_code == 404:
+            message = f"no endpoint {request.url.path!r}"
+        elif e.status_code == 405:
+            message = f"{request.url.path} allows {(e.headers or {}).get('Allow', '?')}; got {request.method}"
+        return json_response(e.status_code, {"error": {"message": message, "code": e.status_code}}, e.headers)
+
+    async def on_bug(request: Request, e: Exception) -> Response:
+        # A bug in a route answers 500 and the server lives on; Starlette re-raises it after this
+        # answer, so uvicorn logs the traceback too.
+        log.error("internal error on %s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
+        return json_response(500, {"error": {"message": f"internal error: {type(e).__name__}: {e}", "code": 500}})
+
+    app.add_exception_handler(HTTPError, on_http_error)
+    app.add_exception_handler(StarletteHTTPException, on_starlette_error)
+    app.add_exception_handler(Exception, on_bug)
+
+
+class HalfCloseH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, except for a sender that half-closes mid-body (a trainer that
+    dies during an upload, as tests/test_faults_rollout.py does it): stock uvicorn closes the
+    connection on EOF, so the route never answers. Here the route gets the short body, answers
+    400 "truncated" on the still-open write side, and the connection closes after that answer."""
+
+    def eof_received(self) -> bool | None:
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or cycle.response_complete:
+            return None  # between requests, or already answered: let asyncio close the transport
+        cycle.more_body = False  # the body ends here (read_body sees it short of Content-Length)
+        cycle.keep_alive = False
+        cycle.message_event.set()
+        return True  # keep the transport open for writing the answer
+
+
+class ReadyUvicorn(uvicorn.Server):
+    """uvicorn's server, telling the thread that started it when it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self.ready.set()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Bound and listening before serve() returns: `.url` works at once, a taken port raises here."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=BACKLOG)
 
 
 def want(d: dict[str, Any], key: str, kind: type | tuple, default: Any = ..., *, style: str = "message") -> Any:

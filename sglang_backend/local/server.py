@@ -1,6 +1,6 @@
-"""SGLang's native HTTP endpoints over the embedded `Engine`, on stdlib `ThreadingHTTPServer`.
+"""SGLang's native HTTP endpoints over the embedded `Engine`, on FastAPI + uvicorn (as SGLang's own).
 
-    srv = serve(engine, host="127.0.0.1", port=0, api_key="k")   # background thread
+    srv = serve(engine, host="127.0.0.1", port=0, api_key="k")   # uvicorn in a background thread
     srv.url  ->  "http://127.0.0.1:54321";  srv.shutdown()
 
 Endpoints (as sglang 0.5.x): POST /generate; GET /health, /health_generate; GET /model_info
@@ -20,40 +20,46 @@ pickled CUDA-IPC handles, which would let any caller run code here. This server 
     the version comes from the bucket header, `?flush_cache=false` in the query string.
 Errors are SGLang's: 400 with {"error": {"message", "code"}} ({"error": "<text>"} on /generate),
 401 {"error": "Unauthorized"} (every path but /health* needs `Authorization: Bearer <key>` when a
-key is configured), weight updates answer {"success", "message"} with 200 or 400.
+key is configured), 413 {"error": {"message", "code"}} over the body limit, weight updates answer
+{"success", "message"} with 200 or 400 (`http_util`: the middleware and exception handlers).
+
+Threads: the event loop only parses and answers. Every engine or weight-group call (a generation
+waiting for its results, a pause, a weight load, a rendezvous) runs in one thread pool of the
+server's own, sized like the thread-per-connection server this replaces: a wait parked while
+generation is paused holds a pool thread, never the loop, and never starves /continue_generation
+(which Starlette's default 40-thread pool could, with 40 parked waits).
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from typing import Any, Callable
 
 import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
 from safetensors import safe_open
 
 from megatron_trace.models import ModelArch
 from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, SamplingParams, WeightBucket
-
-from .engine import Engine
-from .http_util import Body, HTTPError, as_version, check_auth, is_loopback, send, want
-from .loader import checkpoint_files
 from sglang_backend.weight_group import WeightGroup, dtype_from_name
 
+from .engine import Engine
+from .http_util import (HalfCloseH11Protocol, HTTPError, RequestGuard, ReadyUvicorn, as_version,
+                        install_error_handlers, is_loopback, json_response, listen, read_body, read_json, want)
+from .loader import checkpoint_files
+
 OPEN_PATHS = {"/health", "/health_generate"}
-
-
-class _Listener(ThreadingHTTPServer):
-    # socketserver's listen backlog is 5: a burst of clients (16 at once on one busy core) overflows
-    # it and connections are reset before a thread accepts them. uvicorn (SGLang's server) uses 2048.
-    request_queue_size = 1024
+_BLOCKING_THREADS = 1024  # requests that may wait on the engine at once (more queue for a thread)
 
 
 class RolloutServer:
-    """Routes + state (pause flag, weight groups) shared by all handler threads."""
+    """Routes + state (pause flag, weight groups); uvicorn serves them from one background thread."""
 
     def __init__(self, engine: Engine, host: str, port: int, api_key: str | None, max_body_bytes: int,
                  request_timeout_s: float | None = None, dist_timeout_s: float = 300.0):
@@ -66,7 +72,7 @@ class RolloutServer:
         self.closing = False
         self.groups: dict[str, WeightGroup] = {}
         self._lock = threading.Lock()
-        self.routes = {
+        self.routes: dict[str, tuple[set[str], Callable]] = {
             "/generate": ({"POST"}, self.generate), "/health": ({"GET", "POST"}, self.health),
             "/health_generate": ({"GET", "POST"}, self.health_generate),
             "/model_info": ({"GET"}, self.model_info), "/get_model_info": ({"GET"}, self.model_info),
@@ -80,10 +86,23 @@ class RolloutServer:
             "/update_weight_version": ({"POST"}, self.update_weight_version),
             "/get_guidance": ({"POST"}, self.get_guidance),
         }
-        self.httpd = _Listener((host, port), _handler_for(self))
-        self.httpd.daemon_threads = True  # a hung client never blocks shutdown
-        self.host, self.port = host, self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="rollout-http", daemon=True)
+        self.app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the routes above, nothing else
+        for path, (methods, endpoint) in self.routes.items():
+            self.app.add_api_route(path, endpoint, methods=sorted(methods))
+        self.app.add_middleware(RequestGuard, api_key=api_key, open_paths=OPEN_PATHS,
+                                max_body_bytes=self.max_body_bytes)
+        install_error_handlers(self.app)
+        self._pool = ThreadPoolExecutor(_BLOCKING_THREADS, thread_name_prefix="rollout-http-engine")
+        self.socket = listen(host, port)
+        self.host, self.port = host, self.socket.getsockname()[1]
+        # log_config=None: leave the host process's logging alone (uvicorn's warnings reach its root).
+        # timeout_keep_alive 30 s: longer than the client's pool keeps an idle connection (2 s), so
+        # the client always drops one first and never races the server closing it.
+        config = uvicorn.Config(self.app, lifespan="off", log_config=None, log_level="warning", access_log=False,
+                                http=HalfCloseH11Protocol, timeout_keep_alive=30, timeout_graceful_shutdown=2)
+        self._uvicorn = ReadyUvicorn(config)
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self.socket]},
+                                        name="rollout-http", daemon=True)
 
     @property
     def url(self) -> str:
@@ -91,19 +110,35 @@ class RolloutServer:
 
     def start(self) -> RolloutServer:
         self._thread.start()
+        while not self._uvicorn.ready.wait(0.1):  # not a poll for a result: it notices a thread that died
+            if not self._thread.is_alive():
+                self.socket.close()
+                raise RuntimeError(f"the HTTP server on {self.url} failed to start (see the log above)")
         return self
 
     def shutdown(self) -> None:
-        """Stop serving HTTP (503 on /health meanwhile); the engine's lifetime is the caller's."""
+        """Stop serving HTTP (503 on /health meanwhile); the engine's lifetime is the caller's.
+        Requests still running after uvicorn's 2 s grace are cancelled; their engine waits end
+        with the engine."""
         self.closing = True
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._uvicorn.should_exit = True
+        self._thread.join(30)
+        self.socket.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         for g in self.groups.values():
             g.close()
 
+    async def _blocking(self, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)` in the server's thread pool (see the module docstring), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, h, body: Body, query):
-        d = body.json(required=True)
+    async def generate(self, request: Request) -> Response:
+        d = await read_json(request, required=True)
+        out, batch = await self._blocking(self._generate, d)
+        return json_response(200, out if batch or len(out) > 1 else out[0])
+
+    def _generate(self, d: dict[str, Any]) -> tuple[list[dict], bool]:
         if d.get("text") is not None:
             raise HTTPError(400, "'text' is not supported: this server has no tokenizer; send input_ids", "text")
         ids = want(d, "input_ids", list, style="text")
@@ -152,7 +187,7 @@ class RolloutServer:
             if submitted:  # collect the already-queued ones so their results don't pile up
                 threading.Thread(target=self.engine.wait, args=(submitted,), daemon=True).start()
             raise HTTPError(400, str(e), "text") from None
-        # While paused the engine queues these; this thread waits for resume, as SGLang's does.
+        # While paused the engine queues these; this pool thread waits for resume, as SGLang's does.
         try:
             out = self.engine.wait(submitted, timeout=self.request_timeout_s)
         except TimeoutError as e:
@@ -160,83 +195,89 @@ class RolloutServer:
         if not ret_lp:
             for o in out:
                 o["meta_info"].pop("output_token_logprobs", None)
-        send(h, 200, out if batch or len(out) > 1 else out[0])
+        return out, batch
 
-    def get_guidance(self, h, body: Body, query):
-        d = body.json(required=True)
+    async def get_guidance(self, request: Request) -> Response:
+        d = await read_json(request, required=True)
         handle = want(d, "rid" if "rid" in d or "handle" not in d else "handle", str)  # "handle": the old name
         try:
-            data = self.engine.fetch_guidance(handle)
+            data = await self._blocking(self.engine.fetch_guidance, handle)
         except KeyError as e:
             raise HTTPError(404, str(e.args[0])) from None
-        send(h, 200, data, content_type="application/octet-stream")
+        return Response(data, media_type="application/octet-stream")
 
     # -- health & info ---------------------------------------------------------------------------
     def _alive(self) -> bool:
         alive = getattr(self.engine, "is_alive", None)  # a dead scheduler thread means no answers
         return not self.closing and (alive is None or alive())
 
-    def health(self, h, body, query):
-        send(h, 200 if self._alive() else 503)
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200 if self._alive() else 503)
 
-    def health_generate(self, h, body, query):
+    async def health_generate(self, request: Request) -> Response:
         if not self._alive():
-            return send(h, 503)
+            return Response(status_code=503)
         if self.paused:  # alive, just held: a probe generation would wait for resume
-            return send(h, 200)
+            return Response(status_code=200)
+        return Response(status_code=200 if await self._blocking(self._probe_generation) else 503)
+
+    def _probe_generation(self) -> bool:
         try:
             rids = self.engine.submit(GenerateRequest([0], SamplingParams(max_new_tokens=1), return_logprob=False))
             res = self.engine.wait(rids, timeout=30)
-            ok = res[0]["meta_info"]["finish_reason"].get("type") != "abort"
+            return res[0]["meta_info"]["finish_reason"].get("type") != "abort"
         except Exception:
-            ok = False
-        send(h, 200 if ok else 503)
+            return False
 
-    def model_info(self, h, body, query):
-        info = self.engine.get_model_info()
+    async def model_info(self, request: Request) -> Response:
+        info = await self._blocking(self.engine.get_model_info)
         info.update(paused=self.paused, weight_update_groups=sorted(self.groups), max_body_bytes=self.max_body_bytes)
-        send(h, 200, info)
+        return json_response(200, info)
 
     # -- control ---------------------------------------------------------------------------------
-    def flush_cache(self, h, body, query):
-        body.read()
-        if self.engine.flush_cache():
-            send(h, 200, "Cache flushed.\n", content_type="text/plain")
-        else:
-            send(h, 400, "Cache not flushed: there are running or waiting requests.\n", content_type="text/plain")
+    async def flush_cache(self, request: Request) -> Response:
+        await read_body(request)
+        if await self._blocking(self.engine.flush_cache):
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse("Cache not flushed: there are running or waiting requests.\n", 400)
 
-    def pause(self, h, body: Body, query):
-        mode = want(body.json(), "mode", str, "abort")
+    async def pause(self, request: Request) -> Response:
+        mode = want(await read_json(request), "mode", str, "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise HTTPError(400, f"mode must be one of abort, retract, in_place; got {mode!r}")
         # All three hold the batch in place here: the embedded engine keeps in-flight requests
         # (their KV stays reserved) and finishes them after /continue_generation.
-        self.engine.pause_generation()
+        await self._blocking(self.engine.pause_generation)
         self.paused = True
-        send(h, 200, {"message": "Generation paused successfully.", "status": "ok"})
+        return json_response(200, {"message": "Generation paused successfully.", "status": "ok"})
 
-    def resume(self, h, body: Body, query):
-        body.read()
-        self.engine.continue_generation()
+    async def resume(self, request: Request) -> Response:
+        await read_body(request)
+        await self._blocking(self.engine.continue_generation)
         self.paused = False
-        send(h, 200, {"message": "Generation continued successfully.", "status": "ok"})
+        return json_response(200, {"message": "Generation continued successfully.", "status": "ok"})
 
     # -- weights ---------------------------------------------------------------------------------
-    def _apply(self, h, named, flush: bool, version: str | int | None, what: str) -> bool:
+    def _apply(self, named, flush: bool, version: str | int | None, what: str) -> Response:
         ok, msg = self.engine.update_weights_from_tensor(named, flush_cache=flush, weight_version=version)
-        send(h, 200 if ok else 400, {"success": ok, "message": f"{what}: {msg}"})
-        return ok
+        return json_response(200 if ok else 400, {"success": ok, "message": f"{what}: {msg}"})
 
-    def update_from_tensor(self, h, body: Body, query):
-        ctype = h.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    async def update_from_tensor(self, request: Request) -> Response:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype == "application/octet-stream":
-            try:
-                bucket = WeightBucket.from_bytes(body.read())
-            except ValueError as e:
-                raise HTTPError(400, str(e)) from None
-            flush = query.get("flush_cache", ["true"])[0].lower() not in ("0", "false", "no")
-            return self._apply(h, bucket.tensors, flush, bucket.version, "octet-stream bucket")
-        d = body.json(required=True)
+            raw = await read_body(request)
+            flush = request.query_params.get("flush_cache", "true").lower() not in ("0", "false", "no")
+            return await self._blocking(self._apply_bucket, raw, flush)
+        return await self._blocking(self._apply_base64, await read_json(request, required=True))
+
+    def _apply_bucket(self, raw: bytes, flush: bool) -> Response:
+        try:
+            bucket = WeightBucket.from_bytes(raw)
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        return self._apply(bucket.tensors, flush, bucket.version, "octet-stream bucket")
+
+    def _apply_base64(self, d: dict[str, Any]) -> Response:
         payloads = want(d, "serialized_named_tensors", list)
         named: dict[str, torch.Tensor] = {}
         for i, p in enumerate(payloads):
@@ -247,11 +288,13 @@ class RolloutServer:
                 named.update(WeightBucket.from_bytes(base64.b64decode(p, validate=True)).tensors)
             except (ValueError, binascii.Error) as e:
                 raise HTTPError(400, f"serialized_named_tensors[{i}]: {e}") from None
-        self._apply(h, named, bool(want(d, "flush_cache", bool, True)), as_version(d.get("weight_version")),
-                    f"{len(payloads)} safetensors payloads")
+        return self._apply(named, bool(want(d, "flush_cache", bool, True)), as_version(d.get("weight_version")),
+                           f"{len(payloads)} safetensors payloads")
 
-    def update_from_disk(self, h, body: Body, query):
-        d = body.json(required=True)
+    async def update_from_disk(self, request: Request) -> Response:
+        return await self._blocking(self._update_from_disk, await read_json(request, required=True))
+
+    def _update_from_disk(self, d: dict[str, Any]) -> Response:
         path = Path(want(d, "model_path", str))
         fmt = d.get("load_format")
         if fmt not in (None, "auto", "safetensors"):
@@ -265,13 +308,17 @@ class RolloutServer:
                 with safe_open(str(f), framework="pt") as fh:
                     named += [(k, fh.get_tensor(k)) for k in fh.keys()]
         except Exception as e:  # missing dir, bad config, corrupt file: all a refusal, not a crash
-            return send(h, 400, {"success": False, "message": f"cannot load {path}: {e}; "
-                                                              f"still serving version {self.engine.weight_version}"})
-        if self._apply(h, named, bool(want(d, "flush_cache", bool, True)), version, f"from disk {path}"):
+            still = f"still serving version {self.engine.weight_version}"
+            return json_response(400, {"success": False, "message": f"cannot load {path}: {e}; {still}"})
+        answer = self._apply(named, bool(want(d, "flush_cache", bool, True)), version, f"from disk {path}")
+        if answer.status_code == 200:
             self.engine.model_path = path
+        return answer
 
-    def init_group(self, h, body: Body, query):
-        d = body.json(required=True)
+    async def init_group(self, request: Request) -> Response:
+        return await self._blocking(self._init_group, await read_json(request, required=True))
+
+    def _init_group(self, d: dict[str, Any]) -> Response:
         addr, port = want(d, "master_address", str), want(d, "master_port", int)
         offset, world = want(d, "rank_offset", int), want(d, "world_size", int)
         name = want(d, "group_name", str, "weight_update_group")
@@ -288,13 +335,15 @@ class RolloutServer:
         try:
             group = WeightGroup(addr, port, offset, world, name, self.dist_timeout_s)
         except Exception as e:
-            return send(h, 400, {"success": False, "message": f"init of group {name!r} failed: {e}"})
+            return json_response(400, {"success": False, "message": f"init of group {name!r} failed: {e}"})
         with self._lock:
             self.groups[name] = group
-        send(h, 200, {"success": True, "message": f"joined {name!r} as rank {offset} of {world}"})
+        return json_response(200, {"success": True, "message": f"joined {name!r} as rank {offset} of {world}"})
 
-    def update_from_distributed(self, h, body: Body, query):
-        d = body.json(required=True)
+    async def update_from_distributed(self, request: Request) -> Response:
+        return await self._blocking(self._update_from_distributed, await read_json(request, required=True))
+
+    def _update_from_distributed(self, d: dict[str, Any]) -> Response:
         names, dtypes, shapes = want(d, "names", list), want(d, "dtypes", list), want(d, "shapes", list)
         name = want(d, "group_name", str, "weight_update_group")
         if not len(names) == len(dtypes) == len(shapes):
@@ -316,75 +365,25 @@ class RolloutServer:
             with self._lock:  # its broadcast sequence is out of step now; the trainer must re-init
                 self.groups.pop(name, None)
             group.close()
-            return send(h, 400, {"success": False, "message": f"transfer failed ({e}); group {name!r} dropped; "
-                                                              f"still serving version {self.engine.weight_version}"})
-        self._apply(h, named, bool(want(d, "flush_cache", bool, True)), version, f"{len(named)} tensors from {name!r}")
+            still = f"still serving version {self.engine.weight_version}"
+            return json_response(400, {"success": False,
+                                       "message": f"transfer failed ({e}); group {name!r} dropped; {still}"})
+        return self._apply(named, bool(want(d, "flush_cache", bool, True)), version,
+                           f"{len(named)} tensors from {name!r}")
 
-    def destroy_group(self, h, body: Body, query):
-        name = want(body.json(), "group_name", str, "weight_update_group")
+    async def destroy_group(self, request: Request) -> Response:
+        name = want(await read_json(request), "group_name", str, "weight_update_group")
         with self._lock:
             group = self.groups.pop(name, None)
         if group is None:
-            return send(h, 400, {"success": False, "message": f"no weight update group {name!r}"})
-        group.close()
-        send(h, 200, {"success": True, "message": f"destroyed {name!r}"})
+            return json_response(400, {"success": False, "message": f"no weight update group {name!r}"})
+        await self._blocking(group.close)
+        return json_response(200, {"success": True, "message": f"destroyed {name!r}"})
 
-    def update_weight_version(self, h, body: Body, query):
-        v = as_version(want(body.json(required=True), "new_version", (str, int)), "new_version")
+    async def update_weight_version(self, request: Request) -> Response:
+        v = as_version(want(await read_json(request, required=True), "new_version", (str, int)), "new_version")
         self.engine.weight_version = v
-        send(h, 200, {"success": True, "message": f"weight version is {v}"})
-
-
-def _handler_for(server: RolloutServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = 300  # socket reads: a stalled client frees its thread eventually
-        server_version = "sglang-backend-local"
-
-        def log_message(self, fmt: str, *args: Any) -> None:  # quiet: tests and trainers log themselves
-            pass
-
-        def _dispatch(self) -> None:
-            body, allow = None, None
-            try:
-                parts = urlsplit(self.path)
-                route = server.routes.get(parts.path.rstrip("/") or "/")
-                if route is None:
-                    raise HTTPError(404, f"no endpoint {parts.path!r}")
-                methods, fn = route
-                if self.command not in methods:
-                    allow = {"Allow": ", ".join(sorted(methods))}
-                    raise HTTPError(405, f"{parts.path} allows {', '.join(sorted(methods))}; got {self.command}")
-                if parts.path not in OPEN_PATHS:
-                    check_auth(self, server.api_key)
-                body = Body(self, server.max_body_bytes)
-                fn(self, body, parse_qs(parts.query))
-            except HTTPError as e:
-                if body is not None:
-                    body.discard()
-                elif self.headers.get("Content-Length") not in (None, "0"):
-                    self.close_connection = True
-                    _drain(self, server.max_body_bytes)
-                send(self, e.status, e.body(), headers=allow)
-            except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True
-            except Exception as e:  # a bug in a handler answers 500; the server lives on
-                self.close_connection = True
-                try:
-                    send(self, 500, {"error": {"message": f"internal error: {type(e).__name__}: {e}", "code": 500}})
-                except OSError:
-                    pass
-
-        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch
-
-    return Handler
-
-
-def _drain(h: BaseHTTPRequestHandler, limit: int) -> None:
-    try:
-        Body(h, limit).discard()
-    except HTTPError:
-        pass
+        return json_response(200, {"success": True, "message": f"weight version is {v}"})
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
