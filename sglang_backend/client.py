@@ -7,7 +7,12 @@
 Speaks SGLang's native endpoints (our embedded server, or SGLang with our plugin). Each request
 goes to the server with the fewest outstanding requests (ties rotate), so a slow server gets
 less work. Connection errors and 5xx are retried on another server with exponential backoff;
-a 4xx is the caller's mistake and raises `RolloutError` at once. Stdlib only (`urllib`).
+a 4xx is the caller's mistake and raises `RolloutError` at once.
+
+Transport: one `httpx.Client` per server (a pooled keep-alive connection per concurrent request;
+`timeout` s for connect, each read and each write), whose transport retries a failed connect once
+at once (a server restarting on its port); the retry policy above it (`retries` more attempts,
+`backoff` x 2^k s apart, 5xx and connection failures only) is tenacity's.
 
 Dead servers: a connection failure (refused, reset, timed out) marks the server dead; it gets no
 traffic and weight updates skip it. A background thread probes its `/health` every
@@ -18,50 +23,18 @@ re-admitted only after its `/model_info` reports that version. `dead()` lists th
 """
 from __future__ import annotations
 
-import http.client
 import itertools
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import httpx
+from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
 from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, GenerateResult, WeightBucket
-
-
-class RolloutError(RuntimeError):
-    """A server refused a request (4xx), or every retry failed. `status` is the HTTP code or None."""
-
-    def __init__(self, message: str, status: int | None = None, url: str | None = None):
-        super().__init__(f"{url}: {message}" if url else message)
-        self.status, self.url = status, url
-
-
-class _Retryable(Exception):
-    """5xx (the server is up but failing) or, with `dead=True`, no usable connection."""
-
-    def __init__(self, message: str, dead: bool = False):
-        super().__init__(message)
-        self.dead = dead
-
-
-def _message(status: int, data: bytes) -> str:
-    """The error text of any of SGLang's error shapes (or the raw body)."""
-    try:
-        d = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return data.decode(errors="replace").strip() or f"HTTP {status}"
-    if isinstance(d, dict):
-        err = d.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        if "message" in d:
-            return str(d["message"])
-    return json.dumps(d)
+from sglang_backend.http_errors import Retryable, RolloutError, error_message
 
 
 class RolloutClient:
@@ -89,11 +62,20 @@ class RolloutClient:
         self._prober: threading.Thread | None = None
         self._closed = threading.Event()
         self.events: list[tuple[float, str, str]] = []  # (monotonic time, url, "dead"/"readmitted"/...)
+        # keepalive_expiry 2 s: below the servers' keep-alive (ours 30 s, uvicorn's default 5 s), so
+        # the client drops an idle connection before a server can close it under a new request.
+        # trust_env=False: rollout traffic is server to server; an HTTP(S)_PROXY meant for the web
+        # must not route it.
+        limits = httpx.Limits(max_connections=max_workers + 8, max_keepalive_connections=max_workers,
+                              keepalive_expiry=2.0)
+        self._sessions = {u: httpx.Client(base_url=u, timeout=timeout, trust_env=False,
+                                          transport=httpx.HTTPTransport(retries=1, limits=limits))
+                          for u in self.urls}
 
     # -- transport -------------------------------------------------------------------------------
     def _http(self, url: str, path: str, payload: Any = None, *, method: str | None = None,
               raw: bytes | None = None, timeout: float | None = None) -> tuple[int, bytes]:
-        """One HTTP exchange; returns (status, body) for 2xx/4xx, raises _Retryable otherwise."""
+        """One HTTP exchange; returns (status, body) for 2xx/4xx, raises Retryable otherwise."""
         headers = {}
         data = raw
         if raw is not None:
@@ -103,34 +85,32 @@ class RolloutClient:
             headers["Content-Type"] = "application/json"
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(url + path, data=data, headers=headers,
-                                     method=method or ("POST" if data is not None else "GET"))
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            body = e.read()
-            if e.code >= 500:
-                raise _Retryable(f"HTTP {e.code}: {_message(e.code, body)}") from None
-            return e.code, body
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, cut off
-            raise _Retryable(f"{type(e).__name__}: {getattr(e, 'reason', e)}", dead=True) from None
+            r = self._sessions[url].request(method or ("POST" if data is not None else "GET"), path, content=data,
+                                            headers=headers, timeout=timeout or self.timeout)
+        except httpx.TransportError as e:  # refused, reset, timed out, cut off mid-answer
+            raise Retryable(f"{type(e).__name__}: {e}", dead=True) from None
+        if r.status_code >= 500:
+            raise Retryable(f"HTTP {r.status_code}: {error_message(r.status_code, r.content)}")
+        return r.status_code, r.content
+
+    def _retrying(self) -> Retrying:
+        """`retries` more attempts after the first, `backoff` * 2^k s apart, on Retryable only."""
+        return Retrying(stop=stop_after_attempt(self.retries + 1), wait=wait_exponential(multiplier=self.backoff),
+                        retry=retry_if_exception_type(Retryable))
 
     def _call(self, url: str, path: str, payload: Any = None, **kw) -> bytes:
         """Same server, with retries (weight updates must reach *this* server); 4xx raises."""
-        last = ""
-        for attempt in range(self.retries + 1):
-            try:
-                status, body = self._http(url, path, payload, **kw)
-            except _Retryable as e:
-                last = str(e)
-                if attempt < self.retries:
-                    time.sleep(self.backoff * 2**attempt)
-                continue
-            if status >= 400:
-                raise RolloutError(_message(status, body), status, url + path)
-            return body
-        raise RolloutError(f"failed after {self.retries + 1} attempts: {last}", None, url + path)
+        try:
+            for attempt in self._retrying():
+                with attempt:
+                    status, body = self._http(url, path, payload, **kw)
+        except RetryError as e:
+            raise RolloutError(f"failed after {self.retries + 1} attempts: {e.last_attempt.exception()}", None,
+                               url + path) from None
+        if status >= 400:
+            raise RolloutError(error_message(status, body), status, url + path)
+        return body
 
     def _pick(self, avoid: set[str]) -> str | None:
         """Least outstanding requests among live servers not yet tried for this request (None: all dead)."""
@@ -163,48 +143,51 @@ class RolloutClient:
         if req.rid is not None:
             payload["rid"] = req.rid
         tried: set[str] = set()
-        last = ""
-        for attempt in range(self.retries + 1):
-            url = self._pick(tried)
-            if url is None:  # every server is dead: wait for the prober to re-admit one
-                last = "no live server (all marked dead; probing /health)"
-                if attempt < self.retries:
-                    time.sleep(self.backoff * 2**attempt)
-                continue
-            try:
-                status, body = self._http(url, "/generate", payload)
-            except _Retryable as e:
-                last = f"{url}: {e}"
-                tried.add(url)
-                with self._lock:
-                    self.failures[url] += 1
-                    self._down_until[url] = time.monotonic() + self.backoff * 2**attempt
-                if e.dead:
-                    self._mark_dead(url, str(e))
-                if len(tried) == len(self.urls):
-                    tried.clear()  # every server failed once: go round again after the backoff
-                if attempt < self.retries:
-                    time.sleep(self.backoff * 2**attempt)
-                continue
-            finally:
-                with self._lock:
-                    self._outstanding[url] -= 1
-            if status >= 400:
-                raise RolloutError(_message(status, body), status, url + "/generate")
-            out = json.loads(body)
-            results = [GenerateResult.from_sglang(o) for o in (out if isinstance(out, list) else [out])]
-            if req.return_guidance:  # both servers keep a sample's record under its rid
-                for r in results:
-                    if r.guidance_handle is None and r.finish_reason.get("type") != "abort":
-                        r.guidance_handle = r.rid
+        try:
+            for attempt in self._retrying():
+                with attempt:
+                    url, status, body = self._generate_attempt(payload, tried, attempt.retry_state.attempt_number - 1)
+        except RetryError as e:
+            raise RolloutError(f"generate failed after {self.retries + 1} attempts; "
+                               f"last: {e.last_attempt.exception()}") from None
+        if status >= 400:
+            raise RolloutError(error_message(status, body), status, url + "/generate")
+        out = json.loads(body)
+        results = [GenerateResult.from_sglang(o) for o in (out if isinstance(out, list) else [out])]
+        if req.return_guidance:  # both servers keep a sample's record under its rid
+            for r in results:
+                if r.guidance_handle is None and r.finish_reason.get("type") != "abort":
+                    r.guidance_handle = r.rid
+        with self._lock:
+            self.served[url] += 1
+            self._down_until[url] = 0.0
+            for r in results:
+                if r.guidance_handle:
+                    self._handles[r.guidance_handle] = url
+        return results
+
+    def _generate_attempt(self, payload: dict, tried: set[str], attempt: int) -> tuple[str, int, bytes]:
+        """One try on the least-loaded live server not yet `tried`; a failure marks it (and, for a
+        lost connection, marks it dead) and raises Retryable for the retry policy."""
+        url = self._pick(tried)
+        if url is None:  # every server is dead: wait for the prober to re-admit one
+            raise Retryable("no live server (all marked dead; probing /health)")
+        try:
+            status, body = self._http(url, "/generate", payload)
+        except Retryable as e:
+            tried.add(url)
             with self._lock:
-                self.served[url] += 1
-                self._down_until[url] = 0.0
-                for r in results:
-                    if r.guidance_handle:
-                        self._handles[r.guidance_handle] = url
-            return results
-        raise RolloutError(f"generate failed after {self.retries + 1} attempts; last: {last}")
+                self.failures[url] += 1
+                self._down_until[url] = time.monotonic() + self.backoff * 2**attempt
+            if e.dead:
+                self._mark_dead(url, str(e))
+            if len(tried) == len(self.urls):
+                tried.clear()  # every server failed once: go round again after the backoff
+            raise Retryable(f"{url}: {e}", e.dead) from None
+        finally:
+            with self._lock:
+                self._outstanding[url] -= 1
+        return url, status, body
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results in request order; a request with n>1 contributes its n results in place."""
@@ -338,7 +321,7 @@ class RolloutClient:
         try:
             if self._http(url, "/health", timeout=min(self.timeout, 10))[0] != 200:
                 return False
-        except _Retryable:
+        except Retryable:
             return False
         with self._weights_lock:
             version, push = self._version, self._last_push
@@ -364,8 +347,10 @@ class RolloutClient:
         return True
 
     def close(self) -> None:
-        """Stop probing dead servers."""
+        """Stop probing dead servers and close the connection pools."""
         self._closed.set()
+        for session in self._sessions.values():
+            session.close()
 
     # -- control ---------------------------------------------------------------------------------
     def pause(self, mode: str = "in_place") -> None:
@@ -382,7 +367,7 @@ class RolloutClient:
         def ok(u):
             try:
                 return self._http(u, "/health", timeout=min(self.timeout, 10))[0] == 200
-            except _Retryable:
+            except Retryable:
                 return False
         return all(self._each(ok))
 
