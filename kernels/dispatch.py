@@ -11,7 +11,7 @@ import torch
 
 from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.codecs import unpack_fp4
-from megatron_trace.fp4.guided import GUIDANCE_MODES, mantissa_bits
+from megatron_trace.fp4.guided import GUIDANCE_MODES, guided_quantize, mantissa_bits
 
 BACKENDS = ("auto", "triton", "reference")
 
@@ -211,3 +211,14 @@ def nvfp4_quantize_with_guidance(x, *, mode="full", global_amax=None, per_row_gl
     if mod is None:
         return nvfp4_quantize_with_guidance_reference(x, **kw)
     return mod.quantize_with_guidance_triton(x, **kw)
+
+
+def nvfp4_guided_quantize(x, scale, global_scale, *, codes=None, mantissa=None, backend: str = "auto"):
+    """TRACE guided rounding, `megatron_trace.fp4.guided_quantize` (same arguments and bits): x
+    quantized with the rollout's block scales and S_enc, each code pinned to the rollout's packed
+    codes (full) or packed mantissa bits. backend as `nvfp4_quantize` (the trainer's QAT calls
+    this, so on CUDA its guided sites run in the Triton kernel)."""
+    mod = _pick(backend, x, "nvfp4_quantize")
+    if mod is None:
+        return guided_quantize(x, scale, global_scale, codes=codes, mantissa=mantissa)
+    return mod.guided_quantize_triton(x, scale, global_scale, codes=codes, mantissa=mantissa)

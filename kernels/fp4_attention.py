@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .fp4_gemm import NUM_SMS, _nibble_tile, _split_mma
-from .nvfp4_quantize import INTERPRETED, _e4m3_decode
+from .triton_fp4_codecs import INTERPRETED, _e4m3_decode
 
 _FMT = {"nvfp4": 0, "mxfp4": 1, "bf16": 2}
 

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from megatron_trace.fp4 import nvfp4
 
-from .nvfp4_quantize import INTERPRETED, _e4m3_decode
+from .triton_fp4_codecs import INTERPRETED, _e4m3_decode
 
 NUM_SMS = 132  # H100/H200; only sizes the split-K heuristic
 

@@ -11,14 +11,10 @@ bit j of byte i, exactly `megatron_trace.fp4.mantissa_bits(unpack_fp4(q.data))`.
 block carries elements 2p and 2p+1, so mantissa byte 2*blk collects pairs 0-3 and byte 2*blk+1
 pairs 4-7: two masked sums along the pair axis.
 
-Exactness notes (the reason for the unusual code below):
-* Triton's fp32 `/` is approximate on GPUs, so every division uses `tl.math.div_rn`, or fp64
-  where the reference itself divides in fp64 (S_dec).
-* E4M3 and E2M1 rounding are written as integer bit arithmetic and float comparisons, which
-  mean the same in the interpreter and on the GPU; `.to(tl.float8e4nv)` is not used.
-* `tl.minimum`/`tl.maximum` differ on NaN between the interpreter and the GPU, so clamps that
-  may see NaN are `tl.where` with explicit comparisons.
-* Float contraction is disabled at launch so no multiply is fused into a later add.
+Guided rounding (`guided_quantize_triton`, TRACE's trainer side): the same kernel loads the
+rollout's block-scale bytes instead of computing them, scales x with them exactly as the
+quantizer does, and picks each code from the rollout's codes (full) or mantissa bits, bit for
+bit `megatron_trace.fp4.guided_quantize`. Exactness rules: kernels/triton_fp4_codecs.py.
 
 Importing this module imports triton; callers go through `kernels.dispatch`, which imports it
 lazily.
@@ -30,82 +26,26 @@ import triton
 import triton.language as tl
 
 from megatron_trace.fp4 import nvfp4
-from megatron_trace.fp4.codecs import FLT_MAX as _FLT_MAX
-from megatron_trace.fp4.guided import GUIDANCE_MODES
+from megatron_trace.fp4.guided import GUIDANCE_MODES, check_guidance
 
-FLT_MAX: tl.constexpr = tl.constexpr(_FLT_MAX)
-ONE_SIXTH: tl.constexpr = tl.constexpr(nvfp4._ONE_SIXTH)  # fp32(1/6), exactly as TE writes it
-SENC_NUM: tl.constexpr = tl.constexpr(448.0 * 6.0)
-
-# jit decides at decoration time whether kernels run in the interpreter, so this records the
-# mode the kernel below actually has (CPU tensors work only when it is True).
-INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+from .triton_fp4_codecs import (
+    FLT_MAX,
+    INTERPRETED,
+    ONE_SIXTH,
+    SENC_NUM,
+    _clean_abs,
+    _e2m1_rn_satfinite,
+    _e4m3_decode,
+    _e4m3_rn_satfinite,
+    _guided_e2m1,
+)
 
 # Host-side scale modes: one S_enc for the tensor, one per row given by the caller, or one per
 # row computed from the row's own amax inside the kernel.
 _SCALAR, _PER_ROW, _FUSED_ROW = 0, 1, 2
-
-
-@triton.jit
-def _clean_abs(x):
-    """|x| with NaN -> 0 (Inf kept): amax ignores NaN the way fmaxf does."""
-    a = tl.abs(x)
-    return tl.where(a != a, 0.0, a)
-
-
-@triton.jit
-def _e4m3_rn_satfinite(v):
-    """fp32 -> E4M3FN byte as int32: round half even, |v| >= 448 (and Inf) -> 448, NaN -> 0x7F."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    # Normal range: clamp at the bits of 448.0 (saturation, and keeps the adds below from
-    # overflowing), then round the 23-bit mantissa to 3 bits, ties to even; a mantissa carry
-    # moves into the exponent as it should. 960 = (127 - 7) << 3 rebiases the exponent.
-    m = tl.minimum(mag, 0x43E00000)
-    normal = ((m + 0x7FFFF + ((m >> 20) & 1)) >> 20) - 960
-    # Below 2^-6 the E4M3 value is k * 2^-9: k = round_half_even(significand >> shift).
-    e = mag >> 23
-    sig = (mag & 0x7FFFFF) | 0x800000
-    # >= 25 always rounds to 0 since sig < 2^24; the floor only keeps the shift defined in
-    # lanes that take the normal branch (negative shifts are poison in LLVM).
-    shift = tl.minimum(tl.maximum(141 - e, 21), 25)
-    q = sig >> shift
-    rem = sig & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
-    code = tl.where(mag < 0x3C800000, q, normal)
-    code = tl.where(mag > 0x7F800000, 0x7F, code)
-    return code | sign
-
-
-@triton.jit
-def _e4m3_decode(b):
-    """E4M3FN byte (int32) -> fp32, NaN for 0x7F/0xFF."""
-    exp = (b >> 3) & 0xF
-    man = b & 7
-    neg = (b & 0x80) != 0
-    normal = (((b & 0x80) << 24) | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-    sub = man.to(tl.float32) * 0.001953125  # man * 2^-9, exact
-    sub = tl.where(neg, -sub, sub)
-    val = tl.where(exp == 0, sub, normal)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), val)
-
-
-@triton.jit
-def _e2m1_rn_satfinite(z):
-    """fp32 -> E2M1 code (int32): ties to the even code, saturate at 6, NaN -> 7, -0 -> 8."""
-    a = tl.abs(z)
-    # Count the rounding boundaries below |z|; ">=" at 0.75/1.75/3.5 sends those ties up to the
-    # even code, ">" at 0.25/1.25/2.5/5 sends them down.
-    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-    code += (a > 5.0).to(tl.int32)
-    nan = z != z
-    code = tl.where(nan, 7, code)
-    neg = (z.to(tl.int32, bitcast=True) < 0) & (~nan)
-    return code | (neg.to(tl.int32) << 3)
-
+# How codes are chosen: round to nearest with the kernel's own block scales, or pinned to the
+# rollout's codes / mantissa bits with the rollout's block scales (TRACE guided rounding).
+_RTN, _GUIDED_FULL, _GUIDED_MANTISSA = 0, 1, 2
 
 @triton.jit
 def _row_encode_scales(x_row, senc_ptr, sdec_ptr, senc_out_ptr, rows64, row_ok, blk, pair, k_first, K,
@@ -140,10 +80,14 @@ def _row_encode_scales(x_row, senc_ptr, sdec_ptr, senc_out_ptr, rows64, row_ok, 
 
 @triton.jit
 def _nvfp4_quantize_kernel(
-    x_ptr, data_ptr, scale_ptr, mant_ptr, senc_ptr, sdec_ptr, senc_out_ptr,
+    x_ptr, data_ptr, scale_ptr, mant_ptr, ref_ptr, senc_ptr, sdec_ptr, senc_out_ptr,
     M, K, stride_xm, k_tiles_per_prog,
-    MODE: tl.constexpr, MANTISSA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr, GUIDE: tl.constexpr, MANTISSA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """GUIDE _RTN: codes and block scales from x (scale_ptr written); _GUIDED_FULL/_MANTISSA:
+    scale_ptr holds the rollout's block scales (read) and ref_ptr its packed codes / mant_ptr its
+    packed mantissa bits (read). MANTISSA (RTN only): also write the codes' mantissa bits."""
     NB: tl.constexpr = BLOCK_K // 16
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -170,26 +114,38 @@ def _nvfp4_quantize_kernel(
         ok = row_ok & (col < K)  # K % 16 == 0: a block is wholly in or out
         xe = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
         xo = tl.load(x_row + col + 1, mask=ok, other=0.0).to(tl.float32)
-        amax_b = tl.maximum(
-            tl.max(_clean_abs(xe), axis=2, keep_dims=True),
-            tl.max(_clean_abs(xo), axis=2, keep_dims=True),
-        )  # [BM, NB, 1]
-        sf = _e4m3_rn_satfinite(amax_b * s6)
+        blk_idx = k0 // 16 + blk
+        blk_ok = row_ok & (blk_idx < n_blocks)
+        byte_at = rows64 * half_k + (k0 // 2 + blk * 8 + pair)
+        mrow = mant_ptr + rows64 * (K // 8) + 2 * blk_idx
+        if GUIDE == 0:
+            amax_b = tl.maximum(
+                tl.max(_clean_abs(xe), axis=2, keep_dims=True),
+                tl.max(_clean_abs(xo), axis=2, keep_dims=True),
+            )  # [BM, NB, 1]
+            sf = _e4m3_rn_satfinite(amax_b * s6)
+        else:
+            sf = tl.load(scale_ptr + rows64 * n_blocks + blk_idx, mask=blk_ok, other=0).to(tl.int32)
         d = _e4m3_decode(sf) * s_dec
         enc = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
         enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)  # keeps NaN and -Inf, as clamp_max does
-        qe = _e2m1_rn_satfinite(xe * enc)
-        qo = _e2m1_rn_satfinite(xo * enc)
-        byte = (qe | (qo << 4)).to(tl.uint8)
-        tl.store(data_ptr + rows64 * half_k + (k0 // 2 + blk * 8 + pair), byte, mask=ok)
-        blk_idx = k0 // 16 + blk
-        blk_ok = row_ok & (blk_idx < n_blocks)
-        tl.store(scale_ptr + rows64 * n_blocks + blk_idx, sf.to(tl.uint8), mask=blk_ok)
+        if GUIDE == 0:
+            qe = _e2m1_rn_satfinite(xe * enc)
+            qo = _e2m1_rn_satfinite(xo * enc)
+            tl.store(scale_ptr + rows64 * n_blocks + blk_idx, sf.to(tl.uint8), mask=blk_ok)
+        elif GUIDE == 1:
+            ref = tl.load(ref_ptr + byte_at, mask=ok, other=0).to(tl.int32)
+            qe = _guided_e2m1(xe * enc, ref & 15, 0, True)
+            qo = _guided_e2m1(xo * enc, ref >> 4, 0, True)
+        else:
+            mbyte = tl.load(mrow + (pair >= 4).to(tl.int32), mask=ok, other=0).to(tl.int32)
+            qe = _guided_e2m1(xe * enc, 0, (mbyte >> shift) & 1, False)
+            qo = _guided_e2m1(xo * enc, 0, (mbyte >> (shift + 1)) & 1, False)
+        tl.store(data_ptr + byte_at, (qe | (qo << 4)).to(tl.uint8), mask=ok)
         if MANTISSA:
             bits = ((qe & 1) << shift) | ((qo & 1) << (shift + 1))  # [BM, NB, 8], disjoint bits
             lo = tl.sum(tl.where(first_half, bits, 0), axis=2, keep_dims=True)
             hi = tl.sum(tl.where(first_half, 0, bits), axis=2, keep_dims=True)
-            mrow = mant_ptr + rows64 * (K // 8) + 2 * blk_idx
             tl.store(mrow, lo.to(tl.uint8), mask=blk_ok)
             tl.store(mrow + 1, hi.to(tl.uint8), mask=blk_ok)
 
@@ -284,11 +240,48 @@ def _quantize(x, global_amax, per_row_global: bool, global_scale, *, mantissa: b
     block_m, block_k, k_progs, k_tiles = _launch_shape(m, k, mode == _FUSED_ROW)
     grid = (triton.cdiv(m, block_m), k_progs)
     _nvfp4_quantize_kernel[grid](
-        x2, data, scale, mant, s_enc, s_dec, s_enc,
+        x2, data, scale, mant, data, s_enc, s_dec, s_enc,
         m, k, x2.stride(0), k_tiles,
-        MODE=mode, MANTISSA=mantissa, BLOCK_M=block_m, BLOCK_K=block_k,
+        MODE=mode, GUIDE=_RTN, MANTISSA=mantissa, BLOCK_M=block_m, BLOCK_K=block_k,
         num_warps=4, enable_fp_fusion=False,
     )
     g = s_enc.reshape(lead) if per_row_global else s_enc.reshape(())
     q = nvfp4.NVFP4Tensor(data.reshape(*lead, k // 2), scale.reshape(*lead, k // 16), g)
     return q, (mant.reshape(*lead, k // 8) if mantissa else None)
+
+
+def guided_quantize_triton(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor | float,
+    *,
+    codes: torch.Tensor | None = None,
+    mantissa: torch.Tensor | None = None,
+) -> nvfp4.NVFP4Tensor:
+    """`megatron_trace.fp4.guided_quantize` (same arguments, checks and bits) in the kernel."""
+    x = x if isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+        else nvfp4.as_float32(x)
+    nvfp4.check_blocks(x, nvfp4.BLOCK, "NVFP4")
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    check_guidance(x, scale, gs, codes, mantissa)
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    if x.numel() == 0:
+        from megatron_trace.fp4.guided import guided_quantize
+
+        return guided_quantize(x, scale, gs, codes=codes, mantissa=mantissa)
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    m = x2.shape[0]
+    s_enc = (gs.reshape(-1) if gs.dim() else gs).contiguous()
+    s_dec = nvfp4.decode_scale(s_enc).contiguous()
+    full = codes is not None
+    ref = (codes if full else mantissa).reshape(m, -1).contiguous()
+    data = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
+    block_m, block_k, k_progs, k_tiles = _launch_shape(m, k, False)
+    _nvfp4_quantize_kernel[(triton.cdiv(m, block_m), k_progs)](
+        x2, data, scale.reshape(m, -1).contiguous(), ref, ref, s_enc, s_dec, s_enc,
+        m, k, x2.stride(0), k_tiles,
+        MODE=_PER_ROW if gs.dim() else _SCALAR, GUIDE=_GUIDED_FULL if full else _GUIDED_MANTISSA,
+        MANTISSA=False, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4, enable_fp_fusion=False,
+    )
+    return nvfp4.NVFP4Tensor(data.reshape(*lead, k // 2), scale, gs)

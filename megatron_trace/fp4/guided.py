@@ -119,7 +119,7 @@ def unpack_mantissa_bits(packed: torch.Tensor) -> torch.Tensor:
     return bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
 
 
-def _check_guidance(x: torch.Tensor, scale, global_scale, codes, mantissa, block: int = BLOCK) -> None:
+def check_guidance(x: torch.Tensor, scale, global_scale, codes, mantissa, block: int = BLOCK) -> None:
     if (codes is None) == (mantissa is None):
         raise ValueError("guided rounding needs exactly one of codes= (full) or mantissa= (1 bit per element)")
     k = x.shape[-1]
@@ -159,7 +159,7 @@ def guided_quantize(
     x = as_float32(x)
     check_blocks(x, BLOCK, "NVFP4")
     global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
-    _check_guidance(x, scale, global_scale, codes, mantissa)
+    check_guidance(x, scale, global_scale, codes, mantissa)
     z = encode_with_scales(x, scale, global_scale).reshape(x.shape)
     return NVFP4Tensor(pack_fp4(_guided_codes(z, codes, mantissa)), scale, global_scale)
 
@@ -178,7 +178,7 @@ def guided_quantize_mxfp4(
     which the floor rule allows, bracket as 6)."""
     x = as_float32(x)
     check_blocks(x, block, "MXFP4")
-    _check_guidance(x, scale, None, codes, mantissa, block=block)
+    check_guidance(x, scale, None, codes, mantissa, block=block)
     exp = scale.to(torch.int32) - 127
     xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     z = torch.ldexp(xb, -exp.unsqueeze(-1)).reshape(x.shape)
