@@ -2,6 +2,7 @@
 
     python -m megatron_trace.quality --model-path HF_DIR --prompts prompts.jsonl [--out DIR]
         [--settings bf16:bf16:bf16 w4a4:fp8:nvfp4 ...] [--max-new-tokens 48] [--dtype float32]
+        [--backend embedded|sglang]
 
 The mismatch probe (probe.py) measures train/rollout agreement, which a damaged rollout can
 satisfy perfectly; this measures the damage. For each setting WEIGHTS:K:V (weights bf16 | w4a16 |
@@ -17,7 +18,9 @@ w4a4, NVFP4 on the policy's default targets; K and V in bf16 | fp8 | nvfp4 | mxf
 Prompts: JSONL lines {"prompt": text} (tokenized as is), {"messages": [...]} (the checkpoint
 tokenizer's chat template, generation prompt added) or {"input_ids": [...]}; optional "answer".
 Runs on the embedded engine (greedy answers through its decode path; the teacher-forced pass is
-one prefill over the engine's paged, quantized KV cache, the numerics decode uses).
+one prefill over the engine's paged, quantized KV cache, the numerics decode uses) or, with
+`--backend sglang`, on a real SGLang server with the TRACE plugin started per setting
+(quality_backends.py: SGLang's own input-token logprobs over its quantized KV).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import json
 import math
 import re
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -112,42 +116,6 @@ def _tokenizer(model_path):
     return AutoTokenizer.from_pretrained(str(model_path))
 
 
-# ------------------------------------------------------------------ one setting
-def _engine(model_path, setting: Setting, dtype: str, targets):
-    from sglang_backend.local import Engine
-
-    return Engine(str(model_path), dtype=dtype, quant_policy=setting.policy(targets), max_total_tokens=1 << 15)
-
-
-def greedy(eng, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
-    sp = {"temperature": 0, "max_new_tokens": max_new_tokens}
-    return [o["output_ids"] for o in eng.generate(input_ids=[p["ids"] for p in prompts], sampling_params=sp)]
-
-
-@torch.inference_mode()
-def teacher_forced(eng, prompt: list[int], continuation: list[int]) -> tuple[list[float], list[bool]]:
-    """Per continuation token: NLL under the engine's model and whether its argmax is that token.
-    One prefill of prompt + continuation through the engine's model over its own (quantized) KV
-    pages; call only while the engine is idle (its worker never touches the cache between requests)."""
-    from sglang_backend.local.model import ForwardBatch
-
-    if not continuation:
-        return [], []
-    ids = prompt + continuation
-    kv = eng.kv
-    pages = kv.allocate(kv.pages_needed(len(ids)))
-    try:
-        slots = kv.slots(pages, 0, len(ids))
-        rows = list(range(len(prompt) - 1, len(ids) - 1))  # row i predicts token i + 1
-        batch = ForwardBatch(torch.tensor(ids), torch.arange(len(ids)), [(0, len(ids))], slots, [slots], logits_rows=rows)
-        logp = torch.log_softmax(eng.model(batch, kv).float(), dim=-1)
-    finally:
-        kv.release(pages)
-    nxt = torch.tensor(continuation)
-    nll = (-logp[torch.arange(len(rows)), nxt]).tolist()
-    return nll, (logp.argmax(-1) == nxt).tolist()
-
-
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 
 
@@ -171,25 +139,29 @@ def accuracy(texts: list[str] | None, prompts: list[dict]) -> float | None:
 
 
 def run(model_path, prompts: list[dict], settings: list[Setting], *, max_new_tokens: int = 48,
-        dtype: str = "float32", targets: tuple[str, ...] | None = None, tokenizer=None) -> dict:
-    """The quality report (a JSON-friendly dict) of each setting against the BF16 reference."""
+        dtype: str = "float32", targets: tuple[str, ...] | None = None, tokenizer=None, backend: str = "embedded",
+        workdir: str | Path | None = None) -> dict:
+    """The quality report (a JSON-friendly dict) of each setting against the BF16 reference, every
+    setting (the reference too) served by `backend` (quality_backends: embedded | sglang)."""
+    from megatron_trace.quality_backends import open_scorer
+
     ref_setting = Setting.parse(REFERENCE)
     settings = [ref_setting] + [s for s in settings if s != ref_setting]
     ref_out: list[list[int]] | None = None
     results = {}
     for s in settings:
-        eng = _engine(model_path, s, dtype, targets)
+        scorer = open_scorer(backend, model_path, s, dtype=dtype, targets=targets, workdir=workdir)
         try:
-            outs = greedy(eng, prompts, max_new_tokens)
+            outs = scorer.greedy(prompts, max_new_tokens)
             ref_out = outs if ref_out is None else ref_out
             nll, top1 = [], []
             for p, cont in zip(prompts, ref_out):
-                a, b = teacher_forced(eng, p["ids"], cont)
+                a, b = scorer.teacher_forced(p["ids"], cont)
                 nll += a
                 top1 += b
-            kv_bytes = eng.kv.bytes_per_token()
+            kv_bytes = scorer.kv_bytes_per_token()
         finally:
-            eng.shutdown()
+            scorer.close()
         mean = sum(nll) / max(len(nll), 1)
         texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outs] if tokenizer else None
         results[s.name] = {"setting": asdict(s), "nll_per_token": mean, "tokens": len(nll),
@@ -200,7 +172,7 @@ def run(model_path, prompts: list[dict], settings: list[Setting], *, max_new_tok
     base = results[REFERENCE]["nll_per_token"]
     for r in results.values():
         r["nll_increase"] = r["nll_per_token"] - base
-    return {"model_path": str(model_path), "dtype": dtype, "max_new_tokens": max_new_tokens,
+    return {"model_path": str(model_path), "backend": backend, "dtype": dtype, "max_new_tokens": max_new_tokens,
             "num_prompts": len(prompts), "reference": REFERENCE, "settings": results}
 
 
@@ -293,7 +265,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--targets", default=None, help="comma-separated FP4 module patterns (default: MLP + experts)")
     ap.add_argument("--out", default=None, help="directory for quality.json and quality.png")
+    ap.add_argument("--backend", default="embedded", choices=["embedded", "sglang"],
+                    help="sglang: a real SGLang server per setting (python -m sglang_backend.launch --backend sglang)")
     args = ap.parse_args(argv)
+    if args.backend == "sglang" and args.targets:
+        ap.error("--targets is not supported with --backend sglang (the launcher serves the default FP4 targets)")
     if args.max_new_tokens < 1:
         ap.error(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
     try:
@@ -308,8 +284,11 @@ def main(argv=None) -> int:
     prompts = load_prompts(args.prompts, args.model_path)
     tok = None if all(p["text"] is None for p in prompts) else _tokenizer(args.model_path)
     targets = tuple(args.targets.split(",")) if args.targets else None
-    rep = run(args.model_path, prompts, args.settings, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
-              targets=targets, tokenizer=tok)
+    with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
+        workdir = Path(args.out) if args.out else Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        rep = run(args.model_path, prompts, args.settings, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+                  targets=targets, tokenizer=tok, backend=args.backend, workdir=workdir)
     print(format_table(rep))
     print()
     print(format_answers(rep, prompts))

@@ -22,6 +22,16 @@ KV_SHORTHANDS = (*KV_FORMATS, "auto")
 KV_SIDE_FORMATS = ("", *KV_FORMATS)
 ACTIVATION_SCALES = ("per_token", "static")
 
+
+def kv_side_bits(fmt: str, row: int, bf16_bits: float = 16.0) -> float:
+    """Stored bits per K or V element in a cache format, scales included: FP8 E4M3 carries one fp32
+    scale per token over its `row` elements (KV heads x head_dim of one rank), NVFP4/MXFP4 one 8-bit
+    scale per 16; "bf16" is the unquantized cache, `bf16_bits` wide (32 where the model runs fp32)."""
+    bits = {"bf16": bf16_bits, "fp8": 8 + 32 / row, "nvfp4": 4 + 8 / 16, "mxfp4": 4 + 8 / 16}
+    if fmt not in bits:
+        raise ValueError(f"KV format must be one of {', '.join(KV_FORMATS)}; got {fmt!r}")
+    return bits[fmt]
+
 # Attention projections are opt-in (e.g. "*.self_attn.*_proj"): FP4 attention costs the most accuracy.
 DEFAULT_TARGETS = ("*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj", "*.mlp.experts.*")
 

@@ -1,0 +1,141 @@
+"""Where the quality probe runs one quantization setting: the embedded engine or a real SGLang server.
+
+    sc = open_scorer("sglang", model_path, setting, dtype="float32", targets=None, workdir=d)
+    outs = sc.greedy(prompts, max_new_tokens)                # token ids per prompt
+    nll, top1 = sc.teacher_forced(prompt_ids, continuation)  # per continuation token
+    sc.kv_bytes_per_token(); sc.close()
+
+Both answer the same two questions with their own serving numerics: greedy decode, and a
+teacher-forced pass over prompt + continuation through the (quantized) KV cache. The embedded
+scorer does it in-process (one prefill over the engine's paged KV); the SGLang scorer launches
+`python -m sglang_backend.launch --backend sglang` with the setting's flags and asks SGLang's
+`/generate` for input-token logprobs (`logprob_start_len`, `top_logprobs_num=1`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+BACKENDS = ("embedded", "sglang")
+# weights of a setting -> the launcher's --quantization (online quantization inside SGLang)
+SGLANG_QUANTIZATION = {"bf16": None, "w4a4": "nvfp4", "w4a16": "w4a16_nvfp4"}
+
+
+class Scorer(Protocol):
+    def greedy(self, prompts: list[dict], max_new_tokens: int) -> list[list[int]]: ...
+    def teacher_forced(self, prompt: list[int], continuation: list[int]) -> tuple[list[float], list[bool]]: ...
+    def kv_bytes_per_token(self) -> float: ...
+    def close(self) -> None: ...
+
+
+class EmbeddedScorer:
+    def __init__(self, model_path, policy, dtype: str):
+        from sglang_backend.local import Engine
+
+        self.engine = Engine(str(model_path), dtype=dtype, quant_policy=policy, max_total_tokens=1 << 15)
+
+    def greedy(self, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
+        sp = {"temperature": 0, "max_new_tokens": max_new_tokens}
+        return [o["output_ids"] for o in self.engine.generate(input_ids=[p["ids"] for p in prompts], sampling_params=sp)]
+
+    @torch.inference_mode()
+    def teacher_forced(self, prompt: list[int], continuation: list[int]) -> tuple[list[float], list[bool]]:
+        """One prefill of prompt + continuation through the engine's model over its own (quantized)
+        KV pages; called only while the engine is idle (its worker never touches the cache between
+        requests)."""
+        from sglang_backend.local.model import ForwardBatch
+
+        if not continuation:
+            return [], []
+        ids = prompt + continuation
+        kv = self.engine.kv
+        pages = kv.allocate(kv.pages_needed(len(ids)))
+        try:
+            slots = kv.slots(pages, 0, len(ids))
+            rows = list(range(len(prompt) - 1, len(ids) - 1))  # row i predicts token i + 1
+            batch = ForwardBatch(torch.tensor(ids), torch.arange(len(ids)), [(0, len(ids))], slots, [slots],
+                                 logits_rows=rows)
+            logp = torch.log_softmax(self.engine.model(batch, kv).float(), dim=-1)
+        finally:
+            kv.release(pages)
+        nxt = torch.tensor(continuation)
+        nll = (-logp[torch.arange(len(rows)), nxt]).tolist()
+        return nll, (logp.argmax(-1) == nxt).tolist()
+
+    def kv_bytes_per_token(self) -> float:
+        return self.engine.kv.bytes_per_token()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class SGLangScorer:
+    """A real SGLang server (with the TRACE plugin) serving one setting, started for this scorer."""
+
+    def __init__(self, model_path, setting, dtype: str, workdir: str | Path, device: str = "cpu"):
+        import httpx
+
+        from sglang_backend.server_process import SGLangProcess
+
+        flags = ["--dtype", dtype, "--kv-k", setting.k, "--kv-v", setting.v, "--guided-layers", "none",
+                 "--max-total-tokens", "8192", "--max-running-requests", "16"]
+        quantization = SGLANG_QUANTIZATION[setting.weights]
+        if quantization is not None:
+            flags += ["--quantization", quantization]
+        log = Path(workdir) / f"sglang-{setting.name.replace(':', '_')}.log"
+        self.server = SGLangProcess(model_path, flags, log_path=log, device=device)
+        self.http = httpx.Client(base_url=self.server.url, timeout=600)
+        self.setting, self.model_path, self.dtype = setting, model_path, dtype
+
+    def _generate(self, body: dict) -> dict:
+        r = self.http.post("/generate", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"SGLang /generate answered {r.status_code}: {r.text[:500]}\n{self.server.log_tail()}")
+        return r.json()
+
+    def greedy(self, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
+        sp = {"temperature": 0, "max_new_tokens": max_new_tokens}
+        outs = self._generate({"input_ids": [p["ids"] for p in prompts], "sampling_params": sp})
+        return [o["output_ids"] for o in outs]
+
+    def teacher_forced(self, prompt: list[int], continuation: list[int]) -> tuple[list[float], list[bool]]:
+        """SGLang's input-token logprobs from the last prompt token on: its first entry (that token
+        itself) carries none, each later one is log p(token | everything before it)."""
+        if not continuation:
+            return [], []
+        meta = self._generate({"input_ids": prompt + continuation, "return_logprob": True, "top_logprobs_num": 1,
+                               "logprob_start_len": len(prompt) - 1,
+                               "sampling_params": {"temperature": 0, "max_new_tokens": 1}})["meta_info"]
+        scored, tops = meta["input_token_logprobs"][1:], meta["input_top_logprobs"][1:]
+        if [t[1] for t in scored] != continuation or len(tops) != len(continuation):
+            raise RuntimeError(f"SGLang scored tokens {[t[1] for t in scored]} for the continuation {continuation}")
+        return [-t[0] for t in scored], [top[0][1] == tok for top, tok in zip(tops, continuation)]
+
+    def kv_bytes_per_token(self) -> float:
+        """The setting's K and V of one token across all layers, as the formats store them."""
+        from megatron_trace.models import ModelArch
+        from megatron_trace.models.quant_policy import kv_side_bits
+
+        arch = ModelArch.from_hf_config(Path(self.model_path))
+        row, wide = arch.num_kv_heads * arch.head_dim, torch.finfo(getattr(torch, self.dtype)).bits
+        pair = kv_side_bits(self.setting.k, row, wide) + kv_side_bits(self.setting.v, row, wide)
+        return arch.num_layers * row * pair / 8
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.stop()
+
+
+def open_scorer(backend: str, model_path, setting, *, dtype: str, targets, workdir: str | Path | None = None):
+    if backend == "embedded":
+        return EmbeddedScorer(model_path, setting.policy(targets), dtype)
+    if backend != "sglang":
+        raise ValueError(f"quality backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if targets is not None:
+        raise ValueError("--targets is not supported with --backend sglang: the launcher serves the policy's default "
+                         "FP4 targets (MLP and routed experts)")
+    if workdir is None:
+        raise ValueError("the sglang quality backend needs a workdir for the server logs")
+    return SGLangScorer(model_path, setting, dtype, workdir)

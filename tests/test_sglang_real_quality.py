@@ -1,0 +1,46 @@
+"""The quality probe on a real SGLang 0.5.23 server (CPU engine, the TRACE plugin's KV methods), one
+server per setting, against the embedded engine on the same checkpoint: the two stacks measure the
+same damage, and on a checkpoint with outlier channels planted in K (tests/test_quality.py) SGLang
+too shows NVFP4 K losing and FP8 K not."""
+from __future__ import annotations
+
+import pytest
+
+import sglang  # noqa: F401 - a missing SGLang fails this module, it is not skipped
+from megatron_trace import quality
+from tests.test_quality import _prompts, outlier_ckpt  # noqa: F401 - the fixture
+
+SETTINGS = ["bf16:nvfp4:nvfp4", "bf16:fp8:nvfp4"]
+
+
+@pytest.fixture(scope="module")
+def reports(outlier_ckpt, tmp_path_factory):  # noqa: F811 - the imported fixture
+    settings = [quality.Setting.parse(s) for s in SETTINGS]
+    prompts = _prompts(3)
+    work = tmp_path_factory.mktemp("quality_sglang")
+    return {b: quality.run(outlier_ckpt, prompts, settings, max_new_tokens=12, backend=b, workdir=work)
+            for b in ("sglang", "embedded")}
+
+
+def test_sglang_and_embedded_measure_the_same_damage(reports):
+    sg, emb = reports["sglang"]["settings"], reports["embedded"]["settings"]
+    assert reports["sglang"]["backend"] == "sglang"
+    for name in [quality.REFERENCE, *SETTINGS]:
+        assert sg[name]["tokens"] == emb[name]["tokens"] == 3 * 12, name
+        assert sg[name]["kv_bytes_per_token"] == emb[name]["kv_bytes_per_token"], name
+        assert abs(sg[name]["nll_per_token"] - emb[name]["nll_per_token"]) < 2e-3, (name, sg[name], emb[name])
+        assert abs(sg[name]["top1_agreement"] - emb[name]["top1_agreement"]) <= 1 / 36 + 1e-9, name
+    assert sg[quality.REFERENCE]["outputs"] == emb[quality.REFERENCE]["outputs"]
+
+
+def test_sglang_shows_nvfp4_k_losing_and_fp8_k_not(reports):
+    inc = {n: r["nll_increase"] for n, r in reports["sglang"]["settings"].items()}
+    assert inc[quality.REFERENCE] == 0
+    assert inc["bf16:nvfp4:nvfp4"] > 1.0
+    assert inc["bf16:fp8:nvfp4"] < inc["bf16:nvfp4:nvfp4"] / 5
+
+
+def test_targets_are_refused_on_sglang(outlier_ckpt, tmp_path):  # noqa: F811
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--model-path", str(outlier_ckpt), "--prompts", "p.jsonl", "--backend", "sglang",
+                            "--targets", "*.mlp.down_proj"])
