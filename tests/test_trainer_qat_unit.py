@@ -236,3 +236,52 @@ def test_static_scales_from_calibrated_amax_match_the_engine_reading_the_checkpo
     assert torch.equal(got, eng._matmul_input(x, None, None))
     with pytest.raises(KeyError, match="no calibrated input amax"):
         static_site_scales(amax, ARCH, policy)  # only layer 2 calibrated
+
+
+@pytest.mark.parametrize("mode", ["full", "mantissa"])
+def test_cuda_route_runs_the_triton_kernels_with_the_reference_bits(monkeypatch, mode):
+    """On CUDA the QAT sites quantize and round through kernels.dispatch, which picks the Triton
+    kernels there. Here the interpreter stands in for the GPU (the dispatcher forced to 'triton'):
+    weight, guided activation and guided NVFP4 K equal the reference route's output bit for bit."""
+    import importlib
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable")
+    from kernels import dispatch
+    from megatron_trace.trainer import qat
+
+    if not importlib.import_module("kernels.nvfp4_quantize").INTERPRETED:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    g = torch.Generator().manual_seed(9)
+    x_roll = torch.randn(6, 64, generator=g)
+    k_site = "model.layers.3.self_attn.k_cache"
+    k_roll = torch.randn(6, 2, 32, generator=g)
+    qk = nvfp4.quantize(k_roll, global_scale=torch.tensor(qat.KV_SCALE))
+    recs = _records([x_roll], mode)
+    recs[0].sites[k_site] = make_site(qk.scale, qk.global_scale, qk.data, mode)
+    x = (x_roll * (1 + 0.02 * torch.randn(x_roll.shape, generator=g))).unsqueeze(1)  # [S, B=1, K]
+    k = (k_roll * (1 + 0.02 * torch.randn(k_roll.shape, generator=g))).unsqueeze(1)
+    w = torch.randn(32, 64, generator=g)
+
+    def run():
+        st = QATState(ARCH, QuantPolicy(), "guided")
+        st.guidance = MicroBatchGuidance(recs, 6)
+        return st.weight(w), st.activation(x, SITE, None), st.kv(k, k_site)
+
+    want = run()
+    calls = []
+
+    def forced(fn):
+        def on_triton(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, backend="triton", **kwargs)
+        return on_triton
+
+    monkeypatch.setattr(qat, "nvfp4_quantize", forced(dispatch.nvfp4_quantize))
+    monkeypatch.setattr(qat, "nvfp4_guided_quantize", forced(dispatch.nvfp4_guided_quantize))
+    got = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert calls.count("nvfp4_quantize") == 3 and calls.count("nvfp4_guided_quantize") == 2
+    # The guidance did move codes: the guided activation is the rollout's, not round-to-nearest's.
+    assert torch.equal(got[1].squeeze(1), nvfp4.dequantize(nvfp4.quantize(x_roll, per_row_global=True)))

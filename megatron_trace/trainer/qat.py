@@ -6,6 +6,8 @@
                    (where a guidance record covers the position; rtn elsewhere)
 Weights use the exporter's quantizer (one global amax over the full, TP-gathered fused weight),
 so trainer and rollout weights are bit-identical. Backward is straight-through everywhere.
+NVFP4 quantization and guided rounding go through `kernels.dispatch`: the Triton kernels on CUDA
+tensors, fp4's references elsewhere, the same bits either way.
 
 Megatron lays activations out [seq, batch, hidden]; a micro-batch's guidance is assembled into
 that layout once per site (`MicroBatchGuidance`), with each sample's positions 0..T-1 in its
@@ -28,8 +30,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_trace.fp4 import (RolloutRounding, dequantize_any, guided_quantize, guided_quantize_mxfp4,
-                                 mantissa_bits_packed, straight_through, unpack_fp4)
+from kernels.dispatch import nvfp4_guided_quantize, nvfp4_quantize
+from megatron_trace.fp4 import (RolloutRounding, dequantize_any, guided_quantize_mxfp4, mantissa_bits_packed,
+                                 straight_through, unpack_fp4)
 from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
@@ -137,7 +140,7 @@ class QATState:
         if self.policy.format == "mxfp4":
             return straight_through(w, mxfp4.dequantize(mxfp4.quantize(w.detach()), w.dtype))
         amax = self._all_max(nvfp4.nan_free_amax(w.detach().float()).reshape(1)).reshape(())
-        q = nvfp4.quantize(w.detach(), global_amax=amax)
+        q = nvfp4_quantize(w.detach(), global_amax=amax)  # the dispatcher: Triton on CUDA, bit-identical
         return straight_through(w, nvfp4.dequantize(q, w.dtype))
 
     def set_static_activation_scales(self, scales: dict[str, float | torch.Tensor]) -> None:
@@ -166,7 +169,7 @@ class QATState:
         else:
             # row-parallel: the token's amax spans every TP rank's slice (the engine's and plugin's rule too)
             gs = nvfp4.per_token_global_scale(flat, self._all_max if k_slice is not None else None)
-        q = nvfp4.quantize(flat, global_scale=gs)
+        q = nvfp4_quantize(flat, global_scale=gs)
         out = self._guide(flat, q, site, k_slice, select=select, rows=rows)
         return straight_through(x, out.reshape(x.shape).to(x.dtype))
 
@@ -184,7 +187,7 @@ class QATState:
         if fmt == "mxfp4":
             q = mxfp4.quantize(rows, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
         else:
-            q = nvfp4.quantize(rows, global_scale=torch.tensor(KV_SCALE))
+            q = nvfp4_quantize(rows, global_scale=torch.tensor(KV_SCALE))
         groups = t.shape[-2]
         g0 = self.tp_rank() * groups
         return straight_through(t, self._guide(rows, q, site, None, heads=slice(g0, g0 + groups)).reshape(t.shape).to(t.dtype))
@@ -225,7 +228,7 @@ class QATState:
         if isinstance(q, mxfp4.MXFP4Tensor):  # E8M0 block scales, no global scale
             g = guided_quantize_mxfp4(x_rows, rr.scale, codes=codes, mantissa=mant, block=q.block)
         else:
-            g = guided_quantize(x_rows, rr.scale, rr.global_scale, codes=codes, mantissa=mant)
+            g = nvfp4_guided_quantize(x_rows, rr.scale, rr.global_scale, codes=codes, mantissa=mant)
         self._count(site, g, rr, mask)
         changed = (unpack_fp4(g.data) != unpack_fp4(q.data))[mask]
         o = self.override[site]
