@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_attention, cpu_fused
+from kernels.dispatch import paged_decode_attention
 from megatron_trace.models import ModelArch, QuantPolicy
 
 from . import layer_c
@@ -285,12 +286,35 @@ def _prefill_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int) -> 
     return torch.cat(outs)
 
 
+# Decode attention over FP4 pages. "auto": the Triton kernel (kernels/fp4_attention.py: codes x
+# scales dequantized in registers, never a dequantized copy) for CUDA tensors, the torch gather
+# below elsewhere; "triton" also sends CPU tensors to the kernel (under TRITON_INTERPRET=1, how the
+# tests reach it); "reference" always takes the torch gather.
+DECODE_ATTENTION_BACKEND = "auto"
+PAGED_KERNEL_KV_FORMATS = ("nvfp4", "mxfp4")  # K and V in one of these (the kernel's page formats)
+
+
 def _decode_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int) -> torch.Tensor:
+    backend = DECODE_ATTENTION_BACKEND
+    if kv.fmt in PAGED_KERNEL_KV_FORMATS and backend != "reference" and (q.is_cuda or backend == "triton"):
+        return _decode_attention_paged(q, batch, kv, layer, backend)
     flat, mask = batch.decode_gather()
     b, w = mask.shape
     k = kv.read(layer, 0, flat).reshape(b, w, kv.kv_heads, -1)
     v = kv.read(layer, 1, flat).reshape(b, w, kv.kv_heads, -1)
     return _attend(q[:, None], k, v, mask[:, None], kv.kv_heads)[:, 0]
+
+
+def _decode_attention_paged(q, batch: ForwardBatch, kv: PagedKVCache, layer: int, backend: str) -> torch.Tensor:
+    """Decode attention straight over the layer's FP4 pages through kernels.dispatch (each row of
+    the slot table is one sequence's slots, valid up to its length)."""
+    flat, mask = batch.decode_gather()
+    table = flat.reshape(mask.shape).to(device=q.device, dtype=torch.int32)
+    lens = mask.sum(1).to(device=q.device, dtype=torch.int32)
+    k_codes, k_scales, v_codes, v_scales = kv.layer_pages[layer]
+    k_gs, v_gs = kv.global_scale[layer]
+    return paged_decode_attention(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, table, lens, kv.fmt,
+                                  backend=backend)
 
 
 class QwenEngineModel(nn.Module):
