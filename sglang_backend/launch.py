@@ -22,6 +22,7 @@ the trainer's first version).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -31,13 +32,15 @@ import sys
 import threading
 from pathlib import Path
 
+from sglang_backend.plugin_settings import SIDE_FORMATS, PluginSettings, env_names
+
 QUANTIZATIONS = ["nvfp4", "w4a16_nvfp4", "mxfp4", "w4a16_mxfp4", "modelopt_fp4"]
 SGLANG_QUANT = {"nvfp4": "trace_nvfp4", "mxfp4": "trace_mxfp4", "modelopt_fp4": "modelopt_fp4"}
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
              "--disable-cuda-graph"]
 SGLANG_KV = {"auto": "auto", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "fp4_mx_block16"}
 PLUGIN_NAME = "trace_fp4"
-KV_SIDES = ("bf16", "fp8", "nvfp4", "mxfp4")
+KV_SIDES = SIDE_FORMATS  # what the plugin can store per side
 
 
 def _parse_guided_layers(v: str):
@@ -101,7 +104,7 @@ def _is_fp4_export(model_path: str) -> bool:
 
 
 def _online_policy(args: argparse.Namespace) -> str:
-    """TRACE_QUANT_POLICY for online quantization: the engine's policy for these flags + the layer count."""
+    """The plugin's quant_policy for online quantization: the engine's policy for these flags + the layer count."""
     from megatron_trace.models import ModelArch
 
     policy = _policy(args)
@@ -126,20 +129,20 @@ def kv_sides(args: argparse.Namespace) -> tuple[str, str]:
     return args.kv_k or both, args.kv_v or both
 
 
-def sglang_kv(args: argparse.Namespace, device: str) -> tuple[list[str], dict[str, str]]:
-    """SGLang's KV flags and the plugin's environment for our K/V formats."""
+def sglang_kv(args: argparse.Namespace, device: str) -> tuple[list[str], tuple[str, str] | None]:
+    """SGLang's KV flags, and the (K, V) formats the plugin must serve itself (None: SGLang's flag says it)."""
     sides = kv_sides(args)
     if sides == ("bf16", "bf16"):
-        return ["--kv-cache-dtype", args.kv_cache_dtype if args.kv_cache_dtype in SGLANG_KV else "bf16"], {}
+        return ["--kv-cache-dtype", args.kv_cache_dtype if args.kv_cache_dtype in SGLANG_KV else "bf16"], None
     if sides == ("nvfp4", "nvfp4") or (sides == ("mxfp4", "mxfp4") and device != "cpu"):
-        return ["--kv-cache-dtype", SGLANG_KV[sides[0]]], {}
+        return ["--kv-cache-dtype", SGLANG_KV[sides[0]]], None
     flags = ["--kv-cache-dtype", "nvfp4"]
     if device != "cpu":  # the CPU flags select torch_native already
         print(f"warning: K cache {sides[0]} + V cache {sides[1]} is read through the plugin's plain dequantized "
               "path, which only SGLang's torch_native attention takes: adding --attention-backend torch_native "
               "(slower than the GPU backends; plugin/kv_sides.py)", file=sys.stderr)
         flags += ["--attention-backend", "torch_native"]
-    return flags, {"TRACE_KV_SIDES": ",".join(sides)}
+    return flags, sides
 
 
 def _resolve_guided_layers(args: argparse.Namespace) -> list[int]:
@@ -172,8 +175,8 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
            "--random-seed", str(args.random_seed),
            "--max-running-requests", str(args.max_running_requests), "--skip-tokenizer-init",
            "--weight-version", str(args.weight_version)]
-    env = {"SGLANG_PLUGINS": PLUGIN_NAME, "TRACE_GUIDANCE_MODE": args.guidance_mode,
-           "TRACE_GUIDED_LAYERS": ",".join(map(str, _resolve_guided_layers(args)))}
+    env = {"SGLANG_PLUGINS": PLUGIN_NAME}
+    plugin = {"guidance_mode": args.guidance_mode, "guided_layers": tuple(_resolve_guided_layers(args))}
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     if args.enable_return_routed_experts:
@@ -182,12 +185,13 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
     if args.quantization == "modelopt_fp4" or (args.quantization is not None and not export):
         cmd += ["--quantization", SGLANG_QUANT[args.quantization]]
         if args.quantization in ("nvfp4", "mxfp4"):
-            env["TRACE_QUANT_POLICY"] = _online_policy(args)
+            plugin["quant_policy"] = _online_policy(args)
     device = _device(args)
-    env["TRACE_KV_READ_DTYPE"] = args.dtype
-    kv_flags, kv_env = sglang_kv(args, device)
+    kv_flags, plugin["kv_sides"] = sglang_kv(args, device)
     cmd += kv_flags
-    env.update(kv_env)
+    # The plugin's settings travel in the server's environment (plugin_settings.py); those the
+    # flags do not decide pass through from ours.
+    env.update(dataclasses.replace(PluginSettings.from_env(), kv_read_dtype=args.dtype, **plugin).to_env())
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         cmd += CPU_FLAGS + ["--mem-fraction-static", str(args.mem_fraction_static or 0.05),
@@ -215,7 +219,9 @@ def _run_sglang(args: argparse.Namespace, extra: list[str]) -> int:
               f"({sys.executable}); install it with pip install 'megatron-trace[sglang]' (CUDA only)", file=sys.stderr)
         return 2
     sys.stdout.flush()
-    os.execvpe(cmd[0], cmd, {**os.environ, **env})
+    # The plugin's variables are exactly `env`'s: one the flags left unset must not leak in from ours.
+    inherited = {k: v for k, v in os.environ.items() if k not in env_names()}
+    os.execvpe(cmd[0], cmd, {**inherited, **env})
     return 0  # not reached
 
 

@@ -24,7 +24,9 @@ import torch
 
 from megatron_trace.fp4 import nvfp4
 
-GUIDANCE_DIR_ENV = "TRACE_GUIDANCE_DIR"
+from .. import plugin_settings as settings
+
+GUIDANCE_DIR_ENV = settings.env_name("guidance_dir")
 _SAFE_RID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 
 
@@ -90,7 +92,7 @@ def guidance_dir(directory: str | Path | None = None) -> Path:
     if directory is not None:
         return Path(directory)
     default = "/dev/shm/trace_guidance" if Path("/dev/shm").is_dir() else os.path.join(tempfile.gettempdir(), "trace_guidance")
-    return Path(os.environ.get(GUIDANCE_DIR_ENV, default))
+    return Path(settings.current().guidance_dir or default)
 
 
 def _record_path(rid: str, directory: str | Path | None) -> Path:

@@ -11,17 +11,15 @@ project's NVFP4 (`megatron_trace.fp4.nvfp4`: the same bits as the embedded engin
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from megatron_trace.fp4 import nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 
+from .. import plugin_settings as settings
 from .kv_capture import sglang_kv_method_class, sglang_nvfp4_base
 
 PLAIN_BACKENDS = frozenset({"torch_native"})
-READ_DTYPE_ENV = "TRACE_KV_READ_DTYPE"  # the model dtype attention reads K/V in (the launcher sets it from --dtype)
 # SGLang's server-argument checks that refuse NVFP4 KV off Blackwell / off CUDA
 ARGS_HOOK_TARGETS = ("sglang.srt.arg_groups.kv_cache_hook.handle_nvfp4_prefill_kv_dequant_dtype",
                      "sglang.srt.arg_groups.kv_cache_hook.handle_kv4_compatibility")
@@ -69,7 +67,7 @@ def plain_read_method_class():
         s_dec = (self.k_scales_gpu if which == "k" else self.v_scales_gpu)[layer_id]
         s_enc = encode_scale_from_decode(s_dec.detach().float().cpu()).to(fp4_tensor.device)
         q = nvfp4.NVFP4Tensor(fp4_tensor.view(torch.uint8), scales.view(torch.uint8), s_enc)
-        return nvfp4.dequantize(q, dtype or getattr(torch, os.environ.get(READ_DTYPE_ENV, "float32")))
+        return nvfp4.dequantize(q, dtype or getattr(torch, settings.current().kv_read_dtype))
 
     cls = type("TracePlainReadNVFP4KVCacheMethod", (base,), {
         "name": base.name, "attention_accesses": attention_accesses, "needs_linear_scale_buffer":

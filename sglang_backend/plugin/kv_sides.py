@@ -25,33 +25,23 @@ engine captures them; FP8 and BF16 sides record nothing there either (docs/quali
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 
+from .. import plugin_settings as settings
 from . import capture, kv_read
 from .slot_capture import SlotCapture
 from .kv_capture import quantize_kv, quantize_kv_fp8, sglang_nvfp4_base
 
-SIDES_ENV = "TRACE_KV_SIDES"
-SIDE_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+SIDES_ENV = settings.env_name("kv_sides")
+SIDE_FORMATS = settings.SIDE_FORMATS
 KV_SITE = "model.layers.{layer}.self_attn.{side}"
 
 
-def parse_sides(raw: str) -> tuple[str, str]:
-    """'fp8,nvfp4' -> ('fp8', 'nvfp4'); a clear error for anything else."""
-    parts = tuple(p.strip() for p in raw.split(","))
-    if len(parts) != 2 or any(p not in SIDE_FORMATS for p in parts):
-        raise ValueError(f"{SIDES_ENV} must be '<K format>,<V format>' with each one of {', '.join(SIDE_FORMATS)}; "
-                         f"got {raw!r}")
-    return parts  # type: ignore[return-value]
-
-
 def sides_from_env() -> tuple[str, str] | None:
-    raw = os.environ.get(SIDES_ENV)
-    return None if raw is None else parse_sides(raw)
+    """(K format, V format) the launcher asked for, None when it asked for none (a malformed value raises)."""
+    return settings.current().kv_sides
 
 
 def side_shapes(fmt: str, heads: int, head_dim: int, itemsize: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -160,7 +150,7 @@ def per_side_method_class(sides: tuple[str, str]):
             return False
 
         def _read_dtype(self) -> torch.dtype:
-            return getattr(torch, os.environ.get(kv_read.READ_DTYPE_ENV, "float32"))
+            return getattr(torch, settings.current().kv_read_dtype)
 
         def create_buffers(self, size, head_num, head_dim, layer_num, device) -> dict:
             self._all_max = heads_all_max() if "fp8" in self.side_formats else None

@@ -15,7 +15,6 @@ comes from the environment the launcher sets: TRACE_QUANT_POLICY = JSON
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 from torch import nn
@@ -24,14 +23,15 @@ from megatron_trace.fp4 import nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 from megatron_trace.models.quant_policy import QuantPolicy
 
+from .. import plugin_settings as settings
 from .layer_tp import set_derived, sglang_attr, tp_rank_size
 from .quant_method import PACKED_MODULES, TraceFP4Config, TraceFP4LinearMethod, TraceMXFP4Config
 
-POLICY_ENV = "TRACE_QUANT_POLICY"
+POLICY_ENV = settings.env_name("quant_policy")
 
 
 def policy_from_env(fmt: str) -> tuple[QuantPolicy, int | None]:
-    raw = os.environ.get(POLICY_ENV)
+    raw = settings.current().quant_policy
     if not raw:
         return QuantPolicy(format=fmt), None
     try:

@@ -30,9 +30,9 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing
-import os
 import sys
 
+from .. import plugin_settings as settings
 from . import capture, kv_read, kv_sides, routed_experts_cpu, slot_capture, weight_check
 from .kv_capture import sglang_nvfp4_base
 from .online_quant import TraceMXFP4OnlineConfig, TraceNVFP4OnlineConfig
@@ -107,13 +107,13 @@ def register_kv_method() -> bool:
             mod.KV_CACHE_QUANT_REGISTRY["nvfp4"] = _refusing_kv_method(str(e))
         raise
     per_side = sides is not None and sides != ("nvfp4", "nvfp4")
-    if os.environ.get("TRACE_FP4_KV", "1") == "0":
+    if not settings.current().fp4_kv:
         if per_side and mod is not None:
             mod.KV_CACHE_QUANT_REGISTRY["nvfp4"] = _refusing_kv_method(
-                f"TRACE_FP4_KV=0 keeps SGLang's nvfp4 method, which stores K and V alike; {kv_sides.SIDES_ENV}="
-                f"{','.join(sides)} needs the plugin's")
+                f"{settings.env_name('fp4_kv')}=0 keeps SGLang's nvfp4 method, which stores K and V alike; "
+                f"{kv_sides.SIDES_ENV}={','.join(sides)} needs the plugin's")
             return False
-        log.info("trace_fp4: TRACE_FP4_KV=0, SGLang's nvfp4 KV method is kept")
+        log.info("trace_fp4: %s=0, SGLang's nvfp4 KV method is kept", settings.env_name("fp4_kv"))
         return False
     # + plain dequantized reads for torch_native (kv_read.py); per-side formats: kv_sides.py
     cls = kv_sides.per_side_method_class(sides) if per_side else kv_read.plain_read_method_class()

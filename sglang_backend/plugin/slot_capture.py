@@ -37,13 +37,11 @@ from megatron_trace.guidance.record import KV_SITES, layer_of
 
 from sglang_backend.api import GUIDANCE_KEY  # in sampling_params.custom_params
 
+from .. import plugin_settings as settings
 from . import capture
 
 log = logging.getLogger(__name__)
 
-GUIDANCE_DIR_ENV = capture.GUIDANCE_DIR_ENV
-GUIDED_LAYERS_ENV = "TRACE_GUIDED_LAYERS"  # comma-separated layer indices (the launcher resolves them)
-MODE_ENV = "TRACE_GUIDANCE_MODE"
 _SAFE_RID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 
 
@@ -149,14 +147,8 @@ def take(rid: str, directory=None) -> bytes:
 
 # -- SGLang hooks (run in the scheduler / model process) ----------------------------------------
 def guided_layers_from_env() -> list[int] | None:
-    raw = os.environ.get(GUIDED_LAYERS_ENV)
-    if raw is None:
-        return None
-    try:
-        return [int(x) for x in raw.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{GUIDED_LAYERS_ENV} must be comma-separated layer indices (set by "
-                         f"sglang_backend.launch); got {raw!r}") from None
+    layers = settings.current().guided_layers
+    return None if layers is None else list(layers)
 
 
 def ensure_capture(runner) -> SlotCapture | None:
@@ -170,7 +162,7 @@ def ensure_capture(runner) -> SlotCapture | None:
     pool = runner.token_to_kv_pool
     capacity = int(pool.size) + int(getattr(runner, "page_size", 1) or 1) + 1
     device = getattr(runner, "device", "cpu")
-    cap = SlotCapture(capacity, os.environ.get(MODE_ENV, "mantissa"), layers, device=device)
+    cap = SlotCapture(capacity, settings.current().guidance_mode, layers, device=device)
     from sglang.srt.runtime_context import get_parallel  # SGLang 0.5.23: the runner keeps no tp_size
 
     tp = int(get_parallel().tp_size)
@@ -208,8 +200,9 @@ def on_request_finished(result, self, req, *args, **kwargs):
     try:
         cap = capture.get_capture_buffer()
         if not isinstance(cap, SlotCapture):
-            raise RuntimeError(f"guidance asked for, but this server captures none ({GUIDED_LAYERS_ENV}="
-                               f"{os.environ.get(GUIDED_LAYERS_ENV)!r}; start it with sglang_backend.launch)")
+            layers = f"{settings.env_name('guided_layers')}={settings.current().guided_layers!r}"
+            raise RuntimeError(f"guidance asked for, but this server captures none ({layers}; start it with "
+                               "sglang_backend.launch)")
         seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)
         slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : seqlen - 1]
         publish(rid, cap.record(rid, slots))
