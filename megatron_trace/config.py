@@ -2,16 +2,26 @@
 
     configs/tiny_cpu.yaml ──► Config.load(path, ["algo.loss=tis", "trainer.lr=3e-4"]) ──► validated tree
 Every field has a default and a one-line help; unknown sections/keys, wrong types and values
-outside the allowed set are errors that name the key and what is allowed. Nothing else in the
-project reads argv or environment variables for settings.
+outside the allowed set are errors that name the key and what is allowed. The checks are the
+sections' own declarations: a section's constructor coerces and checks each field by its
+annotation and `opt(...)` metadata (one validator, `_coerce`), then runs the section's cross-field
+`check`, so a section built in code (`AlgoConfig(loss="tis")`) is as valid as a loaded one. The
+trainer, the loss and the actor read these sections directly.
+
+Nothing else of the trainer side reads argv or environment variables: the one environment it
+reads, torchrun's rendezvous, is `LaunchEnv` below. (The SGLang plugin runs in SGLang's processes
+without this tree; its settings are `sglang_backend/plugin_settings.py`.)
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -26,8 +36,30 @@ def opt(default, help: str, choices: tuple | None = None, low: float | None = No
     return field(default=default, metadata=meta)
 
 
+class Section:
+    """Base of the tree's sections: built = coerced and checked (see the module docstring)."""
+
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            key = f"{self.SECTION}.{f.name}"
+            setattr(self, f.name, _coerce(key, hints[f.name], f.metadata, getattr(self, f.name)))
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field rules of the section (the per-field ones are declarations)."""
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
+    SECTION: ClassVar[str] = "model"
     path: str = opt("", "HF checkpoint dir; empty builds the tiny model below (embedded default)")
     family: str = opt("qwen2", "tiny model family", ("qwen2", "qwen3", "qwen3_moe"))
     tiny: dict = opt({}, "overrides of the tiny HF config (hidden_size, num_hidden_layers, ...)")
@@ -35,7 +67,8 @@ class ModelConfig:
 
 
 @dataclass
-class QuantConfig:
+class QuantConfig(Section):
+    SECTION: ClassVar[str] = "quant"
     format: str = opt("nvfp4", "FP4 format of the rollout", ("nvfp4", "mxfp4", "bf16"))
     weights: str = opt("fp4", "weight precision of targeted linears", ("fp4", "bf16"))
     activations: str = opt("fp4", "activation precision (fp4 = W4A4, bf16 = W4A16)", ("fp4", "bf16"))
@@ -52,9 +85,13 @@ class QuantConfig:
     def policy(self) -> QuantPolicy:
         return QuantPolicy.from_dict({**dataclasses.asdict(self), "targets": tuple(self.targets)})
 
+    def check(self) -> None:
+        self.policy()  # the policy's own cross-field rules (W16A4 is not a policy, ...)
+
 
 @dataclass
-class GuidanceConfig:
+class GuidanceConfig(Section):
+    SECTION: ClassVar[str] = "guidance"
     mode: str = opt("mantissa", "what the rollout records per element", ("full", "mantissa"))
     layers: Any = opt("last_half", "guided layers: last_half | all | none | N (last N) | [indices]")
     memory_budget_mb: float = opt(256.0, "host memory for guidance before spilling to disk", low=0)
@@ -62,7 +99,8 @@ class GuidanceConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
+    SECTION: ClassVar[str] = "rollout"
     backend: str = opt("local", "local (embedded, in-process) or http (servers below)", ("local", "http"))
     urls: list = opt([], "rollout server URLs for backend=http")
     api_key: str = opt("", "bearer key of the rollout servers")
@@ -82,9 +120,22 @@ class RolloutConfig:
     eval_prompts: int = opt(32, "prompts of the eval split (never trained on) scored at eval", low=0)
     eval_fraction: float = opt(0.1, "share of the distinct problems / JSONL lines held out as the eval split", low=0)
 
+    def check(self) -> None:
+        if self.temperature == 0:
+            raise ValueError("rollout.temperature must be > 0; got 0 (greedy): a GRPO group of greedy answers is "
+                             "identical, so every advantage is 0, and the trainer recomputes a sampling policy. "
+                             "Evaluation is greedy already (eval/accuracy)")
+        if not self.eval_fraction < 1:
+            raise ValueError(f"rollout.eval_fraction must be in [0, 1); got {self.eval_fraction!r}")
+        if self.top_k == 0:
+            raise ValueError("rollout.top_k must be -1 (all tokens) or >= 1; got 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1]; got {self.top_p!r}")
+
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
+    SECTION: ClassVar[str] = "trainer"
     tp: int = opt(1, "tensor parallel size", low=1)
     pp: int = opt(1, "pipeline parallel size", low=1)
     ep: int = opt(1, "expert parallel size (MoE; allgather dispatcher, so CPU/gloo works too)", low=1)
@@ -92,6 +143,7 @@ class TrainerConfig:
                               "auto = on for MoE models", ("auto", "on", "off"))
     lr: float = opt(1e-4, "Adam learning rate", low=0)
     clip_grad: float = opt(1.0, "global grad-norm clip", low=0)
+    weight_decay: float = opt(0.0, "Adam weight decay", low=0)
     micro_batch_size: int = opt(8, "sequences per micro-batch", low=1)
     qat_mode: str = opt("guided", "trainer forward: off (BF16), rtn (plain QAT), guided (TRACE)", ("off", "rtn", "guided"))
     dtype: str = opt("float32", "trainer params dtype (float32 on CPU)", ("float32", "bfloat16"))
@@ -105,7 +157,8 @@ class TrainerConfig:
 
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(Section):
+    SECTION: ClassVar[str] = "algo"
     loss: str = opt("ppo_clip", "policy loss", ("ppo_clip", "tis", "mis", "none"))
     is_clip: float = opt(5.0, "token-level importance-ratio clip (dual clip), as in TRACE", low=1)
     eps_low: float = opt(0.2, "PPO clip below 1", low=0)
@@ -116,9 +169,17 @@ class AlgoConfig:
     async_rollout: bool = opt(False, "overlap rollout of step k+1 with training of step k")
     max_version_diff: int = opt(1, "drop samples older than this many weight versions (async)", low=0)
 
+    def check(self) -> None:
+        if not self.is_clip > 1:
+            raise ValueError(f"algo.is_clip must be > 1; got {self.is_clip}")
+        if not 0 < self.mis_low < 1 < self.mis_high:
+            raise ValueError(f"algo.mis_low/mis_high must satisfy 0 < low < 1 < high; got {self.mis_low}, "
+                             f"{self.mis_high}")
+
 
 @dataclass
-class TransferConfig:
+class TransferConfig(Section):
+    SECTION: ClassVar[str] = "transfer"
     transport: str = opt("inprocess", "weight sync path", ("inprocess", "http", "distributed", "disk"))
     bucket_mb: float = opt(64.0, "bucket byte budget", low=0)
     master_address: str = opt("127.0.0.1", "distributed transport: the sending trainer's host as servers reach it ('auto': its hostname)")
@@ -127,7 +188,8 @@ class TransferConfig:
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Section):
+    SECTION: ClassVar[str] = "cluster"
     trainer_nodes: int = opt(1, "nodes running Megatron", low=1)
     rollout_nodes: int = opt(0, "nodes running SGLang servers", low=0)
     gpus_per_node: int = opt(0, "0 on CPU", low=0)
@@ -135,7 +197,8 @@ class ClusterConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Section):
+    SECTION: ClassVar[str] = "logging"
     run_dir: str = opt("runs/tiny_cpu", "where logs, TensorBoard events and checkpoints go")
     tensorboard: bool = opt(True, "write TensorBoard event files")
     progress: bool = opt(True, "show a progress bar")
@@ -181,30 +244,14 @@ class Config:
         unknown = sorted(set(raw) - set(sections))
         if unknown:
             raise ValueError(f"unknown config sections {unknown}; allowed: {sorted(sections)}")
-        hints = typing.get_type_hints(cls)
-        cfg = cls(**{name: _build(name, hints[name], raw.get(name) or {}) for name in sections})
-        cfg.quant.policy()  # the policy's own cross-field checks
-        _check_sampling(cfg.rollout)
-        return cfg
+        hints = _hints(cls)
+        return cls(**{name: _build(name, hints[name], raw.get(name) or {}) for name in sections})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-
-
-def _check_sampling(rc: RolloutConfig) -> None:
-    if rc.temperature == 0:
-        raise ValueError("rollout.temperature must be > 0; got 0 (greedy): a GRPO group of greedy answers is "
-                         "identical, so every advantage is 0, and the trainer recomputes a sampling policy. "
-                         "Evaluation is greedy already (eval/accuracy)")
-    if not rc.eval_fraction < 1:
-        raise ValueError(f"rollout.eval_fraction must be in [0, 1); got {rc.eval_fraction!r}")
-    if rc.top_k == 0:
-        raise ValueError("rollout.top_k must be -1 (all tokens) or >= 1; got 0")
-    if not 0 < rc.top_p <= 1:
-        raise ValueError(f"rollout.top_p must be in (0, 1]; got {rc.top_p!r}")
 
 
 def _build(section: str, cls, values: dict):
@@ -214,18 +261,16 @@ def _build(section: str, cls, values: dict):
     unknown = sorted(set(values) - set(fields_))
     if unknown:
         raise ValueError(f"unknown keys {[f'{section}.{k}' for k in unknown]}; allowed: {sorted(fields_)}")
-    hints = typing.get_type_hints(cls)
-    out = {}
-    for name, value in values.items():
-        out[name] = _check(f"{section}.{name}", hints[name], fields_[name].metadata, value)
-    return cls(**out)
+    return cls(**values)  # the section's constructor coerces and checks every value
 
 
 class _Raw(str):
     """A command-line value, parsed by the type of the field it lands in."""
 
 
-def _check(key: str, typ, meta, value):
+def _coerce(key: str, typ, meta, value):
+    """`value` as the field `key` declares it (annotation `typ`, metadata choices/low), or a
+    ValueError naming the key and what is allowed."""
     if isinstance(value, _Raw):
         value = str(value) if typ is str else (yaml.safe_load(value) if value else "")
     if typ is str and isinstance(value, bool):  # YAML 1.1 reads off/on/yes/no as booleans
@@ -277,3 +322,24 @@ def describe() -> str:
             choices = f" [{'|'.join(map(str, f.metadata['choices']))}]" if f.metadata.get("choices") else ""
             lines.append(f"  {sec.name}.{f.name}={default!r}{choices}  {f.metadata.get('help', '')}")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where torchrun (or srun + torchrun) put this trainer process: RANK, WORLD_SIZE, LOCAL_RANK.
+    The one environment the trainer side reads (MASTER_ADDR/MASTER_PORT are torch's own, read by
+    its env:// rendezvous). `from_env` is None outside such a launcher: a single-process world."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> LaunchEnv | None:
+        if "WORLD_SIZE" not in environ:
+            return None
+        try:
+            return cls(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)))
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"WORLD_SIZE is set, so this is a torchrun launch, but RANK/WORLD_SIZE/LOCAL_RANK "
+                             f"are incomplete or not integers: {e!r}") from None

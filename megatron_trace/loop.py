@@ -1,12 +1,18 @@
 """The RL step, sync or async, from prompts to the next weight version.
 
     prompts(step) ─► rollout: n samples per prompt (FP4 W/A/KV, logprobs, guidance handles)
-      ─► rewards ─► GRPO advantages ─► guidance bytes ─► GuidanceStore (memory → disk, by sample id)
+      ─► rewards ─► GRPO advantages; each guidance record, as it is fetched ─► GuidanceStore
       ─► Actor.train_step: FP4-aware recompute (QAT guided by the store's records) + policy loss
       ─► weight transfer (version + 1) ─► metrics (rollout/ train/ mismatch/ perf/ eval/)
 Async (`algo.async_rollout`): the rollout of step k+1 runs while step k trains; samples more than
 `algo.max_version_diff` versions old are dropped and counted. Rank 0 owns the rollout, the data
 and the store; every trainer rank receives the step's samples as JSON + safetensors bytes.
+
+Why a store: the rollout puts a record the moment it has fetched it, so in async mode step k+1's
+records are written (and, past `guidance.memory_budget_mb`, spilled to disk by the store's writer
+thread) while step k trains, and the batch waiting for its turn holds only `StoredRecord` handles;
+the records come back when their step trains and the step is released after it. Host memory for
+waiting guidance is the budget, not a whole step's bytes (at scale, GBs per step).
 """
 from __future__ import annotations
 
@@ -15,13 +21,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from megatron_trace.config import Config
 from megatron_trace.guidance import GuidanceRecord, decode_routed_experts
-from megatron_trace.rl import LossConfig, mismatch_metrics
+from megatron_trace.rl import mismatch_metrics
 from megatron_trace.trainer.actor import Sample
 from megatron_trace.trainer.comm import broadcast_blobs, broadcast_json
 from sglang_backend.api import GenerateRequest, SamplingParams, version_step
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    """A sample's guidance record waiting in rank 0's GuidanceStore under `key`, instead of its bytes."""
+
+    key: str
 
 
 @dataclass
@@ -29,7 +43,7 @@ class RolloutBatch:
     step: int
     version: int  # weight version the rollout started from
     samples: list[dict]  # prompt_id, prompt, response, logprobs, reward, advantage, sample_id
-    guidance: list[bytes | None]
+    guidance: list[bytes | StoredRecord | None]  # per sample: the record's bytes, its handle, or none
     stats: dict[str, float] = field(default_factory=dict)
 
 
@@ -59,10 +73,12 @@ def guided_sites(cfg: Config) -> list[str]:
 
 
 class Rollout:
-    """Rank 0's side of a step: prompts, generation, rewards (a raising reward scores 0, counted)."""
+    """Rank 0's side of a step: prompts, generation, rewards (a raising reward scores 0, counted).
+    With a `store`, each guidance record goes into it as soon as it is fetched (see the module doc)."""
 
-    def __init__(self, cfg: Config, backend, tokenizer, prompts, reward_fn, arch=None):
+    def __init__(self, cfg: Config, backend, tokenizer, prompts, reward_fn, arch=None, store=None):
         self.cfg, self.backend, self.tok, self.prompts, self.reward_fn = cfg, backend, tokenizer, prompts, reward_fn
+        self.store = store
         self.want_guidance = cfg.trainer.qat_mode == "guided"
         if self.want_guidance:
             guided_sites(cfg)
@@ -105,7 +121,7 @@ class Rollout:
             samples.append({"sample_id": res.rid, "prompt_id": p.prompt_id, "prompt": ids, "response": res.output_ids,
                             "logprobs": res.output_logprobs, "reward": reward,
                             "version": version_step(res.weight_version), "routed_experts": res.routed_experts})
-            guidance.append(self._guidance(res) if self.want_guidance else None)
+            guidance.append(self._keep(step, res.rid, self._guidance(res)) if self.want_guidance else None)
         for s, a in zip(samples, grpo_advantages([s["reward"] for s in samples], rc.n_samples)):
             s["advantage"] = a
         return RolloutBatch(step, version, samples, guidance, stats)
@@ -118,6 +134,15 @@ class Rollout:
                                f"sample {res.rid}: the server must run the TRACE plugin (`python -m "
                                "sglang_backend.launch --backend sglang`) or the embedded engine, and record FP4 sites")
         return self.backend.fetch_guidance(res.guidance_handle)
+
+    def _keep(self, step: int, rid: str, data: bytes) -> bytes | StoredRecord:
+        if self.store is None:
+            return data
+        # Keyed by step too: in async mode step k+1 starts from the version step k did, so a prompt
+        # drawn by both has the same rid while step k's records are still in the store.
+        key = f"{step}/{rid}"
+        self.store.put(key, step, data)
+        return StoredRecord(key)
 
     def evaluate(self, n: int, samples: int = 4) -> dict[str, float]:
         """On the eval split (problems training never draws; the first n of it): greedy accuracy,
@@ -149,40 +174,44 @@ class Rollout:
         return self.tok.decode([i for i in ids if i < self.tok.vocab_size])
 
 
-def share_batch(batch: RolloutBatch | None) -> RolloutBatch:
-    """Rank 0's batch to every trainer rank (JSON + record bytes; no pickle)."""
+def share_batch(batch: RolloutBatch | None, store=None) -> RolloutBatch:
+    """Rank 0's batch to every trainer rank (JSON + record bytes; no pickle). A single process keeps
+    its batch as it is (stored records stay in the store); across ranks the records travel as bytes."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return batch
     meta = broadcast_json(None if batch is None else {"step": batch.step, "version": batch.version,
                                                        "samples": batch.samples, "stats": batch.stats,
                                                        "has": [g is not None for g in batch.guidance]})
-    blobs = broadcast_blobs(None if batch is None else [g for g in batch.guidance if g is not None])
+    blobs = broadcast_blobs(None if batch is None else [_record_bytes(g, store) for g in batch.guidance
+                                                        if g is not None])
     it = iter(blobs)
     guidance = [next(it) if has else None for has in meta["has"]]
     return RolloutBatch(meta["step"], meta["version"], meta["samples"], guidance, meta["stats"])
 
 
+def _record_bytes(g: bytes | StoredRecord, store) -> bytes:
+    return store.get_bytes(g.key) if isinstance(g, StoredRecord) else g
+
+
 class StepRunner:
-    """Trains one batch: guidance to the store, recompute + update, mismatch metrics."""
+    """Trains one batch: its guidance records (from the store), recompute + update, mismatch metrics;
+    then releases the step's records from the store."""
 
     def __init__(self, cfg: Config, actor, store, rank0: bool):
         self.cfg, self.actor, self.store, self.rank0 = cfg, actor, store, rank0
-        a = cfg.algo
-        self.loss_cfg = LossConfig(kind=a.loss, eps_low=a.eps_low, eps_high=a.eps_high, is_clip=a.is_clip,
-                                   tis_cap=a.tis_cap, mis_low=a.mis_low, mis_high=a.mis_high)
 
     def train(self, batch: RolloutBatch, current_version: int) -> tuple[dict, list[torch.Tensor]]:
+        try:
+            return self._train(batch, current_version)
+        finally:
+            if self.store is not None:
+                self.store.release_step(batch.step)  # stale samples' records too
+
+    def _train(self, batch: RolloutBatch, current_version: int) -> tuple[dict, list[torch.Tensor]]:
         limit = self.cfg.algo.max_version_diff
         keep = [i for i, s in enumerate(batch.samples) if current_version - min(s["version"], batch.version) <= limit]
         dropped = len(batch.samples) - len(keep)
-        records = []
-        for i in keep:
-            s, g = batch.samples[i], batch.guidance[i]
-            if g is not None and self.store is not None:
-                self.store.put(s["sample_id"], batch.step, g)
-            records.append(None)
-        for n, i in enumerate(keep):
-            if batch.guidance[i] is not None:
-                sid = batch.samples[i]["sample_id"]
-                records[n] = self.store.get(sid) if self.store is not None else GuidanceRecord.from_bytes(batch.guidance[i])
+        records = [self._record(batch.guidance[i]) for i in keep]
         samples = [Sample(batch.samples[i]["sample_id"], batch.samples[i]["prompt"], batch.samples[i]["response"],
                           batch.samples[i]["logprobs"], batch.samples[i]["advantage"], records[n],
                           self._routed(batch.samples[i])) for n, i in enumerate(keep)]
@@ -190,10 +219,8 @@ class StepRunner:
             return {"rollout/dropped_stale": dropped, "train/skipped": 1}, []
         self.actor.qat.clear_counters()
         self.actor.routing.clear_counters()
-        metrics, train_lp = self.actor.train_step(samples, self.loss_cfg)
+        metrics, train_lp = self.actor.train_step(samples, self.cfg.algo)
         routing = self.actor.routing_agreement()  # collective: every rank
-        if self.store is not None:
-            self.store.release_step(batch.step)
         m = mismatch_metrics([s.rollout_logprobs for s in samples], [t.tolist() for t in train_lp], is_clip=self.cfg.algo.is_clip)
         out = {f"train/{k}": float(v) for k, v in metrics.items()}
         out["rollout/dropped_stale"] = dropped
@@ -202,6 +229,13 @@ class StepRunner:
         out["_records"] = [r for r in records if r is not None]
         return out, [t - torch.tensor(s.rollout_logprobs) for t, s in zip(train_lp, samples)]
 
+
+    def _record(self, g: bytes | StoredRecord | None) -> GuidanceRecord | None:
+        if g is None:
+            return None
+        if isinstance(g, StoredRecord):
+            return self.store.get(g.key)
+        return GuidanceRecord.from_bytes(g)
 
     def _routed(self, s: dict) -> torch.Tensor | None:
         """A sample's routed experts [T, layers, top_k] (None when the rollout sent none)."""

@@ -151,7 +151,8 @@ def _share(samples: list[dict] | None) -> list[dict]:
 
 
 def probe(args) -> dict:
-    from megatron_trace.trainer.actor import Actor, ActorConfig, Sample
+    from megatron_trace.config import RolloutConfig, TrainerConfig
+    from megatron_trace.trainer.actor import Actor, Sample
     from megatron_trace.trainer.parallel import destroy, init_distributed
     from megatron_trace.trainer.routing_replay import replay_enabled
 
@@ -171,9 +172,9 @@ def probe(args) -> dict:
             print(f"WARNING: {skipped}", flush=True)
         full = [GuidanceRecord.from_bytes(s["guidance"]) if s["guidance"] else None for s in samples]
         records = {"full": full, "mantissa": [r.to_mantissa() for r in full] if not skipped else full}
-        actor = Actor(arch, policy, ActorConfig(qat_mode="off", micro_batch_size=args.micro_batch_size,
-                                                temperature=args.temperature, routing_replay=args.routing_replay),
-                      hf_path=args.model_path)
+        actor = Actor(arch, policy, TrainerConfig(qat_mode="off", micro_batch_size=args.micro_batch_size,
+                                                  routing_replay=args.routing_replay),
+                      RolloutConfig(temperature=args.temperature), hf_path=args.model_path)
         replay = replay_enabled(args.routing_replay, arch)
         routed = [None if s["routed_experts"] is None else decode_routed_experts(
             s["routed_experts"], len(s["prompt"]) + len(s["response"]) - 1, arch.num_layers, arch.num_experts_per_tok,

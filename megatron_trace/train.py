@@ -37,7 +37,7 @@ class Run:
     def __init__(self, cfg: Config, resume: bool):
         from megatron_trace.data import CharTokenizer, get_reward_fn, load_tokenizer, prompt_source
         from megatron_trace.models import ModelArch
-        from megatron_trace.trainer.actor import Actor, ActorConfig
+        from megatron_trace.trainer.actor import Actor
         from megatron_trace.trainer.parallel import init_distributed
 
         self.cfg, self.t0 = cfg, time.perf_counter()
@@ -58,13 +58,7 @@ class Run:
                              "experts with trainer.tp=1")
         if self.rank0:
             self._check_rollout_quality(model_path, tok, prompts)
-        self.actor = Actor(self.arch, cfg.quant.policy(), ActorConfig(
-            qat_mode=cfg.trainer.qat_mode, lr=cfg.trainer.lr, clip_grad=cfg.trainer.clip_grad,
-            micro_batch_size=cfg.trainer.micro_batch_size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            dtype=cfg.trainer.dtype, sequence_parallel=cfg.trainer.sequence_parallel,
-            distributed_optimizer=cfg.trainer.distributed_optimizer, routing_replay=cfg.trainer.routing_replay),
-            hf_path=model_path)
+        self.actor = Actor(self.arch, cfg.quant.policy(), cfg.trainer, cfg.rollout, hf_path=model_path)
         self.start_step, self.version = 0, 0
         if resume:
             meta = self.actor.load_checkpoint(self.run_dir / "checkpoints")
@@ -75,8 +69,9 @@ class Run:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / "config.yaml")
             self.backend = self._backend(model_path)
-            self.rollout = Rollout(cfg, self.backend, tok, prompts, get_reward_fn(cfg.rollout.reward), self.arch)
             self.store = self._store()
+            self.rollout = Rollout(cfg, self.backend, tok, prompts, get_reward_fn(cfg.rollout.reward), self.arch,
+                                   store=self.store)
             from megatron_trace.transfer.sync import make_transport
 
             self.transport = make_transport(cfg, self.backend, self.run_dir, self.arch)
@@ -175,7 +170,7 @@ class Run:
             batch = pending.result() if pending else self.produce(step)
             if pool and step + 1 < cfg.trainer.steps:
                 pending = pool.submit(self.produce, step + 1)  # overlaps this step's training
-            batch = share_batch(batch)
+            batch = share_batch(batch, self.store)
             faults.hit("rollout.done", step=step)
             t = time.perf_counter()
             out, deltas = self.runner.train(batch, self.version)

@@ -50,3 +50,28 @@ def test_shipped_configs_load():
 
     for path in Path(__file__).resolve().parents[1].glob("configs/*.yaml"):
         Config.load(path)
+
+
+def test_sections_built_in_code_are_checked_like_loaded_ones():
+    from megatron_trace.config import AlgoConfig, RolloutConfig, TrainerConfig
+
+    assert TrainerConfig(lr=1).lr == 1.0 and isinstance(TrainerConfig(lr=1).lr, float)  # coerced by annotation
+    with pytest.raises(ValueError, match="algo.loss must be one of ppo_clip, tis, mis, none; got 'grpo'"):
+        AlgoConfig(loss="grpo")
+    with pytest.raises(ValueError, match="trainer.micro_batch_size must be >= 1; got 0"):
+        TrainerConfig(micro_batch_size=0)
+    with pytest.raises(ValueError, match=r"rollout.top_p must be in \(0, 1\]"):
+        RolloutConfig(top_p=1.5)
+    with pytest.raises(ValueError, match="algo.is_clip must be > 1; got 1.0"):
+        Config.load(None, ["algo.is_clip=1"])
+    with pytest.raises(ValueError, match="algo.mis_low/mis_high must satisfy 0 < low < 1 < high; got 1.5, 2.0"):
+        Config.load(None, ["algo.mis_low=1.5"])
+
+
+def test_launch_env_is_torchruns_rendezvous_or_none():
+    from megatron_trace.config import LaunchEnv
+
+    assert LaunchEnv.from_env({}) is None
+    assert LaunchEnv.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == LaunchEnv(1, 2, 1)
+    with pytest.raises(ValueError, match="RANK/WORLD_SIZE/LOCAL_RANK are incomplete"):
+        LaunchEnv.from_env({"WORLD_SIZE": "2"})

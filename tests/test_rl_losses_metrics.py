@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_trace.rl import LossConfig, mismatch_metrics, policy_loss
+from megatron_trace.config import AlgoConfig
+from megatron_trace.rl import mismatch_metrics, policy_loss
 
 
 def test_mismatch_metrics_by_hand():
@@ -39,7 +40,7 @@ def test_ppo_clip_gradient_and_dual_clip():
     logp = torch.tensor([-1.0, -1.0, -1.0], requires_grad=True)
     roll = torch.tensor([-1.0, -3.0, -3.0])  # ratios 1, e^2, e^2
     adv = torch.tensor([1.0, 1.0, -1.0])
-    loss, m = policy_loss(logp, roll, adv, torch.ones(3), LossConfig(is_clip=5.0))
+    loss, m = policy_loss(logp, roll, adv, torch.ones(3), AlgoConfig(is_clip=5.0))
     # token 0: -r*A with r=1; token 1: clipped at 1.28 (no grad); token 2: A<0, max(min(rA, 1.28A... ), 5A) = -5
     assert float(loss) == pytest.approx(-1.0 - 1.28 + 5.0, rel=1e-5)
     loss.backward()
@@ -51,11 +52,11 @@ def test_tis_mis_none():
     logp = torch.tensor([-1.0, -1.0], requires_grad=True)
     roll = torch.tensor([-1.0, -4.0])
     adv = torch.tensor([2.0, 2.0])
-    loss, _ = policy_loss(logp, roll, adv, torch.ones(2), LossConfig(kind="tis", tis_cap=2.0))
+    loss, _ = policy_loss(logp, roll, adv, torch.ones(2), AlgoConfig(loss="tis", tis_cap=2.0))
     assert float(loss) == pytest.approx(-(1 * -1 * 2) - (2 * -1 * 2))
-    loss, m = policy_loss(logp, roll, adv, torch.ones(2), LossConfig(kind="mis"))
+    loss, m = policy_loss(logp, roll, adv, torch.ones(2), AlgoConfig(loss="mis"))
     assert m["masked_frac"] == pytest.approx(0.5) and float(loss) == pytest.approx(-2.0)
-    loss, _ = policy_loss(logp, roll, adv, torch.tensor([1.0, 0.0]), LossConfig(kind="none"))
+    loss, _ = policy_loss(logp, roll, adv, torch.tensor([1.0, 0.0]), AlgoConfig(loss="none"))
     assert float(loss) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="algo.loss must be one of"):
-        LossConfig(kind="grpo")
+        AlgoConfig(loss="grpo")

@@ -70,12 +70,13 @@ def _megatron(actor, routed: list[torch.Tensor | None]):
 
 @pytest.fixture(scope="module")
 def actor(moe_ckpt):
-    from megatron_trace.trainer.actor import Actor, ActorConfig
+    from megatron_trace.config import TrainerConfig
+    from megatron_trace.trainer.actor import Actor
     from megatron_trace.trainer.parallel import destroy, init_distributed
 
     init_distributed()
     arch = ModelArch.from_hf_config(moe_ckpt)
-    yield Actor(arch, QuantPolicy(), ActorConfig(qat_mode="off", routing_replay="on"), hf_path=moe_ckpt)
+    yield Actor(arch, QuantPolicy(), TrainerConfig(qat_mode="off", routing_replay="on", lr=1e-5, micro_batch_size=4), hf_path=moe_ckpt)
     destroy()
 
 

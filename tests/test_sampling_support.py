@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_trace.config import Config
-from megatron_trace.trainer.actor import Actor, ActorConfig
+from megatron_trace.config import Config, RolloutConfig, TrainerConfig
+from megatron_trace.trainer.actor import Actor
 from sglang_backend.api import SamplingParams
 from sglang_backend.local.sampling import sample_batch
 from sglang_backend.sampling_support import keep_mask, support_logprob
@@ -19,9 +19,9 @@ def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=g) * 3.0  # peaked enough that top-p drops tokens
 
 
-def _trainer_logprobs(cfg: ActorConfig, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+def _trainer_logprobs(cfg: RolloutConfig, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     # The actor's own recompute function, on [B, S=1, V] logits as its loss sees them.
-    return Actor._token_logprobs(SimpleNamespace(cfg=cfg), logits[:, None, :], torch.tensor(tokens)[:, None])[:, 0]
+    return Actor._token_logprobs(SimpleNamespace(sampling=cfg), logits[:, None, :], torch.tensor(tokens)[:, None])[:, 0]
 
 
 @settings(max_examples=25, deadline=None)
@@ -43,13 +43,13 @@ def test_rollout_logprob_is_the_filtered_one_and_the_trainer_matches_it(seed, to
         assert lps[i] == pytest.approx(full[(support == toks[i]).nonzero()[0, 0]].item(), abs=0)
         if logp[i].exp()[keep[i]].sum() < 0.999:  # mass was filtered: the unfiltered logprob is smaller
             assert lps[i] > logp[i, toks[i]].item()
-    train = _trainer_logprobs(ActorConfig(temperature=temperature, top_p=top_p, top_k=top_k), logits, toks)
+    train = _trainer_logprobs(RolloutConfig(temperature=temperature, top_p=top_p, top_k=top_k), logits, toks)
     assert torch.equal(train, torch.tensor(lps)), "identical logits must give importance ratio exactly 1"
 
 
 def test_trainer_keeps_a_sampled_token_its_own_nucleus_misses():
     logits = torch.tensor([[4.0, 3.9, 0.0, -2.0]])
-    cfg = ActorConfig(top_p=0.5)  # the trainer's nucleus is token 0 alone
+    cfg = RolloutConfig(top_p=0.5)  # the trainer's nucleus is token 0 alone
     lp = _trainer_logprobs(cfg, logits, [1])  # the rollout (other numerics) sampled token 1
     p = torch.softmax(logits[0], -1)
     assert torch.isfinite(lp).all() and lp.item() == pytest.approx(torch.log(p[1] / (p[0] + p[1])).item(), rel=1e-6)
@@ -61,4 +61,4 @@ def test_greedy_temperature_is_refused_for_rl():
     with pytest.raises(ValueError, match=r"rollout\.top_p must be in \(0, 1\]"):
         Config.load(None, ["rollout.top_p=0"])
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        Actor(None, None, ActorConfig(temperature=0.0))
+        Actor(None, None, TrainerConfig(), RolloutConfig(temperature=0.0))

@@ -1,7 +1,8 @@
 """Policy losses over response tokens, against the rollout's own logprobs.
 
 All take flat per-token tensors: logp (trainer, with grad), rollout_logp, advantages and a
-0/1 mask, and return (loss summed over masked tokens, metrics). The caller divides by its token
+0/1 mask, and the run's `algo` section (`algo.loss` picks one; its bounds are checked by the
+section), and return (loss summed over masked tokens, metrics). The caller divides by its token
 count, so micro-batches add up to a token-level mean over the whole batch.
 
   ppo_clip  r = p_train / p_rollout, PPO's min(rA, clip(r, 1-eps_low, 1+eps_high)A), and for
@@ -12,48 +13,26 @@ count, so micro-batches add up to a token-level mean over the whole batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-LOSSES = ("ppo_clip", "tis", "mis", "none")
-
-
-@dataclass
-class LossConfig:
-    kind: str = "ppo_clip"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    is_clip: float = 5.0
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in LOSSES:
-            raise ValueError(f"algo.loss must be one of {', '.join(LOSSES)}; got {self.kind!r}")
-        if not self.is_clip > 1:
-            raise ValueError(f"algo.is_clip must be > 1; got {self.is_clip}")
-        if not 0 < self.mis_low < 1 < self.mis_high:
-            raise ValueError(f"algo.mis_low/mis_high must satisfy 0 < low < 1 < high; got {self.mis_low}, {self.mis_high}")
-
+from megatron_trace.config import AlgoConfig
 
 def policy_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+                cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
     mask = mask.to(logp.dtype)
     log_ratio = logp - rollout_logp.to(logp.dtype)
     ratio = torch.exp(log_ratio)
     adv = adv.to(logp.dtype)
     keep = mask
-    if cfg.kind == "none":
+    if cfg.loss == "none":
         tok = -logp * adv
-    elif cfg.kind == "tis":
+    elif cfg.loss == "tis":
         tok = -torch.clamp(ratio.detach(), max=cfg.tis_cap) * logp * adv
     else:
         pg = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
         pg = torch.where(adv < 0, torch.maximum(pg, cfg.is_clip * adv), pg)
         tok = -pg
-        if cfg.kind == "mis":
+        if cfg.loss == "mis":
             r = ratio.detach()
             keep = mask * ((r >= cfg.mis_low) & (r <= cfg.mis_high)).to(mask.dtype)
     loss = (tok * keep).sum()

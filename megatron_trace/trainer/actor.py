@@ -24,29 +24,14 @@ import torch.nn.functional as F
 from megatron_trace import faults
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy, pp_layer_range
-from megatron_trace.rl import LossConfig, policy_loss
+from megatron_trace.config import AlgoConfig, RolloutConfig, TrainerConfig
+from megatron_trace.rl import policy_loss
 
 from sglang_backend.sampling_support import keep_mask, needs_filter, support_logprob
 
 from .gpt import _unwrap, build_model, load_hf_weights
 from .qat import MicroBatchGuidance, install_qat
 from .routing_replay import RoutingReplay, assert_same_micro_batch, replay_enabled
-
-
-@dataclass
-class ActorConfig:
-    qat_mode: str = "guided"  # off | rtn | guided
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    micro_batch_size: int = 4
-    temperature: float = 1.0  # the rollout's sampling temperature and filters: the policy recomputed
-    top_p: float = 1.0
-    top_k: int = -1
-    dtype: str = "float32"
-    sequence_parallel: bool = False  # needs TP > 1; micro-batches are padded to a multiple of TP
-    distributed_optimizer: bool = False  # GPU only: Megatron's distributed optimizer rejects CPU params
-    routing_replay: str = "auto"  # auto (on for MoE) | on | off: the routers replay the rollout's experts
 
 
 @dataclass
@@ -79,17 +64,18 @@ class _MicroBatch:
 
 
 class Actor:
-    def __init__(self, arch: ModelArch, policy: QuantPolicy, cfg: ActorConfig, hf_path=None):
-        """Call `parallel.init_distributed` first. Loads `hf_path` (an HF checkpoint) when given."""
+    def __init__(self, arch: ModelArch, policy: QuantPolicy, cfg: TrainerConfig, sampling: RolloutConfig | None = None,
+                 hf_path=None):
+        """Call `parallel.init_distributed` first. Loads `hf_path` (an HF checkpoint) when given.
+        `cfg` is the run's `trainer` section; `sampling` its `rollout` section, whose temperature and
+        top-k/top-p filters define the policy the logprobs are recomputed under (default: plain sampling)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.arch, self.policy, self.cfg = arch, policy, cfg
+        self.sampling = sampling if sampling is not None else RolloutConfig()  # temperature > 0: the section checks it
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-        if not cfg.temperature > 0:
-            raise ValueError(f"the actor's temperature must be > 0 (the rollout's sampling temperature; greedy "
-                             f"answers have no sampling policy to recompute); got {cfg.temperature!r}")
         if cfg.distributed_optimizer and not torch.cuda.is_available():
             raise ValueError("trainer.distributed_optimizer needs CUDA (Megatron rejects CPU parameters); "
                              "set it false on this machine")
@@ -156,7 +142,7 @@ class Actor:
                                    [s.routed_experts for s in part] + pad, [s.sample_id for s in part] + pad))
         return out, seq
 
-    def _run(self, micro: list[_MicroBatch], seq: int, forward_only: bool, loss_cfg: LossConfig | None, total: float):
+    def _run(self, micro: list[_MicroBatch], seq: int, forward_only: bool, loss_cfg: AlgoConfig | None, total: float):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         vocab = self.arch.vocab_size
@@ -195,7 +181,7 @@ class Actor:
     def _token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """logp of each label under the rollout's sampling distribution (temperature, then the
         top-k/top-p support renormalized: the rollout records exactly this)."""
-        c = self.cfg
+        c = self.sampling
         logp = torch.log_softmax(logits.float() / c.temperature, dim=-1)
         if not needs_filter(c.top_k, c.top_p, 0.0, logp.shape[-1]):
             return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
@@ -230,7 +216,7 @@ class Actor:
         _broadcast_from_last_stage(full)
         return [full[i, len(s.prompt_ids) - 1 : len(s.tokens) - 1].clone() for i, s in enumerate(samples)]
 
-    def train_step(self, samples: list[Sample], loss_cfg: LossConfig) -> tuple[dict[str, float], list[torch.Tensor]]:
+    def train_step(self, samples: list[Sample], loss_cfg: AlgoConfig) -> tuple[dict[str, float], list[torch.Tensor]]:
         """One optimizer step; returns its metrics and the trainer's pre-update response logprobs
         (the same forward the loss used: what mismatch metrics compare with the rollout's)."""
         from megatron.core import parallel_state as ps

@@ -1,11 +1,12 @@
 """torch.distributed + Megatron-Core model-parallel setup for the trainer (GPU or CPU/gloo)."""
 from __future__ import annotations
 
-import os
 import random
 
 import torch
 import torch.distributed as dist
+
+from megatron_trace.config import LaunchEnv
 
 from .cpu_compat import apply_cpu_workarounds
 
@@ -13,7 +14,7 @@ from .cpu_compat import apply_cpu_workarounds
 def init_distributed(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> None:
     """Initialize torch.distributed and Megatron's TP/PP/EP groups, and seed every RNG.
 
-    Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT as set by torchrun; without
+    Reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK (`config.LaunchEnv`; torch reads MASTER_ADDR/PORT); without
     them it starts a single-process world on an in-memory store (no port). Backend: nccl on
     CUDA (one device per LOCAL_RANK), gloo otherwise, where `apply_cpu_workarounds()` runs first.
     The data-parallel size is what is left: world / (tp * pp). Safe to call when torch.distributed
@@ -23,12 +24,12 @@ def init_distributed(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> No
     if not cuda:
         apply_cpu_workarounds()
     if not dist.is_initialized():
-        launched = "WORLD_SIZE" in os.environ  # torchrun (or srun + torchrun) sets the rendezvous
+        launched = LaunchEnv.from_env()  # torchrun (or srun + torchrun) sets the rendezvous
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            torch.cuda.set_device((launched.local_rank if launched else 0) % torch.cuda.device_count())
         if launched:
-            dist.init_process_group(backend="nccl" if cuda else "gloo", rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]))
+            dist.init_process_group(backend="nccl" if cuda else "gloo", rank=launched.rank,
+                                    world_size=launched.world_size)
         else:
             # A single process needs no rendezvous port: two runs on one machine must not collide.
             dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)

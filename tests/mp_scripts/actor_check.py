@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megatron_trace.fp4 import nvfp4  # noqa: E402
 from megatron_trace.guidance import GuidanceRecord, make_site  # noqa: E402
 from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
-from megatron_trace.rl import LossConfig  # noqa: E402
-from megatron_trace.trainer.actor import Actor, ActorConfig, Sample  # noqa: E402
+from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
+from megatron_trace.trainer.actor import Actor, Sample  # noqa: E402
 from megatron_trace.trainer.parallel import destroy, init_distributed  # noqa: E402
 
 
@@ -49,12 +49,12 @@ def run_layout(args, tp: int, pp: int) -> None:
     init_distributed(tp=tp, pp=pp, seed=0)
     arch = ModelArch.from_hf_config(args.ckpt)
     policy = QuantPolicy(kv="nvfp4")
-    actor = Actor(arch, policy, ActorConfig(qat_mode=args.mode, lr=1e-3, micro_batch_size=2), hf_path=args.ckpt)
+    actor = Actor(arch, policy, TrainerConfig(qat_mode=args.mode, lr=1e-3, micro_batch_size=2), hf_path=args.ckpt)
     batch = samples(arch)
     before = actor.compute_logprobs(batch)
     for s, lp in zip(batch, before):
         s.rollout_logprobs = [float(x) + 0.01 for x in lp]
-    metrics, step_lp = actor.train_step(batch, LossConfig())
+    metrics, step_lp = actor.train_step(batch, AlgoConfig())
     after = actor.compute_logprobs(batch)
     tag = f"{args.mode}_tp{tp}_pp{pp}"
     root = Path(args.out) / f"ckpt_{tag}"

@@ -17,8 +17,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megatron_trace.guidance import GuidanceRecord, decode_routed_experts  # noqa: E402
 from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
-from megatron_trace.rl import LossConfig  # noqa: E402
-from megatron_trace.trainer.actor import Actor, ActorConfig, Sample  # noqa: E402
+from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
+from megatron_trace.trainer.actor import Actor, Sample  # noqa: E402
 from megatron_trace.trainer.comm import all_gather_json  # noqa: E402
 from megatron_trace.trainer.parallel import destroy, init_distributed  # noqa: E402
 
@@ -53,8 +53,8 @@ def main():
 def run_layout(args, tp: int, ep: int, sp: bool) -> None:
     init_distributed(tp=tp, ep=ep, seed=0)
     arch = ModelArch.from_hf_config(args.ckpt)
-    actor = Actor(arch, POLICY, ActorConfig(qat_mode="guided", routing_replay="on", lr=1e-3, micro_batch_size=2,
-                                            sequence_parallel=sp), hf_path=args.ckpt)
+    actor = Actor(arch, POLICY, TrainerConfig(qat_mode="guided", routing_replay="on", lr=1e-3, micro_batch_size=2,
+                                              sequence_parallel=sp), hf_path=args.ckpt)
     batch = load_samples(Path(args.samples), arch)
     actor.qat.clear_counters()
     actor.routing.clear_counters()
@@ -63,7 +63,7 @@ def run_layout(args, tp: int, ep: int, sp: bool) -> None:
     res = {"before": [t.tolist() for t in before]}
     # Megatron's MoELayer refuses to train with TP > 1 unless sequence parallelism is on
     if tp == 1 or sp:
-        metrics, step_lp = actor.train_step(batch, LossConfig())
+        metrics, step_lp = actor.train_step(batch, AlgoConfig())
         after = actor.compute_logprobs(batch)
         res.update({"step": [t.tolist() for t in step_lp], "after": [t.tolist() for t in after],
                     "grad_norm": metrics["grad_norm"], "loss": metrics["loss"]})

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, when r
 
 from megatron_trace.guidance import GuidanceRecord  # noqa: E402
 from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
-from megatron_trace.rl import LossConfig  # noqa: E402
-from megatron_trace.trainer.actor import Actor, ActorConfig, Sample  # noqa: E402
+from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
+from megatron_trace.trainer.actor import Actor, Sample  # noqa: E402
 from megatron_trace.trainer.parallel import destroy, init_distributed  # noqa: E402
 
 POLICY = QuantPolicy(kv="nvfp4", targets=("*.self_attn.*", "*.mlp.*"))
@@ -43,7 +43,7 @@ def main() -> None:
     try:
         for name, (tp, sp) in CONFIGS.items():
             init_distributed(tp=tp, pp=1, seed=0)  # re-initializes the model-parallel groups
-            actor = Actor(arch, POLICY, ActorConfig(qat_mode="off", micro_batch_size=2, sequence_parallel=sp, lr=1e-3),
+            actor = Actor(arch, POLICY, TrainerConfig(qat_mode="off", micro_batch_size=2, sequence_parallel=sp, lr=1e-3),
                           hf_path=args.ckpt)
             res = {}
             for mode in ("off", "rtn", "guided"):
@@ -51,7 +51,7 @@ def main() -> None:
                 res[mode] = [t.tolist() for t in actor.compute_logprobs(samples)]
                 res[mode + "_agreement"] = actor.qat.agreement()
                 res[mode + "_unguided"] = actor.qat.unguided_rows()
-            metrics, _ = actor.train_step(samples, LossConfig())
+            metrics, _ = actor.train_step(samples, AlgoConfig())
             res["step"] = {k: float(v) for k, v in metrics.items()}
             res["after_step"] = [t.tolist() for t in actor.compute_logprobs(samples)]
             if dist.get_rank() == 0:
