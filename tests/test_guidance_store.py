@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from megatron_trace.fp4 import nvfp4
 from megatron_trace.guidance import GuidanceRecord, GuidanceStore, encode_records, make_site
 from megatron_trace.guidance.store import GuidanceStoreError
+from tests.waiting import wait_until
 
 SITES = ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj")
 
@@ -231,7 +232,9 @@ def test_enospc_wakes_a_put_blocked_on_full_queue(store_factory):
 
     t = threading.Thread(target=blocked)
     t.start()
-    time.sleep(0.1)
+    # r2 is registered before its put waits on the full queue (r1 fills it, the writer holds r0):
+    # from then on it can only leave through the writer's error, whenever the gate opens.
+    wait_until(lambda: "r2" in store, "the third put to be pending")
     gate.set()
     t.join(5)
     assert not t.is_alive() and len(errors) == 1 and "spill" in str(errors[0])

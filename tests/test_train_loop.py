@@ -79,10 +79,27 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
 
 def test_async_mode_counts_stale_samples(runs):
     run_dir = runs / "async"
-    _train(run_dir, "trainer.steps=3", "algo.async_rollout=true", "algo.max_version_diff=0")
+    # Zero guidance budget: the records of step k+1 are spilled by the store while step k trains
+    _train(run_dir, "trainer.steps=3", "algo.async_rollout=true", "algo.max_version_diff=0",
+           "guidance.memory_budget_mb=0")
     m = _metrics(run_dir)
     assert m[0]["rollout/dropped_stale"] == 0  # the first batch was made with version 0
     assert m[1]["rollout/dropped_stale"] > 0  # made while step 0 trained: one version old
+    assert 0 < m[0]["perf/guidance_spilled_bytes"] < m[2]["perf/guidance_spilled_bytes"]
+
+
+def test_spilled_guidance_trains_exactly_like_the_in_memory_run(runs, main_run):
+    """guidance.memory_budget_mb=0: every record of every step goes to the store's spill shards and
+    comes back through mmap; the run is the in-memory main run, number for number."""
+    full, spilled = main_run[0], runs / "spilled"
+    _train(spilled, *MAIN, "guidance.memory_budget_mb=0")
+    a, b = _metrics(full), _metrics(spilled)
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3]
+    for step in a:
+        assert a[step]["perf/guidance_spilled_bytes"] == 0 and b[step]["perf/guidance_spilled_bytes"] > 0
+        for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "mismatch/mean_abs_dlogp",
+                    "mismatch/guidance_bytes_per_token"):
+            assert b[step][key] == a[step][key], (step, key)
 
 
 def test_kill_mid_weight_sync_then_resume_matches_uninterrupted(runs, main_run):

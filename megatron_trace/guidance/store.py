@@ -1,6 +1,15 @@
 """Where guidance records wait between the rollout that writes them and the training step that
 reads them.
 
+Its purpose, in the RL loop (megatron_trace/loop.py): the rollout puts each record the moment it
+has fetched it, and the step that trains on it gets it back and releases the step afterwards. In
+async mode (`algo.async_rollout`) the rollout of step k+1 runs while step k trains, so k+1's records
+are written, and past the memory budget spilled, on the writer thread during step k's training;
+the waiting batch holds handles, not bytes, and host memory for waiting guidance stays within
+`guidance.memory_budget_mb`. Records are read back when their step starts (a memory read or one
+mmap read per spilled record), not prefetched earlier: the trainer needs all of a step's records
+for its first micro-batches, and reading them sooner would only move the bytes back into memory.
+
 The rollout produces one record (safetensors bytes) per sample; training reads it a few seconds
 or a few steps later. `put` must not stall the rollout, so records go through a bounded queue to
 one writer thread (a full queue blocks `put`: back-pressure instead of unbounded host memory).
