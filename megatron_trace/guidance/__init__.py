@@ -1,7 +1,18 @@
 """TRACE guidance: the record layout (what the rollout rounded to) and, later, its store."""
-from .record import GUIDANCE_MODES, KV_SITES, GuidanceRecord, SiteRecord, concat_sites, encode_records, make_site, resolve_guided_layers
+from .record import (
+    GUIDANCE_MODES,
+    KV_SITES,
+    GuidanceRecord,
+    SiteRecord,
+    concat_sites,
+    encode_records,
+    make_site,
+    resolve_guided_layers,
+)
 from .routing import decode_routed_experts, encode_routed_experts
 from .store import GuidanceStore, GuidanceStoreError
 
-__all__ = ["GUIDANCE_MODES", "KV_SITES", "GuidanceRecord", "SiteRecord", "concat_sites", "encode_records", "make_site", "resolve_guided_layers", "GuidanceStore", "GuidanceStoreError",
-           "decode_routed_experts", "encode_routed_experts"]
+__all__ = [
+    "GUIDANCE_MODES", "KV_SITES", "GuidanceRecord", "SiteRecord", "concat_sites", "encode_records", "make_site",
+    "resolve_guided_layers", "GuidanceStore", "GuidanceStoreError", "decode_routed_experts", "encode_routed_experts",
+]
