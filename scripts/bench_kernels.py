@@ -8,7 +8,8 @@ against the BF16 baseline:
     vs cuBLAS BF16 (torch.matmul);
   * paged decode attention (8 q heads / 1 kv head, head_dim 128) at 4K / 32K / 128K context,
     NVFP4 and MXFP4 pages, vs the same kernel on BF16 pages and vs SDPA on contiguous BF16 K/V;
-  * NVFP4 quantize (+ guidance) of a bf16 [8192, 8192] activation vs a bf16 copy of it.
+  * NVFP4 quantize (+ guidance) and guided rounding of a bf16 [8192, 8192] activation vs a
+    bf16 copy of it.
 It prints one markdown table: time, the baseline's time, speedup, and achieved bandwidth as % of
 the HBM peak (bytes the kernel must move / time / --peak-gbps) -- for quantize also as % of the
 copy bandwidth measured in the same run.
@@ -161,7 +162,7 @@ def bench_quantize(cfg, timer, rows, dev):
     import torch
 
     from kernels import dispatch
-    from megatron_trace.fp4 import nvfp4
+    from megatron_trace.fp4 import guided_quantize, mantissa_bits_packed, nvfp4
 
     m, k = cfg["quant_mk"]
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -191,6 +192,18 @@ def bench_quantize(cfg, timer, rows, dev):
         ok = ok and torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
         t = timer(run)
         moved = m * k * 2 + m * k * 0.5625 + extra_bytes
+        rows.append((name, f"{m}x{k}", 0.0 if ok else 1.0, 0.0, t, t_copy, moved,
+                     f"copy ({100 * moved / t / copy_bw:.0f}% of copy BW)"))
+    # TRACE guided rounding (the trainer's QAT): the rollout's scales and codes / mantissa bits in.
+    roll = nvfp4.quantize(x.float() * 1.01, per_row_global=True)
+    for name, kw, guide_bytes in [("guided rounding full", dict(codes=roll.data), m * k / 2),
+                                  ("guided rounding mantissa", dict(mantissa=mantissa_bits_packed(roll.data)), m * k / 8)]:
+        def run(kw=kw):
+            return dispatch.nvfp4_guided_quantize(x, roll.scale, roll.global_scale, backend="triton", **kw)
+        want = guided_quantize(x, roll.scale, roll.global_scale, **kw)
+        ok = torch.equal(run().data, want.data)
+        t = timer(run)
+        moved = m * k * 2 + m * k / 16 + guide_bytes + m * k / 2
         rows.append((name, f"{m}x{k}", 0.0 if ok else 1.0, 0.0, t, t_copy, moved,
                      f"copy ({100 * moved / t / copy_bw:.0f}% of copy BW)"))
 
