@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 
 import torch
 
@@ -23,6 +24,24 @@ def triton_available() -> bool:
         importlib.import_module("triton")
         importlib.import_module("triton.language")
     except Exception:  # a broken install can raise more than ImportError
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_cuda_without_triton(what: str) -> None:
+    """Once per operation: a CUDA tensor took the torch reference because triton is missing."""
+    logging.getLogger(__name__).warning(
+        "%s on CUDA runs the torch reference: triton is not importable here (the Triton kernel would be "
+        "bit-identical, and faster)", what)
+
+
+def _cuda_kernel_wanted(x, what: str, kernel_ok: bool = True) -> bool:
+    """backend 'auto': the Triton kernel for CUDA tensors when triton imports; says so loudly when not."""
+    if not (kernel_ok and isinstance(x, torch.Tensor) and x.is_cuda):
+        return False
+    if not triton_available():
+        _warn_cuda_without_triton(what)
         return False
     return True
 
@@ -66,10 +85,7 @@ def nvfp4_quantize(
     """
     _check_backend(backend)
     if backend == "auto":
-        use_triton = (
-            isinstance(x, torch.Tensor) and x.is_cuda and not four_over_six and triton_available()
-        )
-        backend = "triton" if use_triton else "reference"
+        backend = "triton" if _cuda_kernel_wanted(x, "NVFP4 quantize", not four_over_six) else "reference"
     if backend == "reference":
         return nvfp4.quantize(
             x, global_amax=global_amax, per_row_global=per_row_global, four_over_six=four_over_six,
@@ -96,8 +112,7 @@ def _kernel_module(name: str):
 def _pick(backend: str, x, name: str, kernel_ok: bool = True):
     """The kernel module for backend ('triton' or CUDA under 'auto'), or None for the reference."""
     _check_backend(backend)
-    if backend == "reference" or (backend == "auto" and not (
-            kernel_ok and isinstance(x, torch.Tensor) and x.is_cuda and triton_available())):
+    if backend == "reference" or (backend == "auto" and not _cuda_kernel_wanted(x, name, kernel_ok)):
         return None
     mod = _kernel_module(name)
     _require_runnable(x, mod)
@@ -125,6 +140,10 @@ def fp4_linear(x, w, bias=None, *, out_dtype=None, backend: str = "auto", **cfg)
 
 
 def fp4_linear_w4a4_reference(x, w, bias=None, *, input_global_scale=None, out_dtype=None):
+    if isinstance(x, nvfp4.NVFP4Tensor):  # quantized by the caller
+        if input_global_scale is not None:
+            raise ValueError("input_global_scale applies to an unquantized x; this x is an NVFP4Tensor already")
+        return fp4_linear_reference(nvfp4.dequantize(x), w, bias, out_dtype=out_dtype or torch.float32)
     if input_global_scale is None:
         q = nvfp4.quantize(x, per_row_global=True)
     else:
@@ -134,9 +153,12 @@ def fp4_linear_w4a4_reference(x, w, bias=None, *, input_global_scale=None, out_d
 
 def fp4_linear_w4a4(x, w, bias=None, *, input_global_scale=None, out_dtype=None, backend: str = "auto", **cfg):
     """W4A4 linear: x quantized to NVFP4 per token (or with the static S_enc input_global_scale)
-    with the reference rules, then multiplied with the NVFP4 weight. FP4 MMA is Blackwell-only;
-    the kernel runs bf16 MMAs on exactly dequantized tiles (see kernels/fp4_gemm.py)."""
-    mod = _pick(backend, x, "fp4_gemm", isinstance(w, nvfp4.NVFP4Tensor))
+    with the reference rules, then multiplied with the NVFP4 weight; x may be that NVFP4Tensor
+    already (the engine quantizes first to record guidance; out_dtype then defaults to float32).
+    FP4 MMA is Blackwell-only; the kernel runs bf16 MMAs on exactly dequantized tiles (see
+    kernels/fp4_gemm.py)."""
+    device_probe = x.data if isinstance(x, nvfp4.NVFP4Tensor) else x
+    mod = _pick(backend, device_probe, "fp4_gemm", isinstance(w, nvfp4.NVFP4Tensor))
     if mod is None:
         return fp4_linear_w4a4_reference(x, w, bias, input_global_scale=input_global_scale, out_dtype=out_dtype)
     return mod.fp4_linear_w4a4_triton(x, w, bias, input_global_scale=input_global_scale, out_dtype=out_dtype, **cfg)

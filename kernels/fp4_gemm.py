@@ -231,15 +231,26 @@ def fp4_linear_w4a4_triton(x: torch.Tensor, w: nvfp4.NVFP4Tensor, bias: torch.Te
                            out_dtype: torch.dtype | None = None, **cfg) -> torch.Tensor:
     """W4A4: x is NVFP4-quantized per token (or with the static S_enc `input_global_scale`) by the
     bit-exact quantize kernel, then multiplied in FP4 form. Same result as
-    F.linear(dequantize(quantize(x)), dequantize(w)) up to fp32 summation order."""
+    F.linear(dequantize(quantize(x)), dequantize(w)) up to fp32 summation order. x may also be
+    the NVFP4Tensor already (the engine quantized it to record guidance): out_dtype then
+    defaults to float32."""
     from .nvfp4_quantize import quantize_triton
 
-    k = x.shape[-1]
-    n = _check_weight(w, k)
-    x2 = x.reshape(-1, k)
-    if input_global_scale is None:
-        q = quantize_triton(x2, per_row_global=True)
+    if isinstance(x, nvfp4.NVFP4Tensor):
+        if input_global_scale is not None:
+            raise ValueError("input_global_scale applies to an unquantized x; this x is an NVFP4Tensor already")
+        lead, k = tuple(x.data.shape[:-1]), x.data.shape[-1] * 2
+        gs = x.global_scale.reshape(-1) if x.global_scale.dim() else x.global_scale
+        q = nvfp4.NVFP4Tensor(x.data.reshape(-1, k // 2).contiguous(), x.scale.reshape(-1, k // 16).contiguous(), gs)
+        out_dtype = out_dtype or torch.float32
     else:
-        q = quantize_triton(x2, global_scale=input_global_scale)
-    out = _gemm(q.data, q.scale, q.global_scale, w, bias, out_dtype or x.dtype, 1, cfg)
-    return out.reshape(*x.shape[:-1], n)
+        lead, k = tuple(x.shape[:-1]), x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if input_global_scale is None:
+            q = quantize_triton(x2, per_row_global=True)
+        else:
+            q = quantize_triton(x2, global_scale=input_global_scale)
+        out_dtype = out_dtype or x.dtype
+    n = _check_weight(w, k)
+    out = _gemm(q.data, q.scale, q.global_scale, w, bias, out_dtype, 1, cfg)
+    return out.reshape(*lead, n)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+import functools
 import logging
 
 import torch
 from torch import nn
 
 from kernels import cpu_gemv
+from kernels.dispatch import fp4_linear, fp4_linear_w4a4
 from kernels.dispatch import nvfp4_quantize
 from megatron_trace.fp4 import fast, mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
@@ -107,6 +109,12 @@ class EngineLinear(nn.Module):
     quantized per token (or with a static scale) before the matmul: W4A4.
     """
 
+    # FP4 GEMM: "auto" runs the Triton kernels (kernels/fp4_gemm.py: NVFP4 weights read as stored,
+    # dequantized in registers) for CUDA inputs and F.linear over the dequantized copy elsewhere;
+    # "triton" also sends CPU inputs to the kernels (under TRITON_INTERPRET=1, how the tests reach
+    # them); "reference" always takes F.linear.
+    gemm_backend = "auto"
+
     def __init__(self, shards: dict[str, int], in_features: int, *, bias: bool, weight_fmt: str | None,
                  act_fmt: str | None, dtype: torch.dtype, site: str | None = None, mx_rule: str = "floor"):
         super().__init__()
@@ -197,7 +205,30 @@ class EngineLinear(nn.Module):
         return nvfp4_quantize(x, per_row_global=True)
 
     def forward(self, x: torch.Tensor, capture: CaptureFn | None = None, site: str | None = None) -> torch.Tensor:
+        if self._packed_gemm(x):
+            return self._forward_packed(x, capture, site)
         return nn.functional.linear(self._matmul_input(x, capture, site), self.weight, self.bias)
+
+    def _packed_gemm(self, x: torch.Tensor) -> bool:
+        """Whether this call runs the Triton FP4 GEMM: NVFP4 weights with NVFP4 or unquantized
+        inputs. MXFP4 linears have no such kernel: on CUDA they say so once and take F.linear."""
+        if self.gemm_backend == "reference" or not (x.is_cuda or self.gemm_backend == "triton"):
+            return False
+        if isinstance(self.qweight, nvfp4.NVFP4Tensor) and self.act_fmt in (None, "nvfp4"):
+            return True
+        if self.weight_fmt is not None or self.act_fmt is not None:
+            _warn_no_packed_gemm(f"weights {self.weight_fmt or 'bf16'}, activations {self.act_fmt or 'bf16'}")
+        return False
+
+    def _forward_packed(self, x: torch.Tensor, capture: CaptureFn | None, site: str | None) -> torch.Tensor:
+        """The NVFP4 weight as stored through kernels.dispatch: W4A4 multiplies the activation's
+        codes (quantized and reported to capture as `_matmul_input` does), W4A16 x itself."""
+        if self.act_fmt == "nvfp4":
+            q = self.quantize_input(x)
+            if capture is not None:
+                capture(site or self.site, q)
+            return fp4_linear_w4a4(q, self.qweight, self.bias, out_dtype=x.dtype, backend=self.gemm_backend)
+        return fp4_linear(x, self.qweight, self.bias, backend=self.gemm_backend)
 
     def forward_cpu(self, x: torch.Tensor, capture: CaptureFn | None = None, site: str | None = None) -> torch.Tensor:
         """The C-kernel forward's linear: decode widths (<= STREAM_MAX_ROWS rows) read the weights
@@ -255,6 +286,12 @@ class EngineLinear(nn.Module):
     def shard_view(self, shard: str, y: torch.Tensor) -> torch.Tensor:
         a, b = self._rows(shard)
         return y[..., a:b]
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_packed_gemm(kind: str) -> None:
+    logging.getLogger(__name__).warning("no Triton FP4 GEMM for %s: these linears run F.linear over dequantized "
+                                        "weights on CUDA", kind)
 
 
 def _check_shape(dst, src: torch.Tensor, name: str) -> None:
