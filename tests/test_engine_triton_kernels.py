@@ -9,6 +9,7 @@ import torch
 from kernels.dispatch import triton_available
 from sglang_backend.local import model as engine_model
 from sglang_backend.local.kv_cache import PagedKVCache
+from sglang_backend.local.layers import EngineLinear
 from sglang_backend.local.model import ForwardBatch
 
 pytestmark = [
@@ -71,4 +72,48 @@ def test_decode_attention_on_cpu_keeps_the_torch_path_under_auto(monkeypatch):
     calls = _spy(monkeypatch, "kernels.fp4_attention", "paged_decode_attention_triton")
     assert engine_model.DECODE_ATTENTION_BACKEND == "auto"
     engine_model._decode_attention(torch.randn(1, 2, 16), batch, kv, 0)
+    assert calls == []
+
+
+def _fp4_linear(act_fmt, static):
+    g = torch.Generator().manual_seed(1)
+    lin = EngineLinear({"gate": 32, "up": 48}, 64, bias=True, weight_fmt="nvfp4", act_fmt=act_fmt,
+                       dtype=torch.float32, site="model.layers.0.mlp.gate_up_proj")
+    for shard, rows in lin.shards.items():
+        lin.load_shard(shard, torch.randn(rows, 64, generator=g))
+        lin.load_shard(shard, torch.randn(rows, generator=g), "bias")
+    lin.finalize()
+    if static:
+        lin.input_global_scale = torch.tensor(60.0)
+    return lin, torch.randn(5, 64, generator=g) * 2
+
+
+@pytest.mark.parametrize("act_fmt,static", [(None, False), ("nvfp4", False), ("nvfp4", True)],
+                         ids=["w4a16", "w4a4_per_token", "w4a4_static_scale"])
+def test_fp4_linear_runs_the_triton_gemm_on_its_packed_weight(monkeypatch, act_fmt, static):
+    lin, x = _fp4_linear(act_fmt, static)
+    captured = {"reference": [], "triton": []}
+    out = {}
+    kernel = "fp4_linear_w4a4_triton" if act_fmt else "fp4_linear_triton"
+    calls = _spy(monkeypatch, "kernels.fp4_gemm", kernel)
+    for backend in ("reference", "triton"):
+        def record(site, q, into=captured[backend]):
+            into.append((site, q))
+
+        lin.gemm_backend = backend
+        out[backend] = lin.forward(x, record)
+    assert calls == [kernel]
+    torch.testing.assert_close(out["triton"], out["reference"], rtol=1e-5, atol=1e-5)  # fp32 summation order
+    # Guidance sees the same quantized input on both routes, bit for bit.
+    assert len(captured["triton"]) == len(captured["reference"]) == (1 if act_fmt else 0)
+    for (s_t, q_t), (s_r, q_r) in zip(captured["triton"], captured["reference"]):
+        assert s_t == s_r and torch.equal(q_t.data, q_r.data) and torch.equal(q_t.scale, q_r.scale)
+        assert torch.equal(q_t.global_scale, q_r.global_scale)
+
+
+def test_fp4_linear_on_cpu_keeps_f_linear_under_auto(monkeypatch):
+    lin, x = _fp4_linear("nvfp4", False)
+    calls = _spy(monkeypatch, "kernels.fp4_gemm", "fp4_linear_w4a4_triton")
+    assert lin.gemm_backend == "auto"
+    lin.forward(x)
     assert calls == []
