@@ -136,12 +136,12 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, H, n_spl
     d = tl.arange(0, D)
     row = (grp.to(tl.int64) * n_splits + s) * G + hq % G
     m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"))
-    l = tl.load(l_ptr + row, mask=s_ok, other=0.0)
+    l_sum = tl.load(l_ptr + row, mask=s_ok, other=0.0)
     acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
     m_all = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # empty splits weigh nothing
     num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(l * w, axis=0)
+    den = tl.sum(l_sum * w, axis=0)
     o = num / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 

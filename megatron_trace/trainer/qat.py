@@ -190,7 +190,8 @@ class QATState:
             q = nvfp4_quantize(rows, global_scale=torch.tensor(KV_SCALE))
         groups = t.shape[-2]
         g0 = self.tp_rank() * groups
-        return straight_through(t, self._guide(rows, q, site, None, heads=slice(g0, g0 + groups)).reshape(t.shape).to(t.dtype))
+        out = self._guide(rows, q, site, None, heads=slice(g0, g0 + groups))
+        return straight_through(t, out.reshape(t.shape).to(t.dtype))
 
     def _guide(self, x_rows, q, site, k_slice, heads: slice | None = None, select=None,
                rows: slice | None = None) -> torch.Tensor:
@@ -322,7 +323,8 @@ def _zero_as_one(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes == 8, torch.zeros_like(codes), codes)
 
 
-def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, layer_offsets: list[int], tp_group=None) -> QATState:
+def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, layer_offsets: list[int],
+                tp_group=None) -> QATState:
     """Bind the QAT state and the rollout's site names to the QAT modules of each model chunk
     (built by `gpt.build_model` from the project's layer spec, `layer_spec.py`): FP4 linears get a
     `LinearSite`, attention the K/V formats. The modules read `state.mode` at every call, so one
