@@ -15,7 +15,7 @@ the plugin's per-side method (plugin/kv_sides.py): SGLang's --kv-cache-dtype nvf
 TRACE_KV_SIDES=<k>,<v>, read through torch_native attention (added, with a warning, on GPUs).
 `--device cpu` (the default without CUDA) adds what SGLang's CPU engine needs:
 SGLANG_USE_CPU_ENGINE=1, --device cpu, --attention-backend torch_native, --sampling-backend
-pytorch, --disable-cuda-graph, a small --mem-fraction-static.
+pytorch, --disable-cuda-graph, a --mem-fraction-static sized to the weights + KV.
 Always: --skip-tokenizer-init (the rollout speaks token ids) and --weight-version (default "0",
 the trainer's first version).
 """
@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import shlex
 import signal
@@ -78,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="--backend sglang: auto = cuda when torch sees a GPU, else SGLang's CPU engine")
     p.add_argument("--mem-fraction-static", type=float, default=None,
-                   help="--backend sglang (default: SGLang's on GPU, 0.05 on CPU)")
+                   help="--backend sglang (default: SGLang's on GPU; on CPU what the weights + KV need, >= 0.05)")
     p.add_argument("--max-total-tokens", type=_positive, default=None, help="KV pool tokens (default 16384 on CPU)")
     p.add_argument("--weight-version", default="0", help="--backend sglang: the served version's name (default '0')")
     p.add_argument("--enable-return-routed-experts", action="store_true",
@@ -165,6 +166,36 @@ def _device(args: argparse.Namespace) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _available_memory() -> int:
+    try:
+        import psutil  # SGLang's own measure of what its CPU engine may use
+    except ImportError:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return psutil.virtual_memory().available
+
+
+def cpu_mem_fraction(args: argparse.Namespace, kv_tokens: int, available: int | None = None) -> float:
+    """--mem-fraction-static for SGLang's CPU engine: its share of the memory available now that the
+    weights (every floating tensor at --dtype) and `kv_tokens` of KV at --dtype take, with a third
+    more for slack; at least 0.05. (A fixed 0.05 starved a real 0.5B model's KV at fp32.)"""
+    from safetensors import safe_open
+
+    from megatron_trace.models import ModelArch
+
+    wide = 4 if args.dtype == "float32" else 2
+    weights = 0
+    for f in sorted(Path(args.model_path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                t = st.get_slice(name)
+                n = math.prod(t.get_shape())
+                weights += n * (wide if t.get_dtype() in ("F32", "F16", "BF16") else 1)
+    arch = ModelArch.from_hf_config(Path(args.model_path))
+    kv = kv_tokens * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * wide
+    frac = 1.34 * (weights + kv) / (available or _available_memory())
+    return round(min(max(frac, 0.05), 0.9), 3)
+
+
 def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) of the SGLang server for our parsed flags."""
     if args.quantization is not None and args.quantization not in SGLANG_QUANT:
@@ -194,8 +225,9 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
     env.update(dataclasses.replace(PluginSettings.from_env(), kv_read_dtype=args.dtype, **plugin).to_env())
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        cmd += CPU_FLAGS + ["--mem-fraction-static", str(args.mem_fraction_static or 0.05),
-                            "--max-total-tokens", str(args.max_total_tokens or 16384)]
+        tokens = args.max_total_tokens or 16384
+        cmd += CPU_FLAGS + ["--mem-fraction-static", str(args.mem_fraction_static or cpu_mem_fraction(args, tokens)),
+                            "--max-total-tokens", str(tokens)]
     else:
         if args.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(args.mem_fraction_static)]

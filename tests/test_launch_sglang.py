@@ -116,3 +116,23 @@ def test_routed_experts_flag_reaches_sglang(capsys, bf16_ckpt):
         assert "--enable-return-routed-experts" in cmd
         _env, cmd = _dry(capsys, "--device", device, model=bf16_ckpt)
         assert "--enable-return-routed-experts" not in cmd
+
+
+def test_cpu_mem_fraction_covers_weights_and_kv(bf16_ckpt):
+    """SGLang's CPU engine needs --mem-fraction-static of the available memory for the weights and
+    the KV pool (a fixed 0.05 failed for a real 0.5B model at fp32): weights at the served dtype +
+    the KV tokens, a third more, at least 0.05."""
+    from safetensors.torch import load_file
+
+    from megatron_trace.models import ModelArch
+    from sglang_backend.launch import cpu_mem_fraction, parser
+
+    weights = sum(t.numel() for f in Path(bf16_ckpt).glob("*.safetensors") for t in load_file(f).values())
+    arch = ModelArch.from_hf_config(Path(bf16_ckpt))
+    kv_per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim
+    for dtype, wide in (("float32", 4), ("bfloat16", 2)):
+        args = parser().parse_args(["--model-path", bf16_ckpt, "--dtype", dtype])
+        need = (weights + 1000 * kv_per_token) * wide
+        assert cpu_mem_fraction(args, 1000, available=need * 4) == round(1.34 / 4, 3)
+        assert cpu_mem_fraction(args, 1000, available=need * 1000) == 0.05  # small models: the old floor
+        assert cpu_mem_fraction(args, 1000, available=need) == 0.9  # capped: SGLang then says what it lacks
