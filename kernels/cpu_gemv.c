@@ -18,44 +18,14 @@
 
 #include <string.h>
 
+#include "cpu_fp4.h" /* bf16 and E4M3 conversions, 2 e2m1 tables, TILE_ROWS */
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define GEMV_AVX512 1
 #else
 #define GEMV_AVX512 0
 #endif
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* E4M3 scale byte / 2 as fp32, exactly: the byte's exponent and mantissa bits placed in an fp32
-   (a subnormal fp32 for exponent 0, which DAZ-free arithmetic keeps) times 2^(127-7-1). The sign
-   bit is ignored (UE4M3). */
-static inline float half_e4m3(uint8_t b) {
-    uint32_t u = (uint32_t)(b & 0x7f) << 20;
-    float f;
-    memcpy(&f, &u, 4);
-    return f * 0x1p119f;
-}
-
-static inline void store(void* y, int y_bf16, int64_t i, float v) {
-    if (y_bf16)
-        ((uint16_t*)y)[i] = f32_to_bf16(v);
-    else
-        ((float*)y)[i] = v;
-}
 
 int64_t gemv_padded_k(int64_t K) { return (K + 31) / 32 * 32; }
 
@@ -281,35 +251,28 @@ static inline __attribute__((always_inline)) void bf16_tile(const float* xp, int
     for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
-#define TILE_SWITCH(call)  \
-    switch (mr) {          \
-        case 4: call(4); break; \
-        case 3: call(3); break; \
-        case 2: call(2); break; \
-        default: call(1);  \
-    }
-
 /* x: raw bf16 rows [M, K] when x_bf16 (the dpbf16 build only, see gemv_reads_bf16), else fp32
    rows laid out by gemv_prepare_x. */
 void gemv_nvfp4_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
                      const float* gdec, const float* bias, void* y, int y_bf16, int64_t N, int64_t n0, int64_t n1) {
     const int64_t kp = gemv_padded_k(K);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+        const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
         for (int64_t n = n0; n < n1; n++) {
-            float out[4];
+            float out[TILE_ROWS];
             const uint8_t *cr = codes + n * (K / 2), *sr = scales + n * (K / 16);
 #if GEMV_DPBF16
             if (x_bf16) {
 #define NVFP4_BF16_CALL(R) nvfp4_tile_bf16((const uint16_t*)x + m0 * K, K, cr, sr, out, R)
-                TILE_SWITCH(NVFP4_BF16_CALL)
+                TILE_SWITCH(mr, NVFP4_BF16_CALL)
             } else
 #endif
             {
 #define NVFP4_CALL(R) nvfp4_tile((const float*)x + m0 * kp, kp, K, cr, sr, out, R)
-                TILE_SWITCH(NVFP4_CALL)
+                TILE_SWITCH(mr, NVFP4_CALL)
             }
-            for (int r = 0; r < mr; r++) store(y, y_bf16, (m0 + r) * N + n, out[r] * gdec[n] + (bias ? bias[n] : 0.f));
+            for (int r = 0; r < mr; r++)
+                store_out(y, y_bf16, (m0 + r) * N + n, out[r] * gdec[n] + (bias ? bias[n] : 0.f));
         }
     }
 }
@@ -317,21 +280,21 @@ void gemv_nvfp4_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint
 void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint16_t* w, const float* bias, void* y,
                     int y_bf16, int64_t N, int64_t n0, int64_t n1) {
     const int64_t kp = gemv_padded_k(K);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+        const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
         for (int64_t n = n0; n < n1; n++) {
-            float out[4];
+            float out[TILE_ROWS];
 #if GEMV_DPBF16
             if (x_bf16) {
 #define BF16_BF16_CALL(R) bf16_tile_bf16((const uint16_t*)x + m0 * K, K, w + n * K, out, R)
-                TILE_SWITCH(BF16_BF16_CALL)
+                TILE_SWITCH(mr, BF16_BF16_CALL)
             } else
 #endif
             {
 #define BF16_CALL(R) bf16_tile((const float*)x + m0 * kp, kp, K, w + n * K, out, R)
-                TILE_SWITCH(BF16_CALL)
+                TILE_SWITCH(mr, BF16_CALL)
             }
-            for (int r = 0; r < mr; r++) store(y, y_bf16, (m0 + r) * N + n, out[r] + (bias ? bias[n] : 0.f));
+            for (int r = 0; r < mr; r++) store_out(y, y_bf16, (m0 + r) * N + n, out[r] + (bias ? bias[n] : 0.f));
         }
     }
 }
@@ -341,8 +304,6 @@ int gemv_reads_bf16(void) { return GEMV_DPBF16; }
 #else /* portable scalar C: the same factorization, natural column order */
 const char* gemv_isa(void) { return "scalar"; }
 int gemv_reads_bf16(void) { return 0; }
-
-static const float TWO_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, -0.f, -1, -2, -3, -4, -6, -8, -12};
 
 void gemv_nvfp4_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
                      const float* gdec, const float* bias, void* y, int y_bf16, int64_t N, int64_t n0, int64_t n1) {
@@ -362,7 +323,7 @@ void gemv_nvfp4_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint
                 }
                 acc += s * half_e4m3(sr[b]);
             }
-            store(y, y_bf16, m * N + n, acc * gdec[n] + (bias ? bias[n] : 0.f));
+            store_out(y, y_bf16, m * N + n, acc * gdec[n] + (bias ? bias[n] : 0.f));
         }
 }
 
@@ -377,7 +338,7 @@ void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint1
             const float* xr = xp + m * kp;
             float acc = 0.f;
             for (int64_t k = 0; k < K; k++) acc += xr[k] * bf16_to_f32(wr[k]);
-            store(y, y_bf16, m * N + n, acc + (bias ? bias[n] : 0.f));
+            store_out(y, y_bf16, m * N + n, acc + (bias ? bias[n] : 0.f));
         }
 }
 #endif

@@ -48,6 +48,16 @@ void gemv_w4a4_rows(const uint8_t* ap, const float* adec, int64_t M, int64_t K, 
                     int64_t n0, int64_t n1);
 const char* gemv_w4a4_isa(void);
 
+/* The whole linears, output rows split over torch's threads (cpu_gemv_parallel.cpp): 0, or 1 when
+ * the scratch buffer for the laid-out activations could not be allocated. */
+int gemv_nvfp4(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
+               const float* gdec, const float* bias, void* y, int y_bf16, int64_t N);
+int gemv_bf16(const void* x, int x_bf16, int64_t M, int64_t K, const uint16_t* w, const float* bias, void* y,
+              int y_bf16, int64_t N);
+int gemv_w4a4(const uint8_t* acodes, const uint8_t* ascales, const float* adec, int64_t M, int64_t K,
+              const uint8_t* codes, const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16,
+              int64_t N);
+
 /* Which code path this build selected: "avx512+bf16", "avx512" or "scalar". */
 const char* gemv_isa(void);
 

@@ -12,22 +12,14 @@
 
 #include <string.h>
 
+#include "cpu_fp4.h" /* E4M3 conversions, 2 e2m1 as int8, TILE_ROWS */
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define W4A4_VNNI 1
 #else
 #define W4A4_VNNI 0
 #endif
-
-static const int8_t TWO_E2M1_I8[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-/* E4M3 byte as fp32, exactly (see cpu_gemv.c's half_e4m3; here times 2^-2 for the two factors of 2). */
-static inline float quarter_e4m3(uint8_t b) {
-    uint32_t u = (uint32_t)(b & 0x7f) << 20;
-    float f;
-    memcpy(&f, &u, 4);
-    return f * 0x1p118f;
-}
 
 int64_t gemv_w4a4_chunks(int64_t K) { return (K + 127) / 128; }
 
@@ -57,17 +49,6 @@ void gemv_w4a4_prepare(const uint8_t* codes, const uint8_t* scales, int64_t M, i
                 sfa[2 * j] = sfa[2 * j + 1] = quarter_e4m3(scales[m * blocks + b]) * 4.f;  /* SFa; /4 on the weight side */
             }
         }
-    }
-}
-
-static inline void store(void* y, int y_bf16, int64_t i, float v) {
-    if (y_bf16) {
-        uint32_t u;
-        memcpy(&u, &v, 4);
-        ((uint16_t*)y)[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)
-                                                            : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    } else {
-        ((float*)y)[i] = v;
     }
 }
 
@@ -136,19 +117,16 @@ void gemv_w4a4_rows(const uint8_t* ap, const float* adec, int64_t M, int64_t K, 
                     const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16, int64_t N,
                     int64_t n0, int64_t n1) {
     const int64_t chunks = gemv_w4a4_chunks(K);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+        const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
         for (int64_t n = n0; n < n1; n++) {
-            float out[4];
+            float out[TILE_ROWS];
             const uint8_t *cr = codes + n * (K / 2), *sr = scales + n * (K / 16), *a = ap + m0 * chunks * 256;
-            switch (mr) {
-                case 4: w4a4_tile(a, chunks, K, cr, sr, out, 4); break;
-                case 3: w4a4_tile(a, chunks, K, cr, sr, out, 3); break;
-                case 2: w4a4_tile(a, chunks, K, cr, sr, out, 2); break;
-                default: w4a4_tile(a, chunks, K, cr, sr, out, 1);
-            }
+#define W4A4_CALL(R) w4a4_tile(a, chunks, K, cr, sr, out, R)
+            TILE_SWITCH(mr, W4A4_CALL)
+#undef W4A4_CALL
             for (int r = 0; r < mr; r++)
-                store(y, y_bf16, (m0 + r) * N + n, out[r] * adec[m0 + r] * wdec[n] + (bias ? bias[n] : 0.f));
+                store_out(y, y_bf16, (m0 + r) * N + n, out[r] * adec[m0 + r] * wdec[n] + (bias ? bias[n] : 0.f));
         }
     }
 }

@@ -1,6 +1,6 @@
 """Runs a whole dense decoder layer as one C call (`kernels/cpu_layer.py`) on CPU.
 
-The per-forward work here is filling one argument struct per layer: pointers to the layer's
+The per-forward work here is filling one argument object per layer (`cpu_layer.new_args()`): pointers to the layer's
 weights (transposed for the GEMM; refreshed only after weight loads), its KV pages, the batch's
 attention layout, and, for layers whose guidance is captured, the guidance log's rows for this
 step, which the quantizers write into. `supports` is False for what the kernel does not serve
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_layer
-from megatron_trace.fp4 import fast
+from kernels import cpu_fused, cpu_layer
 
 _LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
@@ -27,7 +26,7 @@ ONE_CALL_MAX_WEIGHTS = 1 << 22
 
 def supports(layer, kv) -> bool:
     """Whether `layer` (a model._Layer) should run as one C call over this KV cache."""
-    if layer.moe or kv.fmt not in ("bf16", "nvfp4") or fast.c_functions() is None:
+    if layer.moe or kv.fmt not in ("bf16", "nvfp4") or not cpu_fused.available(layer.input_norm.dtype):
         return False
     if layer.gate_up.in_features * layer.gate_up.out_features > ONE_CALL_MAX_WEIGHTS:
         return False
@@ -38,12 +37,12 @@ def supports(layer, kv) -> bool:
     return True
 
 
-def _static_args(layer, kv) -> cpu_layer.LayerArgs:
-    a, fns = layer.arch, fast.c_functions()
-    args = cpu_layer.LayerArgs(hidden=a.hidden_size, heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                               inter=layer.gate_up.out_features // 2, qkv_n=layer.qkv.out_features,
-                               eps=a.rms_norm_eps, attn_scale=a.head_dim ** -0.5, kv_fmt=int(kv.fmt == "nvfp4"),
-                               num_slots=kv.num_pages * kv.page_size, **fns)
+def _static_args(layer, kv):
+    a, args = layer.arch, cpu_layer.new_args()
+    args.hidden, args.heads, args.kv_heads, args.head_dim = a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim
+    args.inter, args.qkv_n = layer.gate_up.out_features // 2, layer.qkv.out_features
+    args.eps, args.attn_scale, args.kv_fmt = a.rms_norm_eps, a.head_dim ** -0.5, int(kv.fmt == "nvfp4")
+    args.num_slots = kv.num_pages * kv.page_size
     pages = kv.layer_pages[layer.idx]
     args.kc, args.vc = pages[0].data_ptr(), pages[-2 if kv.fmt == "nvfp4" else 1].data_ptr()
     if kv.fmt == "nvfp4":
@@ -75,11 +74,11 @@ class _Plan:
         qkv, o = self.linears[0], self.linears[1]
         args.qkv_b = qkv.bias.data_ptr() if qkv.bias is not None else None
         args.o_b = o.bias.data_ptr() if o.bias is not None else None
-        for i, lin in enumerate(self.linears):
-            static = lin.input_global_scale
-            args.act_mode[i] = 0 if lin.act_fmt is None else (1 if static is None else 2)
-            args.act_gs[i] = static.data_ptr() if static is not None else None
-            keep.append(static)
+        statics = [lin.input_global_scale for lin in self.linears]
+        args.act_mode = [0 if lin.act_fmt is None else (1 if gs is None else 2)
+                         for lin, gs in zip(self.linears, statics)]
+        args.act_gs = [None if gs is None else gs.data_ptr() for gs in statics]
+        keep.extend(statics)
         values = [None if lin.input_global_scale is None else float(lin.input_global_scale) for lin in self.linears]
         # guidance: (index, site, row shapes, static S_enc, its value) of each NVFP4-activation linear
         self.act_sites = [(i, lin.site, ((lin.in_features // 2,), (lin.in_features // 16,), ()),
@@ -126,20 +125,21 @@ def _set_capture(plan: _Plan, args, capture, kv_scales) -> None:
             plan.cap_token = (log.layout, kv_scales)
         args.cap_row = capture.row
     elif plan.capturing:
-        for i in range(4):
-            args.cap_data[i] = args.cap_scale[i] = args.cap_gs[i] = args.cap_kv[i] = None
-        args.cap_kv_gs[0] = args.cap_kv_gs[1] = None
+        args.cap_data = args.cap_scale = args.cap_gs = args.cap_kv = [None] * 4
+        args.cap_kv_gs = [None] * 2
         plan.capturing, plan.cap_token = False, None
 
 
 def _point_at_log(plan: _Plan, args, log, kv_scales) -> None:
-    """Row-0 addresses of every captured site of this layer in the guidance log."""
+    """Row-0 addresses of every captured site of this layer in the guidance log (None: not captured)."""
+    data, scale, gs = list(args.cap_data), list(args.cap_scale), list(args.cap_gs)
     for i, site, rows, static, value in plan.act_sites:
-        args.cap_data[i], args.cap_scale[i], args.cap_gs[i] = log.pointers(site, *rows, static_gs=static,
-                                                                           static_value=value)
+        data[i], scale[i], gs[i] = log.pointers(site, *rows, static_gs=static, static_value=value)
+    args.cap_data, args.cap_scale, args.cap_gs = data, scale, gs
     if plan.kv.fmt == "nvfp4":
-        layer = plan.layer
+        layer, kv, kv_gs = plan.layer, list(args.cap_kv), list(args.cap_kv_gs)
         for which in (0, 1):
-            args.cap_kv[2 * which], args.cap_kv[2 * which + 1], args.cap_kv_gs[which] = log.pointers(
+            kv[2 * which], kv[2 * which + 1], kv_gs[which] = log.pointers(
                 layer.kv_sites[which], *plan.kv_rows, static_gs=plan.kv.global_scale[layer.idx, which],
                 static_value=kv_scales[which])
+        args.cap_kv, args.cap_kv_gs = kv, kv_gs

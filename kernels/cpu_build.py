@@ -1,0 +1,125 @@
+"""Builds and loads the engine's CPU kernels: the C sources in this directory (`cpu_*.c`, `*.h`,
+`cpu_gemv_parallel.cpp`) and their bindings (`cpu_ops.cpp`, functions of torch tensors), compiled
+into one extension by torch.utils.cpp_extension (ninja) on first use.
+
+The build is cached under CACHE_DIR, one directory per content of the sources, flags, torch
+version and target (for -march=native also this CPU's feature flags), so an edit or a torch upgrade
+rebuilds and concurrent processes share one build (cpp_extension locks the directory).
+When the build is impossible (no C++ compiler, no ninja, a compile error), `module()` returns None,
+`reason()` says why, one warning is logged, and the callers run the torch references; the engine
+reports it in `model_info()["cpu_linear"]` (sglang_backend/local/layers.streaming_status).
+
+Every source is compiled with -ffp-contract=off and without fast-math: the quantizers' fp32 steps
+then round exactly as the torch reference's, so results stay bit-identical.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).resolve().parent
+SOURCES = ("cpu_quant.c", "cpu_fused.c", "cpu_gemv.c", "cpu_gemv_w4a4.c", "cpu_gemv_parallel.cpp", "cpu_ops.cpp")
+HEADERS = ("cpu_fp4.h", "cpu_quant.h", "cpu_fused.h", "cpu_layer.h", "cpu_gemv.h", "cpu_fused_typed.h",
+           "cpu_attention_typed.h", "cpu_layer_typed.h")
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
+TARGETS = ("native", "portable")  # -march=native (AVX-512 where the compiler targets it) / the baseline ISA
+CACHE_DIR = Path.home() / ".cache" / "megatron_trace" / "cpu_kernels"
+_log = logging.getLogger(__name__)
+
+
+class KernelBuild:
+    """One build target of the extension, built at most once per process.
+
+    compiler: the C++ compiler the build must find (default: the one torch's build calls, `c++` or
+    $CXX); tests point it at a missing one to exercise the loud fallback."""
+
+    def __init__(self, target: str = "native", compiler: str | None = None, enabled: bool = True):
+        if target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}; got {target!r}")
+        self.target, self.compiler, self.enabled = target, compiler, enabled
+        self._module, self._reason, self._tried = None, None, False
+
+    def module(self):
+        """The loaded extension, or None (why: `reason()`; logged once as a warning)."""
+        if not self._tried:
+            self._tried = True
+            if not self.enabled:
+                self._reason = "disabled (kernels.cpu_build: enabled=False)"
+            else:
+                try:
+                    self._module = self._build()
+                except Exception as e:  # no compiler / ninja / a compile error: say so, the references serve
+                    self._reason = f"build failed ({type(e).__name__}: {_last_line(e)})"
+            if self._module is None:
+                _log.warning("CPU kernels (%s) unavailable: %s. The engine runs the torch references instead "
+                             "(same numbers, slower). The build needs a C++ compiler and ninja (pip install ninja).",
+                             self.target, self._reason)
+        return self._module
+
+    def reason(self) -> str | None:
+        """None when built, else why not (for model_info and benchmark columns)."""
+        self.module()
+        return self._reason
+
+    def _build(self):
+        from torch.utils import cpp_extension
+
+        compiler = self.compiler or cpp_extension.get_cxx_compiler()
+        if shutil.which(compiler) is None:
+            raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (install g++ or clang++, or set CXX)")
+        if not cpp_extension.is_ninja_available():
+            raise RuntimeError("ninja is not installed (pip install ninja): torch.utils.cpp_extension builds with it")
+        flags = list(FLAGS) + (["-march=native"] if self.target == "native" else [])
+        name = f"megatron_trace_cpu_kernels_{self.target}"
+        build = CACHE_DIR / f"{self.target}-torch{torch.__version__.replace('+', '_')}-{self._stamp(flags)}"
+        build.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(name, [str(_HERE / s) for s in SOURCES], extra_cflags=flags,
+                                  extra_include_paths=[str(_HERE)], build_directory=str(build), verbose=False)
+
+    def _stamp(self, flags: list[str]) -> str:
+        h = hashlib.sha256(" ".join(flags).encode())
+        for f in SOURCES + HEADERS:
+            h.update(f.encode() + b"\0" + (_HERE / f).read_bytes())
+        if self.target == "native":
+            h.update(_cpu_flags().encode())
+        return h.hexdigest()[:16]
+
+
+def _last_line(e: Exception) -> str:
+    """The compiler's first error line when there is one (ninja's own last line says only that it stopped)."""
+    lines = str(e).strip().splitlines()
+    errors = [ln for ln in lines if "error:" in ln]
+    return (errors or lines or [repr(e)])[0 if errors else -1].strip()
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+NATIVE = KernelBuild("native")  # what the engine runs
+_PORTABLE = KernelBuild("portable")
+
+
+def native():
+    """The engine's extension (-march=native), or None when it cannot be built (see KernelBuild)."""
+    return NATIVE.module()
+
+
+def portable():
+    """The baseline-ISA build (scalar C paths), for tests that check them too; raises when unbuildable."""
+    mod = _PORTABLE.module()
+    if mod is None:
+        raise RuntimeError(f"portable CPU kernels unavailable: {_PORTABLE.reason()}")
+    return mod

@@ -1,0 +1,53 @@
+/* C kernels of the embedded engine's forward on CPU (kernels/cpu_fused.c):
+ *
+ *     x -> add_rmsnorm (residual add + RMSNorm, one pass) -> qkv GEMM
+ *       -> qkv_rope (q/k RMSNorm for Qwen3, RoPE, K/V stored straight into their cache slots)
+ *       -> paged_attention (every row of every sequence over its KV slots)
+ *       -> o GEMM -> add_rmsnorm -> gate_up GEMM -> silu_mul -> down GEMM
+ * Dense layers chain these inside one call (decode_layer, cpu_layer.h); MoE layers and MXFP4 call
+ * them one by one around the GEMVs. Each typed kernel exists as name_f32 (float) and name_bf16
+ * (bfloat16 as uint16_t bits). Nothing here is bounds-checked: the engine builds every index.
+ */
+#ifndef MEGATRON_TRACE_CPU_FUSED_H
+#define MEGATRON_TRACE_CPU_FUSED_H
+#include <stdint.h>
+
+#include "cpu_layer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Row argmax of fp32 logits [B, V] and the log-softmax there; 1 when out of memory. */
+int greedy_logprob(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp);
+
+#define CPU_FUSED_DECLARE(SFX, ELEM)                                                                                \
+    void add_rmsnorm_##SFX(ELEM* x, const ELEM* res, const ELEM* w, ELEM* out, int64_t T, int64_t N, float eps);  \
+    void qkv_rope_##SFX(const ELEM* qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float* cs,            \
+                        const float* sn, const int64_t* pos, const ELEM* qn, const ELEM* kn, float eps, ELEM* q_out, \
+                        ELEM* kdst, ELEM* vdst, const int64_t* slots);                                              \
+    void silu_mul_##SFX(const ELEM* gu, int64_t T, int64_t F, ELEM* out);                                           \
+    int paged_attention_##SFX(const ELEM* q, const ELEM* kc, const ELEM* vc, const int64_t* table, int64_t ldt,     \
+                              const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,   \
+                              int64_t D, float scale, ELEM* out);                                                   \
+    int paged_attention_nvfp4_##SFX(const ELEM* q, const uint8_t* kc, const uint8_t* ks, const uint8_t* vc,         \
+                                    const uint8_t* vs, float sdec_k, float sdec_v, const int64_t* table, int64_t ldt, \
+                                    const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H,           \
+                                    int64_t Hkv, int64_t D, float scale, ELEM* out);                                \
+    int paged_attention_kv_##SFX(const ELEM* q, int kfmt, const void* kd, const void* ks, float sdec_k, int vfmt,   \
+                                 const void* vd, const void* vs, float sdec_v, const int64_t* table, int64_t ldt,   \
+                                 const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv, \
+                                 int64_t D, float scale, ELEM* out);                                                \
+    int decode_layer_##SFX(const layer_args* a);
+
+/* paged_attention*: 0, or 1 when out of memory. decode_layer: 0, or 1 when an FP4 quantizer met
+   NaN, 2 when out of memory, 3 for a KV slot outside the cache, 4 for a KV S_enc that is not
+   finite and positive. kfmt/vfmt of paged_attention_kv: 0 the model dtype, 1 NVFP4, 2 FP8. */
+CPU_FUSED_DECLARE(f32, float)
+CPU_FUSED_DECLARE(bf16, uint16_t)
+#undef CPU_FUSED_DECLARE
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,52 @@
+/* One C call per dense decoder layer (kernels/cpu_layer_typed.h): its arguments.
+ *
+ * The fields are listed once, below, and both the C struct and its Python binding
+ * (kernels/cpu_ops.cpp: kernels.cpu_layer.LayerArgs) are generated from these lists, so the two
+ * cannot drift. Addresses cross from Python as integers (tensor.data_ptr(), guidance-log rows).
+ */
+#ifndef MEGATRON_TRACE_CPU_LAYER_H
+#define MEGATRON_TRACE_CPU_LAYER_H
+#include <stdint.h>
+
+/* X(type, name): numbers */
+#define LAYER_ARGS_NUMBERS(X)                                                                       \
+    X(int64_t, T) X(int64_t, hidden) X(int64_t, heads) X(int64_t, kv_heads) X(int64_t, head_dim)    \
+    X(int64_t, inter) X(int64_t, qkv_n) X(float, eps) X(float, attn_scale)                          \
+    X(int64_t, cap_row)   /* guidance: this step writes its T rows of the log from row cap_row on */ \
+    X(int64_t, kv_fmt)    /* 0: pages in the dtype, 1: NVFP4 codes + scales */                       \
+    X(float, sdec_k) X(float, sdec_v) X(int64_t, num_slots) X(int64_t, ldt)
+
+/* X(type, name): addresses (0 / None: absent) */
+#define LAYER_ARGS_ADDRESSES(X)                                                                     \
+    X(const void*, in_norm) X(const void*, post_norm) X(const void*, q_norm) X(const void*, k_norm) \
+    X(const void*, qkv_wt) X(const void*, qkv_b) X(const void*, o_wt) X(const void*, o_b)           \
+    X(const void*, gu_wt) X(const void*, down_wt)                                                   \
+    X(void*, kc) X(void*, vc) X(void*, ks) X(void*, vs)                                             \
+    X(const float*, gs_k) X(const float*, gs_v) X(const int64_t*, write_slots)                      \
+    X(const int64_t*, table) X(const int64_t*, row_seq) X(const int64_t*, row_len)                  \
+    X(const float*, cos) X(const float*, sin) /* RoPE tables [positions, D], read at row pos[t] */  \
+    X(const int64_t*, pos) X(void*, x) X(const void*, res_in) X(void*, res_out)
+
+/* X(type, name, n): arrays of numbers */
+#define LAYER_ARGS_NUMBER_ARRAYS(X) \
+    X(int64_t, act_mode, 4) /* per linear (qkv, o, gate_up, down): 0 none, 1 NVFP4 per token, 2 static */
+
+/* X(type, name, n): arrays of addresses. Guidance capture: row 0 of the log's arrays (0: not
+   captured); an S_enc address under a static scale gets that scale on every row. */
+#define LAYER_ARGS_ADDRESS_ARRAYS(X)                                                   \
+    X(const float*, act_gs, 4) X(void*, cap_data, 4) X(void*, cap_scale, 4) X(void*, cap_gs, 4) \
+    X(void*, cap_kv, 4)   /* NVFP4 KV: K codes, K scales, V codes, V scales */         \
+    X(void*, cap_kv_gs, 2) /* NVFP4 KV: S_enc of K, of V (0 while the log keeps one static value) */
+
+#define LAYER_ARGS_FIELD(type, name) type name;
+#define LAYER_ARGS_ARRAY(type, name, n) type name[n];
+typedef struct {
+    LAYER_ARGS_NUMBERS(LAYER_ARGS_FIELD)
+    LAYER_ARGS_ADDRESSES(LAYER_ARGS_FIELD)
+    LAYER_ARGS_NUMBER_ARRAYS(LAYER_ARGS_ARRAY)
+    LAYER_ARGS_ADDRESS_ARRAYS(LAYER_ARGS_ARRAY)
+} layer_args;
+#undef LAYER_ARGS_FIELD
+#undef LAYER_ARGS_ARRAY
+
+#endif
