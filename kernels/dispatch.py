@@ -99,6 +99,65 @@ def nvfp4_quantize(
     return mod.quantize_triton(x, global_amax=global_amax, per_row_global=per_row_global, global_scale=global_scale)
 
 
+# -- NVFP4 on the engine's paths: C on CPU, Triton on CUDA, the reference elsewhere -------------
+# On CPU these run kernels/cpu_quant.py when kernels/cpu_build.py could build the C kernels (a failed
+# build is logged there once and shown in the engine's model_info["cpu_linear"]). The C functions
+# decline what they do not take (NaN inputs, whose bytes the reference decides; other layouts),
+# which then runs the reference, bit for bit the same as the C result would be.
+
+def nvfp4_quantize_dequantize(x: torch.Tensor, *, per_row_global: bool = False,
+                              global_scale: torch.Tensor | None = None, dequant_dtype: torch.dtype | None = None):
+    """(nvfp4.quantize(x, per_row_global=..., global_scale=...), nvfp4.dequantize(q, dequant_dtype),
+    or None for it when dequant_dtype is None), bit for bit, in one pass on CPU."""
+    if x.device.type == "cpu":
+        from . import cpu_quant  # lazy: importing the dispatcher builds nothing
+
+        out = cpu_quant.quantize_dequantize(x, per_row_global=per_row_global, global_scale=global_scale,
+                                            dequant_dtype=dequant_dtype)
+        if out is not None:
+            return out
+    q = nvfp4_quantize(x, per_row_global=per_row_global, global_scale=global_scale)
+    return q, (None if dequant_dtype is None else nvfp4.dequantize(q, dequant_dtype))
+
+
+def nvfp4_quantize_to_slots(x: torch.Tensor, global_scale: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                            slots: torch.Tensor) -> bool:
+    """codes[slots], scales[slots] = nvfp4.quantize(x, global_scale=global_scale) (data, scale)
+    without temporaries (kernels/cpu_quant.py); False, nothing written, where no kernel takes it:
+    the caller then writes the reference's result."""
+    if x.device.type != "cpu":
+        return False
+    from . import cpu_quant
+
+    return cpu_quant.quantize_to_slots(x, global_scale, codes, scales, slots)
+
+
+def nvfp4_dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, global_scale: torch.Tensor,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """nvfp4.dequantize(NVFP4Tensor(codes[idx], scales[idx], global_scale), dtype): the gather and
+    dequantize fused on CPU."""
+    if codes.device.type == "cpu":
+        from . import cpu_quant
+
+        out = cpu_quant.dequantize_rows(codes, scales, idx, global_scale, dtype)
+        if out is not None:
+            return out
+    return nvfp4.dequantize(nvfp4.NVFP4Tensor(codes[idx], scales[idx], global_scale), dtype)
+
+
+def mantissa_bits_packed(packed: torch.Tensor) -> torch.Tensor:
+    """megatron_trace.fp4.mantissa_bits_packed (same checks and bits), in one C pass on CPU."""
+    if packed.device.type == "cpu":
+        from . import cpu_quant
+
+        out = cpu_quant.mantissa_bits_packed(packed)
+        if out is not None:
+            return out
+    from megatron_trace.fp4.guided import mantissa_bits_packed as reference
+
+    return reference(packed)
+
+
 # -- FP4 GEMM, paged FP4 attention, quantize + guidance ---------------------------------------
 # Torch references live here (importable without triton); the kernels in kernels/fp4_gemm.py,
 # kernels/fp4_attention.py and kernels/nvfp4_quantize.py (guidance option) reproduce them.

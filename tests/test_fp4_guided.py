@@ -130,11 +130,11 @@ def test_mantissa_bits_from_packed_codes_equal_the_unpacked_route(seed, rows, he
 
     codes = torch.randint(0, 16, (rows, heads, 8 * groups), generator=torch.Generator().manual_seed(seed),
                           dtype=torch.uint8)
-    from megatron_trace.fp4.guided import _mantissa_bits_torch
+    from kernels.dispatch import mantissa_bits_packed as dispatched
 
     want = mantissa_bits(codes)
     strided = pack_fp4(codes.transpose(0, 1).contiguous()).transpose(0, 1)  # a non-contiguous view
-    for fn in (mantissa_bits_packed, _mantissa_bits_torch):  # the C pass (when compiled) and torch's
+    for fn in (mantissa_bits_packed, dispatched):  # fp4's torch reference and the C pass (when built)
         assert torch.equal(fn(pack_fp4(codes)), want) and torch.equal(fn(strided), want)
     with pytest.raises(ValueError, match="multiple of 8"):
         mantissa_bits_packed(pack_fp4(codes)[..., :2] if groups == 1 else torch.zeros(3, 6, dtype=torch.uint8))

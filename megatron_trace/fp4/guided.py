@@ -92,21 +92,14 @@ def mantissa_bits(codes: torch.Tensor) -> torch.Tensor:
 
 
 def mantissa_bits_packed(packed: torch.Tensor) -> torch.Tensor:
-    """mantissa_bits(unpack_fp4(packed)) straight from packed codes [..., K/2] (low nibble first),
-    in C when it is compiled (the engine runs this over every guided row of finished samples)."""
+    """mantissa_bits(unpack_fp4(packed)) straight from packed codes [..., K/2] (low nibble first).
+    The reference; the engine's C pass of it is kernels.dispatch.mantissa_bits_packed."""
     if packed.dtype != torch.uint8 or packed.dim() == 0 or packed.shape[-1] % 4:
         raise ValueError(
             f"mantissa_bits_packed takes packed uint8 codes [..., K/2] with K a multiple of 8; "
             f"got {packed.dtype} {tuple(packed.shape)}"
         )
-    from . import fast  # lazy: fast imports this package's codecs
-
-    out = fast.mantissa_bits_packed(packed)
-    return out if out is not None else _mantissa_bits_torch(packed)
-
-
-def _mantissa_bits_torch(packed: torch.Tensor) -> torch.Tensor:
-    """The same without the compiled library (no C compiler, or not on CPU)."""
+    # bit 0 of each nibble is the mantissa bit; four bytes (eight codes) make one output byte
     p = packed.reshape(*packed.shape[:-1], -1, 4)
     pairs = (p & 1) | ((p >> 3) & 2)  # bit 0: element 2i (low nibble), bit 1: element 2i + 1 (high nibble)
     return pairs[..., 0] | (pairs[..., 1] << 2) | (pairs[..., 2] << 4) | (pairs[..., 3] << 6)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_trace.fp4 import fast, fp8, mxfp4, nvfp4
+from kernels import dispatch
+from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 
 KV_DTYPES = ("auto", "bf16", "nvfp4", "mxfp4", "fp8")
 SIDE_FORMATS = ("bf16", "nvfp4", "mxfp4", "fp8")
@@ -117,7 +118,7 @@ class PagedKVCache:
         """x [T, kv_heads, head_dim] -> the quantized form written to the cache (None for bf16)."""
         fmt = self.side_fmt[which]
         if fmt == "nvfp4":
-            return fast.quantize_dequantize(x, global_scale=self.global_scale[layer, which])[0]
+            return dispatch.nvfp4_quantize_dequantize(x, global_scale=self.global_scale[layer, which])[0]
         if fmt == "mxfp4":
             return mxfp4.quantize(x, rule=MX_KV_RULE, block=MX_KV_BLOCK)
         if fmt == "fp8":
@@ -131,7 +132,7 @@ class PagedKVCache:
         if fmt == "bf16":
             data.index_copy_(0, slots, x.to(self.dtype))  # index_* beat x[idx] on CPU
             return x.to(self.dtype) if return_values else None
-        if q is None and fmt == "nvfp4" and not return_values and fast.quantize_to_slots(
+        if q is None and fmt == "nvfp4" and not return_values and dispatch.nvfp4_quantize_to_slots(
                 x, self.global_scale[layer, which], data, scale[layer], slots):
             return None  # quantized straight into the pages
         q = self.quantize(layer, which, x) if q is None else q
@@ -144,7 +145,8 @@ class PagedKVCache:
         if fmt == "bf16":
             return data.index_select(0, slots)
         if fmt == "nvfp4":  # gather + dequantize in one pass over the read slots only
-            return fast.dequantize_rows(data, scale[layer], slots, self.global_scale[layer, which], self.dtype)
+            return dispatch.nvfp4_dequantize_rows(data, scale[layer], slots, self.global_scale[layer, which],
+                                                  self.dtype)
         return self._dequant(layer, which, data[slots], scale[layer][slots])
 
     def _dequant(self, layer: int, which: int, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ from torch import nn
 
 from kernels import cpu_gemv
 from kernels.dispatch import fp4_linear, fp4_linear_w4a4
-from kernels.dispatch import nvfp4_quantize
-from megatron_trace.fp4 import fast, mxfp4, nvfp4
+from kernels.dispatch import nvfp4_quantize, nvfp4_quantize_dequantize
+from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 
 # site name, quantized input (NVFP4Tensor), or None when the site is not captured
@@ -242,7 +242,7 @@ class EngineLinear(nn.Module):
             w = self.qweight
             if self.act_fmt == "nvfp4":  # W4A4: fp4 codes on both sides, exact integer block products
                 gs = self.input_global_scale
-                q, _ = fast.quantize_dequantize(x, per_row_global=gs is None, global_scale=gs)
+                q, _ = nvfp4_quantize_dequantize(x, per_row_global=gs is None, global_scale=gs)
                 if capture is not None:
                     capture(site or self.site, q)
                 return cpu_gemv.w4a4_linear(q.data, q.scale, nvfp4.decode_scale(q.global_scale), w.data, w.scale,
@@ -265,7 +265,8 @@ class EngineLinear(nn.Module):
         if self.act_fmt is not None:
             if self.act_fmt == "nvfp4" and x.device.type == "cpu":  # fused quantize + dequantize, same bits
                 gs = self.input_global_scale
-                q, xq = fast.quantize_dequantize(x, per_row_global=gs is None, global_scale=gs, dequant_dtype=x.dtype)
+                q, xq = nvfp4_quantize_dequantize(x, per_row_global=gs is None, global_scale=gs,
+                                                  dequant_dtype=x.dtype)
             else:
                 q = self.quantize_input(x)
                 xq = mxfp4.dequantize(q, x.dtype) if self.act_fmt == "mxfp4" else nvfp4.dequantize(q, x.dtype)

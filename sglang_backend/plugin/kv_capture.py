@@ -19,7 +19,8 @@ import importlib
 
 import torch
 
-from megatron_trace.fp4 import fast, fp8, nvfp4
+from kernels.dispatch import nvfp4_quantize_dequantize
+from megatron_trace.fp4 import fp8, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 
 from .capture import get_capture_buffer
@@ -33,10 +34,7 @@ def quantize_kv(x: torch.Tensor, global_scale_dec) -> nvfp4.NVFP4Tensor:
     """x [T, heads, head_dim] -> NVFP4 (data [T, H, D/2], scale [T, H, D/16], S_enc 0-d)."""
     s_dec = torch.as_tensor(1.0 if global_scale_dec is None else global_scale_dec, dtype=torch.float32)
     s_enc = encode_scale_from_decode(s_dec.detach().reshape(-1)[:1].reshape(()).cpu()).to(x.device)
-    if x.device.type == "cpu":
-        return fast.quantize_dequantize(x, global_scale=s_enc)[0]
-    from kernels.dispatch import nvfp4_quantize
-    return nvfp4_quantize(x, global_scale=s_enc)
+    return nvfp4_quantize_dequantize(x, global_scale=s_enc)[0]  # C on CPU, Triton on CUDA (kernels.dispatch)
 
 
 def quantize_kv_fp8(x: torch.Tensor, all_max=None) -> fp8.FP8Tensor:

@@ -25,7 +25,8 @@ import os
 import torch
 from torch import nn
 
-from megatron_trace.fp4 import fast, mxfp4, nvfp4
+from kernels.dispatch import nvfp4_quantize_dequantize
+from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 from megatron_trace.fp4.swizzle import swizzle_scales
 
@@ -282,7 +283,7 @@ class TraceFP4LinearMethod(_TraceLinearBase):
             q = nvfp4.quantize(x, global_scale=gs)
             return q, (nvfp4.dequantize(q, x.dtype) if want_dequant else None)
         if x.device.type == "cpu":
-            return fast.quantize_dequantize(x, per_row_global=gs is None, global_scale=gs, dequant_dtype=x.dtype)
+            return nvfp4_quantize_dequantize(x, per_row_global=gs is None, global_scale=gs, dequant_dtype=x.dtype)
         from kernels.dispatch import nvfp4_quantize
         q = nvfp4_quantize(x, global_scale=gs) if gs is not None else nvfp4_quantize(x, per_row_global=True)
         return q, (nvfp4.dequantize(q, x.dtype) if want_dequant else None)

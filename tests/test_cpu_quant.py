@@ -1,0 +1,107 @@
+"""The C NVFP4 quantizers (kernels/cpu_quant) are the reference (`fp4.nvfp4`) bit for bit, in the
+-march=native build the engine runs and the portable build's scalar code, or step aside."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import cpu_build, cpu_quant, dispatch
+from megatron_trace.fp4 import nvfp4
+from megatron_trace.fp4.codecs import _boundaries, e2m1_grid, pack_fp4
+from megatron_trace.fp4.guided import mantissa_bits_packed
+
+pytestmark = pytest.mark.skipif(cpu_build.native() is None, reason=f"no CPU kernels: {cpu_build.NATIVE.reason()}")
+BUILDS = ["native", "portable"]
+
+
+def _lib(build):
+    return cpu_build.native() if build == "native" else cpu_build.portable()
+
+
+def _same(q, r):
+    assert torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
+    assert torch.equal(q.global_scale, r.global_scale)
+
+
+def _inputs(seed, rows, blocks, spread):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 16 * blocks, generator=g) * torch.logspace(-spread, spread, 16 * blocks)
+    x[0, :16] = 0.0  # an all-zero block
+    if rows > 1:
+        x[1, 3] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_c_decode_tables_are_fp4s(build):
+    lut, grid, bounds, one_sixth = _lib(build).decode_tables()
+    want = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    assert torch.equal(lut.view(torch.int32), want.view(torch.int32))  # bit patterns: -0.0 and NaN included
+    assert torch.equal(grid.view(torch.int32), e2m1_grid("cpu").view(torch.int32))
+    assert torch.equal(bounds, _boundaries(torch.device("cpu"))) and one_sixth == nvfp4._ONE_SIXTH
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 6), blocks=st.integers(1, 5), spread=st.sampled_from([0, 3, 12]),
+       static=st.booleans(), bf16=st.booleans(), build=st.sampled_from(BUILDS))
+def test_quantize_dequantize_is_the_reference(seed, rows, blocks, spread, static, bf16, build):
+    x = _inputs(seed, rows, blocks, spread)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = x.to(dtype)
+    kw = dict(global_scale=torch.tensor(0.731)) if static else dict(per_row_global=True)
+    q, xhat = cpu_quant.quantize_dequantize(x, dequant_dtype=dtype, lib=_lib(build), **kw)
+    r = nvfp4.quantize(x, **kw)
+    _same(q, r)
+    assert torch.equal(xhat, nvfp4.dequantize(r, dtype))
+
+
+def test_nan_and_huge_inputs_fall_back_to_the_reference():
+    x = torch.randn(2, 32)
+    x[1, 5] = float("nan")
+    assert cpu_quant.quantize_dequantize(x, per_row_global=True) is None  # C declines: the reference decides NaN
+    q, _ = dispatch.nvfp4_quantize_dequantize(x, per_row_global=True)
+    _same(q, nvfp4.quantize(x, per_row_global=True))
+    big = torch.full((1, 16), 3.0e38)
+    _same(cpu_quant.quantize_dequantize(big, per_row_global=True)[0], nvfp4.quantize(big, per_row_global=True))
+
+
+@pytest.mark.parametrize("gs", [1.0, 0.0625, 448.0 * 6.0])
+def test_quantize_to_slots_writes_reference_codes_and_nothing_else(gs):
+    x = _inputs(3, 5, 4, 3).reshape(5, 2, 32)
+    codes, scales = torch.full((9, 2, 16), 0xAA, dtype=torch.uint8), torch.full((9, 2, 2), 0x55, dtype=torch.uint8)
+    slots = torch.tensor([8, 0, 4, 2, 6])
+    assert cpu_quant.quantize_to_slots(x, torch.tensor(gs), codes, scales, slots)
+    r = nvfp4.quantize(x, global_scale=torch.tensor(gs))
+    assert torch.equal(codes[slots], r.data) and torch.equal(scales[slots], r.scale)
+    rest = torch.tensor([1, 3, 5, 7])
+    assert (codes[rest] == 0xAA).all() and (scales[rest] == 0x55).all()
+
+
+def test_quantize_to_slots_refuses_what_it_cannot_do():
+    x, codes, scales = torch.randn(2, 32), torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)
+    with pytest.raises(IndexError, match="slot out of range"):
+        cpu_quant.quantize_to_slots(x, torch.tensor(1.0), codes, scales, torch.tensor([0, 4]))
+    assert not codes.any()
+    assert not cpu_quant.quantize_to_slots(x, torch.tensor(0.0), codes, scales, torch.tensor([0, 1]))  # bad S_enc
+    assert not cpu_quant.quantize_to_slots(x, torch.tensor(1.0), codes, scales, torch.tensor([0, 1], dtype=torch.int32))
+    x[0, 0] = float("nan")
+    assert not cpu_quant.quantize_to_slots(x, torch.tensor(1.0), codes, scales, torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_dequantize_rows_is_gather_then_dequantize(build):
+    q = nvfp4.quantize(_inputs(4, 6, 2, 3).reshape(6, 1, 32), global_scale=torch.tensor(0.5))
+    q.scale[2, 0, 1] = 0xFE  # a negative E4M3 byte decodes signed, as torch's float8_e4m3fn
+    idx = torch.tensor([5, 0, 0, 3, 2])
+    want = nvfp4.dequantize(nvfp4.NVFP4Tensor(q.data[idx], q.scale[idx], q.global_scale), torch.bfloat16)
+    got = cpu_quant.dequantize_rows(q.data, q.scale, idx, q.global_scale, torch.bfloat16, lib=_lib(build))
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 4), groups=st.integers(1, 6), build=st.sampled_from(BUILDS))
+def test_mantissa_bits_are_the_references(seed, rows, groups, build):
+    codes = torch.randint(0, 16, (rows, 8 * groups), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    packed = pack_fp4(codes)
+    assert torch.equal(cpu_quant.mantissa_bits_packed(packed, lib=_lib(build)), mantissa_bits_packed(packed))
+    assert torch.equal(dispatch.mantissa_bits_packed(packed), mantissa_bits_packed(packed))
