@@ -20,7 +20,6 @@ from __future__ import annotations
 import fnmatch
 import functools
 import logging
-import os
 
 import torch
 from torch import nn
@@ -30,6 +29,7 @@ from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 from megatron_trace.fp4.swizzle import swizzle_scales
 
+from .. import plugin_settings as settings
 from . import capture
 from .layer_tp import narrow_tp, row_parallel_all_max, set_derived, sglang_attr
 
@@ -262,8 +262,7 @@ class TraceFP4LinearMethod(_TraceLinearBase):
 
     @staticmethod
     def _native(layer) -> bool:
-        mode = os.environ.get("TRACE_FP4_NATIVE", "auto")
-        if mode == "0" or not layer.weight.is_cuda or not HAVE_SGLANG:
+        if settings.current().fp4_native == "0" or not layer.weight.is_cuda or not HAVE_SGLANG:
             return False
         ok = torch.cuda.get_device_capability(layer.weight.device)[0] >= 10 and sglang_attr(
             "sglang.srt.layers.quantization.modelopt_quant", "fp4_gemm") is not None
