@@ -81,6 +81,8 @@ class QuantConfig(Section):
     bf16_layers_start: int = opt(0, "first N layers stay BF16", low=0)
     bf16_layers_end: int = opt(0, "last N layers stay BF16", low=0)
     activation_scale: str = opt("per_token", "activation global scale", ("per_token", "static"))
+    kv_k_debias: bool = opt(False, "K cache holds K minus its rotated k_proj bias (Qwen2/2.5: NVFP4 K without "
+                                   "the outlier-channel loss)")
 
     def policy(self) -> QuantPolicy:
         return QuantPolicy.from_dict({**dataclasses.asdict(self), "targets": tuple(self.targets)})

@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-dtype", default="nvfp4", choices=list(KV_FORMATS))
     ap.add_argument("--kv-k", default="", choices=["", *KV_FORMATS], help="K cache format (default: --kv-cache-dtype)")
     ap.add_argument("--kv-v", default="", choices=["", *KV_FORMATS], help="V cache format (default: --kv-cache-dtype)")
+    ap.add_argument("--kv-k-debias", action="store_true", help="the K cache holds K minus its rotated k_proj bias "
+                    "(quant.kv_k_debias; Qwen2/2.5)")
     ap.add_argument("--targets", default=None, help="comma-separated module patterns (default: MLP + experts)")
     # All layers by default: an unguided layer's round-to-nearest flips cascade into every later
     # layer, so "last_half" (the RL default, for memory) shows how much the early flips cost.
@@ -160,7 +162,7 @@ def probe(args) -> dict:
     targets = tuple(args.targets.split(",")) if args.targets else QuantPolicy().targets
     fmt, weights, acts = QUANTIZATIONS[args.quantization]
     policy = QuantPolicy(format=fmt, weights=weights, activations=acts, kv=args.kv_cache_dtype, kv_k=args.kv_k,
-                         kv_v=args.kv_v, targets=targets)
+                         kv_v=args.kv_v, targets=targets, kv_k_debias=args.kv_k_debias)
     init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, seed=args.seed)
     try:
         t0 = time.perf_counter()

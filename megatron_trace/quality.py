@@ -6,7 +6,8 @@
 
 The mismatch probe (probe.py) measures train/rollout agreement, which a damaged rollout can
 satisfy perfectly; this measures the damage. For each setting WEIGHTS:K:V (weights bf16 | w4a16 |
-w4a4, NVFP4 on the policy's default targets; K and V in bf16 | fp8 | nvfp4 | mxfp4):
+w4a4, NVFP4 on the policy's default targets; K and V in bf16 | fp8 | nvfp4 | mxfp4, K also de-biased as
+e.g. `nvfp4+debias`, quant.kv_k_debias):
 
 - NLL per token, teacher-forced on the BF16 model's own greedy continuations, and its increase
   over BF16 (nats/token); top-1 agreement with those continuations;
@@ -39,6 +40,8 @@ from megatron_trace.models import QuantPolicy
 
 WEIGHTS = ("bf16", "w4a16", "w4a4")
 KV = ("bf16", "fp8", "nvfp4", "mxfp4")
+DEBIASED = "+debias"  # K minus its rotated k_proj bias before quantizing (quant.kv_k_debias)
+K_FORMATS = (*KV, *(f + DEBIASED for f in KV if f != "bf16"))
 REFERENCE = "bf16:bf16:bf16"
 DEFAULT_SETTINGS = (REFERENCE, "bf16:nvfp4:nvfp4", "bf16:bf16:nvfp4", "bf16:nvfp4:bf16", "bf16:fp8:nvfp4",
                     "w4a4:bf16:bf16", "w4a4:nvfp4:nvfp4", "w4a4:fp8:nvfp4")
@@ -62,16 +65,17 @@ class Setting:
         s = cls(*parts)
         if s.weights not in WEIGHTS:
             raise ValueError(f"setting {spec!r}: weights must be one of {', '.join(WEIGHTS)}; got {s.weights!r}")
-        for side, fmt in (("K", s.k), ("V", s.v)):
-            if fmt not in KV:
-                raise ValueError(f"setting {spec!r}: {side} must be one of {', '.join(KV)}; got {fmt!r}")
+        for side, fmt, allowed in (("K", s.k, K_FORMATS), ("V", s.v, KV)):
+            if fmt not in allowed:
+                raise ValueError(f"setting {spec!r}: {side} must be one of {', '.join(allowed)}; got {fmt!r}")
         return s
 
     @classmethod
     def of_policy(cls, policy: QuantPolicy) -> Setting:
         """The setting a (resolved) policy runs: its weights/activations and K/V formats."""
         w = "bf16" if not policy.enabled else ("w4a4" if policy.activations == "fp4" else "w4a16")
-        return cls(w, policy.k_format, policy.v_format)
+        debiased = policy.kv_k_debias and policy.k_format != "bf16"
+        return cls(w, policy.k_format + (DEBIASED if debiased else ""), policy.v_format)
 
     @property
     def name(self) -> str:
@@ -80,8 +84,9 @@ class Setting:
     def policy(self, targets: tuple[str, ...] | None = None) -> QuantPolicy:
         fp4 = self.weights != "bf16"
         return QuantPolicy(format="nvfp4" if fp4 else "bf16", weights="fp4" if fp4 else "bf16",
-                           activations="fp4" if self.weights == "w4a4" else "bf16", kv="bf16", kv_k=self.k,
-                           kv_v=self.v, targets=targets or QuantPolicy().targets)
+                           activations="fp4" if self.weights == "w4a4" else "bf16", kv="bf16",
+                           kv_k=self.k.removesuffix(DEBIASED), kv_v=self.v, kv_k_debias=self.k.endswith(DEBIASED),
+                           targets=targets or QuantPolicy().targets)
 
 
 # ------------------------------------------------------------------ prompts

@@ -138,4 +138,7 @@ def open_scorer(backend: str, model_path, setting, *, dtype: str, targets, workd
                          "FP4 targets (MLP and routed experts)")
     if workdir is None:
         raise ValueError("the sglang quality backend needs a workdir for the server logs")
+    if setting.k.endswith("+debias"):
+        raise ValueError(f"setting {setting.name}: a de-biased K cache (quant.kv_k_debias) is served by the embedded "
+                         "engine only; the SGLang plugin's KV methods do not implement it")
     return SGLangScorer(model_path, setting, dtype, workdir)

@@ -59,7 +59,8 @@ def test_cli_writes_table_json_png(outlier_ckpt, tmp_path, capsys):
 
 
 def test_bad_settings_and_prompts_are_named(tmp_path):
-    with pytest.raises(ValueError, match="K must be one of bf16, fp8, nvfp4, mxfp4; got 'fp4'"):
+    with pytest.raises(ValueError, match=r"K must be one of bf16, fp8, nvfp4, mxfp4, fp8\+debias, nvfp4\+debias, "
+                                         r"mxfp4\+debias; got 'fp4'"):
         quality.Setting.parse("w4a4:fp4:nvfp4")
     with pytest.raises(ValueError, match="WEIGHTS:K:V"):
         quality.Setting.parse("w4a4")

@@ -79,6 +79,9 @@ class QuantPolicy:
     bf16_layers_start: int = 0
     bf16_layers_end: int = 0
     activation_scale: str = "per_token"
+    # The K cache stores K minus its rotated k_proj bias (models/rope.py), 4.5 bits for NVFP4 K that
+    # keep a Qwen2.5's outlier channels out of the blocks: Qwen2/2.5 only (they have the bias).
+    kv_k_debias: bool = False
 
     def __post_init__(self) -> None:
         _one_of("format", self.format, FORMATS)
@@ -88,6 +91,8 @@ class QuantPolicy:
         _one_of("kv_k", self.kv_k, KV_SIDE_FORMATS)
         _one_of("kv_v", self.kv_v, KV_SIDE_FORMATS)
         _one_of("activation_scale", self.activation_scale, ACTIVATION_SCALES)
+        if not isinstance(self.kv_k_debias, bool):
+            raise ValueError(f"quant.kv_k_debias must be true or false; got {self.kv_k_debias!r}")
         if self.activations == "fp4" and self.weights == "bf16":
             raise ValueError(
                 "quant.activations='fp4' requires quant.weights='fp4' (supported: W4A4, W4A16, or all bf16)"
@@ -160,7 +165,10 @@ class QuantPolicy:
     # with q/k norm (Qwen3, Qwen3-MoE) NVFP4 K and V. An explicit kv_k / kv_v still wins over auto.
     def for_arch(self, arch: ModelArch) -> QuantPolicy:
         """This policy with kv="auto" resolved for `arch` (kv_k and kv_v made explicit); a policy
-        without "auto" comes back unchanged."""
+        without "auto" comes back unchanged. kv_k_debias on a family without a k_proj bias is an error."""
+        if self.kv_k_debias and not arch.qkv_bias:
+            raise ValueError(f"quant.kv_k_debias subtracts K's rotated k_proj bias, but {arch.family} has no q/k/v "
+                             "bias (Qwen2/2.5 have one); set quant.kv_k_debias=false")
         if self.kv != "auto":
             return self
         k, v = auto_kv_formats(arch)
@@ -204,8 +212,12 @@ class QuantPolicy:
     def kv_cache_quant_algo(self) -> str | None:
         """ModelOpt's `kv_cache_quant_algo` for an export: None (BF16), "FP8", "NVFP4" or "MXFP4".
         ModelOpt names one format for K and V; for a mix (FP8 K + NVFP4 V) it names the finer side,
-        so a stock engine never caches K or V more coarsely than this policy (V then costs FP8 bytes)."""
+        so a stock engine never caches K or V more coarsely than this policy (V then costs FP8 bytes).
+        A de-biased FP4 K counts as FP8: a stock engine would quantize K with its bias in, which loses
+        what the de-biasing keeps."""
         sides = {self.k_format, self.v_format}
+        if self.kv_k_debias and self.k_format != "bf16":
+            sides = {"fp8" if self.k_format in ("nvfp4", "mxfp4") else self.k_format, self.v_format}
         for fmt, algo in (("bf16", None), ("fp8", "FP8"), ("nvfp4", "NVFP4"), ("mxfp4", "MXFP4")):
             if fmt in sides:
                 return algo

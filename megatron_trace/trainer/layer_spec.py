@@ -148,13 +148,15 @@ class QATRowParallelLinear(RowParallelLinear):
 class QATDotProductAttention(DotProductAttention):
     """Megatron's attention on K and V as the rollout caches them (FP4/FP8 fake-quantized)."""
 
-    qat_kv: tuple | None = None  # (state, site prefix "model.layers.N.self_attn.", (k_fmt, v_fmt))
+    # (state, site prefix "model.layers.N.self_attn.", (k_fmt, v_fmt), qat.KBias or None)
+    qat_kv: tuple | None = None
 
     def forward(self, query, key, value, *args, **kwargs):
         if self.qat_kv is not None and self.qat_kv[0].mode != "off":
-            state, prefix, (k_fmt, v_fmt) = self.qat_kv
-            if k_fmt != "bf16":
-                key = state.kv(key, prefix + "k_cache", k_fmt)
+            state, prefix, (k_fmt, v_fmt), k_bias = self.qat_kv
+            if k_fmt != "bf16":  # a de-biased cache holds K - RoPE_pos(b): quantize that
+                rb = None if k_bias is None else k_bias.rotated(key.shape[0], key.device)
+                key = state.kv(key, prefix + "k_cache", k_fmt, offset=rb)
             if v_fmt != "bf16":
                 value = state.kv(value, prefix + "v_cache", v_fmt)
         return super().forward(query, key, value, *args, **kwargs)

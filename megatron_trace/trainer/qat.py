@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.dispatch import nvfp4_guided_quantize, nvfp4_quantize
+from megatron_trace.models.rope import rotated_bias
 from megatron_trace.fp4 import (RolloutRounding, dequantize_any, guided_quantize_mxfp4, mantissa_bits_packed,
                                  straight_through, unpack_fp4)
 from megatron_trace.fp4 import fp8, mxfp4, nvfp4
@@ -173,25 +174,28 @@ class QATState:
         out = self._guide(flat, q, site, k_slice, select=select, rows=rows)
         return straight_through(x, out.reshape(x.shape).to(x.dtype))
 
-    def kv(self, t: torch.Tensor, site: str, fmt: str = "nvfp4") -> torch.Tensor:
+    def kv(self, t: torch.Tensor, site: str, fmt: str = "nvfp4", offset: torch.Tensor | None = None) -> torch.Tensor:
         """K or V [S, B, groups_local, D] as the rollout caches it in `fmt`: NVFP4 along D with the
         per-layer scale or MXFP4 as the engine's pages (16-blocks, ceil rule), each guided where the
         rollout recorded the site (the engine records NVFP4 and MXFP4 sides), or FP8 E4M3 with one
         scale per token over its KV heads (amax MAX-reduced over TP, which splits the heads),
-        round-to-nearest: the rollout records no FP8 guidance (docs/quality.md)."""
+        round-to-nearest: the rollout records no FP8 guidance (docs/quality.md).
+        offset (fp32, broadcast to t): the cache holds t - offset (a de-biased K); subtracted and added
+        back in fp32, so a large offset cancels without bf16 rounding."""
+        x = t.detach().float() if offset is None else t.detach().float() - offset
         if fmt == "fp8":
-            x = t.detach().float()
             amax = self._all_max(nvfp4.nan_free_amax(x.reshape(*x.shape[:-2], -1), dim=-1))
-            return straight_through(t, fp8.quantize_dequantize(x, t.dtype, dims=2, amax=amax))
-        rows = t.detach().float().reshape(-1, t.shape[-2], t.shape[-1])
+            deq = fp8.quantize_dequantize(x, torch.float32, dims=2, amax=amax)
+            return straight_through(t, (deq if offset is None else deq + offset).to(t.dtype))
+        rows = x.reshape(-1, t.shape[-2], t.shape[-1])
         if fmt == "mxfp4":
             q = mxfp4.quantize(rows, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
         else:
             q = nvfp4_quantize(rows, global_scale=torch.tensor(KV_SCALE))
         groups = t.shape[-2]
         g0 = self.tp_rank() * groups
-        out = self._guide(rows, q, site, None, heads=slice(g0, g0 + groups))
-        return straight_through(t, out.reshape(t.shape).to(t.dtype))
+        out = self._guide(rows, q, site, None, heads=slice(g0, g0 + groups)).reshape(t.shape)
+        return straight_through(t, (out if offset is None else out + offset).to(t.dtype))
 
     def _guide(self, x_rows, q, site, k_slice, heads: slice | None = None, select=None,
                rows: slice | None = None) -> torch.Tensor:
@@ -323,6 +327,22 @@ def _zero_as_one(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes == 8, torch.zeros_like(codes), codes)
 
 
+class KBias:
+    """This rank's k_proj bias [groups, D] from linear_qkv's (interleaved per KV group: q heads, k, v),
+    read at every call (it trains) for a de-biased K cache (quant.kv_k_debias)."""
+
+    def __init__(self, linear_qkv, arch: ModelArch):
+        if getattr(linear_qkv, "bias", None) is None:
+            raise ValueError("quant.kv_k_debias needs linear_qkv's bias (add_qkv_bias); this model has none")
+        self.linear_qkv, self.per_group, self.theta = linear_qkv, arch.num_heads // arch.num_kv_heads, arch.rope_theta
+        self.head_dim = arch.head_dim
+
+    def rotated(self, seq_len: int, device) -> torch.Tensor:
+        """RoPE_pos(b) in fp32 [S, 1, groups, D] for positions 0..S-1 (the trainer's layout)."""
+        b = self.linear_qkv.bias.view(-1, self.per_group + 2, self.head_dim)[:, self.per_group]
+        return rotated_bias(b, torch.arange(seq_len, device=device), self.theta)[:, None]
+
+
 def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, layer_offsets: list[int],
                 tp_group=None) -> QATState:
     """Bind the QAT state and the rollout's site names to the QAT modules of each model chunk
@@ -373,5 +393,9 @@ def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, l
                     raise TypeError(f"install_qat: {name} is a {type(module).__name__}, not the layer spec's "
                                     f"QATDotProductAttention (build the model with gpt.build_model)")
                 fmts = tuple(policy.kv_format(layer, arch.num_layers, w) for w in ("k", "v"))
-                module.qat_kv = (state, prefix + "self_attn.", fmts)
+                k_bias = None
+                if policy.kv_k_debias and fmts[0] != "bf16":
+                    qkv = chunk.get_submodule(".".join(parts[:3]) + ".self_attention.linear_qkv")
+                    k_bias = KBias(qkv, arch)
+                module.qat_kv = (state, prefix + "self_attn.", fmts, k_bias)
     return state

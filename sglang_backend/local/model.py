@@ -20,6 +20,7 @@ from torch import nn
 from kernels import cpu_attention, cpu_fused
 from kernels.dispatch import paged_decode_attention
 from megatron_trace.models import ModelArch, QuantPolicy
+from megatron_trace.models.rope import rotated_bias
 
 from . import layer_c
 from .kv_cache import PagedKVCache
@@ -93,6 +94,10 @@ class _Layer(nn.Module):
 
         self.qkv = linear("self_attn.q_proj", "self_attn.qkv_proj",
                           {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size}, h, arch.qkv_bias)
+        # quant.kv_k_debias: this layer's K cache holds K - RoPE_pos(k_proj bias) (models/rope.py)
+        self.k_debias = policy.kv_k_debias and policy.kv_format(idx, arch.num_layers, "k") != "bf16"
+        if self.k_debias and not arch.qkv_bias:
+            raise ValueError(f"quant.kv_k_debias needs a k_proj bias; {arch.family} has none")
         self.o_proj = linear("self_attn.o_proj", "self_attn.o_proj", {"o": h}, arch.q_size, arch.o_bias)
         self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.post_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
@@ -125,9 +130,19 @@ class _Layer(nn.Module):
         else:  # one rotation over q's and k's heads together (elementwise: same values)
             qk = Rope.apply(qkv[:, : a.q_size + a.kv_size].reshape(-1, a.num_heads + a.num_kv_heads, a.head_dim), *rot)
             q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+        if self.k_debias:  # in fp32: K's bias is large, what is left of it is small (no bf16 cancellation)
+            k = k.float() - self.k_bias_at(batch.positions, torch.float32)
         self._store_kv(k, v, batch, kv, capture)
-        out = _decode_attention(q, batch, kv, self.idx) if batch.is_decode else _prefill_attention(q, batch, kv, self.idx)
+        k_add = self.k_bias_at if self.k_debias else None
+        out = (_decode_attention(q, batch, kv, self.idx, k_add) if batch.is_decode
+               else _prefill_attention(q, batch, kv, self.idx, k_add))
         return self.o_proj(out.reshape(-1, a.q_size), capture)
+
+    def k_bias_at(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """RoPE_pos(k_proj bias) [T, kv_heads, D]: what a de-biased K cache leaves out of K."""
+        a = self.arch
+        b = self.qkv.bias[a.q_size : a.q_size + a.kv_size].view(a.num_kv_heads, a.head_dim)
+        return rotated_bias(b, positions, a.rope_theta).to(dtype)
 
     def _store_kv(self, k, v, batch: ForwardBatch, kv: PagedKVCache, capture) -> None:
         for which, t in ((0, k), (1, v)):
@@ -207,9 +222,20 @@ class _Layer(nn.Module):
             k, v = (torch.empty(qkv.shape[0], a.num_kv_heads, a.head_dim, dtype=qkv.dtype) for _ in range(2))
             q = cpu_fused.qkv_rope(qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, batch.positions, *norms,
                                    a.rms_norm_eps, k, v, None)
+            if self.k_debias:
+                k = k.float() - self.k_bias_at(batch.positions, torch.float32)
             self._store_kv(k, v, batch, kv, capture)
         scale = a.head_dim ** -0.5
-        if kv.fmt == "nvfp4":  # attention decodes the pages itself
+        if self.k_debias:  # the page kernels know no K offset: attend over rows read back with RoPE_pos(b)
+            _warn_debias_gathered()
+            flat = table[:, :width].reshape(-1)
+            kc = kv.read(self.idx, 0, flat).float().view(-1, width, a.num_kv_heads, a.head_dim)
+            kc = (kc + self.k_bias_at(torch.arange(width), torch.float32)[None]).to(qkv.dtype)
+            kc = kc.view(flat.numel(), a.num_kv_heads, a.head_dim)
+            vc = kv.read(self.idx, 1, flat)
+            out = cpu_attention.paged_attention(q, kc, vc, torch.arange(flat.numel()).view(-1, width), row_seq,
+                                                row_len, scale)
+        elif kv.fmt == "nvfp4":  # attention decodes the pages itself
             sdec_k, sdec_v = batch.kv_decode_scales[self.idx]
             kd, ks, vd, vs = kv.layer_pages[self.idx]
             out = cpu_attention.paged_attention_nvfp4(q, kd, ks, vd, vs, sdec_k, sdec_v, table, row_seq, row_len, scale)
@@ -231,6 +257,13 @@ class _Layer(nn.Module):
 
 
 _WARNED_GATHER: set = set()
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_debias_gathered() -> None:
+    logging.getLogger(__name__).warning(
+        "quant.kv_k_debias: attention reads K back through a dequantized gather plus RoPE_pos(k bias) (the "
+        "in-register page kernels take no K offset): same numbers, slower than plain FP4 pages")
 
 
 def _warn_gathered(side_fmt: tuple) -> None:
@@ -276,10 +309,13 @@ def _attend(q, k, v, mask, num_kv_heads) -> torch.Tensor:
     return torch.einsum("bkgnl,blkd->bnkgd", probs, v).reshape(b, n, h, d)
 
 
-def _prefill_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int) -> torch.Tensor:
+def _prefill_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int, k_add=None) -> torch.Tensor:
+    """k_add(positions, dtype): what to add back to K as read (a de-biased K cache), or None."""
     outs = []
     for (s, e), slots in zip(batch.spans, batch.read_slots):
         k, v = kv.read(layer, 0, slots), kv.read(layer, 1, slots)
+        if k_add is not None:  # a sequence's slots hold positions 0, 1, ... in order
+            k = (k.float() + k_add(torch.arange(slots.numel()), torch.float32)).to(k.dtype)
         pos = batch.positions[s:e]
         mask = torch.arange(slots.numel())[None, :] <= pos[:, None]
         outs.append(_attend(q[None, s:e], k[None], v[None], mask[None], kv.kv_heads)[0])
@@ -294,13 +330,18 @@ DECODE_ATTENTION_BACKEND = "auto"
 PAGED_KERNEL_KV_FORMATS = ("nvfp4", "mxfp4")  # K and V in one of these (the kernel's page formats)
 
 
-def _decode_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int) -> torch.Tensor:
+def _decode_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int, k_add=None) -> torch.Tensor:
     backend = DECODE_ATTENTION_BACKEND
-    if kv.fmt in PAGED_KERNEL_KV_FORMATS and backend != "reference" and (q.is_cuda or backend == "triton"):
+    paged = kv.fmt in PAGED_KERNEL_KV_FORMATS and backend != "reference" and (q.is_cuda or backend == "triton")
+    if paged and k_add is None:
         return _decode_attention_paged(q, batch, kv, layer, backend)
+    if paged:
+        _warn_debias_gathered()
     flat, mask = batch.decode_gather()
     b, w = mask.shape
     k = kv.read(layer, 0, flat).reshape(b, w, kv.kv_heads, -1)
+    if k_add is not None:  # column j of the gather is position j
+        k = (k.float() + k_add(torch.arange(w, device=k.device), torch.float32)[None]).to(k.dtype)
     v = kv.read(layer, 1, flat).reshape(b, w, kv.kv_heads, -1)
     return _attend(q[:, None], k, v, mask[:, None], kv.kv_heads)[:, 0]
 
@@ -335,7 +376,8 @@ class QwenEngineModel(nn.Module):
         """Which layers run as a single C call (layer_c) over kv: decided once per cache."""
         cached = self.__dict__.get("_one_call_for")
         if cached is None or cached[0] is not kv:
-            cached = self.__dict__["_one_call_for"] = (kv, [layer_c.supports(layer, kv) for layer in self.layers])
+            cached = self.__dict__["_one_call_for"] = (
+                kv, [layer_c.supports(layer, kv) and not layer.k_debias for layer in self.layers])
         return cached[1]
 
     def uses_fused(self, kv: PagedKVCache) -> bool:

@@ -1,0 +1,31 @@
+"""Rotary position embedding facts both sides share (HF's non-interleaved rotate_half form, fp32).
+
+Used for K's de-biased cache (`quant.kv_k_debias`): Qwen2/2.5's k_proj bias b is one constant
+vector per KV head that RoPE turns with the position, and it is what puts K's outlier channels
+there (per-layer K amax up to 216 on a real Qwen2.5-0.5B). The cache stores K - RoPE_pos(b) and
+adds RoPE_pos(b) back when it reads: both terms are exact functions of the position and the
+weights, so the rollout and the trainer compute the same offset from this one function.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos, sin [T, D] of positions [T]."""
+    freqs = positions.float()[:, None] * inv_freq(head_dim, theta, positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotated_bias(bias: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE_pos(b) in fp32 [T, G, D] for a K bias [G, D] (one vector per KV head) at positions [T]."""
+    b = bias.detach().float()
+    cos, sin = rotary_tables(positions, b.shape[-1], theta)
+    half = b.shape[-1] // 2
+    turned = torch.cat((-b[..., half:], b[..., :half]), dim=-1)
+    return b[None] * cos[:, None] + turned[None] * sin[:, None]
