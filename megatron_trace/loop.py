@@ -106,8 +106,9 @@ class Rollout:
             ids = self._encode(p.text, stats)
             if ids is None:
                 continue
-            sp = SamplingParams(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                                n=rc.n_samples, sampling_seed=(self.cfg.trainer.seed * 1_000_003 + step) * 1009 + i * rc.n_samples)
+            seed = (self.cfg.trainer.seed * 1_000_003 + step) * 1009 + i * rc.n_samples
+            sp = SamplingParams(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
+                                top_k=rc.top_k, n=rc.n_samples, sampling_seed=seed)
             reqs.append(GenerateRequest(ids, sp, rid=f"{p.prompt_id}-v{version}", return_guidance=self.want_guidance,
                                         return_routed_experts=self.want_routing))
             kept.append((p, ids))
@@ -161,8 +162,9 @@ class Rollout:
         greedy = [GenerateRequest(self.tok.encode_prompt(p.text), SamplingParams(max_new_tokens=rc.max_new_tokens,
                   temperature=0.0), rid=f"eval-g{i}-{tag}") for i, p in enumerate(prompts)]
         sampled = [GenerateRequest(self.tok.encode_prompt(p.text), SamplingParams(
-                   max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, n=samples,
-                   sampling_seed=7_777_777 + i * samples), rid=f"eval-s{i}-{tag}") for i, p in enumerate(prompts)]
+                   max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                   n=samples, sampling_seed=7_777_777 + i * samples), rid=f"eval-s{i}-{tag}")
+                   for i, p in enumerate(prompts)]
         res = self.backend.generate(greedy + sampled)
         answers = [p.answer for p in prompts] + [p.answer for p in prompts for _ in range(samples)]
         rewards = [score(self.reward_fn, self.decode(r.output_ids), a)[0] for r, a in zip(res, answers)]
@@ -221,7 +223,8 @@ class StepRunner:
         self.actor.routing.clear_counters()
         metrics, train_lp = self.actor.train_step(samples, self.cfg.algo)
         routing = self.actor.routing_agreement()  # collective: every rank
-        m = mismatch_metrics([s.rollout_logprobs for s in samples], [t.tolist() for t in train_lp], is_clip=self.cfg.algo.is_clip)
+        m = mismatch_metrics([s.rollout_logprobs for s in samples], [t.tolist() for t in train_lp],
+                             is_clip=self.cfg.algo.is_clip)
         out = {f"train/{k}": float(v) for k, v in metrics.items()}
         out["rollout/dropped_stale"] = dropped
         out.update({f"mismatch/{k}": v for k, v in routing.items()})

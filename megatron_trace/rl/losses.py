@@ -39,8 +39,9 @@ def policy_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, adv: torch.Tenso
     n = mask.sum().clamp(min=1)
     with torch.no_grad():
         r = ratio.detach()
+        clipped = ((r > 1 + cfg.eps_high) & (adv > 0)) | ((r < 1 - cfg.eps_low) & (adv < 0))
         metrics = {
-            "clipped_frac": float((((r > 1 + cfg.eps_high) & (adv > 0)) | ((r < 1 - cfg.eps_low) & (adv < 0))).to(mask.dtype).mul(mask).sum() / n),
+            "clipped_frac": float(clipped.to(mask.dtype).mul(mask).sum() / n),
             "is_clipped_frac": float(((r > cfg.is_clip).to(mask.dtype) * mask).sum() / n),
             "masked_frac": float(((mask - keep).sum()) / n),
             "ratio_mean": float((r * mask).sum() / n),

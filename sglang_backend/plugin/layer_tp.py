@@ -42,7 +42,8 @@ def narrow_tp(t: torch.Tensor, dim: int, want: int, layer, what: str, shard_id=N
         return t
     rank, size = tp_rank_size(layer, shard_id)
     if want == 0 or full % want or full // want > size:
-        raise ValueError(f"{what}: checkpoint size {full} along dim {dim} does not split into {want} per rank (tp={size})")
+        raise ValueError(f"{what}: checkpoint size {full} along dim {dim} does not split into {want} per rank "
+                         f"(tp={size})")
     chunk = rank * (full // want) // size
     return t.narrow(dim, chunk * want, want)
 
@@ -68,9 +69,13 @@ def set_derived(layer: nn.Module, name: str, value: torch.Tensor | None) -> None
     cur = getattr(layer, name, None)
     if value is None:
         setattr(layer, name, None)
-    elif isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype and cur.device == value.device:
+    elif isinstance(cur, torch.Tensor) and _same_layout(cur, value):
         cur.copy_(value)
     elif name in layer._buffers or cur is None:
         layer.register_buffer(name, value, persistent=False)
     else:
         setattr(layer, name, value)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
