@@ -255,3 +255,34 @@ def test_import_without_sglang():
             "assert r.register()['quantization'] is False\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("input_amax", [None, 3.0], ids=["per_token", "static"])
+def test_nvfp4_apply_on_the_triton_w4a4_route_matches_f_linear(monkeypatch, input_amax):
+    """Off SM100 on CUDA the method multiplies the activation codes by the stored weight in the
+    Triton W4A4 GEMM; the interpreter stands in for the GPU (gemm_backend 'triton')."""
+    import importlib
+
+    from kernels.dispatch import triton_available
+
+    if not triton_available() or not importlib.import_module("kernels.triton_fp4_codecs").INTERPRETED:
+        pytest.skip("needs triton under TRITON_INTERPRET=1")
+    fp4_gemm = importlib.import_module("kernels.fp4_gemm")
+    tensors = to_modelopt_fused(_weights(QKV, 64, 1), input_amax=input_amax)
+    bias, x = torch.randn(sum(QKV.values())), torch.randn(5, 64) * 2
+    layer, method = _plugin(QKV, 64, tensors)
+    want = method.apply(layer, x, bias)  # CPU: dequantize + F.linear, EngineLinear's bits
+    calls, real = [], fp4_gemm.fp4_linear_w4a4_triton
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp4_gemm, "fp4_linear_w4a4_triton", counted)
+    layer2, method2 = _plugin(QKV, 64, tensors)
+    method2.gemm_backend = "triton"
+    method2.process_weights_after_loading(layer2)
+    assert layer2.trace_weight_dequant is None  # the kernel reads the weight as stored
+    got = method2.apply(layer2, x, bias)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 summation order only

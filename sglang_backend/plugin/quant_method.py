@@ -12,8 +12,9 @@ S_enc, swizzled scales, alpha, the dequantized weight of the fallback GEMM) is r
 them by `process_weights_after_loading` and, lazily, by the first `apply` after a load.
 Activations are quantized per token (or with the checkpoint's static input_scale) exactly as
 `sglang_backend.local.layers.EngineLinear` does; the GEMM is SGLang's native FP4 GEMM on SM100+,
-else `kernels.dispatch.fp4_linear` (Triton W4A16 on the dequantized activation) on CUDA when it
-exists, else dequantize + F.linear (bit-identical to EngineLinear on CPU).
+else `kernels.dispatch.fp4_linear_w4a4` (Triton: the activation's codes times the weight as
+stored, as EngineLinear on CUDA) on CUDA, else dequantize + F.linear (bit-identical to
+EngineLinear on CPU).
 """
 from __future__ import annotations
 
@@ -252,13 +253,22 @@ class TraceFP4LinearMethod(_TraceLinearBase):
         alpha = (s2.max() * si.max()) if in_gs is not None else s2.max()
         set_derived(layer, "trace_alpha", alpha.to(torch.float32).reshape(()))
         set_derived(layer, "trace_weight_scale_swizzled", swizzle_scales(layer.weight_scale.data.view(torch.uint8)))
-        kernel = layer.weight.is_cuda and _sglang_free_fp4_linear() is not None
+        kernel = self._packed_gemm(layer.weight)
         wdeq = None if self._native(layer) or kernel else nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype)
         set_derived(layer, "trace_weight_dequant", wdeq)
         layer._trace_dirty = False
 
     def quantized_weight(self, layer) -> nvfp4.NVFP4Tensor:
         return nvfp4.NVFP4Tensor(layer.weight.data, layer.weight_scale.data.view(torch.uint8), layer.trace_weight_global_scale)
+
+    # Off SM100: "auto" runs the Triton W4A4 GEMM for CUDA inputs; "triton" also for CPU inputs (under
+    # TRITON_INTERPRET=1, how the tests reach it); "reference" keeps dequantize + F.linear.
+    gemm_backend = "auto"
+
+    def _packed_gemm(self, t: torch.Tensor) -> bool:
+        """Whether the Triton W4A4 GEMM serves tensors like t (refresh then keeps no dequantized weight)."""
+        wanted = self.gemm_backend == "triton" or (self.gemm_backend == "auto" and t.is_cuda)
+        return wanted and _w4a4_kernel() is not None
 
     @staticmethod
     def _native(layer) -> bool:
@@ -292,17 +302,16 @@ class TraceFP4LinearMethod(_TraceLinearBase):
             self.refresh(layer)
         lead, x2 = x.shape[:-1], (x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
         native = self._native(layer)
-        q, xq = self.quantize_input(layer, x2, want_dequant=not native)
+        packed = not native and layer.trace_weight_dequant is None and self._packed_gemm(x2)
+        q, xq = self.quantize_input(layer, x2, want_dequant=not (native or packed))
         capture.record(layer.trace_site, q)
         if native:
             y = self._native_gemm(layer, q, x.dtype)
             y = y + bias if bias is not None else y
+        elif packed:
+            y = _w4a4_kernel()(q, self.quantized_weight(layer), bias, out_dtype=x.dtype, backend=self.gemm_backend)
         else:
-            fp4_linear = _sglang_free_fp4_linear() if x.is_cuda else None
-            if fp4_linear is not None and layer.trace_weight_dequant is None:
-                y = fp4_linear(xq, self.quantized_weight(layer), bias=bias)
-            else:
-                y = nn.functional.linear(xq, layer.trace_weight_dequant, bias)
+            y = nn.functional.linear(xq, layer.trace_weight_dequant, bias)
         return y if x.dim() == 2 else y.reshape(*lead, y.shape[-1])
 
     @staticmethod
@@ -318,9 +327,9 @@ class TraceFP4LinearMethod(_TraceLinearBase):
         return y
 
 
-def _sglang_free_fp4_linear():
-    """kernels.dispatch.fp4_linear(x_dequant, weight: NVFP4Tensor, bias=None) when that kernel exists."""
-    return sglang_attr("kernels.dispatch", "fp4_linear")
+def _w4a4_kernel():
+    """kernels.dispatch.fp4_linear_w4a4(q: NVFP4Tensor, weight: NVFP4Tensor, bias, ...) when importable."""
+    return sglang_attr("kernels.dispatch", "fp4_linear_w4a4")
 
 
 class TraceMXFP4LinearMethod(_TraceLinearBase):
