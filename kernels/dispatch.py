@@ -13,6 +13,9 @@ import torch
 from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.codecs import unpack_fp4
 from megatron_trace.fp4.guided import GUIDANCE_MODES, guided_quantize, mantissa_bits
+from megatron_trace.fp4.guided import mantissa_bits_packed as mantissa_bits_packed_reference
+
+from . import cpu_quant  # builds nothing at import: the C kernels build on first use (kernels/cpu_build.py)
 
 BACKENDS = ("auto", "triton", "reference")
 
@@ -110,8 +113,6 @@ def nvfp4_quantize_dequantize(x: torch.Tensor, *, per_row_global: bool = False,
     """(nvfp4.quantize(x, per_row_global=..., global_scale=...), nvfp4.dequantize(q, dequant_dtype),
     or None for it when dequant_dtype is None), bit for bit, in one pass on CPU."""
     if x.device.type == "cpu":
-        from . import cpu_quant  # lazy: importing the dispatcher builds nothing
-
         out = cpu_quant.quantize_dequantize(x, per_row_global=per_row_global, global_scale=global_scale,
                                             dequant_dtype=dequant_dtype)
         if out is not None:
@@ -127,8 +128,6 @@ def nvfp4_quantize_to_slots(x: torch.Tensor, global_scale: torch.Tensor, codes: 
     the caller then writes the reference's result."""
     if x.device.type != "cpu":
         return False
-    from . import cpu_quant
-
     return cpu_quant.quantize_to_slots(x, global_scale, codes, scales, slots)
 
 
@@ -137,8 +136,6 @@ def nvfp4_dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, idx: torch.
     """nvfp4.dequantize(NVFP4Tensor(codes[idx], scales[idx], global_scale), dtype): the gather and
     dequantize fused on CPU."""
     if codes.device.type == "cpu":
-        from . import cpu_quant
-
         out = cpu_quant.dequantize_rows(codes, scales, idx, global_scale, dtype)
         if out is not None:
             return out
@@ -148,14 +145,10 @@ def nvfp4_dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, idx: torch.
 def mantissa_bits_packed(packed: torch.Tensor) -> torch.Tensor:
     """megatron_trace.fp4.mantissa_bits_packed (same checks and bits), in one C pass on CPU."""
     if packed.device.type == "cpu":
-        from . import cpu_quant
-
         out = cpu_quant.mantissa_bits_packed(packed)
         if out is not None:
             return out
-    from megatron_trace.fp4.guided import mantissa_bits_packed as reference
-
-    return reference(packed)
+    return mantissa_bits_packed_reference(packed)
 
 
 # -- FP4 GEMM, paged FP4 attention, quantize + guidance ---------------------------------------

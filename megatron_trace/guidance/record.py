@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megatron_trace.fp4 import RolloutRounding, mantissa_bits_packed
+from kernels.dispatch import mantissa_bits_packed  # C on CPU: the engine packs every guided row
+from megatron_trace.fp4 import RolloutRounding
 from megatron_trace.fp4.guided import GUIDANCE_MODES
 KV_SITES = ("k_cache", "v_cache")
 
