@@ -134,11 +134,10 @@ class RolloutServer:
 
     # -- generation ------------------------------------------------------------------------------
     async def generate(self, request: Request) -> Response:
-        d = await read_json(request, required=True)
-        out, batch = await self._blocking(self._generate, d)
-        return json_response(200, out if batch or len(out) > 1 else out[0])
+        return await self._blocking(self._generate, await read_json(request, required=True))
 
-    def _generate(self, d: dict[str, Any]) -> tuple[list[dict], bool]:
+    def _generate(self, d: dict[str, Any]) -> Response:
+        """Parse, queue, wait, and encode the answer, all in a pool thread: the event loop only moves bytes."""
         if d.get("text") is not None:
             raise HTTPError(400, "'text' is not supported: this server has no tokenizer; send input_ids", "text")
         ids = want(d, "input_ids", list, style="text")
@@ -195,7 +194,7 @@ class RolloutServer:
         if not ret_lp:
             for o in out:
                 o["meta_info"].pop("output_token_logprobs", None)
-        return out, batch
+        return json_response(200, out if batch or len(out) > 1 else out[0])
 
     async def get_guidance(self, request: Request) -> Response:
         d = await read_json(request, required=True)
