@@ -11,14 +11,14 @@ setup(
     description="RL post-training with FP4 rollout and rollout-guided QAT (TRACE)",
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_trace*", "sglang_backend*", "kernels*"]),
-    package_data={"kernels": ["*.c", "*.h", "*.cpp"]},  # C sources built at first use (kernels/cpu_gemv.py)
+    package_data={"kernels": ["*.c", "*.h", "*.cpp"]},  # C sources built at first use (kernels/cpu_build.py)
     install_requires=[
         "torch>=2.6,<2.15",
         "numpy>=1.26",
         "safetensors>=0.4",
         "pyyaml>=6",
         "tqdm>=4.66",
-        "ninja>=1.11",  # torch.utils.cpp_extension builds kernels/cpu_gemv.c with it at first use
+        "ninja>=1.11",  # torch.utils.cpp_extension builds the CPU kernels (kernels/*.c) with it
         # The HTTP layer (sglang_backend/local/server.py, client.py); ranges admit what sglang 0.5.23 pins.
         "fastapi>=0.110",
         "uvicorn>=0.51,<1",  # server.py subclasses its H11Protocol (half-closed uploads answer 400)
