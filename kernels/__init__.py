@@ -1,5 +1,7 @@
-"""Custom kernels. Importing this package never imports triton; `kernels.dispatch` loads the
-Triton implementations on first use, so CPU-only installs without triton keep working.
+"""Custom kernels. Importing this package never imports triton and builds nothing: `kernels.dispatch`
+loads the Triton implementations on first use, and the CPU engine's C kernels (`*.c`, `*.h`, bound
+to torch tensors in `cpu_ops.cpp`) are built by `kernels.cpu_build` the first time one is called,
+so CPU-only installs without triton or a compiler keep working (on the torch references).
 
 Call kernels through `kernels.dispatch` (e.g. `from kernels.dispatch import nvfp4_quantize`).
 The function is deliberately not re-exported here: the submodule `kernels.nvfp4_quantize`

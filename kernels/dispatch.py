@@ -1,4 +1,6 @@
-"""Backend selection between the Triton kernels and the torch references.
+"""Backend selection: the Triton kernels (CUDA), the CPU engine's C kernels (kernels/cpu_quant.py,
+built by kernels/cpu_build.py) and the torch references of megatron_trace.fp4. This module is
+the one place that picks among them.
 
 triton is imported lazily (first `triton_available()` or kernel call), never at import time.
 """

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.dispatch import mantissa_bits_packed  # C on CPU: the engine packs every guided row
+# the dispatcher's: C on CPU (the engine packs every guided row of finished samples)
+from kernels.dispatch import mantissa_bits_packed
 from megatron_trace.fp4 import RolloutRounding
 from megatron_trace.fp4.guided import GUIDANCE_MODES
 KV_SITES = ("k_cache", "v_cache")
