@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.dispatch import triton_available
-from sglang_backend.local import model as engine_model
+from sglang_backend.local import attention as engine_attention
 from sglang_backend.local.kv_cache import PagedKVCache
 from sglang_backend.local.layers import EngineLinear
 from sglang_backend.local.model import ForwardBatch
@@ -52,11 +52,11 @@ def test_decode_attention_over_fp4_pages_runs_the_paged_kernel(monkeypatch, fmt)
     batch = ForwardBatch(torch.zeros(2, dtype=torch.long), torch.tensor([n - 1 for n in lens]), [(0, 1), (1, 2)],
                          torch.cat([s[-1:] for s in read]), read)
     q = torch.randn(2, heads, d, generator=g)
-    monkeypatch.setattr(engine_model, "DECODE_ATTENTION_BACKEND", "reference")
-    want = engine_model._decode_attention(q, batch, kv, 1)
+    monkeypatch.setattr(engine_attention, "DECODE_ATTENTION_BACKEND", "reference")
+    want = engine_attention.decode_attention(q, batch, kv, 1)
     calls = _spy(monkeypatch, "kernels.fp4_attention", "paged_decode_attention_triton")
-    monkeypatch.setattr(engine_model, "DECODE_ATTENTION_BACKEND", "triton")
-    got = engine_model._decode_attention(q, batch, kv, 1)
+    monkeypatch.setattr(engine_attention, "DECODE_ATTENTION_BACKEND", "triton")
+    got = engine_attention.decode_attention(q, batch, kv, 1)
     assert calls == ["paged_decode_attention_triton"]
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 summation order only
@@ -70,8 +70,8 @@ def test_decode_attention_on_cpu_keeps_the_torch_path_under_auto(monkeypatch):
         kv.write(0, which, slots, torch.randn(3, 1, 16))
     batch = ForwardBatch(torch.zeros(1, dtype=torch.long), torch.tensor([2]), [(0, 1)], slots[-1:], [slots])
     calls = _spy(monkeypatch, "kernels.fp4_attention", "paged_decode_attention_triton")
-    assert engine_model.DECODE_ATTENTION_BACKEND == "auto"
-    engine_model._decode_attention(torch.randn(1, 2, 16), batch, kv, 0)
+    assert engine_attention.DECODE_ATTENTION_BACKEND == "auto"
+    engine_attention.decode_attention(torch.randn(1, 2, 16), batch, kv, 0)
     assert calls == []
 
 

@@ -18,11 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_attention, cpu_fused
-from kernels.dispatch import paged_decode_attention
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.rope import rotated_bias
 
-from . import layer_c
+from . import attention, layer_c
 from .kv_cache import PagedKVCache
 from .layers import CaptureFn, EngineLinear, Rope, lm_head_logits, rms_norm
 
@@ -134,8 +133,8 @@ class _Layer(nn.Module):
             k = k.float() - self.k_bias_at(batch.positions, torch.float32)
         self._store_kv(k, v, batch, kv, capture)
         k_add = self.k_bias_at if self.k_debias else None
-        out = (_decode_attention(q, batch, kv, self.idx, k_add) if batch.is_decode
-               else _prefill_attention(q, batch, kv, self.idx, k_add))
+        out = (attention.decode_attention(q, batch, kv, self.idx, k_add) if batch.is_decode
+               else attention.prefill_attention(q, batch, kv, self.idx, k_add))
         return self.o_proj(out.reshape(-1, a.q_size), capture)
 
     def k_bias_at(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -227,7 +226,7 @@ class _Layer(nn.Module):
             self._store_kv(k, v, batch, kv, capture)
         scale = a.head_dim ** -0.5
         if self.k_debias:  # the page kernels know no K offset: attend over rows read back with RoPE_pos(b)
-            _warn_debias_gathered()
+            attention.warn_debias_gathered()
             flat = table[:, :width].reshape(-1)
             kc = kv.read(self.idx, 0, flat).float().view(-1, width, a.num_kv_heads, a.head_dim)
             kc = (kc + self.k_bias_at(torch.arange(width), torch.float32)[None]).to(qkv.dtype)
@@ -257,13 +256,6 @@ class _Layer(nn.Module):
 
 
 _WARNED_GATHER: set = set()
-
-
-@functools.lru_cache(maxsize=1)
-def _warn_debias_gathered() -> None:
-    logging.getLogger(__name__).warning(
-        "quant.kv_k_debias: attention reads K back through a dequantized gather plus RoPE_pos(k bias) (the "
-        "in-register page kernels take no K offset): same numbers, slower than plain FP4 pages")
 
 
 def _warn_gathered(side_fmt: tuple) -> None:
@@ -296,66 +288,6 @@ def _scatter_slots(parts, num_tokens: int, top_k: int):
         data[tok, slot], scale[tok, slot] = q.data, q.scale
         gs[tok, slot] = q.global_scale if q.global_scale.dim() else q.global_scale.expand(tok.numel())
     return NVFP4Tensor(data, scale, gs)
-
-
-def _attend(q, k, v, mask, num_kv_heads) -> torch.Tensor:
-    """q [B, n, H, D], k/v [B, L, Hkv, D], mask [B, n, L] (True = visible) -> [B, n, H, D]."""
-    b, n, h, d = q.shape
-    g = h // num_kv_heads
-    qg = q.reshape(b, n, num_kv_heads, g, d)
-    scores = torch.einsum("bnkgd,blkd->bkgnl", qg, k) * (d ** -0.5)
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.einsum("bkgnl,blkd->bnkgd", probs, v).reshape(b, n, h, d)
-
-
-def _prefill_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int, k_add=None) -> torch.Tensor:
-    """k_add(positions, dtype): what to add back to K as read (a de-biased K cache), or None."""
-    outs = []
-    for (s, e), slots in zip(batch.spans, batch.read_slots):
-        k, v = kv.read(layer, 0, slots), kv.read(layer, 1, slots)
-        if k_add is not None:  # a sequence's slots hold positions 0, 1, ... in order
-            k = (k.float() + k_add(torch.arange(slots.numel()), torch.float32)).to(k.dtype)
-        pos = batch.positions[s:e]
-        mask = torch.arange(slots.numel())[None, :] <= pos[:, None]
-        outs.append(_attend(q[None, s:e], k[None], v[None], mask[None], kv.kv_heads)[0])
-    return torch.cat(outs)
-
-
-# Decode attention over FP4 pages. "auto": the Triton kernel (kernels/fp4_attention.py: codes x
-# scales dequantized in registers, never a dequantized copy) for CUDA tensors, the torch gather
-# below elsewhere; "triton" also sends CPU tensors to the kernel (under TRITON_INTERPRET=1, how the
-# tests reach it); "reference" always takes the torch gather.
-DECODE_ATTENTION_BACKEND = "auto"
-PAGED_KERNEL_KV_FORMATS = ("nvfp4", "mxfp4")  # K and V in one of these (the kernel's page formats)
-
-
-def _decode_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int, k_add=None) -> torch.Tensor:
-    backend = DECODE_ATTENTION_BACKEND
-    paged = kv.fmt in PAGED_KERNEL_KV_FORMATS and backend != "reference" and (q.is_cuda or backend == "triton")
-    if paged and k_add is None:
-        return _decode_attention_paged(q, batch, kv, layer, backend)
-    if paged:
-        _warn_debias_gathered()
-    flat, mask = batch.decode_gather()
-    b, w = mask.shape
-    k = kv.read(layer, 0, flat).reshape(b, w, kv.kv_heads, -1)
-    if k_add is not None:  # column j of the gather is position j
-        k = (k.float() + k_add(torch.arange(w, device=k.device), torch.float32)[None]).to(k.dtype)
-    v = kv.read(layer, 1, flat).reshape(b, w, kv.kv_heads, -1)
-    return _attend(q[:, None], k, v, mask[:, None], kv.kv_heads)[:, 0]
-
-
-def _decode_attention_paged(q, batch: ForwardBatch, kv: PagedKVCache, layer: int, backend: str) -> torch.Tensor:
-    """Decode attention straight over the layer's FP4 pages through kernels.dispatch (each row of
-    the slot table is one sequence's slots, valid up to its length)."""
-    flat, mask = batch.decode_gather()
-    table = flat.reshape(mask.shape).to(device=q.device, dtype=torch.int32)
-    lens = mask.sum(1).to(device=q.device, dtype=torch.int32)
-    k_codes, k_scales, v_codes, v_scales = kv.layer_pages[layer]
-    k_gs, v_gs = kv.global_scale[layer]
-    return paged_decode_attention(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, table, lens, kv.fmt,
-                                  backend=backend)
 
 
 class QwenEngineModel(nn.Module):
