@@ -166,6 +166,10 @@ def _device(args: argparse.Namespace) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# SGLang's CPU engine used 4.17 GB for Qwen2.5-0.5B's 1.9 GB of fp32 weights under trace_nvfp4 (W4A4).
+ONLINE_QUANT_WEIGHT_FACTOR = 2.2
+
+
 def _available_memory() -> int:
     try:
         import psutil  # SGLang's own measure of what its CPU engine may use
@@ -176,8 +180,9 @@ def _available_memory() -> int:
 
 def cpu_mem_fraction(args: argparse.Namespace, kv_tokens: int, available: int | None = None) -> float:
     """--mem-fraction-static for SGLang's CPU engine: its share of the memory available now that the
-    weights (every floating tensor at --dtype) and `kv_tokens` of KV at --dtype take, with a third
-    more for slack; at least 0.05. (A fixed 0.05 starved a real 0.5B model's KV at fp32.)"""
+    weights (every floating tensor at --dtype; x2.2 under online quantization) and `kv_tokens` of KV
+    at --dtype take, with a third more for slack; at least 0.05. (A fixed 0.05 starved a real 0.5B
+    model's KV at fp32.)"""
     from safetensors import safe_open
 
     from megatron_trace.models import ModelArch
@@ -190,6 +195,8 @@ def cpu_mem_fraction(args: argparse.Namespace, kv_tokens: int, available: int | 
                 t = st.get_slice(name)
                 n = math.prod(t.get_shape())
                 weights += n * (wide if t.get_dtype() in ("F32", "F16", "BF16") else 1)
+    if args.quantization is not None:  # online quantization holds the float weights and their FP4 copy
+        weights = int(weights * ONLINE_QUANT_WEIGHT_FACTOR)
     arch = ModelArch.from_hf_config(Path(args.model_path))
     kv = kv_tokens * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * wide
     frac = 1.34 * (weights + kv) / (available or _available_memory())

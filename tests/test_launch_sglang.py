@@ -136,3 +136,6 @@ def test_cpu_mem_fraction_covers_weights_and_kv(bf16_ckpt):
         assert cpu_mem_fraction(args, 1000, available=need * 4) == round(1.34 / 4, 3)
         assert cpu_mem_fraction(args, 1000, available=need * 1000) == 0.05  # small models: the old floor
         assert cpu_mem_fraction(args, 1000, available=need) == 0.9  # capped: SGLang then says what it lacks
+        quant = parser().parse_args(["--model-path", bf16_ckpt, "--dtype", dtype, "--quantization", "nvfp4"])
+        online = int(weights * wide * 2.2) + 1000 * kv_per_token * wide  # float weights + their FP4 copy
+        assert cpu_mem_fraction(quant, 1000, available=online * 4) == round(1.34 / 4, 3)
