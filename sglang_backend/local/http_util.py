@@ -25,6 +25,10 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
+# Drain at most this much of a refused body before answering: h11 closes a connection whose
+# request body is unfinished when the answer ends, and a client still sending then sees a reset
+# (EPIPE) instead of our 401/413. Past this cap it does see the reset.
+DRAIN_CAP = 256 << 20
 BACKLOG = 2048  # uvicorn's (and SGLang's) listen backlog: a burst of clients is never reset
 
 
@@ -78,11 +82,11 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if scope["path"] not in self.open_paths and not authorized(headers.get("authorization"), self.api_key):
+            await drain(receive)
             return await json_response(401, {"error": "Unauthorized"})(scope, receive, send)
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            # uvicorn reads and drops the rest of the body after this answer, so the client sees
-            # the 413 rather than a reset connection.
+            await drain(receive)
             return await json_response(413, HTTPError(413, self._too_big(int(declared))).body())(scope, receive, send)
         seen = 0
 
@@ -91,6 +95,8 @@ class RequestGuard:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.limit:
+                if message.get("more_body", False):
+                    await drain(receive)
                 raise HTTPError(413, self._too_big(seen, "at least "))
             return message
 
@@ -99,6 +105,16 @@ class RequestGuard:
     def _too_big(self, n: int, prefix: str = "") -> str:
         return (f"request body is {prefix}{n} bytes; the limit is {self.limit} bytes "
                 f"({self.limit / 2**20:g} MiB, --max-body-mb)")
+
+
+async def drain(receive) -> None:
+    """Read and drop what is left of a request body, up to DRAIN_CAP (see there)."""
+    left = DRAIN_CAP
+    while left > 0:
+        message = await receive()
+        left -= len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 async def read_body(request: Request) -> bytes:
