@@ -86,6 +86,12 @@ static const float E2M1_BOUNDS[7] = {0.25f, 0x1.7ffffep-1f, 1.25f, 0x1.bffffep+0
 /* 2 * e2m1(code) (exact small integers) for the GEMVs, as fp32 and int8 (sign bit 3). */
 static const float TWO_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, -0.f, -1, -2, -3, -4, -6, -8, -12};
 static const int8_t TWO_E2M1_I8[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* ... and as bf16 bits, twice: AVX-512 vpermw reads 5 index bits and bit 4 is the neighbour nibble's. */
+static const uint16_t TWO_E2M1_BF16[32] = {
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40c0, 0x4100, 0x4140,
+    0x8000, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0c0, 0xc100, 0xc140,
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40c0, 0x4100, 0x4140,
+    0x8000, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0c0, 0xc100, 0xc140};
 
 /* GCC/Clang vector extensions: explicit 8-lane SIMD that stays portable (AVX on x86, NEON pairs on Arm). */
 typedef float v8f __attribute__((vector_size(32)));

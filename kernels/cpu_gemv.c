@@ -71,13 +71,6 @@ const char* gemv_isa(void) {
 #endif
 }
 
-/* bf16 bits of 2 * e2m1(code), twice: vpermw reads 5 index bits and bit 4 is the neighbour nibble's. */
-static const uint16_t TWO_E2M1_BF16[32] = {
-    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40c0, 0x4100, 0x4140,
-    0x8000, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0c0, 0xc100, 0xc140,
-    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40c0, 0x4100, 0x4140,
-    0x8000, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0c0, 0xc100, 0xc140};
-
 /* 16 block scales (one row's next 256 columns; fewer at the row's end) as fp32 SF/2. */
 static inline __m512 load_scales(const uint8_t* s, int64_t count) {
     const __mmask16 mask = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);

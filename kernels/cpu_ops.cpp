@@ -54,6 +54,14 @@ py::tuple decode_tables() {
     return py::make_tuple(lut, grid, bounds, NVFP4_ONE_SIXTH);
 }
 
+// The GEMVs' 2 e2m1 tables (fp32 [16], int8 [16], bf16 bits [32]), for the test that they are fp4's grid.
+py::tuple gemv_tables() {
+    auto f = torch::from_blob(const_cast<float*>(TWO_E2M1), {16}, torch::kFloat32).clone();
+    auto i8 = torch::from_blob(const_cast<int8_t*>(TWO_E2M1_I8), {16}, torch::kInt8).clone();
+    auto bf = torch::from_blob(const_cast<uint16_t*>(TWO_E2M1_BF16), {32}, torch::kInt16).clone();
+    return py::make_tuple(f, i8, bf);
+}
+
 void add_rmsnorm(at::Tensor& x, const Opt& res, const at::Tensor& w, at::Tensor& out, double eps) {
     if (bf16(x))
         add_rmsnorm_bf16(at_<uint16_t>(x), at_<const uint16_t>(res), at_<uint16_t>(w), at_<uint16_t>(out), x.size(0),
@@ -200,6 +208,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              row / 16, (float)sdec, at_<float>(out));
     }, release());
     m.def("decode_tables", &decode_tables, "(E4M3 lut [256], E2M1 grid [16], bounds [7], fp32(1/6)) of the C code");
+    m.def("gemv_tables", &gemv_tables);
     m.def("add_rmsnorm", &add_rmsnorm, release());
     m.def("qkv_rope", &qkv_rope, release());
     m.def("silu_mul", &silu_mul, release());

@@ -41,6 +41,14 @@ def test_c_decode_tables_are_fp4s(build):
     assert torch.equal(bounds, _boundaries(torch.device("cpu"))) and one_sixth == nvfp4._ONE_SIXTH
 
 
+def test_gemv_tables_are_twice_fp4s_grid():
+    f, i8, bf = cpu_build.native().gemv_tables()
+    two = 2 * e2m1_grid("cpu")
+    assert torch.equal(f.view(torch.int32), two.view(torch.int32))  # -0.0 kept
+    assert torch.equal(i8, two.to(torch.int8))
+    assert torch.equal(bf, two.to(torch.bfloat16).view(torch.int16).repeat(2))
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 6), blocks=st.integers(1, 5), spread=st.sampled_from([0, 3, 12]),
        static=st.booleans(), bf16=st.booleans(), build=st.sampled_from(BUILDS))
