@@ -151,6 +151,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return json_response(e.status, e.body())
 
     async def on_starlette_error(request: Request, e: StarletteHTTPException) -> Response:
+        await drain(request.receive)  # the router refused before any route read the body
         message = e.detail
         if e.status_code == 404:
             message = f"no endpoint {request.url.path!r}"
