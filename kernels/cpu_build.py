@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -42,23 +43,29 @@ class KernelBuild:
             raise ValueError(f"target must be one of {TARGETS}; got {target!r}")
         self.target, self.compiler, self.enabled = target, compiler, enabled
         self._module, self._reason, self._tried = None, None, False
+        self._lock = threading.Lock()  # the engine's worker and server threads may ask first at once
 
     def module(self):
         """The loaded extension, or None (why: `reason()`; logged once as a warning)."""
         if not self._tried:
-            self._tried = True
-            if not self.enabled:
-                self._reason = "disabled (kernels.cpu_build: enabled=False)"
-            else:
-                try:
-                    self._module = self._build()
-                except Exception as e:  # no compiler / ninja / a compile error: say so, the references serve
-                    self._reason = f"build failed ({type(e).__name__}: {_last_line(e)})"
-            if self._module is None:
-                _log.warning("CPU kernels (%s) unavailable: %s. The engine runs the torch references instead "
-                             "(same numbers, slower). The build needs a C++ compiler and ninja (pip install ninja).",
-                             self.target, self._reason)
+            with self._lock:
+                if not self._tried:
+                    self._load()
         return self._module
+
+    def _load(self) -> None:
+        if not self.enabled:
+            self._reason = "disabled (kernels.cpu_build: enabled=False)"
+        else:
+            try:
+                self._module = self._build()
+            except Exception as e:  # no compiler / ninja / a compile error: say so, the references serve
+                self._reason = f"build failed ({type(e).__name__}: {_last_line(e)})"
+        if self._module is None:
+            _log.warning("CPU kernels (%s) unavailable: %s. The engine runs the torch references instead "
+                         "(same numbers, slower). The build needs a C++ compiler and ninja (pip install ninja).",
+                         self.target, self._reason)
+        self._tried = True  # last: a thread past the unlocked check sees the finished state
 
     def reason(self) -> str | None:
         """None when built, else why not (for model_info and benchmark columns)."""
