@@ -104,8 +104,8 @@ static inline __attribute__((always_inline)) void nvfp4_tile(const float* xp, in
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
     const int64_t chunks = kp / 32, full = K / 32, blocks = K / 16;
     /* two accumulators per row, alternating by chunk: one FMA chain would wait on its latency */
-    __m512 acc[4][2];
-    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    __m512 acc[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     /* Groups of 8 chunks share one scale load; unrolled, so the accumulator and scale lane picks are constants. */
 #define NVFP4_F32_CHUNK(c, j, a)                                                                   \
     do {                                                                                          \
@@ -150,8 +150,8 @@ static inline __attribute__((always_inline)) void nvfp4_tile_bf16(const uint16_t
     const __m512i lut = _mm512_loadu_si512((const void*)TWO_E2M1_BF16);
     const int64_t chunks = (K + 31) / 32, full = K / 32, blocks = K / 16;
     /* two accumulators per row, alternating by chunk: one FMA chain would wait on its latency */
-    __m512 acc[4][2];
-    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    __m512 acc[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
 #define NVFP4_BF16_CHUNK(c, j, a)                                                                        \
     do {                                                                                               \
         const __m512bh w = (__m512bh)decode_chunk(cr, c, full, lut);                                   \
@@ -177,8 +177,8 @@ static inline __attribute__((always_inline)) void nvfp4_tile_bf16(const uint16_t
     for (int64_t g = 0; g < K / 256; g++, c += 8) {
         const __m512i lo = _mm512_loadu_si512((const void*)(cr + 128 * g)), hi = _mm512_loadu_si512((const void*)(cr + 128 * g + 64));
         const uint16_t* xg = x + 256 * g;
-        __m512 part[4][2];
-        for (int r = 0; r < 4; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
+        __m512 part[TILE_ROWS][2];
+        for (int r = 0; r < TILE_ROWS; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
         NVFP4_GROUP_STEP(0, 0); NVFP4_GROUP_STEP(1, 1); NVFP4_GROUP_STEP(2, 0); NVFP4_GROUP_STEP(3, 1);
         NVFP4_GROUP_STEP(4, 0); NVFP4_GROUP_STEP(5, 1); NVFP4_GROUP_STEP(6, 0); NVFP4_GROUP_STEP(7, 1);
         const __m512 s16 = load_scales(sr + 16 * g, 16);
@@ -202,8 +202,8 @@ static inline __attribute__((always_inline)) void bf16_tile_bf16(const uint16_t*
                                                                  float* out, const int mr) {
     const int64_t chunks = (K + 31) / 32;
     /* two accumulators per row, alternating by chunk: one FMA chain would wait on its latency */
-    __m512 acc[4][2];
-    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    __m512 acc[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     int64_t c = 0;
     for (; c + 2 <= chunks; c += 2) {
         const __m512bh w0 = (__m512bh)load_x_bf16(wr, c, K), w1 = (__m512bh)load_x_bf16(wr, c + 1, K);
@@ -227,8 +227,8 @@ static inline __attribute__((always_inline)) void bf16_tile(const float* xp, int
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
     const int64_t chunks = kp / 32, full = K / 32;
     /* two accumulators per row, alternating by chunk: one FMA chain would wait on its latency */
-    __m512 acc[4][2];
-    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    __m512 acc[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         /* the tail chunk reads only the row's remaining (K % 32) / 2 dwords */
         const __m512i w = c < full ? _mm512_loadu_si512((const void*)(wr + 32 * c))

@@ -61,7 +61,8 @@ static inline __attribute__((always_inline)) void w4a4_tile(const uint8_t* ap, i
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const int64_t bytes = K / 2, blocks = K / 16;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t left = bytes - 64 * c, lb = blocks - 8 * c;
         const __m512i raw = left >= 64 ? _mm512_loadu_si512((const void*)(cr + 64 * c))
