@@ -30,13 +30,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kernels.dispatch import nvfp4_guided_quantize, nvfp4_quantize
-from megatron_trace.models.rope import rotated_bias
-from megatron_trace.fp4 import (RolloutRounding, dequantize_any, guided_quantize_mxfp4, mantissa_bits_packed,
-                                 straight_through, unpack_fp4)
+from kernels.dispatch import mantissa_bits_packed, nvfp4_guided_quantize, nvfp4_quantize
+from megatron_trace.fp4 import RolloutRounding, dequantize_any, guided_quantize_mxfp4, straight_through, unpack_fp4
 from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
+from megatron_trace.models.rope import rotated_bias
 
 from .routing_replay import expert_rows
 
