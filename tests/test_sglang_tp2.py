@@ -5,6 +5,10 @@ unsharded. Row-parallel layers quantize each token with the FULL-row global scal
 (all-reduce MAX over the layer's tp_group), so their codes equal TP=1's; a slice-local scale
 would differ on every token of these inputs.
 
+tests/mp_scripts/sglang_tp2_online_capture.py does the same for online NVFP4 (`trace_nvfp4`, a BF16
+checkpoint quantized at load, the S_enc over the full weight) against the exporter's bytes, and for
+guidance capture: the record assembled at TP=2 equals TP=1's byte for byte.
+
 Whole TP=2 SGLang servers on CPU were not tried here (see the report of issue 13).
 """
 from __future__ import annotations
@@ -23,16 +27,24 @@ pytest.importorskip("sglang.srt.layers.linear")
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sglang_tp2")
+def run_two_ranks(out: Path, script: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "SGLANG_USE_CPU_ENGINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(REPO / "tests/mp_scripts/sglang_tp2_linears.py"), str(out)]
+           "--master-port", str(free_port()), str(REPO / "tests/mp_scripts" / script), str(out)]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     return [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_two_ranks(tmp_path_factory.mktemp("sglang_tp2"), "sglang_tp2_linears.py")
+
+
+@pytest.fixture(scope="module")
+def online_ranks(tmp_path_factory):
+    return run_two_ranks(tmp_path_factory.mktemp("sglang_tp2_online"), "sglang_tp2_online_capture.py")
 
 
 @pytest.mark.parametrize("kind", ["qkv", "o", "gate_up", "down"])
@@ -59,3 +71,36 @@ def test_fp8_kv_scale_spans_the_heads_of_every_rank(ranks):
     for rank, rep in enumerate(ranks):
         assert rep["kv_fp8"]["bytes_equal"] and rep["kv_fp8"]["scales_equal"], (rank, rep["kv_fp8"])
     assert ranks[1]["kv_fp8"]["tokens_local_scale_differs"] == 6  # a rank-local scale would differ on every token
+
+
+@pytest.mark.parametrize("kind", ["qkv", "o", "gate_up", "down"])
+def test_online_nvfp4_tp2_holds_the_exporters_bytes(online_ranks, kind):
+    """trace_nvfp4 on a BF16 checkpoint at TP=2: each rank's codes, E4M3 scales and S_dec equal the
+    exporter's ModelOpt tensors (to_modelopt_fused over the FULL weights) as SGLang's loader slices them,
+    and the online TP=1 layer's on that slice; rank 1's own amax is not the full one (so a rank-local
+    S_enc would have failed), and the outputs equal the exported layer's exactly."""
+    for rank, rep in enumerate(online_ranks):
+        r = rep[kind]
+        assert r["vs_export"] == [True, True, True] and r["vs_tp1"] == [True, True, True], (rank, kind, r)
+        assert r["max_abs_diff_export"] == 0.0, (rank, kind, r)
+        if kind in ("qkv", "gate_up"):
+            assert r["max_abs_diff_tp1"] == 0.0, (rank, kind, r)
+        else:  # the row-parallel all-reduce sums two partial GEMMs in another order
+            assert r["max_abs_diff_tp1"] <= 4e-6 * r["ref_max"], (rank, kind, r)
+    assert online_ranks[1][kind]["local_amax_differs"] and not online_ranks[0][kind]["local_amax_differs"]
+    assert online_ranks[0][kind]["export_s_dec"] == online_ranks[1][kind]["export_s_dec"]
+
+
+def test_guidance_record_at_tp2_equals_tp1(online_ranks):
+    """The record every TP=2 rank assembles (row-parallel K chunks and K/V heads all-gathered, the column-
+    parallel sites' replicated inputs as they are) is TP=1's record byte for byte; without the assembly
+    it is not. Rank 0 is the one that publishes."""
+    sites = ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.k_cache",
+             "model.layers.0.self_attn.v_cache", "model.layers.0.self_attn.o_proj",
+             "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"]
+    for rank, rep in enumerate(online_ranks):
+        g = rep["guidance"]
+        assert g["tp_rank"] == rank and g["sites"] == sites, g
+        assert g["gathered_sites"] == sorted(sites[1:4] + sites[5:]), g
+        assert g["record_equal"] and not g["unassembled_record_equal"], (rank, g)
+        assert g["record_bytes"] > 0

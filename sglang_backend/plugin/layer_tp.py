@@ -48,20 +48,50 @@ def narrow_tp(t: torch.Tensor, dim: int, want: int, layer, what: str, shard_id=N
     return t.narrow(dim, chunk * want, want)
 
 
-def row_parallel_all_max(layer):
-    """For a row-parallel layer at TP > 1 (its input row is split over the TP ranks): a function
-    returning the elementwise max over the layer's TP group (all_reduce MAX), else None."""
-    if not hasattr(layer, "input_is_parallel") or tp_rank_size(layer)[1] <= 1:
+def is_row_parallel(layer) -> bool:
+    """A row-parallel layer at TP > 1: its input row (K) is split over the TP ranks."""
+    return hasattr(layer, "input_is_parallel") and tp_rank_size(layer)[1] > 1
+
+
+def _process_group(group, t: torch.Tensor):
+    """SGLang's GroupCoordinator keeps a gloo group for CPU tensors and the device group for the rest."""
+    return group.device_group if t.device.type != "cpu" else group.cpu_group
+
+
+def tp_all_max(layer):
+    """A function returning the elementwise max over the layer's TP group (all_reduce MAX), None at TP=1.
+    Over `tp_group` even for a QKV layer's replicated k/v shards: duplicates do not change a MAX."""
+    if tp_rank_size(layer)[1] <= 1:
         return None
     group = layer.tp_group
 
     def all_max(t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous().clone()
-        pg = group.device_group if t.device.type != "cpu" else group.cpu_group
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=pg)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=_process_group(group, t))
         return t
 
     return all_max
+
+
+def row_parallel_all_max(layer):
+    """For a row-parallel layer at TP > 1: `tp_all_max` (its per-token scale spans the full row), else None."""
+    return tp_all_max(layer) if is_row_parallel(layer) else None
+
+
+def row_parallel_all_gather(layer):
+    """For a row-parallel layer at TP > 1: a function concatenating every rank's [..., K_rank] tensor along
+    the last dim in rank order (the full row: SGLang gives rank r the r-th K chunk), else None."""
+    if not is_row_parallel(layer):
+        return None
+    group, size = layer.tp_group, tp_rank_size(layer)[1]
+
+    def all_gather(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(size)]
+        torch.distributed.all_gather(parts, t, group=_process_group(group, t))
+        return torch.cat(parts, dim=-1)
+
+    return all_gather
 
 
 def set_derived(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:
@@ -79,3 +109,24 @@ def set_derived(layer: nn.Module, name: str, value: torch.Tensor | None) -> None
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+
+
+def kv_heads_all_gather(group, rank: int, size: int, total_heads: int):
+    """A function turning this rank's K/V rows [T, heads_rank, ...] into all `total_heads` heads [T, H, ...].
+    SGLang's attention gives rank r heads [r*H/size, (r+1)*H/size), or with fewer heads than ranks
+    (H < size) head r*H//size, replicated on consecutive ranks: those are taken once, from the first."""
+    if total_heads < 1 or (total_heads >= size and total_heads % size) or (total_heads < size and size % total_heads):
+        raise ValueError(f"{total_heads} KV heads do not split over {size} TP ranks")
+    first = [r for r in range(size) if r == 0 or r * total_heads // size != (r - 1) * total_heads // size]
+
+    def all_gather(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(size)]
+        torch.distributed.all_gather(parts, t, group=_process_group(group, t))
+        full = torch.cat([parts[r] for r in first], dim=1)
+        if full.shape[1] != total_heads:
+            raise RuntimeError(f"K/V capture on rank {rank}: assembled {full.shape[1]} heads, the model has "
+                               f"{total_heads}")
+        return full
+
+    return all_gather

@@ -24,7 +24,7 @@ from megatron_trace.fp4.modelopt import encode_scale_from_decode
 from megatron_trace.models.quant_policy import QuantPolicy
 
 from .. import plugin_settings as settings
-from .layer_tp import set_derived, sglang_attr, tp_rank_size
+from .layer_tp import set_derived, sglang_attr, tp_all_max
 from .quant_method import PACKED_MODULES, TraceFP4Config, TraceFP4LinearMethod, TraceMXFP4Config
 
 POLICY_ENV = settings.env_name("quant_policy")
@@ -109,10 +109,8 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
     def refresh(self, layer: nn.Module) -> None:
         if getattr(layer, "_trace_packed", False):
             return self._refresh_packed(layer)
-        if tp_rank_size(layer)[1] > 1:
-            raise NotImplementedError(f"{layer.trace_site}: online NVFP4 at TP > 1 needs the fused group's amax "
-                                      "over all ranks; export an NVFP4 checkpoint for TP > 1")
-        q = nvfp4.quantize(layer.weight.data.float())
+        w = layer.weight.data.float()
+        q = nvfp4.quantize(w, global_amax=self.full_weight_amax(layer, w))
         gs = q.global_scale.reshape(()).expand(q.data.shape[0]).clone()
         set_derived(layer, "trace_weight_codes", q.data)
         set_derived(layer, "trace_weight_scales", q.scale)
@@ -120,6 +118,18 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
         set_derived(layer, "trace_input_global_scale", None)
         set_derived(layer, "trace_weight_dequant", nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype))
         layer._trace_dirty = False
+
+    @staticmethod
+    def full_weight_amax(layer: nn.Module, w: torch.Tensor) -> torch.Tensor:
+        """The amax of the FULL checkpoint weight of this (fused) layer, whose shard this rank holds:
+        the exporter (`to_modelopt_fused`) sets the one S_enc of q/k/v or gate/up from it, so at TP > 1
+        the rank's amax is MAX-reduced over the TP group (every rank calls refresh for the same layers
+        in the same order: process_weights_after_loading, or the first forward after a weight update).
+        Rows and row-parallel K chunks are whole 16-blocks, so codes and E4M3 scales then equal the
+        exporter's on this rank's slice."""
+        amax = nvfp4.nan_free_amax(w).to(torch.float32)
+        all_max = tp_all_max(layer)
+        return amax if all_max is None else all_max(amax.reshape(1)).reshape(())
 
     def _refresh_packed(self, layer: nn.Module) -> None:
         """Serve an update's ModelOpt tensors: the export path's rules (one S_enc per fused shard from

@@ -39,6 +39,7 @@ from sglang_backend.api import GUIDANCE_KEY  # in sampling_params.custom_params
 
 from .. import plugin_settings as settings
 from . import capture
+from .layer_tp import kv_heads_all_gather, row_parallel_all_gather
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class SlotCapture:
         self.sites: dict[str, dict[str, torch.Tensor]] = {}  # first-write order = the record's site order
         self.static: dict[str, float | None] = {}  # one static S_enc for every row so far, else None
         self.error: str | None = None
+        # At SGLang TP > 1 (assemble_at_tp): site -> function turning this rank's rows into the full rows
+        # (row-parallel K chunks, K/V heads), run in every rank's forward; only TP rank 0 publishes.
+        self.gathers: dict[str, object] = {}
+        self.tp_rank = 0
 
     def write(self, site: str, slots: torch.Tensor, positions, q: nvfp4.NVFP4Tensor) -> None:
         """q: the [T, ..., K] quantized input of `site` (K/V sites are [T, heads, head_dim]); row t belongs
@@ -66,6 +71,9 @@ class SlotCapture:
             self.error = (f"{site}: {q.data.shape[0]} quantized rows but {slots.shape[0]} token slots in the "
                           "batch (padded or split batches are not captured)")
             return
+        gather = self.gathers.get(site)
+        if gather is not None:  # a collective: every TP rank reaches it for the same site and batch
+            q = nvfp4.NVFP4Tensor(gather(q.data), gather(q.scale), q.global_scale)
         s = self.sites.get(site)
         if s is None:
             rows = self.capacity + 1
@@ -165,10 +173,8 @@ def ensure_capture(runner) -> SlotCapture | None:
     cap = SlotCapture(capacity, settings.current().guidance_mode, layers, device=device)
     from sglang.srt.runtime_context import get_parallel  # SGLang 0.5.23: the runner keeps no tp_size
 
-    tp = int(get_parallel().tp_size)
-    if tp > 1:  # a guidance request then answers this, never a partial record
-        cap.error = (f"guidance capture at SGLang TP={tp} is not implemented: the inputs of row-parallel "
-                     "linears (o_proj, down_proj) are sharded across ranks")
+    if int(get_parallel().tp_size) > 1:
+        assemble_at_tp(cap, runner.model, get_parallel(), runner.model_config.get_total_num_kv_heads())
     method = getattr(pool, "quant_method", None)
     if getattr(pool, "is_quantized_kv_cache", False) and not getattr(method, "records_guidance", False) \
             and cap.error is None:
@@ -177,6 +183,31 @@ def ensure_capture(runner) -> SlotCapture | None:
     capture.set_capture_buffer(cap)
     log.info("trace_fp4: guidance capture for layers %s, %d KV slots, mode %s", layers, capacity, cap.mode)
     return cap
+
+
+def assemble_at_tp(cap: SlotCapture, model, parallel, total_kv_heads: int) -> None:
+    """Make every TP rank's capture hold TP=1's rows, so TP rank 0's record equals TP=1's record.
+
+    Column-parallel linears (q/k/v, gate/up) see the full, replicated activation: nothing to do.
+    Row-parallel linears (o_proj, down_proj) quantize their K chunk with the full row's per-token
+    S_enc (quant_method.quantize_input): their codes and E4M3 scales are all-gathered along K.
+    K/V cache sites hold this rank's KV heads: all-gathered along the heads, a replicated head
+    (fewer KV heads than ranks) taken once. Raises for layouts where that is not the whole story."""
+    tp, attn_tp = int(parallel.tp_size), int(getattr(parallel, "attn_tp_size", parallel.tp_size))
+    if attn_tp != tp:
+        raise NotImplementedError(f"guidance capture with attention TP {attn_tp} != TP {tp} (DP attention): "
+                                  "the K/V heads of a request are not split over the TP group; run without it")
+    cap.tp_rank = int(parallel.tp_rank)
+    for _, module in model.named_modules():
+        gather = row_parallel_all_gather(module) if getattr(module, "trace_site", None) else None
+        if gather is not None:
+            cap.gathers[module.trace_site] = gather
+    heads = kv_heads_all_gather(parallel.tp_group, cap.tp_rank, tp, total_kv_heads)
+    for layer in cap.guided:
+        for side in KV_SITES:
+            cap.gathers[f"model.layers.{layer}.self_attn.{side}"] = heads
+    log.info("trace_fp4: guidance at TP=%d: rank %d gathers %d row-parallel sites and the K/V heads",
+             tp, cap.tp_rank, len(cap.gathers) - 2 * len(cap.guided))
 
 
 def forward_with_capture(original, self, forward_batch, *args, **kwargs):
@@ -197,8 +228,10 @@ def on_request_finished(result, self, req, *args, **kwargs):
     if not wants_guidance(req) or req.sampling_params.max_new_tokens == 0:
         return result  # max_new_tokens 0: SGLang's prefix warm-up of n > 1, not a sample
     rid = req.rid
+    cap = capture.get_capture_buffer()
+    if isinstance(cap, SlotCapture) and cap.tp_rank != 0:
+        return result  # every rank holds the assembled rows; TP rank 0 alone publishes them
     try:
-        cap = capture.get_capture_buffer()
         if not isinstance(cap, SlotCapture):
             layers = f"{settings.env_name('guided_layers')}={settings.current().guided_layers!r}"
             raise RuntimeError(f"guidance asked for, but this server captures none ({layers}; start it with "
