@@ -4,19 +4,18 @@
     mode rtn     : plain QAT, weights and activations fake-quantized with round-to-nearest
     mode guided  : TRACE, activations and K/V rounded to the rollout's recorded codewords
                    (where a guidance record covers the position; rtn elsewhere)
-Weights use the exporter's quantizer (one global amax over the full, TP-gathered fused weight),
-so trainer and rollout weights are bit-identical. Backward is straight-through everywhere.
-NVFP4 quantization and guided rounding go through `kernels.dispatch`: the Triton kernels on CUDA
-tensors, fp4's references elsewhere, the same bits either way.
+Weights use the exporter's quantizer (one global amax over the full, TP-gathered fused weight), so trainer and
+rollout weights are bit-identical. Backward is straight-through everywhere. NVFP4 quantization and guided
+rounding go through `kernels.dispatch`: the Triton kernels on CUDA tensors, fp4's references elsewhere, the same
+bits either way.
 
-Megatron lays activations out [seq, batch, hidden]; a micro-batch's guidance is assembled into
-that layout once per site (`MicroBatchGuidance`), with each sample's positions 0..T-1 in its
-batch column. Row-parallel inputs hold a K slice per TP rank: per-token amax is all-reduced
-(MAX) over TP and the guidance is sliced along K, so every rank rounds exactly like the
-rollout's full-width quantizer. Under sequence parallelism a column-parallel input is the rank's
-[S/TP, B, H] rows (gathered for the GEMM after quantization; per-token rounding is row-local), and
-the guidance is sliced to those rows. Guidance whose row count does not match the activation's is
-an error naming the site, never a silent round-to-nearest.
+Megatron lays activations out [seq, batch, hidden]; a micro-batch's guidance is assembled into that layout once
+per site (`MicroBatchGuidance`), with each sample's positions 0..T-1 in its batch column. Row-parallel inputs
+hold a K slice per TP rank: per-token amax is all-reduced (MAX) over TP and the guidance is sliced along K, so
+every rank rounds exactly like the rollout's full-width quantizer. Under sequence parallelism a column-parallel
+input is the rank's [S/TP, B, H] rows (gathered for the GEMM after quantization; per-token rounding is
+row-local), and the guidance is sliced to those rows. Guidance whose row count does not match the activation's
+is an error naming the site, never a silent round-to-nearest.
 
 The modules that call this state are the project's layer spec (`layer_spec.py`).
 """
@@ -107,16 +106,14 @@ class QATState:
         self.arch, self.policy, self.mode, self.tp_group = arch, policy, mode, tp_group
         self.guidance: MicroBatchGuidance | None = None
         self.agree = defaultdict(lambda: [0, 0])  # site -> [elements agreeing with the rollout's codes, compared]
-        # site -> [elements whose guided code differs from round-to-nearest, guided]: what mantissa
-        # guidance can measure in RL (it has no codes to agree with)
+        # site -> [elements whose guided code differs from rtn, guided]: what mantissa guidance can measure in RL
         self.override = defaultdict(lambda: [0, 0])
-        # The probe's way to measure mantissa guidance honestly: round with only the mantissa bits
-        # of full records, count agreement against their full codes.
+        # The probe's honest mantissa measure: round with only the mantissa bits of full records, count
+        # agreement against their full codes.
         self.mantissa_from_codes = False
         self.unguided = defaultdict(int)  # site -> rows with a record this rank could not match
         self.static_scales: dict[str, torch.Tensor] = {}  # site -> static activation S_enc (0-d)
-        # the rollout's routed expert ids of the current micro-batch (the actor's RoutingReplay):
-        # expert-site guidance is matched by expert id (routing_replay.expert_rows)
+        # the actor's RoutingReplay (the micro-batch's rollout expert ids): expert guidance matched by id
         self.routing_replay = None
 
     def tp_size(self) -> int:
@@ -133,10 +130,9 @@ class QATState:
 
     # -- the three quantization sites ------------------------------------------------------
     def weight(self, w: torch.Tensor) -> torch.Tensor:
-        """Fake-quantized weight in the policy's format. NVFP4: one global amax over the
-        TP-gathered (fused) weight, as the exporter quantizes it. MXFP4: 32-element E8M0 blocks
-        along K with the OCP floor rule, the engine's MXFP4 linears' default (no global scale, so
-        each TP shard quantizes alone exactly as the full weight's blocks)."""
+        """Fake-quantized weight in the policy's format. NVFP4: one global amax over the TP-gathered (fused)
+        weight, as the exporter quantizes it. MXFP4: 32-element E8M0 blocks along K with the OCP floor rule,
+        the engine's default (no global scale: each TP shard quantizes alone as the full weight's blocks)."""
         if self.policy.format == "mxfp4":
             return straight_through(w, mxfp4.dequantize(mxfp4.quantize(w.detach()), w.dtype))
         amax = self._all_max(nvfp4.nan_free_amax(w.detach().float()).reshape(1)).reshape(())
@@ -161,9 +157,13 @@ class QATState:
         flat = x.detach().reshape(-1, x.shape[-1]).float()
         if self.policy.format == "mxfp4":
             # the engine's MXFP4 linears: 32-blocks along K, floor rule (a row-parallel K slice holds
-            # whole blocks, and there is no global scale to reduce over TP)
-            out = self._guide(flat, mxfp4.quantize(flat), site, k_slice, select=select, rows=rows)
-            return straight_through(x, out.reshape(x.shape).to(x.dtype))
+            # whole blocks, no global scale to reduce over TP). An expert's linear_fc2 input carries
+            # Megatron's routing weight, which E8M0 block scales cannot absorb: quantize the unweighted
+            # rows the engine quantizes, then weight them again (ExpertRows.input_weights).
+            weights = select.input_weights() if hasattr(select, "input_weights") else None
+            w = torch.ones((), device=flat.device) if weights is None else weights[:, None].to(flat.device)
+            out = self._guide(flat / w, mxfp4.quantize(flat / w), site, k_slice, select=select, rows=rows)
+            return straight_through(x, (out * w).reshape(x.shape).to(x.dtype))
         if site in self.static_scales:
             gs = self.static_scales[site].to(flat.device)
         else:

@@ -202,41 +202,75 @@ def assert_same_micro_batch(ids: torch.Tensor, group) -> None:
                            "the dispatcher's gathered tokens to the rollout's records")
 
 
-def expert_rows(state, moe_layer: torch.nn.Module, layer: int, local_expert: int, per_slot: bool):
+class ExpertRows:
     """`select` for local expert `local_expert` of `moe_layer`: its rows of a site's [S*B, ...]
     guidance, matched by the expert's global id; None (the site's rows use rtn, counted by the QAT
     state) where the rows cannot be mapped: a dispatcher other than allgather, or a down_proj
-    record without the rollout's routed experts to name its slot."""
-    global_expert = int(moe_layer.local_expert_indices[local_expert])
+    record without the rollout's routed experts to name its slot.
 
-    def select(rr: RolloutRounding, mask: torch.Tensor):
-        d = moe_layer.token_dispatcher
+    Megatron scales the expert's activation by its routing weight BEFORE linear_fc2 (the engine,
+    like HF, after it). Under per-token NVFP4 that gives the same codes with S_enc scaled by the
+    weight; MXFP4's power-of-two block scales cannot absorb it, so the QAT state quantizes the
+    down_proj input divided by `input_weights()` (the rows the engine quantizes) and scales back."""
+
+    def __init__(self, state, moe_layer: torch.nn.Module, layer: int, local_expert: int, per_slot: bool):
+        self.state, self.moe_layer, self.layer, self.local_expert = state, moe_layer, layer, local_expert
+        self.per_slot = per_slot
+        self.global_expert = int(moe_layer.local_expert_indices[local_expert])
+
+    def _rows_of_expert(self) -> tuple[torch.Tensor, int] | None:
+        """(the dispatcher's gathered token indices of this expert, where its weights start in
+        local_probs), or None without the allgather dispatcher's routing map."""
+        d = self.moe_layer.token_dispatcher
         local_map = getattr(d, "local_map", None)
-        n = mask.numel()
-        if local_map is None or local_map.shape[0] % n:
+        if local_map is None:
             return None
-        tokens = local_map[:, local_expert].nonzero().squeeze(-1)
+        return local_map[:, self.local_expert].nonzero().squeeze(-1), int(local_map[:, : self.local_expert].sum())
+
+    def input_weights(self) -> torch.Tensor | None:
+        """fp32 [n_e] routing weight of each of this expert's rows, multiplied into linear_fc2's
+        input by Megatron (None for linear_fc1, whose input is unweighted)."""
+        if not self.per_slot:
+            return None
+        got = self._rows_of_expert()
+        if got is None:
+            raise ValueError(f"layer {self.layer} expert {self.global_expert}: the MXFP4 down_proj input needs "
+                             "the routing weights Megatron applied before linear_fc2, which only the allgather "
+                             "token dispatcher exposes (trainer: moe_token_dispatcher_type=allgather)")
+        tokens, start = got
+        return self.moe_layer.token_dispatcher.local_probs.detach()[start : start + len(tokens)].float()
+
+    def __call__(self, rr: RolloutRounding, mask: torch.Tensor):
+        got = self._rows_of_expert()
+        n = mask.numel()
+        if got is None or self.moe_layer.token_dispatcher.local_map.shape[0] % n:
+            return None
+        tokens, _start = got
         rows = tokens % n  # the gathered batch is the TP x EP group's copies of this micro-batch
-        pick = lambda t: None if t is None else t[rows]  # noqa: E731
-        sel = RolloutRounding(pick(rr.scale), pick(rr.global_scale), pick(rr.codes), pick(rr.mantissa))
+        sel = RolloutRounding(*(_index(t, rows) for t in (rr.scale, rr.global_scale, rr.codes, rr.mantissa)))
         keep = mask[rows]
-        if not per_slot:
+        if not self.per_slot:
             return sel, keep
-        replay = getattr(state, "routing_replay", None)
-        routed = replay.rollout_ids(layer) if replay is not None else None
+        replay = getattr(self.state, "routing_replay", None)
+        routed = replay.rollout_ids(self.layer) if replay is not None else None
         if routed is None:
             return None
         ids, valid = routed
-        hit = ids.to(rows.device)[rows] == global_expert  # [n_e, top_k]
+        hit = ids.to(rows.device)[rows] == self.global_expert  # [n_e, top_k]
         slot = hit.to(torch.int8).argmax(-1)
         keep = keep & hit.any(-1) & valid.to(rows.device)[rows]
-        # Megatron scales the expert's activation by its routing weight BEFORE linear_fc2 (the engine,
-        # like HF, after it): the same codes under per-token scaling, with S_enc scaled by the weight.
-        # local_probs: this rank's experts' weights, expert-major, tokens ascending (as `tokens`).
-        start = int(local_map[:, :local_expert].sum())
-        weight = d.local_probs.detach()[start : start + len(tokens)].float()
-        at = lambda t: None if t is None else t[torch.arange(len(rows)), slot]  # noqa: E731
-        gs = at(sel.global_scale) / weight.clamp_min(torch.finfo(torch.float32).tiny)
-        return RolloutRounding(at(sel.scale), gs, at(sel.codes), at(sel.mantissa)), keep
+        # NVFP4: S_enc of the weighted row (see the class note); MXFP4 ignores the global scale
+        weight = self.input_weights()
+        at = (torch.arange(len(rows)), slot)  # each row's slot
+        gs = sel.global_scale[at] / weight.clamp_min(torch.finfo(torch.float32).tiny)
+        return RolloutRounding(_index(sel.scale, at), gs, _index(sel.codes, at), _index(sel.mantissa, at)), keep
 
-    return select
+
+def _index(t: torch.Tensor | None, idx) -> torch.Tensor | None:
+    """t[idx] for a guidance tensor that may be absent (codes or mantissa bits)."""
+    return None if t is None else t[idx]
+
+
+def expert_rows(state, moe_layer: torch.nn.Module, layer: int, local_expert: int, per_slot: bool) -> ExpertRows:
+    """The `select` of one local expert's linear_fc1 (per token) or linear_fc2 (per token and slot)."""
+    return ExpertRows(state, moe_layer, layer, local_expert, per_slot)

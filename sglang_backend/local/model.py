@@ -8,9 +8,7 @@ reported to a capture function under its guidance site name.
 """
 from __future__ import annotations
 
-import functools
 import logging
-
 from dataclasses import dataclass
 
 import torch
@@ -170,11 +168,9 @@ class _Layer(nn.Module):
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         site_gu = self.experts_gate_up[0].site
-        if capture is not None and self.experts_gate_up[0].act_fmt == "mxfp4":
-            _warn_mxfp4_experts_unrecorded()
-            capture = None
-        if capture is not None and self.experts_gate_up[0].act_fmt == "nvfp4":
-            # Per-token scaling quantizes a token's input identically for every expert: one site.
+        if capture is not None and self.experts_gate_up[0].act_fmt in ("nvfp4", "mxfp4"):
+            # Per-token NVFP4 scaling and MXFP4's per-row 32-blocks quantize a token's input identically
+            # for every expert: one site.
             capture(site_gu, self.experts_gate_up[0].quantize_input(x))
         down_parts = [] if capture is not None else None
         for e in range(a.num_experts):
@@ -267,22 +263,19 @@ def _warn_gathered(side_fmt: tuple) -> None:
             "gather of the rows in use (same numbers, slower)", *side_fmt)
 
 
-@functools.lru_cache(maxsize=1)
-def _warn_mxfp4_experts_unrecorded() -> None:
-    # The trainer's MXFP4 expert linears do not yet reproduce the engine's codes even in fp32 (the
-    # probe's rtn agreement at layer 0's experts is 72%), so a record would steer the wrong rows.
-    logging.getLogger(__name__).warning(
-        "guidance: MXFP4 routed-expert sites are not recorded; the trainer rounds them to nearest (plain QAT "
-        "there). NVFP4 experts, MXFP4 dense linears and K/V are recorded.")
-
-
 def _scatter_slots(parts, num_tokens: int, top_k: int):
-    """Per-expert quantized down inputs -> one [T, top_k, K] NVFP4 record."""
+    """Per-expert quantized down inputs -> one [T, top_k, K] record: NVFP4 (with each row's S_enc)
+    or MXFP4 (E8M0 32-blocks, no global scale)."""
+    from megatron_trace.fp4.mxfp4 import MXFP4Tensor
     from megatron_trace.fp4.nvfp4 import NVFP4Tensor
 
     q0 = parts[0][2]
     data = torch.zeros(num_tokens, top_k, q0.data.shape[-1], dtype=torch.uint8)
     scale = torch.zeros(num_tokens, top_k, q0.scale.shape[-1], dtype=torch.uint8)
+    if isinstance(q0, MXFP4Tensor):
+        for tok, slot, q in parts:
+            data[tok, slot], scale[tok, slot] = q.data, q.scale
+        return MXFP4Tensor(data, scale, q0.block)
     gs = torch.ones(num_tokens, top_k, dtype=torch.float32)
     for tok, slot, q in parts:
         data[tok, slot], scale[tok, slot] = q.data, q.scale
