@@ -177,16 +177,20 @@ def test_expert_rows_pick_the_slot_the_rollout_gave_this_expert(n, copies, num_l
     rr = RolloutRounding(tag.to(torch.uint8)[..., None], tag + 1.0, codes=tag.to(torch.uint8)[..., None])
     mask = torch.rand(n, generator=g) < 0.8
     for e in range(num_local):
-        sel, keep = expert_rows(state, moe, 0, e, per_slot=True)(rr, mask)
+        select = expert_rows(state, moe, 0, e, per_slot=True)
+        sel, keep = select(rr, mask)
+        # the routing weight Megatron multiplied into this row (QATState divides it out before quantizing)
+        weights = select.input_weights()
         rows = local_map[:, e].nonzero().squeeze(-1)
-        assert len(keep) == len(rows)
+        assert len(keep) == len(rows) == len(weights)
         for i, j in enumerate(rows.tolist()):
             t = j % n
             hit = (ids[t] == first + e).nonzero().squeeze(-1).tolist()
             assert bool(keep[i]) == (bool(mask[t]) and len(hit) == 1)
+            assert float(weights[i]) == float(probs[j, e])
             if keep[i]:
                 assert int(sel.codes[i, 0]) == int(tag[t, hit[0]])
-                assert float(sel.global_scale[i]) == pytest.approx(float(tag[t, hit[0]] + 1) / float(probs[j, e]))
+                assert float(sel.global_scale[i]) == float(tag[t, hit[0]] + 1)  # the record's S_enc of the slot
         sel, keep = expert_rows(state, moe, 0, e, per_slot=False)(RolloutRounding(
             tag[:, 0].to(torch.uint8)[:, None], tag[:, 0], codes=tag[:, 0].to(torch.uint8)[:, None]), mask)
         assert torch.equal(sel.codes[:, 0], tag[rows % n, 0].to(torch.uint8)) and torch.equal(keep, mask[rows % n])

@@ -155,22 +155,25 @@ class QATState:
         the site's [S*B, ...] guidance tensors); guided rows follow the rollout's codes.
         rows: under sequence parallelism, which of the micro-batch's [S*B] rows x holds."""
         flat = x.detach().reshape(-1, x.shape[-1]).float()
+        # An expert's linear_fc2 input carries Megatron's routing weight, which neither E8M0 block scales
+        # nor a static S_enc absorb: quantize the unweighted rows the engine quantizes, weight them again.
+        weights = select.input_weights() if hasattr(select, "input_weights") else None
+        w = None if weights is None else weights[:, None].to(flat.device)
+        flat = flat if w is None else flat / w
         if self.policy.format == "mxfp4":
             # the engine's MXFP4 linears: 32-blocks along K, floor rule (a row-parallel K slice holds
-            # whole blocks, no global scale to reduce over TP). An expert's linear_fc2 input carries
-            # Megatron's routing weight, which E8M0 block scales cannot absorb: quantize the unweighted
-            # rows the engine quantizes, then weight them again (ExpertRows.input_weights).
-            weights = select.input_weights() if hasattr(select, "input_weights") else None
-            w = torch.ones((), device=flat.device) if weights is None else weights[:, None].to(flat.device)
-            out = self._guide(flat / w, mxfp4.quantize(flat / w), site, k_slice, select=select, rows=rows)
-            return straight_through(x, (out * w).reshape(x.shape).to(x.dtype))
-        if site in self.static_scales:
-            gs = self.static_scales[site].to(flat.device)
+            # whole blocks, no global scale to reduce over TP)
+            q = mxfp4.quantize(flat)
         else:
-            # row-parallel: the token's amax spans every TP rank's slice (the engine's and plugin's rule too)
-            gs = nvfp4.per_token_global_scale(flat, self._all_max if k_slice is not None else None)
-        q = nvfp4_quantize(flat, global_scale=gs)
+            static = select.expert_site(site) if hasattr(select, "expert_site") else site  # experts: one per expert
+            if static in self.static_scales:
+                gs = self.static_scales[static].to(flat.device)
+            else:
+                # row-parallel: the token's amax spans every TP rank's slice (the engine's and plugin's rule too)
+                gs = nvfp4.per_token_global_scale(flat, self._all_max if k_slice is not None else None)
+            q = nvfp4_quantize(flat, global_scale=gs)
         out = self._guide(flat, q, site, k_slice, select=select, rows=rows)
+        out = out if w is None else out * w
         return straight_through(x, out.reshape(x.shape).to(x.dtype))
 
     def kv(self, t: torch.Tensor, site: str, fmt: str = "nvfp4", offset: torch.Tensor | None = None) -> torch.Tensor:
@@ -282,42 +285,6 @@ class QATState:
         self.agree.clear()
         self.override.clear()
         self.unguided.clear()
-
-
-# trainer site (HF names under model.layers.N.) -> the HF linears whose input it is
-_SITE_MEMBERS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
-
-
-def static_site_scales(input_amax: dict[str, float], arch: ModelArch, policy: QuantPolicy) -> dict[str, torch.Tensor]:
-    """{HF module: calibrated input amax} (what the exporter and the transfer take) -> the static
-    S_enc of each FP4-activation site, for `QATState.set_static_activation_scales`: the max over
-    a fused group's members, through the checkpoint's decode-direction input_scale, exactly as the
-    engine reads it back (EngineLinear.finalize). Routed experts are refused: their site spans every
-    expert of the layer, while each expert has its own input_scale."""
-    from megatron_trace.fp4.modelopt import encode_scale_from_decode, input_scale_from_amax
-
-    if arch.is_moe and policy.linear_is_fp4("model.layers.0.mlp.experts.0.gate_proj", arch.num_layers):
-        raise ValueError("static activation scales for routed experts are not modelled by the trainer "
-                         "(one guidance site per layer, one input_scale per expert)")
-    out = {}
-    for layer in range(arch.num_layers):
-        prefix = f"model.layers.{layer}."
-        for site, members in _SITE_MEMBERS.items():
-            names = [prefix + m for m in members if policy.activation_is_fp4(prefix + m, arch.num_layers)]
-            if not names:
-                continue
-            missing = [n for n in names if n not in input_amax]
-            if missing:
-                raise KeyError(f"no calibrated input amax for {missing[:3]}: static activation scales need one "
-                               f"per FP4-activation linear")
-            amax = max(float(input_amax[n]) for n in names)
-            out[prefix + site] = encode_scale_from_decode(input_scale_from_amax(amax))
-    return out
 
 
 def _zero_as_one(codes: torch.Tensor) -> torch.Tensor:

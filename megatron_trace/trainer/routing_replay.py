@@ -205,18 +205,24 @@ def assert_same_micro_batch(ids: torch.Tensor, group) -> None:
 class ExpertRows:
     """`select` for local expert `local_expert` of `moe_layer`: its rows of a site's [S*B, ...]
     guidance, matched by the expert's global id; None (the site's rows use rtn, counted by the QAT
-    state) where the rows cannot be mapped: a dispatcher other than allgather, or a down_proj
-    record without the rollout's routed experts to name its slot.
+    state) where the rows cannot be mapped: a dispatcher other than allgather, or a per-slot record
+    without the rollout's routed experts to name its slot. A record is per (token, slot) for
+    down_proj always and for gate_up under static input scales (one per expert); else per token.
 
     Megatron scales the expert's activation by its routing weight BEFORE linear_fc2 (the engine,
-    like HF, after it). Under per-token NVFP4 that gives the same codes with S_enc scaled by the
-    weight; MXFP4's power-of-two block scales cannot absorb it, so the QAT state quantizes the
-    down_proj input divided by `input_weights()` (the rows the engine quantizes) and scales back."""
+    like HF, after it). MXFP4's power-of-two block scales and a static S_enc cannot absorb that, so
+    the QAT state quantizes the linear_fc2 input divided by `input_weights()` (the rows the engine
+    quantizes) and scales back; `expert_site` names the expert's own static scale."""
 
-    def __init__(self, state, moe_layer: torch.nn.Module, layer: int, local_expert: int, per_slot: bool):
+    def __init__(self, state, moe_layer: torch.nn.Module, layer: int, local_expert: int, weighted: bool):
         self.state, self.moe_layer, self.layer, self.local_expert = state, moe_layer, layer, local_expert
-        self.per_slot = per_slot
+        self.weighted = weighted  # linear_fc2: its input carries the routing weight
         self.global_expert = int(moe_layer.local_expert_indices[local_expert])
+
+    def expert_site(self, site: str) -> str:
+        """model.layers.L.mlp.experts.gate_up_proj -> model.layers.L.mlp.experts.E.gate_up_proj
+        (the key of this expert's static activation scale, static_scales.static_site_scales)."""
+        return site.replace(".mlp.experts.", f".mlp.experts.{self.global_expert}.", 1)
 
     def _rows_of_expert(self) -> tuple[torch.Tensor, int] | None:
         """(the dispatcher's gathered token indices of this expert, where its weights start in
@@ -230,12 +236,12 @@ class ExpertRows:
     def input_weights(self) -> torch.Tensor | None:
         """fp32 [n_e] routing weight of each of this expert's rows, multiplied into linear_fc2's
         input by Megatron (None for linear_fc1, whose input is unweighted)."""
-        if not self.per_slot:
+        if not self.weighted:
             return None
         got = self._rows_of_expert()
         if got is None:
-            raise ValueError(f"layer {self.layer} expert {self.global_expert}: the MXFP4 down_proj input needs "
-                             "the routing weights Megatron applied before linear_fc2, which only the allgather "
+            raise ValueError(f"layer {self.layer} expert {self.global_expert}: the down_proj input needs the "
+                             "routing weights Megatron applied before linear_fc2, which only the allgather "
                              "token dispatcher exposes (trainer: moe_token_dispatcher_type=allgather)")
         tokens, start = got
         return self.moe_layer.token_dispatcher.local_probs.detach()[start : start + len(tokens)].float()
@@ -245,11 +251,10 @@ class ExpertRows:
         n = mask.numel()
         if got is None or self.moe_layer.token_dispatcher.local_map.shape[0] % n:
             return None
-        tokens, _start = got
-        rows = tokens % n  # the gathered batch is the TP x EP group's copies of this micro-batch
+        rows = got[0] % n  # the gathered batch is the TP x EP group's copies of this micro-batch
         sel = RolloutRounding(*(_index(t, rows) for t in (rr.scale, rr.global_scale, rr.codes, rr.mantissa)))
         keep = mask[rows]
-        if not self.per_slot:
+        if sel.scale.dim() == 2:  # [n_e, blocks]: a per-token record
             return sel, keep
         replay = getattr(self.state, "routing_replay", None)
         routed = replay.rollout_ids(self.layer) if replay is not None else None
@@ -257,13 +262,10 @@ class ExpertRows:
             return None
         ids, valid = routed
         hit = ids.to(rows.device)[rows] == self.global_expert  # [n_e, top_k]
-        slot = hit.to(torch.int8).argmax(-1)
         keep = keep & hit.any(-1) & valid.to(rows.device)[rows]
-        # NVFP4: S_enc of the weighted row (see the class note); MXFP4 ignores the global scale
-        weight = self.input_weights()
-        at = (torch.arange(len(rows)), slot)  # each row's slot
-        gs = sel.global_scale[at] / weight.clamp_min(torch.finfo(torch.float32).tiny)
-        return RolloutRounding(_index(sel.scale, at), gs, _index(sel.codes, at), _index(sel.mantissa, at)), keep
+        at = (torch.arange(len(rows)), hit.to(torch.int8).argmax(-1))  # each row's slot
+        picked = (_index(t, at) for t in (sel.scale, sel.global_scale, sel.codes, sel.mantissa))
+        return RolloutRounding(*picked), keep
 
 
 def _index(t: torch.Tensor | None, idx) -> torch.Tensor | None:
@@ -272,5 +274,5 @@ def _index(t: torch.Tensor | None, idx) -> torch.Tensor | None:
 
 
 def expert_rows(state, moe_layer: torch.nn.Module, layer: int, local_expert: int, per_slot: bool) -> ExpertRows:
-    """The `select` of one local expert's linear_fc1 (per token) or linear_fc2 (per token and slot)."""
+    """The `select` of one local expert's linear_fc1 or (per_slot, its input weighted) linear_fc2."""
     return ExpertRows(state, moe_layer, layer, local_expert, per_slot)

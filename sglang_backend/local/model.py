@@ -168,23 +168,27 @@ class _Layer(nn.Module):
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         site_gu = self.experts_gate_up[0].site
-        if capture is not None and self.experts_gate_up[0].act_fmt in ("nvfp4", "mxfp4"):
+        # Static input scales are per expert: a token's gate_up input is then quantized differently by
+        # each of its experts, and the site is recorded per (token, slot) like down_proj's.
+        gu_per_slot = any(lin.input_global_scale is not None for lin in self.experts_gate_up)
+        if capture is not None and not gu_per_slot and self.experts_gate_up[0].act_fmt in ("nvfp4", "mxfp4"):
             # Per-token NVFP4 scaling and MXFP4's per-row 32-blocks quantize a token's input identically
             # for every expert: one site.
             capture(site_gu, self.experts_gate_up[0].quantize_input(x))
+        gu_parts = [] if capture is not None and gu_per_slot else None
         down_parts = [] if capture is not None else None
         for e in range(a.num_experts):
             tok, slot = torch.where(experts == e)
             if tok.numel() == 0:
                 continue
-            gu = self.experts_gate_up[e](x[tok])
+            gu = self.experts_gate_up[e](x[tok], _slot_sink(gu_parts, tok, slot))
             half = gu.shape[-1] // 2
             h = F.silu(gu[:, :half]) * gu[:, half:]
-            sink = None if down_parts is None else (lambda _s, q, tok=tok, slot=slot: down_parts.append((tok, slot, q)))
-            y = self.experts_down[e](h, sink)
+            y = self.experts_down[e](h, _slot_sink(down_parts, tok, slot))
             out.index_add_(0, tok, y * weights[tok, slot, None])
-        if down_parts:
-            capture(self.experts_down[0].site, _scatter_slots(down_parts, x.shape[0], a.num_experts_per_tok))
+        for site, parts in ((site_gu, gu_parts), (self.experts_down[0].site, down_parts)):
+            if parts:
+                capture(site, _scatter_slots(parts, x.shape[0], a.num_experts_per_tok))
         return out
 
     def forward(self, x, batch, kv, rot, capture) -> torch.Tensor:
@@ -261,6 +265,17 @@ def _warn_gathered(side_fmt: tuple) -> None:
         logging.getLogger(__name__).warning(
             "KV pages K=%s V=%s: no in-register attention kernel for this mix; attending over a dequantized "
             "gather of the rows in use (same numbers, slower)", *side_fmt)
+
+
+def _slot_sink(parts: list | None, tok: torch.Tensor, slot: torch.Tensor):
+    """A capture fn that keeps one expert's quantized input with its (token, slot) rows, or None."""
+    if parts is None:
+        return None
+
+    def sink(_site, q) -> None:
+        parts.append((tok, slot, q))
+
+    return sink
 
 
 def _scatter_slots(parts, num_tokens: int, top_k: int):
