@@ -1,240 +1,193 @@
 /* Paged attention of the engine's CPU kernels, prefill and decode alike (see cpu_fused.h).
  *
- * Three kernels: pages in the model dtype, NVFP4 K and V, and K and V each in its own format
- * (model dtype, NVFP4 or FP8 E4M3 with a per-(token, KV head) scale: paged_attention_kv).
- * Row t of q attends to the first row_len[t] positions of its sequence, whose KV slots a table
- * row lists; FP4 pages are decoded in registers with cpu_quant's tables (never gathered into a
- * dequantized copy). Scores of 8 positions share one horizontal-sum network; K/V rows are
- * prefetched ahead, since on CPU this step is bound by streaming the pages in.
+ * One kernel, F(paged_attention_items), over K and V pages each in its own format (kv_side: the
+ * model dtype, NVFP4, or FP8 E4M3 with one fp32 scale per slot); paged_attention,
+ * paged_attention_nvfp4 and paged_attention_kv name its three uses. Row t of q attends to the first
+ * row_len[t] positions of its sequence, whose KV slots a table row lists. The work item is
+ * (row t, KV head kh): its G = H / Hkv query heads share every decoded K/V head row, and
+ * cpu_attention_parallel.cpp spreads the items over torch's threads. Per query head the arithmetic
+ * is one fixed order (8-lane partial dot products, one horizontal-sum tree, a two-pass softmax over
+ * the stored scores, P.V front to back), so every page format and every thread count gives the
+ * bits that attention over the dequantized pages in the model dtype gives (tests/test_cpu_fused.py).
+ * FP4 pages are decoded in registers: per 16-block the 16 values its scale allows are formed once
+ * (grid * scale * S_dec, rounded to the model dtype as fp4.nvfp4.dequantize rounds) and the codes
+ * pick from them with a two-vector permute; nothing is gathered into a dequantized copy.
  * Included by cpu_fused.c once per element type, with ELEM the type (float, uint16_t for bf16)
- * and F(name) its suffixed name (name_f32, name_bf16): no include guard on purpose.
+ * and F(name) its suffixed name (name_f32, name_bf16): the typed part has no include guard on purpose.
  */
-static inline void F(axpy)(float* y, float a, const ELEM* x, int64_t n) {
+#ifndef MEGATRON_TRACE_CPU_ATTENTION_SHARED
+#define MEGATRON_TRACE_CPU_ATTENTION_SHARED
+static inline void axpy_rows(float* y, float a, const float* x, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        v8f v = ld8_f32(y + i) + a * F(ld8)(x + i);
+        v8f v = ld8_f32(y + i) + a * ld8_f32(x + i);
         memcpy(y + i, &v, sizeof v);
     }
-    for (; i < n; i++) y[i] += a * F(ld)(x[i]);
+    for (; i < n; i++) y[i] += a * x[i];
 }
 
-static inline float F(dot)(const float* a, const ELEM* b, int64_t n) {
+static inline float dot_rows(const float* a, const float* b, int64_t n) {
     v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc += ld8_f32(a + i) * F(ld8)(b + i);
+    for (; i + 8 <= n; i += 8) acc += ld8_f32(a + i) * ld8_f32(b + i);
     float s = 0.f;
-    for (; i < n; i++) s += a[i] * F(ld)(b[i]);
+    for (; i < n; i++) s += a[i] * b[i];
     return s + hsum8(acc);
 }
 
-/* Scores of every query head against 8 KV rows (pointers kr, D % 8 == 0) into sc[h * W + 0..7]. */
-static inline void F(scores8)(const float* qf, const ELEM* const* kr, int64_t H, int64_t G, int64_t D, float* sc,
-                              int64_t W) {
-    for (int64_t h = 0; h < H; h++) {
-        const int64_t off = (h / G) * D;
+/* Scores of G query heads (qf [G, D]) against 8 decoded K rows (kr [8, D], D % 8 == 0) into
+   sc[g * W + 0..7]: each lane sum equals dot_rows' (hsum8x8 is hsum8's tree, eight at once). */
+static inline void scores8_rows(const float* qf, const float* kr, int64_t G, int64_t D, float* sc, int64_t W) {
+    for (int64_t g = 0; g < G; g++) {
         v8f p[8];
         for (int r = 0; r < 8; r++) {
             v8f a = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int64_t d = 0; d < D; d += 8) a += ld8_f32(qf + h * D + d) * F(ld8)(kr[r] + off + d);
+            for (int64_t d = 0; d < D; d += 8) a += ld8_f32(qf + g * D + d) * ld8_f32(kr + r * D + d);
             p[r] = a;
         }
         const v8f s = hsum8x8(p);
-        memcpy(sc + h * W, &s, sizeof s);
+        memcpy(sc + g * W, &s, sizeof s);
     }
 }
 
-/* Pieces both attention kernels share: the widest row, a query row scaled into fp32, the softmax
-   numerators in place, and the normalized output. */
-static int64_t F(widest)(const int64_t* row_len, int64_t T) {
+/* out[0..15] = tab[code] for the 16 codes of 8 packed bytes (low nibble first); tab = lo ++ hi. */
+static inline void pick16(const uint8_t* c, v8f lo, v8f hi, float* out) {
+#if defined(__clang__)  /* clang has no two-vector shuffle by run-time indices: pick one by one */
+    float tab[16];
+    memcpy(tab, &lo, sizeof lo);
+    memcpy(tab + 8, &hi, sizeof hi);
+    for (int i = 0; i < 8; i++) { out[2 * i] = tab[c[i] & 15]; out[2 * i + 1] = tab[c[i] >> 4]; }
+#else
+    v8b b;
+    memcpy(&b, c, sizeof b);
+    const v8i u = __builtin_convertvector(b, v8i), n0 = u & 15, n1 = u >> 4;
+    const v8i i0 = SHUF(n0, n1, 0, 8, 1, 9, 2, 10, 3, 11), i1 = SHUF(n0, n1, 4, 12, 5, 13, 6, 14, 7, 15);
+    const v8f a = __builtin_shuffle(lo, hi, i0), z = __builtin_shuffle(lo, hi, i1);  /* vpermt2ps on AVX-512 */
+    memcpy(out, &a, sizeof a);
+    memcpy(out + 8, &z, sizeof z);
+#endif
+}
+
+static int64_t widest_row(const int64_t* row_len, int64_t t0, int64_t t1) {
     int64_t W = 1;
-    for (int64_t t = 0; t < T; t++) if (row_len[t] > W) W = row_len[t];
+    for (int64_t t = t0; t < t1; t++) W = row_len[t] > W ? row_len[t] : W;
     return W;
 }
 
-static void F(load_query)(const ELEM* q, int64_t n, float scale, float* qf, float* acc) {
-    for (int64_t i = 0; i < n; i++) { qf[i] = F(ld)(q[i]) * scale; acc[i] = 0.f; }
-}
-
-static void F(softmax_numerators)(float* sc, int64_t H, int64_t W, int64_t L) {
-    for (int64_t h = 0; h < H; h++) {
-        float* p = sc + h * W;
+static void softmax_numerators(float* sc, int64_t G, int64_t W, int64_t L) {
+    for (int64_t g = 0; g < G; g++) {
+        float* p = sc + g * W;
         float m = -INFINITY;
         for (int64_t j = 0; j < L; j++) m = p[j] > m ? p[j] : m;
         for (int64_t j = 0; j < L; j++) p[j] = fexp(p[j] - m);
     }
 }
 
-static void F(write_output)(const float* acc, const float* sc, int64_t H, int64_t W, int64_t L, int64_t D, ELEM* o) {
-    for (int64_t h = 0; h < H; h++) {
-        const float den = sum(sc + h * W, L), inv = den > 0.f ? 1.f / den : 0.f;
-        for (int64_t i = 0; i < D; i++) o[h * D + i] = F(st)(acc[h * D + i] * inv);
+/* Where row (slot, kh) of one side starts, and how many bytes of it the prefetcher should fetch. */
+PREFETCH_FN void prefetch_head(const kv_side* p, size_t elem, int64_t slot, int64_t Hkv, int64_t kh, int64_t D) {
+    const int64_t e = (slot * Hkv + kh) * D;
+    if (p->fmt == 1) {
+        prefetch_row((const uint8_t*)p->data + e / 2, D / 2);
+        __builtin_prefetch((const uint8_t*)p->scales + e / 16);
+    } else {
+        prefetch_row((const uint8_t*)p->data + e * (int64_t)(p->fmt == 2 ? 1 : elem), D * (p->fmt == 2 ? 1 : elem));
+    }
+}
+#endif
+
+/* Row (slot, KV head kh) of one side, D values, decoded into fp32 exactly as the cache's torch read
+   in the model dtype: dtype((grid[code] * e4m3[scale]) * S_dec) for NVFP4, dtype(e4m3[byte] * s)
+   for FP8, the stored element otherwise. grid_lo/hi: fp4's E2M1 grid, codes 0-7 and 8-15. */
+static inline void F(head_row)(const kv_side* p, int64_t slot, int64_t Hkv, int64_t kh, int64_t D, const float* lut,
+                               v8f grid_lo, v8f grid_hi, float* out) {
+    const int64_t e = (slot * Hkv + kh) * D;
+    if (p->fmt == 1) {
+        const uint8_t *c = (const uint8_t*)p->data + e / 2, *s = (const uint8_t*)p->scales + e / 16;
+        for (int64_t b = 0; b < D / 16; b++) {
+            const float sf = lut[s[b]];
+            pick16(c + 8 * b, F(rnd8)((grid_lo * sf) * p->sdec), F(rnd8)((grid_hi * sf) * p->sdec), out + 16 * b);
+        }
+    } else if (p->fmt == 2) {
+        const uint8_t* c = (const uint8_t*)p->data + e;
+        const float sd = ((const float*)p->scales)[slot];
+        for (int64_t i = 0; i < D; i++) out[i] = F(rnd)(lut[c[i]] * sd);
+    } else {
+        const ELEM* x = (const ELEM*)p->data + e;
+        int64_t i = 0;
+        for (; i + 8 <= D; i += 8) {
+            const v8f v = F(ld8)(x + i);
+            memcpy(out + i, &v, sizeof v);
+        }
+        for (; i < D; i++) out[i] = F(ld)(x[i]);
     }
 }
 
-/* Row t of q [T, H, D] belongs to sequence row_seq[t] and sees its first row_len[t] positions,
-   whose KV slots are table[row_seq[t] * ldt + j]; kc/vc [slots, Hkv, D]. out [T, H, D].
-   Each K and V row (all KV heads) is read once per query row, front to back, so the hardware
-   prefetcher streams the pages; query head h uses KV head h / (H / Hkv). */
-int F(paged_attention)(const ELEM* q, const ELEM* kc, const ELEM* vc, const int64_t* table, int64_t ldt,
-                       const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
-                       int64_t D, float scale, ELEM* out) {
-    const int64_t G = H / Hkv, kvrow = Hkv * D;
-    const int64_t W = F(widest)(row_len, T);
-    float* qf = (float*)malloc((size_t)(2 * H * D + H * W) * sizeof(float));  /* heap: long contexts overflow stacks */
+/* Work items i0..i1 of T * Hkv, item i = (row i / Hkv, KV head i % Hkv): q [T, H, D] scaled into
+   fp32, the item's G heads scored against its positions 8 at a time, softmax numerators in place,
+   P.V into fp32 accumulators, normalized into out [T, H, D]. Returns 1 when out of memory. */
+int F(paged_attention_items)(const ELEM* q, const kv_side* k, const kv_side* v, const int64_t* table, int64_t ldt,
+                             const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
+                             int64_t D, float scale, ELEM* out, int64_t i0, int64_t i1) {
+    (void)T;
+    if (i0 >= i1) return 0;
+    const int64_t G = H / Hkv, W = widest_row(row_len, i0 / Hkv, (i1 - 1) / Hkv + 1);
+    float* qf = (float*)malloc((size_t)(2 * G * D + 8 * D + G * W) * sizeof(float));  /* heap: long contexts */
     if (!qf) return 1;
-    float *acc = qf + H * D, *sc = acc + H * D;
-    for (int64_t t = 0; t < T; t++) {
+    float *acc = qf + G * D, *kr = acc + G * D, *sc = kr + 8 * D;
+    const float *lut = nvfp4_e4m3_lut(), *grid = nvfp4_e2m1_grid();
+    const v8f grid_lo = ld8_f32(grid), grid_hi = ld8_f32(grid + 8);
+    const size_t es = sizeof(ELEM);
+    for (int64_t it = i0; it < i1; it++) {
+        const int64_t t = it / Hkv, kh = it % Hkv, L = row_len[t], h0 = t * H + kh * G;
         const int64_t* tab = table + row_seq[t] * ldt;
-        const int64_t L = row_len[t];
-        F(load_query)(q + t * H * D, H * D, scale, qf, acc);
+        for (int64_t i = 0; i < G * D; i++) { qf[i] = F(ld)(q[h0 * D + i]) * scale; acc[i] = 0.f; }
         int64_t j0 = 0;
         for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
-            const ELEM* kr[8];
-            for (int r = 0; r < 8; r++) kr[r] = kc + tab[j0 + r] * kvrow;
-            for (int r = 0; r < 8 && j0 + PREFETCH + r < L; r++)
-                prefetch_row(kc + tab[j0 + PREFETCH + r] * kvrow, kvrow * (int64_t)sizeof(ELEM));
-            F(scores8)(qf, kr, H, G, D, sc + j0, W);
+            for (int r = 0; r < 8; r++) {
+                if (j0 + PREFETCH + r < L) prefetch_head(k, es, tab[j0 + PREFETCH + r], Hkv, kh, D);
+                F(head_row)(k, tab[j0 + r], Hkv, kh, D, lut, grid_lo, grid_hi, kr + r * D);
+            }
+            scores8_rows(qf, kr, G, D, sc + j0, W);
         }
         for (int64_t j = j0; j < L; j++) {
-            const ELEM* kr = kc + tab[j] * kvrow;
-            if (j + PREFETCH < L) prefetch_row(kc + tab[j + PREFETCH] * kvrow, kvrow * (int64_t)sizeof(ELEM));
-            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
-                for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = F(dot)(qf + h * D, kr + kh * D, D);
+            F(head_row)(k, tab[j], Hkv, kh, D, lut, grid_lo, grid_hi, kr);
+            for (int64_t g = 0; g < G; g++) sc[g * W + j] = dot_rows(qf + g * D, kr, D);
         }
-        F(softmax_numerators)(sc, H, W, L);
+        softmax_numerators(sc, G, W, L);
         for (int64_t j = 0; j < L; j++) {
-            const ELEM* vr = vc + tab[j] * kvrow;
-            if (j + PREFETCH < L) prefetch_row(vc + tab[j + PREFETCH] * kvrow, kvrow * (int64_t)sizeof(ELEM));
-            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
-                for (int64_t g = 0; g < G; g++, h++) F(axpy)(acc + h * D, sc[h * W + j], vr + kh * D, D);
+            if (j + PREFETCH < L) prefetch_head(v, es, tab[j + PREFETCH], Hkv, kh, D);
+            F(head_row)(v, tab[j], Hkv, kh, D, lut, grid_lo, grid_hi, kr);
+            for (int64_t g = 0; g < G; g++) axpy_rows(acc + g * D, sc[g * W + j], kr, D);
         }
-        F(write_output)(acc, sc, H, W, L, D, out + t * H * D);
+        for (int64_t g = 0; g < G; g++) {
+            const float den = sum(sc + g * W, L), inv = den > 0.f ? 1.f / den : 0.f;
+            for (int64_t i = 0; i < D; i++) out[(h0 + g) * D + i] = F(st)(acc[g * D + i] * inv);
+        }
     }
     free(qf);
     return 0;
 }
 
-/* The same attention over NVFP4 pages: codes [slots, Hkv, D/2] (low nibble first) and E4M3 block
-   scales [slots, Hkv, D/16] of K and V. Each element is decoded as fp4.nvfp4.dequantize does,
-   dtype((grid[code] * lut[scale]) * s_dec), one row at a time into a buffer, never a gathered copy. */
-static void F(nvfp4_row)(const uint8_t* c, const uint8_t* s, int64_t n, const float* lut, const float (*pairs)[2],
-                         float sdec, float* out) {
-    for (int64_t b = 0; b < n / 16; b++) {
-        const float sf = lut[s[b]];
-        float* o = out + b * 16;
-        for (int i = 0; i < 8; i++) memcpy(o + 2 * i, pairs[c[b * 8 + i]], 2 * sizeof(float));
-        v8f lo, hi;
-        memcpy(&lo, o, sizeof lo);
-        memcpy(&hi, o + 8, sizeof hi);
-        lo = F(rnd8)((lo * sf) * sdec);
-        hi = F(rnd8)((hi * sf) * sdec);
-        memcpy(o, &lo, sizeof lo);
-        memcpy(o + 8, &hi, sizeof hi);
-    }
+/* The three uses, each over all T * Hkv items on torch's threads (cpu_attention_parallel.cpp). */
+int F(paged_attention)(const ELEM* q, const ELEM* kc, const ELEM* vc, const int64_t* table, int64_t ldt,
+                       const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
+                       int64_t D, float scale, ELEM* out) {
+    const kv_side k = {0, kc, 0, 0.f}, v = {0, vc, 0, 0.f};
+    return F(paged_attention_threaded)(q, &k, &v, table, ldt, row_seq, row_len, T, H, Hkv, D, scale, out);
 }
 
 int F(paged_attention_nvfp4)(const ELEM* q, const uint8_t* kc, const uint8_t* ks, const uint8_t* vc,
                              const uint8_t* vs, float sdec_k, float sdec_v, const int64_t* table, int64_t ldt,
                              const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
                              int64_t D, float scale, ELEM* out) {
-    const int64_t G = H / Hkv, n = Hkv * D;
-    const int64_t W = F(widest)(row_len, T);
-    float* qf = (float*)malloc((size_t)(2 * H * D + 8 * n + H * W) * sizeof(float));
-    if (!qf) return 1;
-    float *acc = qf + H * D, *row = acc + H * D, *sc = row + 8 * n;
-    const float *lut = nvfp4_e4m3_lut(), *grid = nvfp4_e2m1_grid();
-    float pairs[256][2];  /* both E2M1 values of each packed byte: one 8-byte copy per byte */
-    for (int b = 0; b < 256; b++) { pairs[b][0] = grid[b & 15]; pairs[b][1] = grid[b >> 4]; }
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t* tab = table + row_seq[t] * ldt;
-        const int64_t L = row_len[t];
-        F(load_query)(q + t * H * D, H * D, scale, qf, acc);
-        int64_t j0 = 0;
-        for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
-            const float* kr[8];
-            for (int r = 0; r < 8; r++) {
-                F(nvfp4_row)(kc + tab[j0 + r] * (n / 2), ks + tab[j0 + r] * (n / 16), n, lut, pairs, sdec_k,
-                             row + r * n);
-                kr[r] = row + r * n;
-            }
-            scores8_f32(qf, kr, H, G, D, sc + j0, W);
-        }
-        for (int64_t j = j0; j < L; j++) {
-            F(nvfp4_row)(kc + tab[j] * (n / 2), ks + tab[j] * (n / 16), n, lut, pairs, sdec_k, row);
-            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
-                for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_f32(qf + h * D, row + kh * D, D);
-        }
-        F(softmax_numerators)(sc, H, W, L);
-        for (int64_t j = 0; j < L; j++) {
-            F(nvfp4_row)(vc + tab[j] * (n / 2), vs + tab[j] * (n / 16), n, lut, pairs, sdec_v, row);
-            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
-                for (int64_t g = 0; g < G; g++, h++) axpy_f32(acc + h * D, sc[h * W + j], row + kh * D, D);
-        }
-        F(write_output)(acc, sc, H, W, L, D, out + t * H * D);
-    }
-    free(qf);
-    return 0;
+    const kv_side k = {1, kc, ks, sdec_k}, v = {1, vc, vs, sdec_v};
+    return F(paged_attention_threaded)(q, &k, &v, table, ldt, row_seq, row_len, T, H, Hkv, D, scale, out);
 }
 
-/* K or V of one slot, every KV head (n = Hkv * D elements), decoded into fp32 `out` exactly as
-   the cache's torch read would produce it in the model dtype. fmt: 0 the model dtype, 1 NVFP4
-   (codes + E4M3 per 16, S_dec), 2 FP8 (E4M3 bytes + one fp32 S_dec per slot: fp4.fp8). */
-static void F(kv_row)(int fmt, const void* d, const void* s, int64_t slot, int64_t Hkv, int64_t D, const float* lut,
-                      const float (*pairs)[2], float sdec, float* out) {
-    const int64_t n = Hkv * D;
-    if (fmt == 1) {
-        F(nvfp4_row)((const uint8_t*)d + slot * (n / 2), (const uint8_t*)s + slot * (n / 16), n, lut, pairs, sdec, out);
-    } else if (fmt == 2) {
-        const uint8_t* c = (const uint8_t*)d + slot * n;
-        const float sd = ((const float*)s)[slot];
-        for (int64_t i = 0; i < n; i++) out[i] = F(rnd)(lut[c[i]] * sd);
-    } else {
-        const ELEM* x = (const ELEM*)d + slot * n;
-        for (int64_t i = 0; i < n; i++) out[i] = F(ld)(x[i]);
-    }
-}
-
-/* `paged_attention` with K and V each in its own page format (F(kv_row)), e.g. FP8 K + NVFP4 V:
-   rows are decoded one at a time into a buffer, never gathered into a dequantized copy. */
 int F(paged_attention_kv)(const ELEM* q, int kfmt, const void* kd, const void* ks, float sdec_k, int vfmt,
                           const void* vd, const void* vs, float sdec_v, const int64_t* table, int64_t ldt,
                           const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
                           int64_t D, float scale, ELEM* out) {
-    const int64_t G = H / Hkv, n = Hkv * D;
-    const int64_t W = F(widest)(row_len, T);
-    float* qf = (float*)malloc((size_t)(2 * H * D + 8 * n + H * W) * sizeof(float));
-    if (!qf) return 1;
-    float *acc = qf + H * D, *row = acc + H * D, *sc = row + 8 * n;
-    const float *lut = nvfp4_e4m3_lut(), *grid = nvfp4_e2m1_grid();
-    float pairs[256][2];
-    for (int b = 0; b < 256; b++) { pairs[b][0] = grid[b & 15]; pairs[b][1] = grid[b >> 4]; }
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t* tab = table + row_seq[t] * ldt;
-        const int64_t L = row_len[t];
-        F(load_query)(q + t * H * D, H * D, scale, qf, acc);
-        int64_t j0 = 0;
-        for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
-            const float* kr[8];
-            for (int r = 0; r < 8; r++) {
-                F(kv_row)(kfmt, kd, ks, tab[j0 + r], Hkv, D, lut, pairs, sdec_k, row + r * n);
-                kr[r] = row + r * n;
-            }
-            scores8_f32(qf, kr, H, G, D, sc + j0, W);
-        }
-        for (int64_t j = j0; j < L; j++) {
-            F(kv_row)(kfmt, kd, ks, tab[j], Hkv, D, lut, pairs, sdec_k, row);
-            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
-                for (int64_t g = 0; g < G; g++, h++) sc[h * W + j] = dot_f32(qf + h * D, row + kh * D, D);
-        }
-        F(softmax_numerators)(sc, H, W, L);
-        for (int64_t j = 0; j < L; j++) {
-            F(kv_row)(vfmt, vd, vs, tab[j], Hkv, D, lut, pairs, sdec_v, row);
-            for (int64_t kh = 0, h = 0; kh < Hkv; kh++)
-                for (int64_t g = 0; g < G; g++, h++) axpy_f32(acc + h * D, sc[h * W + j], row + kh * D, D);
-        }
-        F(write_output)(acc, sc, H, W, L, D, out + t * H * D);
-    }
-    free(qf);
-    return 0;
+    const kv_side k = {kfmt, kd, ks, sdec_k}, v = {vfmt, vd, vs, sdec_v};
+    return F(paged_attention_threaded)(q, &k, &v, table, ldt, row_seq, row_len, T, H, Hkv, D, scale, out);
 }
-

@@ -1,5 +1,5 @@
 """Builds and loads the engine's CPU kernels: the C sources in this directory (`cpu_*.c`, `*.h`,
-`cpu_gemv_parallel.cpp`) and their bindings (`cpu_ops.cpp`, functions of torch tensors), compiled
+`cpu_*_parallel.cpp`) and their bindings (`cpu_ops.cpp`, functions of torch tensors), compiled
 into one extension by torch.utils.cpp_extension (ninja) on first use.
 
 The build is cached under CACHE_DIR, one directory per content of the sources, flags, torch
@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).resolve().parent
-SOURCES = ("cpu_quant.c", "cpu_fused.c", "cpu_gemv.c", "cpu_gemv_w4a4.c", "cpu_gemv_parallel.cpp", "cpu_ops.cpp")
+SOURCES = ("cpu_quant.c", "cpu_fused.c", "cpu_gemv.c", "cpu_gemv_w4a4.c", "cpu_gemv_parallel.cpp", "cpu_attention_parallel.cpp",
+           "cpu_ops.cpp")
 HEADERS = ("cpu_fp4.h", "cpu_quant.h", "cpu_fused.h", "cpu_layer.h", "cpu_gemv.h", "cpu_fused_typed.h",
            "cpu_attention_typed.h", "cpu_layer_typed.h")
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")

@@ -18,6 +18,17 @@
 extern "C" {
 #endif
 
+/* One side (K or V) of a layer's pages for the attention kernels: fmt 0 the model dtype (data
+   [slots, Hkv, D]), 1 NVFP4 (data: codes [slots, Hkv, D/2] low nibble first, scales: E4M3
+   [slots, Hkv, D/16], sdec: the layer's S_dec), 2 FP8 (data: E4M3 [slots, Hkv, D], scales: one
+   fp32 S_dec per slot). */
+typedef struct {
+    int fmt;
+    const void* data;
+    const void* scales;
+    float sdec;
+} kv_side;
+
 /* Row argmax of fp32 logits [B, V] and the log-softmax there; 1 when out of memory. */
 int greedy_logprob(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp);
 
@@ -38,9 +49,17 @@ int greedy_logprob(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp
                                  const void* vd, const void* vs, float sdec_v, const int64_t* table, int64_t ldt,   \
                                  const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv, \
                                  int64_t D, float scale, ELEM* out);                                                \
+    int paged_attention_items_##SFX(const ELEM* q, const kv_side* k, const kv_side* v, const int64_t* table,        \
+                                    int64_t ldt, const int64_t* row_seq, const int64_t* row_len, int64_t T,         \
+                                    int64_t H, int64_t Hkv, int64_t D, float scale, ELEM* out, int64_t i0,          \
+                                    int64_t i1);                                                                    \
+    int paged_attention_threaded_##SFX(const ELEM* q, const kv_side* k, const kv_side* v, const int64_t* table,     \
+                                       int64_t ldt, const int64_t* row_seq, const int64_t* row_len, int64_t T,      \
+                                       int64_t H, int64_t Hkv, int64_t D, float scale, ELEM* out);                  \
     int decode_layer_##SFX(const layer_args* a);
 
-/* paged_attention*: 0, or 1 when out of memory. decode_layer: 0, or 1 when an FP4 quantizer met
+/* paged_attention*: 0, or 1 when out of memory; _items runs work items i0..i1 of T * Hkv, item i
+   = (row i / Hkv, KV head i % Hkv), and _threaded all of them on torch's intra-op threads. decode_layer: 0, or 1 when an FP4 quantizer met
    NaN, 2 when out of memory, 3 for a KV slot outside the cache, 4 for a KV S_enc that is not
    finite and positive. kfmt/vfmt of paged_attention_kv: 0 the model dtype, 1 NVFP4, 2 FP8. */
 CPU_FUSED_DECLARE(f32, float)
