@@ -1,5 +1,6 @@
 """MXFP4 routed experts: the trainer's QAT reproduces the embedded engine's expert codes, and the
 engine's records of them guide the trainer (tiny Qwen3-MoE, probe in-process)."""
+
 import pytest
 import torch
 
@@ -20,8 +21,9 @@ def _expert_agreement(mode_result) -> dict[str, float]:
 def test_fp32_rollout_and_trainer_round_expert_inputs_identically(moe_ckpt):
     """Both sides in fp32: round-to-nearest QAT gives the engine's codes at every expert site (the
     down_proj input once Megatron's routing weight is divided out; it was 75% at layer 0 before)."""
-    res = _probe_in_process(moe_ckpt, "--quantization", "mxfp4", "--kv-cache-dtype", "bf16",
-                            "--rollout-dtype", "float32")
+    res = _probe_in_process(
+        moe_ckpt, "--quantization", "mxfp4", "--kv-cache-dtype", "bf16", "--rollout-dtype", "float32"
+    )
     rtn = _expert_agreement(res["modes"]["rtn"])
     assert len(rtn) == 2 * 4  # 4 layers x (gate_up, down)
     assert min(rtn.values()) >= 0.999
@@ -61,8 +63,9 @@ def test_weighted_expert_input_is_quantized_unweighted():
     h = torch.randn(64, 96)
     w = torch.rand(64) * 0.9 + 0.05
     state = QATState(ModelArch.from_hf_config(tiny_hf_config("qwen3_moe")), QuantPolicy(format="mxfp4"), "rtn")
-    got = state.activation((h * w[:, None])[:, None], "model.layers.0.mlp.experts.down_proj", None,
-                           select=_WeightedRows(w))
+    got = state.activation(
+        (h * w[:, None])[:, None], "model.layers.0.mlp.experts.down_proj", None, select=_WeightedRows(w)
+    )
     want = mxfp4.dequantize(mxfp4.quantize(h)) * w[:, None]
     torch.testing.assert_close(got[:, 0], want, rtol=0, atol=1e-6)
     plain = mxfp4.quantize(h * w[:, None])

@@ -1,6 +1,7 @@
 """Static activation scales with routed experts: each expert has its own input_scale, so the engine
 records gate_up per (token, slot) with the token's expert's scale, and the trainer's QAT rounds each
 expert's rows with that expert's scale (tiny Qwen3-MoE)."""
+
 import pytest
 import torch
 
@@ -13,8 +14,9 @@ from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint, 
 def engine(tmp_path_factory):
     from sglang_backend.local import Engine
 
-    eng = Engine(str(make_tiny_checkpoint(tmp_path_factory.mktemp("moe_static"), "qwen3_moe", seed=0)),
-                 quantization="nvfp4")
+    eng = Engine(
+        str(make_tiny_checkpoint(tmp_path_factory.mktemp("moe_static"), "qwen3_moe", seed=0)), quantization="nvfp4"
+    )
     yield eng
     eng.shutdown()
 
@@ -92,8 +94,9 @@ def test_trainer_rounds_expert_rows_with_that_experts_static_scale():
     st = QATState(arch, QuantPolicy(activation_scale="static"), "rtn")
     s_enc = torch.tensor(700.0)
     st.set_static_activation_scales({"model.layers.0.mlp.experts.2.down_proj": s_enc})
-    got = st.activation((h * w[:, None])[:, None], "model.layers.0.mlp.experts.down_proj", None,
-                        select=_Expert(w))[:, 0]
+    got = st.activation((h * w[:, None])[:, None], "model.layers.0.mlp.experts.down_proj", None, select=_Expert(w))[
+        :, 0
+    ]
     want = nvfp4.dequantize(nvfp4.quantize(h, global_scale=s_enc)) * w[:, None]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     weighted = nvfp4.dequantize(nvfp4.quantize(h * w[:, None], global_scale=s_enc))

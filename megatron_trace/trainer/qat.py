@@ -19,6 +19,7 @@ is an error naming the site, never a silent round-to-nearest.
 
 The modules that call this state are the project's layer spec (`layer_spec.py`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,16 @@ import torch
 import torch.distributed as dist
 
 from kernels.dispatch import mantissa_bits_packed, nvfp4_guided_quantize, nvfp4_quantize
-from megatron_trace.fp4 import RolloutRounding, dequantize_any, guided_quantize_mxfp4, straight_through, unpack_fp4
-from megatron_trace.fp4 import fp8, mxfp4, nvfp4
+from megatron_trace.fp4 import (
+    RolloutRounding,
+    dequantize_any,
+    fp8,
+    guided_quantize_mxfp4,
+    mxfp4,
+    nvfp4,
+    straight_through,
+    unpack_fp4,
+)
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.rope import rotated_bias
@@ -90,8 +99,9 @@ class MicroBatchGuidance:
             scale = scale[..., k0 // block : k1 // block]
             payload = payload[..., k0 // per : k1 // per]
         flat = lambda t: t.reshape(s * b, *t.shape[2:]).contiguous().to(dev)  # noqa: E731
-        rr = RolloutRounding(flat(scale), flat(gs), codes=flat(payload) if full else None,
-                             mantissa=None if full else flat(payload))
+        rr = RolloutRounding(
+            flat(scale), flat(gs), codes=flat(payload) if full else None, mantissa=None if full else flat(payload)
+        )
         out = (rr, mask.reshape(-1).to(dev))
         self._cache[key] = out
         return out
@@ -149,8 +159,9 @@ class QATState:
                 raise ValueError(f"static activation scale for {site} must be one finite S_enc > 0; got {v!r}")
             self.static_scales[site] = t
 
-    def activation(self, x: torch.Tensor, site: str, k_slice: slice | None, select=None,
-                   rows: slice | None = None) -> torch.Tensor:
+    def activation(
+        self, x: torch.Tensor, site: str, k_slice: slice | None, select=None, rows: slice | None = None
+    ) -> torch.Tensor:
         """Per-token NVFP4 of x [S, B, K_local] (or [n, K] rows picked by `select`, a function of
         the site's [S*B, ...] guidance tensors); guided rows follow the rollout's codes.
         rows: under sequence parallelism, which of the micro-batch's [S*B] rows x holds."""
@@ -199,8 +210,9 @@ class QATState:
         out = self._guide(rows, q, site, None, heads=slice(g0, g0 + groups)).reshape(t.shape)
         return straight_through(t, (out if offset is None else out + offset).to(t.dtype))
 
-    def _guide(self, x_rows, q, site, k_slice, heads: slice | None = None, select=None,
-               rows: slice | None = None) -> torch.Tensor:
+    def _guide(
+        self, x_rows, q, site, k_slice, heads: slice | None = None, select=None, rows: slice | None = None
+    ) -> torch.Tensor:
         """The dequantized rows of q (an NVFP4Tensor or MXFP4Tensor of x_rows), with the rows the
         micro-batch's guidance covers rounded to the rollout's codes in guided mode."""
         deq = dequantize_any(q)
@@ -218,10 +230,12 @@ class QATState:
                 return deq
         rr, mask = got
         if mask.numel() != x_rows.shape[0]:
-            raise ValueError(f"QAT site {site}: the guidance has {mask.numel()} rows for this rank's "
-                             f"activation but the activation has {x_rows.shape[0]} rows (tokens x batch"
-                             f"{' x top-k' if select is not None else ''}); the record and the micro-batch "
-                             f"layout disagree")
+            raise ValueError(
+                f"QAT site {site}: the guidance has {mask.numel()} rows for this rank's "
+                f"activation but the activation has {x_rows.shape[0]} rows (tokens x batch"
+                f"{' x top-k' if select is not None else ''}); the record and the micro-batch "
+                f"layout disagree"
+            )
         if heads is not None:
             pick = lambda t: None if t is None else t[:, heads]  # noqa: E731
             gs = rr.global_scale[:, heads] if rr.global_scale.dim() > 1 else rr.global_scale
@@ -248,8 +262,11 @@ class QATState:
         """Rows that had a record but could not be matched to it: round-to-nearest, said loudly
         (once per site) and counted (`unguided_rows`)."""
         if site not in self.unguided and self.mode == "guided":
-            log.warning("QAT site %s: guidance could not be matched to this rank's rows (experts under "
-                        "TP/EP > 1 before routing replay): these rows use round-to-nearest", site)
+            log.warning(
+                "QAT site %s: guidance could not be matched to this rank's rows (experts under "
+                "TP/EP > 1 before routing replay): these rows use round-to-nearest",
+                site,
+            )
         self.unguided[site] += n
 
     def unguided_rows(self) -> dict[str, int]:
@@ -309,8 +326,9 @@ class KBias:
         return rotated_bias(b, torch.arange(seq_len, device=device), self.theta)[:, None]
 
 
-def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, layer_offsets: list[int],
-                tp_group=None) -> QATState:
+def install_qat(
+    model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, layer_offsets: list[int], tp_group=None
+) -> QATState:
     """Bind the QAT state and the rollout's site names to the QAT modules of each model chunk
     (built by `gpt.build_model` from the project's layer spec, `layer_spec.py`): FP4 linears get a
     `LinearSite`, attention the K/V formats. The modules read `state.mode` at every call, so one
@@ -329,8 +347,10 @@ def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, l
 
     def bind(module, name: str, site: str, select=None) -> None:
         if not isinstance(module, (QATColumnParallelLinear, QATRowParallelLinear)):
-            raise TypeError(f"install_qat: {name} is a {type(module).__name__}, not a QAT linear of the project's "
-                            f"layer spec (build the model with megatron_trace.trainer.gpt.build_model)")
+            raise TypeError(
+                f"install_qat: {name} is a {type(module).__name__}, not a QAT linear of the project's "
+                f"layer spec (build the model with megatron_trace.trainer.gpt.build_model)"
+            )
         module.qat_site = LinearSite(state, site, fp4_input, select)
 
     for chunk, offset in zip(model_chunks, layer_offsets):
@@ -356,8 +376,10 @@ def install_qat(model_chunks, arch: ModelArch, policy: QuantPolicy, mode: str, l
                     bind(module, name, prefix + site)
             elif local == "self_attention.core_attention" and policy.kv_is_fp4(layer, arch.num_layers):
                 if not isinstance(module, QATDotProductAttention):
-                    raise TypeError(f"install_qat: {name} is a {type(module).__name__}, not the layer spec's "
-                                    f"QATDotProductAttention (build the model with gpt.build_model)")
+                    raise TypeError(
+                        f"install_qat: {name} is a {type(module).__name__}, not the layer spec's "
+                        f"QATDotProductAttention (build the model with gpt.build_model)"
+                    )
                 fmts = tuple(policy.kv_format(layer, arch.num_layers, w) for w in ("k", "v"))
                 k_bias = None
                 if policy.kv_k_debias and fmts[0] != "bf16":

@@ -22,6 +22,7 @@ per-token scaling) and the down_proj input record is per (token, slot), the slot
 rollout's ids name this expert's GLOBAL id. A token the rollout did not send to this expert has no
 down_proj record: its row is round-to-nearest, and routing agreement below 100% says how many.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,8 +41,9 @@ def replay_enabled(mode: str, arch) -> bool:
     if mode not in ROUTING_REPLAY_MODES:
         raise ValueError(f"trainer.routing_replay must be one of {', '.join(ROUTING_REPLAY_MODES)}; got {mode!r}")
     if mode == "on" and not arch.is_moe:
-        raise ValueError(f"trainer.routing_replay=on needs an MoE model; {arch.family} has no routers "
-                         "(use auto or off)")
+        raise ValueError(
+            f"trainer.routing_replay=on needs an MoE model; {arch.family} has no routers (use auto or off)"
+        )
     return arch.is_moe and mode != "off"
 
 
@@ -74,8 +76,10 @@ class RoutingReplay:
             raise ValueError("routing replay needs an MoE model: this one has no routers")
         if on and any(r.config.recompute_granularity is not None for r in self.routers.values()):
             # a recomputed forward during backward would re-route with whatever targets are set then
-            raise ValueError("routing replay with activation recomputation (recompute_granularity) is not "
-                             "supported: it needs RouterReplay's REPLAY_BACKWARD per micro-batch")
+            raise ValueError(
+                "routing replay with activation recomputation (recompute_granularity) is not "
+                "supported: it needs RouterReplay's REPLAY_BACKWARD per micro-batch"
+            )
         self.replay = on
         for router in self.routers.values():
             if on and router.router_replay is None:
@@ -95,7 +99,8 @@ class RoutingReplay:
             raise ValueError(
                 f"trainer.routing_replay is on but samples {missing[:3]} carry no routed experts: the rollout "
                 "must return them (GenerateRequest.return_routed_experts; a real SGLang server needs "
-                "--enable-return-routed-experts)")
+                "--enable-return-routed-experts)"
+            )
         if all(r is None for r in routed):
             if self.replay:
                 self._set(None)
@@ -107,16 +112,20 @@ class RoutingReplay:
             if r is None:
                 continue
             if r.dim() != 3 or r.shape[1:] != (self.arch.num_layers, k) or r.shape[0] > seq_len:
-                raise ValueError(f"sample {names[j]}: routed experts of shape {tuple(r.shape)}; the micro-batch "
-                                 f"needs [<= {seq_len}, {self.arch.num_layers} layers, top-{k}]")
+                raise ValueError(
+                    f"sample {names[j]}: routed experts of shape {tuple(r.shape)}; the micro-batch "
+                    f"needs [<= {seq_len}, {self.arch.num_layers} layers, top-{k}]"
+                )
             ids[: r.shape[0], j] = r.long()
             valid[: r.shape[0], j] = True
         flat = ids.reshape(seq_len * b, self.arch.num_layers, k)
         self.current = {layer: (flat[:, layer].contiguous(), valid.reshape(-1)) for layer in self.routers}
         rank, size = self.sp_split
         if seq_len % size:
-            raise ValueError(f"sequence parallel over {size} ranks needs the micro-batch's {seq_len} positions "
-                             "padded to a multiple of it (the actor pads)")
+            raise ValueError(
+                f"sequence parallel over {size} ranks needs the micro-batch's {seq_len} positions "
+                "padded to a multiple of it (the actor pads)"
+            )
         rows = slice(rank * seq_len // size * b, (rank + 1) * seq_len // size * b)  # rows are s * B + b
         self.local = {layer: (ids_[rows], v[rows]) for layer, (ids_, v) in self.current.items()}
         if self.replay:
@@ -159,7 +168,9 @@ class RoutingReplay:
                 own = torch.topk(logits.float(), router.topk, dim=-1).indices
                 same = (ids[:, :, None] == own[:, None, :]).any(-1)[valid]
                 used = routing_map.gather(1, ids)[valid]
-            self.counts += torch.tensor([float(same.sum()), float(used.sum()), float(same.numel())], dtype=torch.float64)
+            self.counts += torch.tensor(
+                [float(same.sum()), float(used.sum()), float(same.numel())], dtype=torch.float64
+            )
 
         return hook
 
@@ -198,8 +209,10 @@ def assert_same_micro_batch(ids: torch.Tensor, group) -> None:
     parts = [torch.empty_like(ids) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, ids.contiguous(), group=group)
     if not all(torch.equal(p, parts[0]) for p in parts):
-        raise RuntimeError("expert-parallel ranks hold different micro-batches: expert-site guidance cannot map "
-                           "the dispatcher's gathered tokens to the rollout's records")
+        raise RuntimeError(
+            "expert-parallel ranks hold different micro-batches: expert-site guidance cannot map "
+            "the dispatcher's gathered tokens to the rollout's records"
+        )
 
 
 class ExpertRows:
@@ -240,9 +253,11 @@ class ExpertRows:
             return None
         got = self._rows_of_expert()
         if got is None:
-            raise ValueError(f"layer {self.layer} expert {self.global_expert}: the down_proj input needs the "
-                             "routing weights Megatron applied before linear_fc2, which only the allgather "
-                             "token dispatcher exposes (trainer: moe_token_dispatcher_type=allgather)")
+            raise ValueError(
+                f"layer {self.layer} expert {self.global_expert}: the down_proj input needs the "
+                "routing weights Megatron applied before linear_fc2, which only the allgather "
+                "token dispatcher exposes (trainer: moe_token_dispatcher_type=allgather)"
+            )
         tokens, start = got
         return self.moe_layer.token_dispatcher.local_probs.detach()[start : start + len(tokens)].float()
 

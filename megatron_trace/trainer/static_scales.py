@@ -1,5 +1,6 @@
 """Static activation scales for the trainer's QAT: {HF module: calibrated input amax} -> the S_enc
 the rollout quantizes each FP4-activation site's input with (`QATState.set_static_activation_scales`)."""
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,10 @@ def static_site_scales(input_amax: dict[str, float], arch: ModelArch, policy: Qu
                 continue
             missing = [n for n in names if n not in input_amax]
             if missing:
-                raise KeyError(f"no calibrated input amax for {missing[:3]}: static activation scales need one "
-                               f"per FP4-activation linear")
+                raise KeyError(
+                    f"no calibrated input amax for {missing[:3]}: static activation scales need one "
+                    f"per FP4-activation linear"
+                )
             amax = max(float(input_amax[n]) for n in names)
             out[prefix + site] = encode_scale_from_decode(input_scale_from_amax(amax))
     return out
