@@ -9,7 +9,9 @@ tests/mp_scripts/sglang_tp2_online_capture.py does the same for online NVFP4 (`t
 checkpoint quantized at load, the S_enc over the full weight) against the exporter's bytes, and for
 guidance capture: the record assembled at TP=2 equals TP=1's byte for byte.
 
-Whole TP=2 SGLang servers on CPU were not tried here (see the report of issue 13).
+A whole TP=2 SGLang server (two scheduler ranks over gloo, SGLang's CPU engine, started by our launcher
+with online NVFP4 of a BF16-era fp32 checkpoint and full-code guidance) answers the embedded engine's
+greedy tokens, logprobs and guidance records (test_tp2_server_matches_the_embedded_engine).
 """
 from __future__ import annotations
 
@@ -104,3 +106,49 @@ def test_guidance_record_at_tp2_equals_tp1(online_ranks):
         assert g["gathered_sites"] == sorted(sites[1:4] + sites[5:]), g
         assert g["record_equal"] and not g["unassembled_record_equal"], (rank, g)
         assert g["record_bytes"] > 0
+
+
+@pytest.fixture(scope="module")
+def tp2_server(tmp_path_factory):
+    from megatron_trace.models import make_tiny_checkpoint
+    from sglang_backend.local import Engine
+    from sglang_backend.local.server import serve
+    from sglang_backend.server_process import SGLangProcess, ServerStartError
+
+    ckpt = str(make_tiny_checkpoint(tmp_path_factory.mktemp("q2"), "qwen2", seed=1))
+    # SGLang's CPU engine binds one NUMA node per rank unless told which cores each rank gets
+    env = {"TRACE_GUIDANCE_DIR": str(tmp_path_factory.mktemp("guidance")), "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+    flags = ["--max-total-tokens", "4096", "--max-running-requests", "16", "--tp-size", "2",
+             "--quantization", "nvfp4", "--guidance-mode", "full"]
+    try:
+        srv = SGLangProcess(ckpt, flags, log_path=tmp_path_factory.mktemp("sglang") / "server.log", env=env)
+    except ServerStartError as e:
+        pytest.fail(str(e))
+    engine = Engine(ckpt, quantization="nvfp4", guidance_mode="full", guided_layers="last_half")
+    emb = serve(engine)
+    try:
+        yield srv.url, emb.url
+    finally:
+        srv.stop()
+        emb.shutdown()
+        engine.shutdown()
+
+
+def test_tp2_server_matches_the_embedded_engine(tp2_server):
+    """Online NVFP4 at TP=2 (the S_enc of the full weights) and guidance at TP=2 (down_proj's K chunks
+    gathered, rank 0 publishing): greedy tokens equal the embedded engine's, logprobs within 1e-5, and every
+    sample's record (n = 2 included) agrees with the engine's as the TP=1 server's does."""
+    from sglang_backend.api import GenerateRequest, SamplingParams
+    from sglang_backend.client import RolloutClient
+    from tests.test_sglang_real import PROMPTS, _agreement, _check  # the TP=1 server's agreement bar
+
+    sg, emb = (RolloutClient(url, retries=0) for url in tp2_server)
+    greedy = [SamplingParams(max_new_tokens=6, temperature=0, n=n, ignore_eos=True) for n in (1, 2)]
+    reqs = [GenerateRequest(PROMPTS[0], greedy[1], rid="multi", return_guidance=True),
+            GenerateRequest(PROMPTS[2], greedy[0], rid="single", return_guidance=True)]
+    a, b = sg.generate(reqs), emb.generate(reqs)
+    assert len(a) == len(b) == 3 and [r.output_ids for r in a] == [r.output_ids for r in b]
+    worst = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.output_logprobs, rb.output_logprobs))
+    assert worst <= 1e-5, worst
+    for ra, rb in zip(a, b):
+        _check(_agreement(sg.fetch_guidance(ra.guidance_handle), emb.fetch_guidance(rb.guidance_handle)))

@@ -199,14 +199,15 @@ def assemble_at_tp(cap: SlotCapture, model, parallel, total_kv_heads: int) -> No
                                   "the K/V heads of a request are not split over the TP group; run without it")
     cap.tp_rank = int(parallel.tp_rank)
     for _, module in model.named_modules():
-        gather = row_parallel_all_gather(module) if getattr(module, "trace_site", None) else None
+        site = getattr(module, "trace_site", None)
+        gather = row_parallel_all_gather(module) if site and layer_of(site) in cap.guided else None
         if gather is not None:
             cap.gathers[module.trace_site] = gather
     heads = kv_heads_all_gather(parallel.tp_group, cap.tp_rank, tp, total_kv_heads)
     for layer in cap.guided:
         for side in KV_SITES:
             cap.gathers[f"model.layers.{layer}.self_attn.{side}"] = heads
-    log.info("trace_fp4: guidance at TP=%d: rank %d gathers %d row-parallel sites and the K/V heads",
+    log.info("trace_fp4: guidance at TP=%d: rank %d gathers %d guided row-parallel sites and the K/V heads",
              tp, cap.tp_rank, len(cap.gathers) - 2 * len(cap.guided))
 
 
