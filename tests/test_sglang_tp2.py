@@ -113,7 +113,7 @@ def tp2_server(tmp_path_factory):
     from megatron_trace.models import make_tiny_checkpoint
     from sglang_backend.local import Engine
     from sglang_backend.local.server import serve
-    from sglang_backend.server_process import SGLangProcess, ServerStartError
+    from sglang_backend.server_process import ServerStartError, SGLangProcess
 
     ckpt = str(make_tiny_checkpoint(tmp_path_factory.mktemp("q2"), "qwen2", seed=1))
     # SGLang's CPU engine binds one NUMA node per rank unless told which cores each rank gets

@@ -4,7 +4,9 @@
 The RL loop starts from a BF16 checkpoint, so the rollout server must quantize at load time,
 with the same rules as the embedded engine (`sglang_backend.local.layers.EngineLinear`): the
 project's `QuantPolicy` decides which linears are FP4 (default: the MLP), a fused group (q/k/v,
-gate/up) shares one global amax, activations are quantized per token. `trace_fp4` stays the
+gate/up) shares one global amax, activations are quantized per token. At TP > 1 that amax is the
+FULL weight's (a MAX all-reduce over the TP group), so every rank holds exactly the bytes the
+trainer's exporter (`to_modelopt_fused`) gives its slice (tests/test_sglang_tp2.py). `trace_fp4` stays the
 loader of exported ModelOpt NVFP4 checkpoints (claimed without any flag).
 
 SGLang builds a config without arguments when a method names no config file
@@ -38,7 +40,8 @@ def policy_from_env(fmt: str) -> tuple[QuantPolicy, int | None]:
         d = json.loads(raw)
         policy, num_layers = QuantPolicy.from_dict(d["policy"]), d.get("num_layers")
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{POLICY_ENV} must be JSON {{'policy': {{...}}, 'num_layers': N}}; got {raw!r}: {e}") from None
+        raise ValueError(f"{POLICY_ENV} must be JSON {{'policy': {{...}}, 'num_layers': N}}; "
+                         f"got {raw!r}: {e}") from None
     if policy.format != fmt:
         raise ValueError(f"{POLICY_ENV} says format {policy.format!r} but the server quantizes to {fmt!r}")
     return policy, num_layers

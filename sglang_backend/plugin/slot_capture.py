@@ -15,6 +15,9 @@ prefills it in a warm-up request before the n samples) lives in KV slots every r
 reuses it points to, and so do its guidance rows. Writes are `index_copy_` into tensors
 allocated up front, so a CUDA graph that captured them keeps writing into the same storage.
 
+At SGLang TP > 1 every rank's capture assembles TP=1's rows (`assemble_at_tp`: row-parallel K
+chunks and K/V heads all-gathered in the forward) and TP rank 0 alone publishes the record.
+
 The record leaves the model process through a directory (shared memory by default): the
 scheduler `publish`es the bytes under the request's rid, the HTTP route (`/get_guidance`, the
 same body and answer as the embedded server's) pops them. Requests opt in with
@@ -34,7 +37,6 @@ import torch
 from megatron_trace.fp4 import nvfp4
 from megatron_trace.guidance import encode_records, make_site
 from megatron_trace.guidance.record import KV_SITES, layer_of
-
 from sglang_backend.api import GUIDANCE_KEY  # in sampling_params.custom_params
 
 from .. import plugin_settings as settings

@@ -156,6 +156,7 @@ def run_sites(cap, layers, inputs, kv_k, kv_v, rank: int | None, world: int) -> 
 
 def guidance_check(rank: int, world: int, layers2, layers1, inputs) -> dict:
     from sglang.srt.runtime_context import get_parallel
+
     from sglang_backend.plugin.slot_capture import SlotCapture, assemble_at_tp
 
     g = torch.Generator().manual_seed(7)
