@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.ports import free_port
 
@@ -152,3 +154,24 @@ def test_tp2_server_matches_the_embedded_engine(tp2_server):
     assert worst <= 1e-5, worst
     for ra, rb in zip(a, b):
         _check(_agreement(sg.fetch_guidance(ra.guidance_handle), emb.fetch_guidance(rb.guidance_handle)))
+
+
+@given(st.sampled_from([1, 2, 4, 8]), st.integers(0, 4))
+def test_kv_head_owners_take_each_head_once(size, log_heads):
+    """Against SGLang's QKVParallelLinear rule: with H >= tp rank r holds H/tp heads from r*H/tp; with
+    H < tp it holds head r // (tp // H). The owners' heads in rank order are 0..H-1, each once."""
+    from sglang_backend.plugin.layer_tp import kv_head_owner_ranks
+
+    heads = 1 << log_heads
+
+    def held(r: int) -> list[int]:
+        return list(range(r * heads // size, (r + 1) * heads // size)) if heads >= size else [r // (size // heads)]
+
+    assert [h for r in kv_head_owner_ranks(heads, size) for h in held(r)] == list(range(heads))
+
+
+def test_kv_head_owners_refuse_an_uneven_split():
+    from sglang_backend.plugin.layer_tp import kv_head_owner_ranks
+
+    with pytest.raises(ValueError, match="3 KV heads do not split over 2 TP ranks"):
+        kv_head_owner_ranks(3, 2)

@@ -111,13 +111,20 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
 
 
+def kv_head_owner_ranks(total_heads: int, size: int) -> list[int]:
+    """The ranks whose K/V heads, concatenated in rank order, are each of the `total_heads` heads once:
+    all ranks when the heads split (rank r: heads [r*H/size, (r+1)*H/size)), else the first rank of each
+    group replicating one head (rank r: head r*H//size, SGLang's tp_rank // num_kv_head_replicas)."""
+    if total_heads < 1 or (total_heads >= size and total_heads % size) or (total_heads < size and size % total_heads):
+        raise ValueError(f"{total_heads} KV heads do not split over {size} TP ranks")
+    return [r for r in range(size) if r == 0 or r * total_heads // size != (r - 1) * total_heads // size]
+
+
 def kv_heads_all_gather(group, rank: int, size: int, total_heads: int):
     """A function turning this rank's K/V rows [T, heads_rank, ...] into all `total_heads` heads [T, H, ...].
     SGLang's attention gives rank r heads [r*H/size, (r+1)*H/size), or with fewer heads than ranks
     (H < size) head r*H//size, replicated on consecutive ranks: those are taken once, from the first."""
-    if total_heads < 1 or (total_heads >= size and total_heads % size) or (total_heads < size and size % total_heads):
-        raise ValueError(f"{total_heads} KV heads do not split over {size} TP ranks")
-    first = [r for r in range(size) if r == 0 or r * total_heads // size != (r - 1) * total_heads // size]
+    first = kv_head_owner_ranks(total_heads, size)
 
     def all_gather(t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
