@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-CONFIGS = {"BF16-equiv": dict(quantization=None, kv_cache_dtype="auto"),
-           "FP4": dict(quantization="nvfp4", kv_cache_dtype="nvfp4")}
+CONFIGS = {"BF16-equiv": {"quantization": None, "kv_cache_dtype": "auto"},
+           "FP4": {"quantization": "nvfp4", "kv_cache_dtype": "nvfp4"}}
 
 
 def parse(argv=None):
@@ -74,10 +74,10 @@ def main(argv=None) -> dict:
         srv = serve(eng, api_key="bench")
         client = RolloutClient(srv.url, api_key="bench", max_workers=args.batch)
         try:
-            def in_process():
+            def in_process(eng=eng):
                 return eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
 
-            def over_http(guided=False):
+            def over_http(guided=False, client=client):
                 res = client.generate([GenerateRequest(p, SamplingParams(**sp), return_logprob=True,
                                                        return_guidance=guided) for p in prompts])
                 if guided:

@@ -27,8 +27,9 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential

@@ -34,10 +34,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import uvicorn
@@ -50,10 +52,11 @@ from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, SamplingParams, We
 from sglang_backend.weight_group import WeightGroup, dtype_from_name
 
 from .engine import Engine
-from .http_util import (HalfCloseH11Protocol, HTTPError, RequestGuard, ReadyUvicorn, as_version,
-                        install_error_handlers, is_loopback, json_response, listen, read_body, read_json, want)
+from .http_util import (HalfCloseH11Protocol, HTTPError, ReadyUvicorn, RequestGuard, as_version, install_error_handlers,
+                        is_loopback, json_response, listen, read_body, read_json, want)
 from .loader import checkpoint_files
 
+log = logging.getLogger(__name__)
 OPEN_PATHS = {"/health", "/health_generate"}
 _BLOCKING_THREADS = 1024  # requests that may wait on the engine at once (more queue for a thread)
 
@@ -123,6 +126,8 @@ class RolloutServer:
         self.closing = True
         self._uvicorn.should_exit = True
         self._thread.join(30)
+        if self._thread.is_alive():
+            log.warning("the HTTP server on %s did not stop within 30 s; its thread is left running", self.url)
         self.socket.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for g in self.groups.values():
