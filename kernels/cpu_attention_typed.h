@@ -17,6 +17,9 @@
  */
 #ifndef MEGATRON_TRACE_CPU_ATTENTION_SHARED
 #define MEGATRON_TRACE_CPU_ATTENTION_SHARED
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 static inline void axpy_rows(float* y, float a, const float* x, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -37,7 +40,7 @@ static inline float dot_rows(const float* a, const float* b, int64_t n) {
 
 /* Scores of G query heads (qf [G, D]) against 8 decoded K rows (kr [8, D], D % 8 == 0) into
    sc[g * W + 0..7]: each lane sum equals dot_rows' (hsum8x8 is hsum8's tree, eight at once). */
-static inline void scores8_rows(const float* qf, const float* kr, int64_t G, int64_t D, float* sc, int64_t W) {
+PREFETCH_FN void scores8_rows(const float* qf, const float* kr, int64_t G, int64_t D, float* sc, int64_t W) {
     for (int64_t g = 0; g < G; g++) {
         v8f p[8];
         for (int r = 0; r < 8; r++) {
@@ -50,6 +53,26 @@ static inline void scores8_rows(const float* qf, const float* kr, int64_t G, int
     }
 }
 
+/* acc[g] += p[g * W + r] * vr[r] for the nr <= 8 decoded V rows vr [nr, D], r in order: axpy_rows'
+   sums. A head's whole accumulator row stays in registers over the rows (D <= 128, D % 8 == 0),
+   so its D / 8 independent adds overlap instead of waiting on one another. */
+PREFETCH_FN void pv_rows(float* acc, const float* p, int64_t W, const float* vr, int nr, int64_t G, int64_t D) {
+    if (D % 8 || D > 128) {
+        for (int r = 0; r < nr; r++)
+            for (int64_t g = 0; g < G; g++) axpy_rows(acc + g * D, p[g * W + r], vr + r * D, D);
+        return;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        v8f a[16];
+        for (int64_t c = 0; c < D / 8; c++) a[c] = ld8_f32(acc + g * D + 8 * c);
+        for (int r = 0; r < nr; r++) {
+            const float pr = p[g * W + r];
+            for (int64_t c = 0; c < D / 8; c++) a[c] = a[c] + pr * ld8_f32(vr + r * D + 8 * c);
+        }
+        for (int64_t c = 0; c < D / 8; c++) memcpy(acc + g * D + 8 * c, &a[c], sizeof a[c]);
+    }
+}
+
 /* out[0..15] = tab[code] for the 16 codes of 8 packed bytes (low nibble first); tab = lo ++ hi. */
 static inline void pick16(const uint8_t* c, v8f lo, v8f hi, float* out) {
 #if defined(__clang__)  /* clang has no two-vector shuffle by run-time indices: pick one by one */
@@ -58,9 +81,15 @@ static inline void pick16(const uint8_t* c, v8f lo, v8f hi, float* out) {
     memcpy(tab + 8, &hi, sizeof hi);
     for (int i = 0; i < 8; i++) { out[2 * i] = tab[c[i] & 15]; out[2 * i + 1] = tab[c[i] >> 4]; }
 #else
+#if defined(__AVX2__)  /* one vpmovzxbd: GCC builds the widened bytes of a v8b with 8 inserts */
+    long long bytes;
+    memcpy(&bytes, c, sizeof bytes);
+    const v8i u = (v8i)_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes)), n0 = u & 15, n1 = u >> 4;
+#else
     v8b b;
     memcpy(&b, c, sizeof b);
     const v8i u = __builtin_convertvector(b, v8i), n0 = u & 15, n1 = u >> 4;
+#endif
     const v8i i0 = SHUF(n0, n1, 0, 8, 1, 9, 2, 10, 3, 11), i1 = SHUF(n0, n1, 4, 12, 5, 13, 6, 14, 7, 15);
     const v8f a = __builtin_shuffle(lo, hi, i0), z = __builtin_shuffle(lo, hi, i1);  /* vpermt2ps on AVX-512 */
     memcpy(out, &a, sizeof a);
@@ -77,9 +106,16 @@ static int64_t widest_row(const int64_t* row_len, int64_t t0, int64_t t1) {
 static void softmax_numerators(float* sc, int64_t G, int64_t W, int64_t L) {
     for (int64_t g = 0; g < G; g++) {
         float* p = sc + g * W;
+        v8f m8 = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        int64_t j = 0;
+        for (; j + 8 <= L; j += 8) {  /* the max is the same in any order: 8 lanes, GCC keeps a scalar loop */
+            const v8f x = ld8_f32(p + j);
+            m8 = x > m8 ? x : m8;
+        }
         float m = -INFINITY;
-        for (int64_t j = 0; j < L; j++) m = p[j] > m ? p[j] : m;
-        for (int64_t j = 0; j < L; j++) p[j] = fexp(p[j] - m);
+        for (int i = 0; i < 8; i++) m = m8[i] > m ? m8[i] : m;
+        for (; j < L; j++) m = p[j] > m ? p[j] : m;
+        for (j = 0; j < L; j++) p[j] = fexp(p[j] - m);
     }
 }
 
@@ -95,17 +131,29 @@ PREFETCH_FN void prefetch_head(const kv_side* p, size_t elem, int64_t slot, int6
 }
 #endif
 
+/* The 16 values each E4M3 scale byte allows in one NVFP4 side, tab [256, 16]: what fp4.nvfp4.dequantize
+   gives in the model dtype, dtype((grid[code] * e4m3[scale]) * S_dec), formed once per call so a
+   block's decode is two loads and a permute. */
+static void F(nvfp4_values)(float sdec, const float* lut, const float* grid, float* tab) {
+    const v8f lo = ld8_f32(grid), hi = ld8_f32(grid + 8);
+    for (int s = 0; s < 256; s++) {
+        const v8f a = F(rnd8)((lo * lut[s]) * sdec), z = F(rnd8)((hi * lut[s]) * sdec);
+        memcpy(tab + 16 * s, &a, sizeof a);
+        memcpy(tab + 16 * s + 8, &z, sizeof z);
+    }
+}
+
 /* Row (slot, KV head kh) of one side, D values, decoded into fp32 exactly as the cache's torch read
-   in the model dtype: dtype((grid[code] * e4m3[scale]) * S_dec) for NVFP4, dtype(e4m3[byte] * s)
-   for FP8, the stored element otherwise. grid_lo/hi: fp4's E2M1 grid, codes 0-7 and 8-15. */
-static inline void F(head_row)(const kv_side* p, int64_t slot, int64_t Hkv, int64_t kh, int64_t D, const float* lut,
-                               v8f grid_lo, v8f grid_hi, float* out) {
+   in the model dtype: NVFP4 from its value table (F(nvfp4_values)), dtype(e4m3[byte] * s) for FP8,
+   the stored element otherwise. */
+PREFETCH_FN void F(head_row)(const kv_side* p, const float* tab, int64_t slot, int64_t Hkv, int64_t kh, int64_t D,
+                             const float* lut, float* out) {
     const int64_t e = (slot * Hkv + kh) * D;
     if (p->fmt == 1) {
         const uint8_t *c = (const uint8_t*)p->data + e / 2, *s = (const uint8_t*)p->scales + e / 16;
         for (int64_t b = 0; b < D / 16; b++) {
-            const float sf = lut[s[b]];
-            pick16(c + 8 * b, F(rnd8)((grid_lo * sf) * p->sdec), F(rnd8)((grid_hi * sf) * p->sdec), out + 16 * b);
+            const float* t = tab + 16 * s[b];
+            pick16(c + 8 * b, ld8_f32(t), ld8_f32(t + 8), out + 16 * b);
         }
     } else if (p->fmt == 2) {
         const uint8_t* c = (const uint8_t*)p->data + e;
@@ -122,49 +170,75 @@ static inline void F(head_row)(const kv_side* p, int64_t slot, int64_t Hkv, int6
     }
 }
 
-/* Work items i0..i1 of T * Hkv, item i = (row i / Hkv, KV head i % Hkv): q [T, H, D] scaled into
-   fp32, the item's G heads scored against its positions 8 at a time, softmax numerators in place,
-   P.V into fp32 accumulators, normalized into out [T, H, D]. Returns 1 when out of memory. */
+/* Scratch of one run of items: the query heads, accumulators, 8 decoded rows, scores, value tables. */
+typedef struct {
+    float *qf, *acc, *rows, *sc;
+    const float *ktab, *vtab, *lut;
+} F(scratch);
+
+/* Item (row t, KV head kh): q scaled into fp32, its G heads scored against its L positions 8 at a
+   time, softmax numerators in place, P.V 8 rows at a time, normalized into out. Always inlined so
+   that the common head dims (F(paged_attention_items)) unroll with D a constant. */
+PREFETCH_FN void F(attend)(const ELEM* q, const kv_side* k, const kv_side* v, const int64_t* tab, int64_t L,
+                           int64_t h0, int64_t G, int64_t Hkv, int64_t kh, int64_t D, int64_t W, float scale,
+                           const F(scratch)* m, ELEM* out) {
+    float *qf = m->qf, *acc = m->acc, *kr = m->rows, *sc = m->sc;
+    const size_t es = sizeof(ELEM);
+    for (int64_t i = 0; i < G * D; i++) { qf[i] = F(ld)(q[h0 * D + i]) * scale; acc[i] = 0.f; }
+    int64_t j0 = 0;
+    for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
+        for (int r = 0; r < 8; r++) {
+            if (j0 + PREFETCH + r < L) prefetch_head(k, es, tab[j0 + PREFETCH + r], Hkv, kh, D);
+            F(head_row)(k, m->ktab, tab[j0 + r], Hkv, kh, D, m->lut, kr + r * D);
+        }
+        scores8_rows(qf, kr, G, D, sc + j0, W);
+    }
+    for (int64_t j = j0; j < L; j++) {
+        F(head_row)(k, m->ktab, tab[j], Hkv, kh, D, m->lut, kr);
+        for (int64_t g = 0; g < G; g++) sc[g * W + j] = dot_rows(qf + g * D, kr, D);
+    }
+    softmax_numerators(sc, G, W, L);
+    for (j0 = 0; j0 < L; j0 += 8) {
+        const int nr = L - j0 < 8 ? (int)(L - j0) : 8;
+        for (int r = 0; r < nr; r++) {
+            if (j0 + PREFETCH + r < L) prefetch_head(v, es, tab[j0 + PREFETCH + r], Hkv, kh, D);
+            F(head_row)(v, m->vtab, tab[j0 + r], Hkv, kh, D, m->lut, kr + r * D);
+        }
+        pv_rows(acc, sc + j0, W, kr, nr, G, D);
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float den = sum(sc + g * W, L), inv = den > 0.f ? 1.f / den : 0.f;
+        for (int64_t i = 0; i < D; i++) out[(h0 + g) * D + i] = F(st)(acc[g * D + i] * inv);
+    }
+}
+
+/* Work items i0..i1 of T * Hkv, item i = (row i / Hkv, KV head i % Hkv), into out [T, H, D].
+   Returns 1 when out of memory. */
 int F(paged_attention_items)(const ELEM* q, const kv_side* k, const kv_side* v, const int64_t* table, int64_t ldt,
                              const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
                              int64_t D, float scale, ELEM* out, int64_t i0, int64_t i1) {
     (void)T;
     if (i0 >= i1) return 0;
     const int64_t G = H / Hkv, W = widest_row(row_len, i0 / Hkv, (i1 - 1) / Hkv + 1);
-    float* qf = (float*)malloc((size_t)(2 * G * D + 8 * D + G * W) * sizeof(float));  /* heap: long contexts */
-    if (!qf) return 1;
-    float *acc = qf + G * D, *kr = acc + G * D, *sc = kr + 8 * D;
+    const int64_t ntab = 256 * 16 * ((k->fmt == 1) + (v->fmt == 1));
+    float* buf = (float*)malloc((size_t)(2 * G * D + 8 * D + G * W + ntab) * sizeof(float));  /* heap: long contexts */
+    if (!buf) return 1;
     const float *lut = nvfp4_e4m3_lut(), *grid = nvfp4_e2m1_grid();
-    const v8f grid_lo = ld8_f32(grid), grid_hi = ld8_f32(grid + 8);
-    const size_t es = sizeof(ELEM);
+    F(scratch) m = {buf, buf + G * D, buf + 2 * G * D, buf + 2 * G * D + 8 * D, 0, 0, lut};
+    float* tabs = m.sc + G * W;
+    if (k->fmt == 1) { F(nvfp4_values)(k->sdec, lut, grid, tabs); m.ktab = tabs; tabs += 256 * 16; }
+    if (v->fmt == 1) { F(nvfp4_values)(v->sdec, lut, grid, tabs); m.vtab = tabs; }
     for (int64_t it = i0; it < i1; it++) {
         const int64_t t = it / Hkv, kh = it % Hkv, L = row_len[t], h0 = t * H + kh * G;
         const int64_t* tab = table + row_seq[t] * ldt;
-        for (int64_t i = 0; i < G * D; i++) { qf[i] = F(ld)(q[h0 * D + i]) * scale; acc[i] = 0.f; }
-        int64_t j0 = 0;
-        for (; D % 8 == 0 && j0 + 8 <= L; j0 += 8) {
-            for (int r = 0; r < 8; r++) {
-                if (j0 + PREFETCH + r < L) prefetch_head(k, es, tab[j0 + PREFETCH + r], Hkv, kh, D);
-                F(head_row)(k, tab[j0 + r], Hkv, kh, D, lut, grid_lo, grid_hi, kr + r * D);
-            }
-            scores8_rows(qf, kr, G, D, sc + j0, W);
-        }
-        for (int64_t j = j0; j < L; j++) {
-            F(head_row)(k, tab[j], Hkv, kh, D, lut, grid_lo, grid_hi, kr);
-            for (int64_t g = 0; g < G; g++) sc[g * W + j] = dot_rows(qf + g * D, kr, D);
-        }
-        softmax_numerators(sc, G, W, L);
-        for (int64_t j = 0; j < L; j++) {
-            if (j + PREFETCH < L) prefetch_head(v, es, tab[j + PREFETCH], Hkv, kh, D);
-            F(head_row)(v, tab[j], Hkv, kh, D, lut, grid_lo, grid_hi, kr);
-            for (int64_t g = 0; g < G; g++) axpy_rows(acc + g * D, sc[g * W + j], kr, D);
-        }
-        for (int64_t g = 0; g < G; g++) {
-            const float den = sum(sc + g * W, L), inv = den > 0.f ? 1.f / den : 0.f;
-            for (int64_t i = 0; i < D; i++) out[(h0 + g) * D + i] = F(st)(acc[g * D + i] * inv);
-        }
+        if (D == 64)
+            F(attend)(q, k, v, tab, L, h0, G, Hkv, kh, 64, W, scale, &m, out);
+        else if (D == 128)
+            F(attend)(q, k, v, tab, L, h0, G, Hkv, kh, 128, W, scale, &m, out);
+        else
+            F(attend)(q, k, v, tab, L, h0, G, Hkv, kh, D, W, scale, &m, out);
     }
-    free(qf);
+    free(buf);
     return 0;
 }
 

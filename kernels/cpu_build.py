@@ -23,11 +23,14 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).resolve().parent
-SOURCES = ("cpu_quant.c", "cpu_fused.c", "cpu_gemv.c", "cpu_gemv_w4a4.c", "cpu_gemv_parallel.cpp", "cpu_attention_parallel.cpp",
-           "cpu_ops.cpp")
+SOURCES = ("cpu_quant.c", "cpu_fused.c", "cpu_gemv.c", "cpu_gemv_w4a4.c", "cpu_gemv_parallel.cpp",
+           "cpu_attention_parallel.cpp", "cpu_ops.cpp")
 HEADERS = ("cpu_fp4.h", "cpu_quant.h", "cpu_fused.h", "cpu_layer.h", "cpu_gemv.h", "cpu_fused_typed.h",
            "cpu_attention_typed.h", "cpu_layer_typed.h")
-FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
+# -fopenmp: at::parallel_for (cpu_*_parallel.cpp) is an OpenMP pragma in ATen's headers; without it
+# the loop runs on the calling thread only. The extension's libgomp.so.1 resolves to the one torch
+# already loaded (same soname), so torch.set_num_threads sizes one shared pool.
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 TARGETS = ("native", "portable")  # -march=native (AVX-512 where the compiler targets it) / the baseline ISA
 CACHE_DIR = Path.home() / ".cache" / "megatron_trace" / "cpu_kernels"
 _log = logging.getLogger(__name__)
@@ -86,7 +89,8 @@ class KernelBuild:
         build = CACHE_DIR / f"{self.target}-torch{torch.__version__.replace('+', '_')}-{self._stamp(flags)}"
         build.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(name, [str(_HERE / s) for s in SOURCES], extra_cflags=flags,
-                                  extra_include_paths=[str(_HERE)], build_directory=str(build), verbose=False)
+                                  extra_include_paths=[str(_HERE)], extra_ldflags=["-fopenmp"], build_directory=str(build),
+                                  verbose=False)
 
     def _stamp(self, flags: list[str]) -> str:
         h = hashlib.sha256(" ".join(flags).encode())
