@@ -1,11 +1,15 @@
 """MXFP4 routed experts: the trainer's QAT reproduces the embedded engine's expert codes, and the
 engine's records of them guide the trainer (tiny Qwen3-MoE, probe in-process)."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from megatron_trace.fp4 import mxfp4, unpack_fp4
 from megatron_trace.models import make_tiny_checkpoint
+from tests.ports import free_port
 from tests.test_probe import _probe_in_process
 
 
@@ -70,3 +74,36 @@ def test_weighted_expert_input_is_quantized_unweighted():
     torch.testing.assert_close(got[:, 0], want, rtol=0, atol=1e-6)
     plain = mxfp4.quantize(h * w[:, None])
     assert (unpack_fp4(plain.data) != unpack_fp4(mxfp4.quantize(h).data)).float().mean() > 0.05
+
+
+def test_tp_that_splits_an_mxfp4_block_is_refused_by_name(moe_ckpt, tmp_path):
+    """TP2 gives each rank 16 of the tiny experts' 32 intermediate channels: half an E8M0 block,
+    which the ranks cannot quantize alone. The trainer says so and names the linear and the fix."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "megatron_trace.probe",
+        "--model-path",
+        str(moe_ckpt),
+        "--quantization",
+        "mxfp4",
+        "--kv-cache-dtype",
+        "bf16",
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--tp",
+        "2",
+        "--json",
+        str(tmp_path / "out.json"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and not (tmp_path / "out.json").exists()
+    assert "linear_fc2 holds K=16 per TP rank, not a multiple of MXFP4's 32-element blocks" in proc.stderr

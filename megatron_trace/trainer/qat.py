@@ -351,6 +351,13 @@ def install_qat(
                 f"install_qat: {name} is a {type(module).__name__}, not a QAT linear of the project's "
                 f"layer spec (build the model with megatron_trace.trainer.gpt.build_model)"
             )
+        k_local = getattr(module, "input_size_per_partition", None)  # row-parallel: this rank's K slice
+        if policy.format == "mxfp4" and isinstance(module, QATRowParallelLinear) and k_local % mxfp4.BLOCK:
+            # an E8M0 block would straddle TP ranks, which quantize their slices alone
+            raise ValueError(
+                f"install_qat: {name} holds K={k_local} per TP rank, not a multiple of MXFP4's "
+                f"{mxfp4.BLOCK}-element blocks: lower trainer.tp (or use quant.format=nvfp4)"
+            )
         module.qat_site = LinearSite(state, site, fp4_input, select)
 
     for chunk, offset in zip(model_chunks, layer_offsets):
