@@ -89,8 +89,8 @@ class KernelBuild:
         build = CACHE_DIR / f"{self.target}-torch{torch.__version__.replace('+', '_')}-{self._stamp(flags)}"
         build.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(name, [str(_HERE / s) for s in SOURCES], extra_cflags=flags,
-                                  extra_include_paths=[str(_HERE)], extra_ldflags=["-fopenmp"], build_directory=str(build),
-                                  verbose=False)
+                                  extra_include_paths=[str(_HERE)], extra_ldflags=["-fopenmp"],
+                                  build_directory=str(build), verbose=False)
 
     def _stamp(self, flags: list[str]) -> str:
         h = hashlib.sha256(" ".join(flags).encode())
