@@ -61,7 +61,8 @@ int greedy_logprob(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp
 /* paged_attention*: 0, or 1 when out of memory; _items runs work items i0..i1 of T * Hkv, item i
    = (row i / Hkv, KV head i % Hkv), and _threaded all of them on torch's intra-op threads.
    decode_layer: 0, or 1 when an FP4 quantizer met NaN, 2 when out of memory, 3 for a KV slot
-   outside the cache, 4 for a KV S_enc that is not finite and positive. kfmt/vfmt of paged_attention_kv: 0 the model dtype, 1 NVFP4, 2 FP8. */
+   outside the cache, 4 for a KV S_enc that is not finite and positive. kfmt/vfmt of
+   paged_attention_kv: 0 the model dtype, 1 NVFP4, 2 FP8. */
 CPU_FUSED_DECLARE(f32, float)
 CPU_FUSED_DECLARE(bf16, uint16_t)
 #undef CPU_FUSED_DECLARE
