@@ -118,7 +118,10 @@ class Run:
         if rc.backend == "http":
             from sglang_backend.client import RolloutClient
 
-            return RolloutClient(rc.urls, api_key=rc.api_key or None)
+            client = RolloutClient(rc.urls, api_key=rc.api_key or None)
+            if self.cfg.quant.kv_k_debias:
+                check_debiased_server(client.model_info(), rc.urls[0])
+            return client
         from sglang_backend.local import Engine, InProcessBackend
 
         g = self.cfg.guidance
@@ -284,5 +287,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def check_debiased_server(info: dict, url: str) -> None:
+    """quant.kv_k_debias over HTTP: the trainer quantizes K - RoPE(b), so a server caching plain K
+    would leave TRACE guiding the wrong tensor; refuse it before the first step."""
+    served = (info.get("quant_policy") or {}).get("kv_k_debias")
+    if served is not True:
+        raise ValueError(f"quant.kv_k_debias=true, but the rollout server {url} does not serve a de-biased K cache "
+                         f"(its model_info quant_policy.kv_k_debias is {served!r}); start it with python -m "
+                         "sglang_backend.launch --backend local --kv-k-debias (the SGLang plugin does not implement it)")
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

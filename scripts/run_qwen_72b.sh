@@ -86,7 +86,8 @@ if per_side and cfg.rollout.backend == "http" and os.environ.get("CPU_MODE") != 
 if not isinstance(g.layers, (int, str)):
     sys.exit(f"guidance.layers={g.layers!r}: servers take last_half|all|none|N")
 vals = {"TP": t.tp, "PP": t.pp, "CFG_SGLANG_TP": cfg.cluster.sglang_tp, "CFG_GPUS": cfg.cluster.gpus_per_node,
-        "KV_K": pol.k_format, "KV_V": pol.v_format, "QUANT": quant, "KV": kv, "GUIDE_MODE": g.mode,
+        "KV_K": pol.k_format, "KV_V": pol.v_format, "KV_K_DEBIAS": "1" if pol.kv_k_debias else "",
+        "QUANT": quant, "KV": kv, "GUIDE_MODE": g.mode,
         "GUIDE_LAYERS": g.layers, "ROLLOUT_DTYPE": r.dtype,
         "MAX_RUNNING": r.max_running, "SEED": t.seed, "CFG_RUN_DIR": cfg.logging.run_dir,
         "CFG_MODEL": cfg.model.path, "CFG_TRANSPORT": cfg.transfer.transport}
@@ -247,7 +248,8 @@ for node in "${ROLLOUT_HOSTS[@]}"; do
     launch "$LOG_DIR/server_$i.log" srun --nodes 1 --ntasks 1 -w "$node" "${SERVER_GRES[@]}" --job-name "rollout$i" \
       "$PYTHON" -m sglang_backend.launch --backend "$ROLLOUT_BACKEND" --model-path "$MODEL_PATH" \
       --host 0.0.0.0 --port "$port" --api-key "$API_KEY" ${QUANT:+--quantization "$QUANT"} \
-      --kv-k "$KV_K" --kv-v "$KV_V" --dtype "$ROLLOUT_DTYPE" --guidance-mode "$GUIDE_MODE" --guided-layers "$GUIDE_LAYERS" \
+      --kv-k "$KV_K" --kv-v "$KV_V" ${KV_K_DEBIAS:+--kv-k-debias} --dtype "$ROLLOUT_DTYPE" \
+      --guidance-mode "$GUIDE_MODE" --guided-layers "$GUIDE_LAYERS" \
       --max-running-requests "$MAX_RUNNING" --random-seed $((SEED + i)) "${extra[@]}"
     URLS+=("$url"); ((${#PIDS[@]})) && SERVER_PIDS+=("${PIDS[-1]}"); i=$((i + 1))
   done

@@ -119,3 +119,34 @@ def test_families_without_the_bias_refuse_it_and_exports_name_fp8():
     assert DEBIASED.kv_cache_quant_algo() == "FP8"  # a stock engine would keep the bias in: the finer side
     with pytest.raises(ValueError, match="kv_k_debias must be true or false"):
         QuantPolicy(kv_k_debias="yes")
+
+
+def test_servers_are_launched_and_checked_for_the_debiased_cache(outlier_ckpt, tmp_path):  # noqa: F811
+    """The launcher passes --kv-k-debias to the embedded engine and refuses it for SGLang; a trainer
+    with quant.kv_k_debias refuses a rollout server whose model_info does not report it (else TRACE
+    would guide K - RoPE(b) against a cache of plain K)."""
+    from megatron_trace.train import check_debiased_server
+    from sglang_backend.launch import _policy, parser, sglang_command
+
+    args = parser().parse_args(["--model-path", str(outlier_ckpt), "--kv-k", "nvfp4", "--kv-k-debias"])
+    assert _policy(args).kv_k_debias is True and _policy(args).k_format == "nvfp4"
+    with pytest.raises(ValueError, match="--kv-k-debias .* --backend local only"):
+        sglang_command(parser().parse_args(["--backend", "sglang", "--model-path", str(outlier_ckpt),
+                                            "--kv-k-debias"]), [])
+    from sglang_backend.client import RolloutClient
+    from sglang_backend.local.server import serve
+
+    for policy, ok in ((DEBIASED, True), (QuantPolicy(format="bf16", weights="bf16", activations="bf16",
+                                                      kv="nvfp4"), False)):
+        eng = Engine(str(outlier_ckpt), quant_policy=policy)
+        srv = serve(eng, "127.0.0.1", 0)
+        try:
+            info = RolloutClient([srv.url]).model_info()  # what train.py asks an HTTP rollout
+        finally:
+            srv.shutdown()
+            eng.shutdown()
+        if ok:
+            check_debiased_server(info, "http://a:1")
+        else:
+            with pytest.raises(ValueError, match="does not serve a de-biased K cache"):
+                check_debiased_server(info, "http://a:1")
