@@ -69,6 +69,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4", "mxfp4"], default="auto")
     p.add_argument("--kv-k", choices=KV_SIDES, default=None, help="K cache format (default: --kv-cache-dtype)")
     p.add_argument("--kv-v", choices=KV_SIDES, default=None, help="V cache format (default: --kv-cache-dtype)")
+    p.add_argument("--kv-k-debias", action="store_true",
+                   help="--backend local: the K cache holds K minus its rotated k_proj bias (quant.kv_k_debias)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--guidance-mode", choices=["full", "mantissa"], default="mantissa")
     p.add_argument("--guided-layers", type=_parse_guided_layers, default="last_half", metavar="last_half|all|none|N")
@@ -119,9 +121,10 @@ def _policy(args: argparse.Namespace):
     from sglang_backend.local.engine import policy_for
 
     policy = policy_for(args.quantization, args.kv_cache_dtype, Path(args.model_path))
-    if args.kv_k is None and args.kv_v is None:
+    if args.kv_k is None and args.kv_v is None and not args.kv_k_debias:
         return policy
-    return QuantPolicy.from_dict({**policy.to_dict(), "kv_k": args.kv_k or "", "kv_v": args.kv_v or ""})
+    sides = {"kv_k": args.kv_k or policy.kv_k, "kv_v": args.kv_v or policy.kv_v}
+    return QuantPolicy.from_dict({**policy.to_dict(), **sides, "kv_k_debias": args.kv_k_debias})
 
 
 def kv_sides(args: argparse.Namespace) -> tuple[str, str]:
@@ -170,6 +173,25 @@ def _device(args: argparse.Namespace) -> str:
 ONLINE_QUANT_WEIGHT_FACTOR = 2.2
 
 
+def cpu_thread_binding(tp_size: int, cpus: list[int] | None = None) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for TP ranks on SGLang's CPU engine: this process's CPUs split into
+    tp_size contiguous groups ("0-3|4-7"). Without it SGLang asks for one NUMA node per rank and
+    stops on a one-node box."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if len(cpus) < tp_size:
+        raise ValueError(f"--tp-size {tp_size} on the CPU engine needs at least one CPU per rank; this process may "
+                         f"use {len(cpus)} ({cpus}); set SGLANG_CPU_OMP_THREADS_BIND yourself to share them")
+    per = len(cpus) // tp_size
+    groups = [cpus[r * per:(r + 1) * per] for r in range(tp_size)]
+
+    def cpu_list(g: list[int]) -> str:
+        if len(g) == 1:
+            return str(g[0])
+        return f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1 else ",".join(map(str, g))
+
+    return "|".join(cpu_list(g) for g in groups)
+
+
 def _available_memory() -> int:
     try:
         import psutil  # SGLang's own measure of what its CPU engine may use
@@ -205,6 +227,9 @@ def cpu_mem_fraction(args: argparse.Namespace, kv_tokens: int, available: int | 
 
 def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) of the SGLang server for our parsed flags."""
+    if args.kv_k_debias:
+        raise ValueError("--kv-k-debias (quant.kv_k_debias) is served by --backend local only: the SGLang plugin's KV "
+                         "pool does not know each slot's position, which adding RoPE_pos(bias) back needs")
     if args.quantization is not None and args.quantization not in SGLANG_QUANT:
         raise ValueError(f"--quantization {args.quantization} is served by --backend local only; SGLang takes "
                          f"{', '.join(SGLANG_QUANT)}")
@@ -232,6 +257,8 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
     env.update(dataclasses.replace(PluginSettings.from_env(), kv_read_dtype=args.dtype, **plugin).to_env())
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if args.tp_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(args.tp_size)
         tokens = args.max_total_tokens or 16384
         cmd += CPU_FLAGS + ["--mem-fraction-static", str(args.mem_fraction_static or cpu_mem_fraction(args, tokens)),
                             "--max-total-tokens", str(tokens)]

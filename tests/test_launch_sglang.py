@@ -139,3 +139,23 @@ def test_cpu_mem_fraction_covers_weights_and_kv(bf16_ckpt):
         quant = parser().parse_args(["--model-path", bf16_ckpt, "--dtype", dtype, "--quantization", "nvfp4"])
         online = int(weights * wide * 2.2) + 1000 * kv_per_token * wide  # float weights + their FP4 copy
         assert cpu_mem_fraction(quant, 1000, available=online * 4) == round(1.34 / 4, 3)
+
+
+def test_cpu_tp_ranks_get_their_own_cores(capsys, bf16_ckpt, monkeypatch):
+    """SGLang's CPU engine wants one NUMA node per TP rank unless SGLANG_CPU_OMP_THREADS_BIND says
+    which cores each rank takes: the launcher splits this process's CPUs; a user's own value wins."""
+    from sglang_backend.launch import cpu_thread_binding
+
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0-1|2-3"
+    assert cpu_thread_binding(2, [0, 2, 4, 6]) == "0,2|4,6"
+    with pytest.raises(ValueError, match="at least one CPU per rank"):
+        cpu_thread_binding(4, [0, 1])
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    env, _ = _dry(capsys, "--device", "cpu", "--tp-size", "2", model=bf16_ckpt)
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1
+    env, _ = _dry(capsys, "--device", "cpu", model=bf16_ckpt)
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in env
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|0")
+    env, _ = _dry(capsys, "--device", "cpu", "--tp-size", "2", model=bf16_ckpt)
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in env  # the caller's passes through the exec environment
