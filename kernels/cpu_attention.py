@@ -1,7 +1,8 @@
 """Paged attention of the engine's CPU kernels (`cpu_attention_typed.h`), prefill and decode alike.
 
-Three kernels: pages in the model dtype, NVFP4 K and V, and K and V each in its own format
-(model dtype, NVFP4 or FP8 E4M3 with a per-(token, KV head) scale: `paged_attention_kv`).
+Three uses of one C kernel: pages in the model dtype, NVFP4 K and V, and K and V each in its own
+format (model dtype, NVFP4, MXFP4 with E8M0 per 16, or FP8 E4M3 with one scale per token:
+`paged_attention_kv`).
 Row t of q attends to the first row_len[t] positions of its sequence, whose KV slots a table
 row lists; FP4 pages are decoded in registers by the C kernels' one E2M1/E4M3 decoder
 (`cpu_fp4.h`), never gathered into a dequantized copy. Built by kernels/cpu_build.py; callers
@@ -39,7 +40,7 @@ def paged_attention_nvfp4(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torc
 
 
 # Page formats the mixed-format kernel decodes itself (its `fmt` codes); others have no kernel.
-KV_ROW_FORMATS = {"bf16": 0, "nvfp4": 1, "fp8": 2}
+KV_ROW_FORMATS = {"bf16": 0, "nvfp4": 1, "fp8": 2, "mxfp4": 3}
 
 
 def paged_attention_kv(q: torch.Tensor, k_fmt: str, k_pages: tuple, sdec_k: float, v_fmt: str, v_pages: tuple,

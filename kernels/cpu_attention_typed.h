@@ -1,7 +1,7 @@
 /* Paged attention of the engine's CPU kernels, prefill and decode alike (see cpu_fused.h).
  *
  * One kernel, F(paged_attention_items), over K and V pages each in its own format (kv_side: the
- * model dtype, NVFP4, or FP8 E4M3 with one fp32 scale per slot); paged_attention,
+ * model dtype, NVFP4, MXFP4 with E8M0 per 16, or FP8 E4M3 with one fp32 scale per slot); paged_attention,
  * paged_attention_nvfp4 and paged_attention_kv name its three uses. Row t of q attends to the first
  * row_len[t] positions of its sequence, whose KV slots a table row lists. The work item is
  * (row t, KV head kh): its G = H / Hkv query heads share every decoded K/V head row, and
@@ -122,7 +122,7 @@ static void softmax_numerators(float* sc, int64_t G, int64_t W, int64_t L) {
 /* Where row (slot, kh) of one side starts, and how many bytes of it the prefetcher should fetch. */
 PREFETCH_FN void prefetch_head(const kv_side* p, size_t elem, int64_t slot, int64_t Hkv, int64_t kh, int64_t D) {
     const int64_t e = (slot * Hkv + kh) * D;
-    if (p->fmt == 1) {
+    if (p->fmt == 1 || p->fmt == 3) {
         prefetch_row((const uint8_t*)p->data + e / 2, D / 2);
         __builtin_prefetch((const uint8_t*)p->scales + e / 16);
     } else {
@@ -143,13 +143,27 @@ static void F(nvfp4_values)(float sdec, const float* lut, const float* grid, flo
     }
 }
 
+/* The same for MXFP4 pages (E8M0 scale per 16: 2^(byte - 127), 0xff NaN), dtype(grid[code] * 2^e) as
+   fp4.mxfp4.dequantize gives it. */
+static void F(mxfp4_values)(const float* grid, float* tab) {
+    const v8f lo = ld8_f32(grid), hi = ld8_f32(grid + 8);
+    for (int s = 0; s < 256; s++) {
+        const uint32_t bits = s == 255 ? 0x7fc00000u : s == 0 ? 0x00400000u : (uint32_t)s << 23;
+        float e;
+        memcpy(&e, &bits, sizeof e);
+        const v8f a = F(rnd8)(lo * e), z = F(rnd8)(hi * e);
+        memcpy(tab + 16 * s, &a, sizeof a);
+        memcpy(tab + 16 * s + 8, &z, sizeof z);
+    }
+}
+
 /* Row (slot, KV head kh) of one side, D values, decoded into fp32 exactly as the cache's torch read
-   in the model dtype: NVFP4 from its value table (F(nvfp4_values)), dtype(e4m3[byte] * s) for FP8,
+   in the model dtype: NVFP4 and MXFP4 from their value tables (F(nvfp4_values), F(mxfp4_values)), dtype(e4m3[byte] * s) for FP8,
    the stored element otherwise. */
 PREFETCH_FN void F(head_row)(const kv_side* p, const float* tab, int64_t slot, int64_t Hkv, int64_t kh, int64_t D,
                              const float* lut, float* out) {
     const int64_t e = (slot * Hkv + kh) * D;
-    if (p->fmt == 1) {
+    if (p->fmt == 1 || p->fmt == 3) {
         const uint8_t *c = (const uint8_t*)p->data + e / 2, *s = (const uint8_t*)p->scales + e / 16;
         for (int64_t b = 0; b < D / 16; b++) {
             const float* t = tab + 16 * s[b];
@@ -220,14 +234,21 @@ int F(paged_attention_items)(const ELEM* q, const kv_side* k, const kv_side* v, 
     (void)T;
     if (i0 >= i1) return 0;
     const int64_t G = H / Hkv, W = widest_row(row_len, i0 / Hkv, (i1 - 1) / Hkv + 1);
-    const int64_t ntab = 256 * 16 * ((k->fmt == 1) + (v->fmt == 1));
+    const int k4 = k->fmt == 1 || k->fmt == 3, v4 = v->fmt == 1 || v->fmt == 3;  /* sides with a value table */
+    const int64_t ntab = 256 * 16 * (k4 + v4);
     float* buf = (float*)malloc((size_t)(2 * G * D + 8 * D + G * W + ntab) * sizeof(float));  /* heap: long contexts */
     if (!buf) return 1;
     const float *lut = nvfp4_e4m3_lut(), *grid = nvfp4_e2m1_grid();
     F(scratch) m = {buf, buf + G * D, buf + 2 * G * D, buf + 2 * G * D + 8 * D, 0, 0, lut};
     float* tabs = m.sc + G * W;
-    if (k->fmt == 1) { F(nvfp4_values)(k->sdec, lut, grid, tabs); m.ktab = tabs; tabs += 256 * 16; }
-    if (v->fmt == 1) { F(nvfp4_values)(v->sdec, lut, grid, tabs); m.vtab = tabs; }
+    const kv_side* sides[2] = {k, v};
+    for (int i = 0; i < 2; i++) {
+        if (sides[i]->fmt == 1) F(nvfp4_values)(sides[i]->sdec, lut, grid, tabs);
+        else if (sides[i]->fmt == 3) F(mxfp4_values)(grid, tabs);
+        else continue;
+        *(i ? &m.vtab : &m.ktab) = tabs;
+        tabs += 256 * 16;
+    }
     for (int64_t it = i0; it < i1; it++) {
         const int64_t t = it / Hkv, kh = it % Hkv, L = row_len[t], h0 = t * H + kh * G;
         const int64_t* tab = table + row_seq[t] * ldt;

@@ -21,7 +21,7 @@ extern "C" {
 /* One side (K or V) of a layer's pages for the attention kernels: fmt 0 the model dtype (data
    [slots, Hkv, D]), 1 NVFP4 (data: codes [slots, Hkv, D/2] low nibble first, scales: E4M3
    [slots, Hkv, D/16], sdec: the layer's S_dec), 2 FP8 (data: E4M3 [slots, Hkv, D], scales: one
-   fp32 S_dec per slot). */
+   fp32 S_dec per slot), 3 MXFP4 (NVFP4's layout with E8M0 scales per 16, no S_dec). */
 typedef struct {
     int fmt;
     const void* data;
@@ -62,7 +62,7 @@ int greedy_logprob(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp
    = (row i / Hkv, KV head i % Hkv), and _threaded all of them on torch's intra-op threads.
    decode_layer: 0, or 1 when an FP4 quantizer met NaN, 2 when out of memory, 3 for a KV slot
    outside the cache, 4 for a KV S_enc that is not finite and positive. kfmt/vfmt of
-   paged_attention_kv: 0 the model dtype, 1 NVFP4, 2 FP8. */
+   paged_attention_kv: 0 the model dtype, 1 NVFP4, 2 FP8, 3 MXFP4 (kv_side). */
 CPU_FUSED_DECLARE(f32, float)
 CPU_FUSED_DECLARE(bf16, uint16_t)
 #undef CPU_FUSED_DECLARE
