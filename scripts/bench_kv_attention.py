@@ -7,10 +7,10 @@ One layer's decode step: --batch sequences of --context cached tokens each (slot
 the cache as a paged allocator leaves them), one query row per sequence, --heads query heads over
 --kv-heads KV heads of --head-dim. Contenders (the engine's kernels, kernels/cpu_attention.py):
 BF16 pages (`paged_attention`), NVFP4 pages decoded in registers (`paged_attention_nvfp4`), and
-MXFP4 pages, which the engine attends over a dequantized gather of (`PagedKVCache.read` +
-`paged_attention`: no in-register kernel yet). --runs interleaved rounds, the median each; the
-page bytes one step reads are K + V of batch x context tokens (NVFP4: codes + E4M3 scales; MXFP4:
-codes + E8M0 scales).
+MXFP4 pages in the engine's KV layout (E8M0 per 16, ceil rule) decoded in registers
+(`paged_attention_kv`). All three are one threaded C kernel (kernels/cpu_attention_typed.h).
+--runs interleaved rounds, the median each; the page bytes one step reads are K + V of
+batch x context tokens (NVFP4: codes + E4M3 scales; MXFP4: codes + E8M0 scales).
 """
 from __future__ import annotations
 
@@ -59,13 +59,11 @@ def main(argv=None) -> str:
     kb, vb = k.bfloat16(), v.bfloat16()
     qk, qv = nvfp4.quantize(k), nvfp4.quantize(v)
     sk, sv = float(nvfp4.decode_scale(qk.global_scale)), float(nvfp4.decode_scale(qv.global_scale))
-    mk, mv = mxfp4.quantize(k), mxfp4.quantize(v)
-    flat = table.reshape(-1)
+    mk, mv = (mxfp4.quantize(x, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK) for x in (k, v))
 
-    def mx_gathered():
-        kc = mxfp4.dequantize(mxfp4.MXFP4Tensor(mk.data[flat], mk.scale[flat]), torch.bfloat16)
-        vc = mxfp4.dequantize(mxfp4.MXFP4Tensor(mv.data[flat], mv.scale[flat]), torch.bfloat16)
-        return cpu_attention.paged_attention(q, kc, vc, torch.arange(slots).view(b, n), row_seq, row_len, scale)
+    def mx_pages():
+        return cpu_attention.paged_attention_kv(q, "mxfp4", (mk.data, mk.scale), 1.0, "mxfp4", (mv.data, mv.scale),
+                                                1.0, table, row_seq, row_len, scale)
 
     runs = {
         "BF16 pages": (lambda: cpu_attention.paged_attention(q, kb, vb, table, row_seq, row_len, scale),
@@ -73,7 +71,7 @@ def main(argv=None) -> str:
         "NVFP4 pages (in registers)": (lambda: cpu_attention.paged_attention_nvfp4(
             q, qk.data, qk.scale, qv.data, qv.scale, sk, sv, table, row_seq, row_len, scale),
             2 * slots * hkv * (d // 2 + d // 16)),
-        "MXFP4 pages (dequantized gather)": (mx_gathered, 2 * slots * hkv * (d // 2 + d // 32)),
+        "MXFP4 pages (in registers)": (mx_pages, 2 * slots * hkv * (d // 2 + d // mxfp4.KV_BLOCK)),
     }
     times = {name: [] for name in runs}
     for f, _ in runs.values():
