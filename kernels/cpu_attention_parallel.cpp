@@ -1,9 +1,10 @@
 // Paged attention on torch's intra-op threads: the work items of cpu_attention_typed.h, (row t, KV
-// head), split over at::parallel_for (the OpenMP pool torch's own ops use, as cpu_gemv_parallel.cpp
-// does). An item's arithmetic does not depend on which thread runs it, so results are the same bits
+// head), handed out by a counter to the threads of one at::parallel_for (the OpenMP pool torch's own
+// ops use, as cpu_gemv_parallel.cpp does). An item's arithmetic does not depend on which thread runs it, so results are the same bits
 // for every thread count.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "cpu_fused.h"
@@ -21,10 +22,17 @@ int run(Items items, const Elem* q, const kv_side* k, const kv_side* v, const in
     const int64_t n = T * Hkv;
     int64_t positions = 0;
     for (int64_t t = 0; t < T; t++) positions += row_len[t];
-    const int64_t grain = positions * H * D < kSerialWork ? (n > 0 ? n : 1) : 1;
+    if (n <= 1 || positions * H * D < kSerialWork || at::get_num_threads() < 2)
+        return items(q, k, v, table, ldt, row_seq, row_len, T, H, Hkv, D, scale, out, 0, n);
+    // Items are taken from a shared counter, not split in equal ranges: on a shared box one thread
+    // is often descheduled, and a static split then waits for it (2 threads ran 2-3x slower than 1).
+    const int64_t threads = at::get_num_threads(), chunk = std::max<int64_t>(1, n / (4 * threads));
+    std::atomic<int64_t> next{0};
     std::atomic<int> rc{0};
-    at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) {
-        if (items(q, k, v, table, ldt, row_seq, row_len, T, H, Hkv, D, scale, out, i0, i1)) rc = 1;
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+        for (int64_t i0; (i0 = next.fetch_add(chunk)) < n;)
+            if (items(q, k, v, table, ldt, row_seq, row_len, T, H, Hkv, D, scale, out, i0, std::min(i0 + chunk, n)))
+                rc = 1;
     });
     return rc.load();
 }
