@@ -1,7 +1,7 @@
 // Paged attention on torch's intra-op threads: the work items of cpu_attention_typed.h, (row t, KV
 // head), handed out by a counter to the threads of one at::parallel_for (the OpenMP pool torch's own
-// ops use, as cpu_gemv_parallel.cpp does). An item's arithmetic does not depend on which thread runs it, so results are the same bits
-// for every thread count.
+// ops use, as cpu_gemv_parallel.cpp does). An item's arithmetic does not depend on which thread runs
+// it, so results are the same bits for every thread count.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
