@@ -80,12 +80,15 @@ class QuantConfig(Section):
                         "module patterns that are FP4")
     bf16_layers_start: int = opt(0, "first N layers stay BF16", low=0)
     bf16_layers_end: int = opt(0, "last N layers stay BF16", low=0)
-    activation_scale: str = opt("per_token", "activation global scale", ("per_token", "static"))
+    activation_scale: str = opt("per_token", "activation global scale (static: calibrated at start, synced with "
+                                             "the weights)", ("per_token", "static"))
+    calib_prompts: int = opt(16, "training prompts that calibrate static activation scales", low=1)
     kv_k_debias: bool = opt(False, "K cache holds K minus its rotated k_proj bias (Qwen2/2.5: NVFP4 K without "
                                    "the outlier-channel loss)")
 
     def policy(self) -> QuantPolicy:
-        return QuantPolicy.from_dict({**dataclasses.asdict(self), "targets": tuple(self.targets)})
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "calib_prompts"}  # a run key, no policy
+        return QuantPolicy.from_dict({**fields, "targets": tuple(self.targets)})
 
     def check(self) -> None:
         self.policy()  # the policy's own cross-field rules (W16A4 is not a policy, ...)

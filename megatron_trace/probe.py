@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quantization", default="nvfp4", choices=list(QUANTIZATIONS),
                     help="linears: W4A4 or W4A16 in NVFP4 or MXFP4, or none (BF16 linears: a KV-only run)")
     ap.add_argument("--kv-cache-dtype", default="nvfp4", choices=list(KV_FORMATS))
+    ap.add_argument("--activation-scale", default="per_token", choices=["per_token", "static"],
+                    help="NVFP4 activations' global scale: per token, or static (calibrated on the probe's prompts "
+                         "by the fp32 HF forward, sent to the engine as input_scale, given to the trainer's QAT)")
     ap.add_argument("--kv-k", default="", choices=["", *KV_FORMATS], help="K cache format (default: --kv-cache-dtype)")
     ap.add_argument("--kv-v", default="", choices=["", *KV_FORMATS], help="V cache format (default: --kv-cache-dtype)")
     ap.add_argument("--kv-k-debias", action="store_true", help="the K cache holds K minus its rotated k_proj bias "
@@ -81,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.temperature <= 0:
         ap.error("--temperature must be > 0 (the logprobs compared are those of a sampling policy)")
+    if args.activation_scale == "static" and args.quantization != "nvfp4":
+        ap.error(f"--activation-scale static needs --quantization nvfp4 (W4A4 NVFP4); got {args.quantization}")
     if args.guided_layers.isdigit():
         args.guided_layers = int(args.guided_layers)
     return args
@@ -105,8 +110,10 @@ def probe_prompts(args, arch: ModelArch) -> list[list[int]]:
     return synthetic_prompts(arch, args.num_prompts, args.prompt_len, args.seed)
 
 
-def rollout(args, policy: QuantPolicy) -> list[dict]:
-    """Generate on this process's embedded engine; each sample carries its full guidance bytes."""
+def rollout(args, policy: QuantPolicy) -> tuple[list[dict], dict[str, float] | None]:
+    """Generate on this process's embedded engine; each sample carries its full guidance bytes.
+    Static activation scales: calibrated on the probe's prompts first and pushed into the engine
+    as a weight version with input_scale (what the RL loop's sync sends); returned with the samples."""
     from sglang_backend.local import Engine
 
     arch = ModelArch.from_hf_config(args.model_path)
@@ -114,6 +121,7 @@ def rollout(args, policy: QuantPolicy) -> list[dict]:
                  guided_layers=args.guided_layers, random_seed=args.seed)
     try:
         prompts = probe_prompts(args, arch)
+        amax = _push_static_scales(args, arch, policy, eng, prompts) if policy.activation_scale == "static" else None
         real = bool(args.prompts or args.dataset)  # real prompts end their answers; random ones never would
         params = [{"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "ignore_eos": not real,
                    "sampling_seed": args.seed * 10_000 + i} for i in range(len(prompts))]
@@ -127,9 +135,23 @@ def rollout(args, policy: QuantPolicy) -> list[dict]:
                             "logprobs": [t[0] for t in out["meta_info"]["output_token_logprobs"]],
                             "routed_experts": out["meta_info"].get("routed_experts"),
                             "guidance": eng.fetch_guidance(handle) if guided else b""})
-        return samples
+        return samples, amax
     finally:
         eng.shutdown()
+
+
+def _push_static_scales(args, arch: ModelArch, policy: QuantPolicy, eng, prompts) -> dict[str, float]:
+    from sglang_backend.local import InProcessBackend
+
+    from megatron_trace.transfer.export import load_hf_dir
+    from megatron_trace.transfer.pipeline import push_hf_state_dict
+    from megatron_trace.transfer.static_calibration import calibrate_static_amax
+    from megatron_trace.transfer.transports import InProcessTransport
+
+    amax = calibrate_static_amax(args.model_path, arch, policy, prompts)
+    _, hf_sd, _ = load_hf_dir(args.model_path)
+    push_hf_state_dict(hf_sd, arch, policy, InProcessTransport(InProcessBackend(eng)), 1, input_amax=amax)
+    return amax
 
 
 def guidance_skipped(policy: QuantPolicy) -> str | None:
@@ -162,12 +184,14 @@ def probe(args) -> dict:
     targets = tuple(args.targets.split(",")) if args.targets else QuantPolicy().targets
     fmt, weights, acts = QUANTIZATIONS[args.quantization]
     policy = QuantPolicy(format=fmt, weights=weights, activations=acts, kv=args.kv_cache_dtype, kv_k=args.kv_k,
-                         kv_v=args.kv_v, targets=targets, kv_k_debias=args.kv_k_debias)
+                         kv_v=args.kv_v, targets=targets, kv_k_debias=args.kv_k_debias,
+                         activation_scale=args.activation_scale)
     init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, seed=args.seed)
     try:
         t0 = time.perf_counter()
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        samples = _share(rollout(args, policy) if rank0 else None)
+        samples, amax = rollout(args, policy) if rank0 else (None, None)
+        samples, amax = _share(samples), broadcast_json(amax)
         t_rollout = time.perf_counter() - t0
         skipped = guidance_skipped(policy)
         if skipped and rank0:
@@ -177,6 +201,10 @@ def probe(args) -> dict:
         actor = Actor(arch, policy, TrainerConfig(qat_mode="off", micro_batch_size=args.micro_batch_size,
                                                   routing_replay=args.routing_replay),
                       RolloutConfig(temperature=args.temperature), hf_path=args.model_path)
+        if amax is not None:  # the S_enc the engine quantized with, per site (per expert for MoE)
+            from megatron_trace.trainer.static_scales import static_site_scales
+
+            actor.qat.set_static_activation_scales(static_site_scales(amax, arch, policy))
         replay = replay_enabled(args.routing_replay, arch)
         routed = [None if s["routed_experts"] is None else decode_routed_experts(
             s["routed_experts"], len(s["prompt"]) + len(s["response"]) - 1, arch.num_layers, arch.num_experts_per_tok,
@@ -211,9 +239,22 @@ def probe(args) -> dict:
                 "prompts": args.prompts or args.dataset or "random token ids",
                 "response_lengths": [len(s["response"]) for s in samples],
                 "max_new_tokens": args.max_new_tokens, "rollout_seconds": t_rollout,
+                "static_scales": _static_scales(actor.qat.static_scales, full) if amax is not None else None,
                 "total_seconds": time.perf_counter() - t0, "modes": results}
     finally:
         destroy()
+
+
+def _static_scales(trainer: dict[str, torch.Tensor], records: list) -> dict[str, dict[str, list[float]]]:
+    """Static S_enc per linear site as the trainer rounds with it and as each rollout record carries
+    it (one 0-d value per record and site): the two must be the same numbers."""
+    rollout: dict[str, set[float]] = {}
+    for r in records:
+        for site, rec in r.sites.items():
+            if site in trainer:
+                rollout.setdefault(site, set()).add(float(rec.global_scale) if rec.global_scale.dim() == 0 else -1.0)
+    return {"trainer": {k: [float(v)] for k, v in sorted(trainer.items())},
+            "rollout": {k: sorted(v) for k, v in sorted(rollout.items())}}
 
 
 def dlogp_by_position(rollout_lp: list[list[float]], train_lp: list[torch.Tensor]) -> list[float]:

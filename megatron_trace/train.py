@@ -59,6 +59,7 @@ class Run:
         if self.rank0:
             self._check_rollout_quality(model_path, tok, prompts)
         self.actor = Actor(self.arch, cfg.quant.policy(), cfg.trainer, cfg.rollout, hf_path=model_path)
+        self.input_amax = self._static_activation_amax(model_path, tok, prompts)
         self.start_step, self.version = 0, 0
         if resume:
             meta = self.actor.load_checkpoint(self.run_dir / "checkpoints")
@@ -80,8 +81,9 @@ class Run:
                 loggers.append(TensorBoardLogger(self.run_dir))
             self.hub = MetricsHub(loggers)
         self.runner = StepRunner(cfg, self.actor, self.store, self.rank0)
-        if resume or self.version:
-            self.sync_weights()  # the rollout serves what the checkpoint holds
+        if resume or self.version or self.input_amax is not None:
+            # the rollout serves what the checkpoint holds; static scales: its input_scale before the first rollout
+            self.sync_weights()
 
     def _model_path(self, tok, prompts) -> Path:
         if self.cfg.model.path:
@@ -93,6 +95,27 @@ class Run:
         if not dist.is_initialized() or dist.get_rank() == 0:
             path = str(warm_start_for(self.cfg, tok, prompts, log=lambda m: print(m, flush=True)))
         return Path(broadcast_json(path))
+
+    def _static_activation_amax(self, model_path: Path, tok, prompts) -> dict[str, float] | None:
+        """quant.activation_scale=static: each FP4-activation linear's input amax, calibrated once on
+        quant.calib_prompts training prompts (rank 0, fp32 HF forward of the starting checkpoint; why
+        that forward: transfer/static_calibration.py), shared with every rank. The trainer's QAT rounds
+        with the S_enc it gives and every weight sync sends it as input_scale, so both sides agree."""
+        if self.cfg.quant.activation_scale != "static":
+            return None
+        from megatron_trace.trainer.comm import broadcast_json
+        from megatron_trace.trainer.static_scales import static_site_scales
+        from megatron_trace.transfer.static_calibration import calibrate_static_amax
+
+        policy = self.cfg.quant.policy()
+        amax = None
+        if self.rank0:
+            ids = [tok.encode_prompt(p.text) for p in prompts.sample(self.cfg.quant.calib_prompts, 0)]
+            amax = calibrate_static_amax(model_path, self.arch, policy, ids)
+            print(f"static activation scales: calibrated {len(amax)} linears on {len(ids)} prompts", flush=True)
+        amax = broadcast_json(amax)
+        self.actor.qat.set_static_activation_scales(static_site_scales(amax, self.arch, policy))
+        return amax
 
     def _check_rollout_quality(self, model_path: Path, tok, prompts) -> None:
         """Warn when the configured quantization damages the policy itself (agreement with the trainer
@@ -141,7 +164,8 @@ class Run:
         from megatron_trace.transfer.sync import sync_weights
 
         t = time.perf_counter()
-        stats = sync_weights(self.actor.chunks, self.arch, self.cfg, self.transport, self.version)
+        stats = sync_weights(self.actor.chunks, self.arch, self.cfg, self.transport, self.version,
+                             input_amax=self.input_amax)
         if stats is not None:
             self.wire_bytes = stats.bytes
         if hasattr(self.backend, "note_version"):  # a rollout server that died is re-admitted at this version

@@ -131,3 +131,26 @@ def test_kv_only_policy_models_the_fp4_kv_cache(ckpt):
     assert m["guided-full"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
     agree = m["guided-full"]["agreement"]
     assert sorted({k.rsplit(".", 1)[1] for k in agree}) == ["k_cache", "v_cache"] and min(agree.values()) >= 0.999
+
+
+def test_static_activation_scales_are_calibrated_and_guided(ckpt):
+    """--activation-scale static: one calibrated S_enc per FP4-activation site, on both sides (the
+    engine got it as input_scale, the trainer's QAT from the same amax); guided < rtn < off, and the
+    guided trainer reproduces every rollout code (>= 99.9%) with the static scale."""
+    res = _probe_in_process(ckpt, "--activation-scale", "static")
+    m = res["modes"]
+    assert res["policy"]["activation_scale"] == "static" and res["guided_skipped"] is None
+    assert m["guided-full"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
+    agree = m["guided-full"]["agreement"]
+    assert len(agree) == 4 * 4 and min(agree.values()) >= 0.999
+    # every record carries the one S_enc per site the trainer used (a per-token scale would read -1 here)
+    scales = res["static_scales"]
+    assert len(scales["trainer"]) == 4 * 2 and scales["rollout"] == scales["trainer"]
+    assert all(v[0] > 0 for v in scales["trainer"].values())
+
+
+def test_static_activation_scale_needs_nvfp4_w4a4(ckpt):
+    proc = subprocess.run([sys.executable, "-m", "megatron_trace.probe", "--model-path", str(ckpt),
+                           "--quantization", "w4a16_nvfp4", "--activation-scale", "static"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--activation-scale static needs --quantization nvfp4" in proc.stderr

@@ -7,6 +7,7 @@ fp4 code the trainer's QAT uses, so rollout and trainer weights are bit-identica
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 
 from .pipeline import push_weights
@@ -33,6 +34,14 @@ def make_transport(cfg, backend, run_dir: Path, arch):
     return DiskTransport(backend, run_dir / "weights", arch.to_hf_config())
 
 
-def sync_weights(model_chunks, arch, cfg, transport, version: int) -> TransferStats | None:
-    """Collective; returns the sender's stats (bytes, seconds) on rank 0, None elsewhere."""
-    return push_weights(model_chunks, arch, cfg.quant.policy(), transport, version, bucket_mb=cfg.transfer.bucket_mb)
+def sync_weights(model_chunks, arch, cfg, transport, version: int, *,
+                 input_amax: Mapping[str, float] | None = None) -> TransferStats | None:
+    """Collective; returns the sender's stats (bytes, seconds) on rank 0, None elsewhere.
+    input_amax: the run's calibrated {HF module: input amax} with quant.activation_scale=static;
+    every version carries the same input_scale, the S_enc the trainer's QAT rounds with."""
+    policy = cfg.quant.policy()
+    if policy.activation_scale == "static" and transport is not None and input_amax is None:
+        raise ValueError("quant.activation_scale=static: the weight sync needs the run's calibrated input amax "
+                         "(Run calibrates it at start; megatron_trace.transfer.static_calibration)")
+    return push_weights(model_chunks, arch, policy, transport, version, bucket_mb=cfg.transfer.bucket_mb,
+                        input_amax=input_amax)
