@@ -52,6 +52,9 @@ class RolloutClient:
         self._down_until = {u: 0.0 for u in self.urls}  # failed servers sit out a backoff period
         self._rotate = itertools.count()
         self._handles: dict[str, str] = {}  # guidance handle -> the server holding its record
+        # guidance handle -> its record (or the error fetching it), fetched by generate's worker as
+        # soon as the sample finishes: the fetches overlap the batch's other generations
+        self._prefetched: dict[str, bytes | RolloutError] = {}
         self.served = {u: 0 for u in self.urls}  # requests each server answered (for balancing checks)
         self.failures = {u: 0 for u in self.urls}  # failed attempts per server (each retried elsewhere)
         # Dead-server handling: see the module docstring.
@@ -195,13 +198,31 @@ class RolloutClient:
         if not requests:
             return []
         with ThreadPoolExecutor(min(len(requests), self.max_workers)) as pool:
-            parts = list(pool.map(self._generate_one, requests))
+            parts = list(pool.map(self._generate_and_prefetch, requests))
         return [r for part in parts for r in part]
 
+    def _generate_and_prefetch(self, req: GenerateRequest) -> list[GenerateResult]:
+        results = self._generate_one(req)
+        for r in results if req.return_guidance else ():
+            if r.guidance_handle:
+                try:
+                    got: bytes | RolloutError = self.fetch_guidance(r.guidance_handle)
+                except RolloutError as e:
+                    got = e  # fetch_guidance raises it when the caller asks for this record
+                with self._lock:
+                    self._prefetched[r.guidance_handle] = got
+        return results
+
     def fetch_guidance(self, handle: str) -> bytes:
-        """The record's bytes, from the server that produced it (any server, if unknown)."""
+        """The record's bytes, from the server that produced it (any server, if unknown); records of
+        this client's own generate calls were already fetched while the batch ran."""
         with self._lock:
+            got = self._prefetched.pop(handle, None)
             url = self._handles.pop(handle, None)
+        if isinstance(got, RolloutError):
+            raise got
+        if got is not None:
+            return got
         for u in [url] if url else self.urls:
             try:
                 return self._call(u, "/get_guidance", {"rid": handle})

@@ -148,6 +148,38 @@ def test_guidance_via_client(ckpts):
         engine.shutdown()
 
 
+def test_guidance_is_fetched_while_the_batch_runs(ckpts, monkeypatch):
+    """generate's worker fetches each finished sample's record at once (the fetches overlap the
+    batch's other generations): after the server is gone the records are still there; a fetch that
+    failed then raises its own error when the record is asked for."""
+    engine = Engine(str(ckpts[0]), quantization="nvfp4")
+    srv = serve(engine)
+    try:
+        c = RolloutClient([srv.url], backoff=0.01)
+        reqs = [GenerateRequest([1, 2, k], greedy(max_new_tokens=3), return_guidance=True) for k in (3, 4)]
+        results = c.generate(reqs)
+    finally:
+        srv.shutdown()
+        engine.shutdown()
+    records = [GuidanceRecord.from_bytes(c.fetch_guidance(r.guidance_handle)) for r in results]
+    assert all(rec.nbytes() > 0 for rec in records) and set(records[0].sites) == set(records[1].sites)
+    engine = Engine(str(ckpts[0]), quantization="nvfp4")
+    srv = serve(engine)
+    try:
+        c = RolloutClient([srv.url], backoff=0.01)
+
+        def refuse(url, path, body=None, **kw):
+            raise RolloutError("record store offline", 503, url + path)
+
+        monkeypatch.setattr(c, "_call", refuse)
+        (res,) = c.generate([GenerateRequest([1, 2, 3], greedy(max_new_tokens=3), return_guidance=True)])
+    finally:
+        srv.shutdown()
+        engine.shutdown()
+    with pytest.raises(RolloutError, match="record store offline"):
+        c.fetch_guidance(res.guidance_handle)
+
+
 # weight updates last: they change the module's servers
 def test_update_weights_all_servers(client, ref, ckpts):
     bucket = WeightBucket(load_file(str(ckpts[1] / "model.safetensors")), 4)
