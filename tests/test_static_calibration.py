@@ -1,0 +1,41 @@
+"""transfer.static_calibration: the static-scale calibration a run makes at start, and its refusals."""
+import pytest
+
+from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
+from megatron_trace.transfer.calibrate import calibrate_input_amax
+from megatron_trace.transfer.export import load_hf_dir
+from megatron_trace.transfer.static_calibration import calibrate_static_amax, static_amax_modules
+
+PROMPTS = [[1, 5, 9, 2], [7, 3, 3, 8, 4]]
+STATIC = QuantPolicy(format="nvfp4", activation_scale="static")
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("dense"), "qwen2", seed=0)
+
+
+def test_amax_is_the_exporters_calibration_of_every_fp4_activation_linear(dense):
+    arch = ModelArch.from_hf_config(dense)
+    amax = calibrate_static_amax(dense, arch, STATIC, PROMPTS)
+    assert sorted(amax) == sorted(f"model.layers.{i}.mlp.{m}_proj" for i in range(4) for m in ("gate", "up", "down"))
+    _, sd, cfg = load_hf_dir(dense)
+    assert amax == calibrate_input_amax(sd, cfg, PROMPTS, static_amax_modules(arch, STATIC))
+    assert min(amax.values()) > 0
+    for i in range(4):  # gate and up read the same input: one amax, which the fused S_enc is made from
+        assert amax[f"model.layers.{i}.mlp.gate_proj"] == amax[f"model.layers.{i}.mlp.up_proj"]
+
+
+@pytest.mark.parametrize("policy, message", [
+    (QuantPolicy(format="nvfp4"), "activation_scale='per_token'"),
+    (QuantPolicy(format="nvfp4", activations="bf16", activation_scale="static"), "nothing to calibrate"),
+])
+def test_refuses_a_policy_with_nothing_static(dense, policy, message):
+    with pytest.raises(ValueError, match=message):
+        calibrate_static_amax(dense, ModelArch.from_hf_config(dense), policy, PROMPTS)
+
+
+def test_moe_experts_are_refused_by_name(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path, "qwen3_moe", seed=0)
+    with pytest.raises(ValueError, match="routed-expert inputs is not supported"):
+        calibrate_static_amax(ckpt, ModelArch.from_hf_config(ckpt), STATIC, PROMPTS)
