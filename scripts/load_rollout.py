@@ -111,7 +111,8 @@ def run_load(url: str, key: str | None, args, vocab: int, engine=None) -> dict:
 
 
 def table(r: dict) -> str:
-    fmt = lambda v: "n/a" if v is None else f"{v}"  # noqa: E731
+    def fmt(v):
+        return "n/a" if v is None else f"{v}"
     head = ["clients", "server capacity", "wall (s)", "requests", "requests/s", "tokens/s", "p50 latency (s)",
             "p99 latency (s)", "errors", "peak in flight", "peak queued", "peak running"]
     row = [r["clients"], fmt(r["capacity"]), f"{r['wall_s']:.1f}", r["requests"], f"{r['req_per_s']:.2f}",

@@ -209,7 +209,8 @@ def step_tables(a, md) -> list[str]:
 
 
 def assumptions(a, eff, md) -> str:
-    src = lambda k: "flag" if k in a.flagged else eff.source(k)  # noqa: E731
+    def src(k):
+        return "flag" if k in a.flagged else eff.source(k)
     keys = ("gemv", "attn", "mma", "copy_bw_tbs", "usable", "reserve_gb", "step_overhead_ms", "allreduce_us",
             "max_batch")
     rows = [[k, getattr(eff, k) or "none (spec BW x share)", src(k)] for k in keys]

@@ -106,7 +106,8 @@ def convert(gguf_path: Path, out: Path) -> Path:
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
         sd[_hf_name(t.name)] = torch.from_numpy(w.copy()).to(torch.bfloat16)
     arch = "qwen2"
-    g = lambda k: _field(reader, f"{arch}.{k}")  # noqa: E731
+    def g(k):
+        return _field(reader, f"{arch}.{k}")
     vocab = sd["model.embed_tokens.weight"].shape[0]
     cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab,
            "hidden_size": g("embedding_length"), "intermediate_size": g("feed_forward_length"),

@@ -162,7 +162,8 @@ def test_interleave_property(groups_log, q_per, hd, tp_log, bias):
     assert all(torch.equal(a, b) for a, b in zip(split_qkv(qkv, g * q_per, g, hd), (q, k, v)))
     # A contiguous TP slice is the interleave of that rank's own groups.
     for r, shard in enumerate(qkv.chunk(tp)):
-        sl = lambda t: t.chunk(tp)[r]  # noqa: E731
+        def sl(t):
+            return t.chunk(tp)[r]
         assert torch.equal(shard, interleave_qkv(sl(q), sl(k), sl(v), g // tp))
 
 

@@ -89,7 +89,8 @@ def test_replay_forward_and_backward_equal_hf_with_the_routing_forced(moe_ckpt, 
     bottom = torch.stack([torch.topk(-r, arch.num_experts_per_tok, -1).indices for r in router_logits], 1)
     own = torch.stack([torch.topk(r, arch.num_experts_per_tok, -1).indices for r in router_logits], 1)
     s = len(TOKENS[0]) - 1
-    per_sample = lambda t: [t[i * s : (i + 1) * s] for i in range(len(TOKENS))]  # noqa: E731
+    def per_sample(t):
+        return [t[i * s : (i + 1) * s] for i in range(len(TOKENS))]
     ref_logits, ref_grads = _hf_forced(moe_ckpt, bottom)
     logits, grads, agree = _megatron(actor, per_sample(bottom))
     assert torch.allclose(logits, ref_logits, atol=1e-4), (logits - ref_logits).abs().max()
@@ -137,7 +138,8 @@ def test_probe_replay_buys_expert_agreement_and_logprob(moe_ckpt):
 
     res = probe(parse_args(["--model-path", str(moe_ckpt), "--num-prompts", "6", "--max-new-tokens", "24"]))
     m = res["modes"]
-    experts = lambda mode: min(v for k, v in m[mode]["agreement"].items() if ".mlp.experts." in k)  # noqa: E731
+    def experts(mode):
+        return min(v for k, v in m[mode]["agreement"].items() if ".mlp.experts." in k)
     assert res["routing_replay"] is True
     assert experts("guided-full") >= 0.999
     assert m["guided-full"]["routing_replayed"] == 1.0

@@ -147,7 +147,8 @@ class _PlainNVFP4KVBase:
         return True
 
     def create_buffers(self, size, head_num, head_dim, layer_num, device) -> dict:
-        mk = lambda d: [torch.zeros(size, head_num, d, dtype=torch.uint8, device=device) for _ in range(layer_num)]  # noqa: E731
+        def mk(d):
+            return [torch.zeros(size, head_num, d, dtype=torch.uint8, device=device) for _ in range(layer_num)]
         return {"k_buffer": mk(head_dim // 2), "v_buffer": mk(head_dim // 2), "k_scale_buffer": mk(head_dim // 16),
                 "v_scale_buffer": mk(head_dim // 16), "dq_k_buffer": None, "dq_v_buffer": None, "store_dtype": torch.uint8}
 

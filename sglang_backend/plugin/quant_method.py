@@ -124,7 +124,8 @@ class TraceFP4Config(_ConfigBase):
         head, _, last = prefix.rpartition(".")
         members = self.packed_modules_mapping.get(last, [last])
         names = [f"{head}.{m}" if head else m for m in members]
-        cands = lambda n: (n, n.removeprefix("language_model."), n.removeprefix("model."))  # noqa: E731
+        def cands(n):
+            return (n, n.removeprefix("language_model."), n.removeprefix("model."))
         hits = [any(fnmatch.fnmatchcase(c, p) for c in cands(n) for p in self.exclude_modules) for n in names]
         if any(hits) and not all(hits):
             raise ValueError(f"{prefix}: fused shards {members} are partly excluded from FP4; quantize all or none")
