@@ -186,6 +186,10 @@ def probe(args) -> dict:
     policy = QuantPolicy(format=fmt, weights=weights, activations=acts, kv=args.kv_cache_dtype, kv_k=args.kv_k,
                          kv_v=args.kv_v, targets=targets, kv_k_debias=args.kv_k_debias,
                          activation_scale=args.activation_scale)
+    if policy.activation_scale == "static":  # every rank, before rank 0 calibrates and the others wait
+        from megatron_trace.transfer.static_calibration import check_calibratable
+
+        check_calibratable(arch, policy)
     init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, seed=args.seed)
     try:
         t0 = time.perf_counter()

@@ -9,6 +9,7 @@ owns the rollout, data, store and logs; every rank trains.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -105,9 +106,10 @@ class Run:
             return None
         from megatron_trace.trainer.comm import broadcast_json
         from megatron_trace.trainer.static_scales import static_site_scales
-        from megatron_trace.transfer.static_calibration import calibrate_static_amax
+        from megatron_trace.transfer.static_calibration import calibrate_static_amax, check_calibratable
 
         policy = self.cfg.quant.policy()
+        check_calibratable(self.arch, policy)  # every rank: none waits below for a rank 0 that refused
         amax = None
         if self.rank0:
             ids = [tok.encode_prompt(p.text) for p in prompts.sample(self.cfg.quant.calib_prompts, 0)]
@@ -130,7 +132,12 @@ class Run:
 
         picked = prompts.eval_set(16) or prompts.sample(16, 0)
         rc = self.cfg.rollout
-        warning = quality_warning(model_path, self.cfg.quant.policy(), [
+        policy = self.cfg.quant.policy()
+        if policy.activation_scale == "static":  # its engine loads the BF16 checkpoint: no input_scale yet
+            print("note: the rollout quality check measures per-token activation scales; the run's static scales "
+                  "are calibrated after it", flush=True)
+            policy = dataclasses.replace(policy, activation_scale="per_token")
+        warning = quality_warning(model_path, policy, [
             {"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked],
             max_new_tokens=rc.max_new_tokens, tokenizer=tok, score=get_reward_fn(rc.reward))
         if warning:

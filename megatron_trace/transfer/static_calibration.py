@@ -14,8 +14,9 @@ rounding. One definition of amax (ModelOpt's PTQ) on the weights every side star
 the exported, synced and trained scales identical; a resumed run recalibrates the same amax from
 the same checkpoint and prompts.
 
-Routed experts: `transfer.calibrate` refuses them (transformers fuses the experts into one
-module), so an MoE run with static scales stops here, by name, before the first step.
+Routed experts: `transfer.calibrate` cannot hook them (transformers fuses the experts into one
+module), so `check_calibratable` refuses an MoE run with FP4 experts and static scales, by name,
+on every rank before the first step.
 """
 from __future__ import annotations
 
@@ -38,6 +39,18 @@ def calibrate_static_amax(model_path: str | Path, arch: ModelArch, policy: Quant
     from .calibrate import calibrate_input_amax
     from .export import load_hf_dir
 
+    modules = check_calibratable(arch, policy)
+    _, hf_sd, hf_config = load_hf_dir(model_path)
+    amax = calibrate_input_amax(hf_sd, hf_config, [list(p) for p in prompts], modules)
+    missing = [m for m in modules if not amax.get(m, 0.0) > 0.0]
+    if missing:
+        raise ValueError(f"static activation calibration gave no amax for {missing[:4]}")
+    return amax
+
+
+def check_calibratable(arch: ModelArch, policy: QuantPolicy) -> list[str]:
+    """The modules to calibrate, or a ValueError saying why this policy/model cannot be (cheap: every
+    rank of a run calls it, so none is left waiting for a rank 0 that refused)."""
     if policy.activation_scale != "static":
         raise ValueError(f"calibrating static activation scales for a policy with activation_scale="
                          f"{policy.activation_scale!r}")
@@ -47,9 +60,9 @@ def calibrate_static_amax(model_path: str | Path, arch: ModelArch, policy: Quant
                          f"(format {policy.format}, activations {policy.activations}): nothing to calibrate")
     if policy.format != "nvfp4":
         raise ValueError(f"static activation scales are NVFP4's input_scale; format {policy.format} has none")
-    _, hf_sd, hf_config = load_hf_dir(model_path)
-    amax = calibrate_input_amax(hf_sd, hf_config, [list(p) for p in prompts], modules)
-    missing = [m for m in modules if not amax.get(m, 0.0) > 0.0]
-    if missing:
-        raise ValueError(f"static activation calibration gave no amax for {missing[:4]}")
-    return amax
+    experts = [m for m in modules if ".experts." in m]
+    if experts:
+        raise ValueError(f"static activation scales for routed experts ({experts[0]}, ...): calibrating routed-expert "
+                         "inputs is not supported (transformers fuses the experts into one module); use "
+                         "quant.activation_scale=per_token, or keep the experts out of quant.targets")
+    return modules
