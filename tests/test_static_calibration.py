@@ -39,3 +39,27 @@ def test_moe_experts_are_refused_by_name(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path, "qwen3_moe", seed=0)
     with pytest.raises(ValueError, match="routed-expert inputs is not supported"):
         calibrate_static_amax(ckpt, ModelArch.from_hf_config(ckpt), STATIC, PROMPTS)
+
+
+def test_engine_says_which_static_linears_still_run_per_token(caplog, tmp_path):
+    """A static policy on a BF16 checkpoint (no input_scale yet): the engine warns and lists the
+    FP4-activation linears that round per token until a weight update brings their input_scale."""
+    import logging
+
+    from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
+    from sglang_backend.local import Engine
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ck", "qwen2", seed=0)
+    with caplog.at_level(logging.WARNING, logger="sglang_backend.local.engine"):
+        eng = Engine(str(ckpt), quant_policy=QuantPolicy(activation_scale="static"))
+    try:
+        missing = eng.get_model_info()["static_scales_missing"]
+        assert missing and all(s.startswith("model.layers.") for s in missing)
+        assert "no input_scale yet" in caplog.text
+    finally:
+        eng.shutdown()
+    plain = Engine(str(ckpt), quant_policy=QuantPolicy())
+    try:
+        assert plain.get_model_info()["static_scales_missing"] == []
+    finally:
+        plain.shutdown()

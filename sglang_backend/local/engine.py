@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import threading
 import uuid
 from pathlib import Path
@@ -23,12 +24,13 @@ from megatron_trace.models import ModelArch, QuantPolicy
 from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
 
 from .kv_cache import PagedKVCache
-from .layers import streaming_status
+from .layers import EngineLinear, streaming_status
 from .loader import load_checkpoint, load_tensor
 from .model import QwenEngineModel
 from .scheduler import Group, Scheduler, guidance_bytes, to_result
 
 QUANTIZATIONS = (None, "nvfp4", "w4a16_nvfp4", "mxfp4", "w4a16_mxfp4", "modelopt_fp4")
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,6 +78,7 @@ class Engine:
         self.policy = (quant_policy or policy_for(quantization, kv_cache_dtype, self.model_path)).for_arch(self.arch)
         self.model = QwenEngineModel(self.arch, self.policy, _DTYPES[dtype])
         load_checkpoint(self.model, self.model_path)
+        self._check_static_scales()
         self.kv = PagedKVCache(num_layers=self.arch.num_layers, kv_heads=self.arch.num_kv_heads,
                                head_dim=self.arch.head_dim, num_pages=max(max_total_tokens // page_size, 1),
                                page_size=page_size, kv_dtype="auto", k_dtype=self.policy.k_format,
@@ -257,6 +260,7 @@ class Engine:
                 return False, f"refused: {e}; still serving version {self.weight_version}"
             if weight_version is not None:
                 self.weight_version = str(weight_version)
+            self._check_static_scales()
             if flush_cache and not self.scheduler.has_work():
                 self.kv.free_pages = list(range(self.kv.num_pages - 1, -1, -1))
         return True, f"loaded {len(named)} tensors; serving version {self.weight_version}"
@@ -264,12 +268,26 @@ class Engine:
     def update_weights_from_bucket(self, bucket: WeightBucket, flush_cache: bool = True) -> tuple[bool, str]:
         return self.update_weights_from_tensor(bucket.tensors, flush_cache=flush_cache, weight_version=bucket.version)
 
+    def _check_static_scales(self) -> None:
+        """quant.activation_scale=static needs each FP4-activation linear's input_scale (a calibrated
+        checkpoint or bucket); until one arrives such a linear rounds its input per token. Say so
+        loudly, and keep the list in get_model_info()["static_scales_missing"]."""
+        missing = []
+        if self.policy.activation_scale == "static":
+            missing = [m.site for m in self.model.modules()
+                       if isinstance(m, EngineLinear) and m.act_fmt == "nvfp4" and m.input_global_scale is None]
+        if missing and missing != getattr(self, "static_scales_missing", None):
+            log.warning("quant.activation_scale=static, but %d FP4-activation linears have no input_scale yet (%s%s): "
+                        "they quantize their inputs per token until a weight update brings one", len(missing),
+                        ", ".join(missing[:3]), ", ..." if len(missing) > 3 else "")
+        self.static_scales_missing = missing
+
     def get_model_info(self) -> dict[str, Any]:
         return {"model_path": str(self.model_path), "weight_version": str(self.weight_version),
                 "is_generation": True, "architectures": [self.arch.family],
                 "quant_policy": self.policy.to_dict(), "kv_cache_dtype": self.kv.fmt, "kv_formats": list(self.kv.side_fmt),
                 "kv_bytes_per_token": self.kv.bytes_per_token(), "guided_layers": self.guided,
-                "guidance_mode": self.guidance_mode,
+                "guidance_mode": self.guidance_mode, "static_scales_missing": list(self.static_scales_missing),
                 # what CPU decode linears run on: cpu_gemv/<isa>, or torch (why the kernels are missing)
                 "cpu_linear": streaming_status() if self.model.embed.device.type == "cpu" else None}
 
