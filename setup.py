@@ -3,6 +3,7 @@
 Install torch==2.13.0 (CPU) or your CUDA build first; the range below admits it so pip never
 replaces it with another build.
 """
+
 from setuptools import find_packages, setup
 
 setup(

@@ -12,6 +12,7 @@ Nothing else of the trainer side reads argv or environment variables: the one en
 reads, torchrun's rendezvous, is `LaunchEnv` below. (The SGLang plugin runs in SGLang's processes
 without this tree; its settings are `sglang_backend/plugin_settings.py`.)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,19 +73,28 @@ class QuantConfig(Section):
     format: str = opt("nvfp4", "FP4 format of the rollout", ("nvfp4", "mxfp4", "bf16"))
     weights: str = opt("fp4", "weight precision of targeted linears", ("fp4", "bf16"))
     activations: str = opt("fp4", "activation precision (fp4 = W4A4, bf16 = W4A16)", ("fp4", "bf16"))
-    kv: str = opt("auto", "KV cache format of K and V (auto: FP8 K + NVFP4 V without q/k norm, i.e. Qwen2/2.5; "
-                          "NVFP4 K and V with it, i.e. Qwen3)", ("auto", "nvfp4", "mxfp4", "fp8", "bf16"))
+    kv: str = opt(
+        "auto",
+        "KV cache format of K and V (auto: FP8 K + NVFP4 V without q/k norm, i.e. Qwen2/2.5; "
+        "NVFP4 K and V with it, i.e. Qwen3)",
+        ("auto", "nvfp4", "mxfp4", "fp8", "bf16"),
+    )
     kv_k: str = opt("", "K cache format; empty follows kv", ("", "nvfp4", "mxfp4", "fp8", "bf16"))
     kv_v: str = opt("", "V cache format; empty follows kv", ("", "nvfp4", "mxfp4", "fp8", "bf16"))
-    targets: list = opt(["*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj", "*.mlp.experts.*"],
-                        "module patterns that are FP4")
+    targets: list = opt(
+        ["*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj", "*.mlp.experts.*"], "module patterns that are FP4"
+    )
     bf16_layers_start: int = opt(0, "first N layers stay BF16", low=0)
     bf16_layers_end: int = opt(0, "last N layers stay BF16", low=0)
-    activation_scale: str = opt("per_token", "activation global scale (static: calibrated at start, synced with "
-                                             "the weights)", ("per_token", "static"))
+    activation_scale: str = opt(
+        "per_token",
+        "activation global scale (static: calibrated at start, synced with the weights)",
+        ("per_token", "static"),
+    )
     calib_prompts: int = opt(16, "training prompts that calibrate static activation scales", low=1)
-    kv_k_debias: bool = opt(False, "K cache holds K minus its rotated k_proj bias (Qwen2/2.5: NVFP4 K without "
-                                   "the outlier-channel loss)")
+    kv_k_debias: bool = opt(
+        False, "K cache holds K minus its rotated k_proj bias (Qwen2/2.5: NVFP4 K without the outlier-channel loss)"
+    )
 
     def policy(self) -> QuantPolicy:
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "calib_prompts"}  # a run key, no policy
@@ -110,14 +120,19 @@ class RolloutConfig(Section):
     urls: list = opt([], "rollout server URLs for backend=http")
     api_key: str = opt("", "bearer key of the rollout servers")
     dtype: str = opt("bfloat16", "engine compute dtype", ("bfloat16", "float32"))
-    prompts: str = opt("arithmetic", "a built-in task ('arithmetic': single digits; 'long_addition': two-digit "
-                       "addition with a worked answer) or a JSONL path with prompt/answer")
+    prompts: str = opt(
+        "arithmetic",
+        "a built-in task ('arithmetic': single digits; 'long_addition': two-digit "
+        "addition with a worked answer) or a JSONL path with prompt/answer",
+    )
     reward: str = opt("exact_match", "reward function", ("exact_match", "final_answer", "math"))
     prompts_per_step: int = opt(8, "prompts per RL step", low=1)
     n_samples: int = opt(4, "samples per prompt (the GRPO group)", low=1)
     temperature: float = opt(1.0, "sampling temperature (> 0; evaluation is greedy on its own)", low=0)
     top_p: float = opt(1.0, "nucleus sampling mass in (0, 1]; logprobs are those of the filtered distribution", low=0)
-    top_k: int = opt(-1, "top-k sampling (-1: all); real SGLang reports filtered logprobs only for top_k <= 4096", low=-1)
+    top_k: int = opt(
+        -1, "top-k sampling (-1: all); real SGLang reports filtered logprobs only for top_k <= 4096", low=-1
+    )
     max_new_tokens: int = opt(8, "response length cap", low=1)
     max_prompt_len: int = opt(256, "longer prompts are rejected or truncated (counted)", low=1)
     long_prompts: str = opt("reject", "what to do with prompts over max_prompt_len", ("reject", "truncate"))
@@ -127,9 +142,11 @@ class RolloutConfig(Section):
 
     def check(self) -> None:
         if self.temperature == 0:
-            raise ValueError("rollout.temperature must be > 0; got 0 (greedy): a GRPO group of greedy answers is "
-                             "identical, so every advantage is 0, and the trainer recomputes a sampling policy. "
-                             "Evaluation is greedy already (eval/accuracy)")
+            raise ValueError(
+                "rollout.temperature must be > 0; got 0 (greedy): a GRPO group of greedy answers is "
+                "identical, so every advantage is 0, and the trainer recomputes a sampling policy. "
+                "Evaluation is greedy already (eval/accuracy)"
+            )
         if not self.eval_fraction < 1:
             raise ValueError(f"rollout.eval_fraction must be in [0, 1); got {self.eval_fraction!r}")
         if self.top_k == 0:
@@ -144,13 +161,18 @@ class TrainerConfig(Section):
     tp: int = opt(1, "tensor parallel size", low=1)
     pp: int = opt(1, "pipeline parallel size", low=1)
     ep: int = opt(1, "expert parallel size (MoE; allgather dispatcher, so CPU/gloo works too)", low=1)
-    routing_replay: str = opt("auto", "MoE routing replay (R3): the trainer's routers take the rollout's experts; "
-                              "auto = on for MoE models", ("auto", "on", "off"))
+    routing_replay: str = opt(
+        "auto",
+        "MoE routing replay (R3): the trainer's routers take the rollout's experts; auto = on for MoE models",
+        ("auto", "on", "off"),
+    )
     lr: float = opt(1e-4, "Adam learning rate", low=0)
     clip_grad: float = opt(1.0, "global grad-norm clip", low=0)
     weight_decay: float = opt(0.0, "Adam weight decay", low=0)
     micro_batch_size: int = opt(8, "sequences per micro-batch", low=1)
-    qat_mode: str = opt("guided", "trainer forward: off (BF16), rtn (plain QAT), guided (TRACE)", ("off", "rtn", "guided"))
+    qat_mode: str = opt(
+        "guided", "trainer forward: off (BF16), rtn (plain QAT), guided (TRACE)", ("off", "rtn", "guided")
+    )
     dtype: str = opt("float32", "trainer params dtype (float32 on CPU)", ("float32", "bfloat16"))
     sequence_parallel: bool = opt(False, "Megatron sequence parallelism (needs tp > 1; CPU/gloo too)")
     distributed_optimizer: bool = opt(False, "GPU/TE only: shard optimizer state across data-parallel ranks")
@@ -178,8 +200,9 @@ class AlgoConfig(Section):
         if not self.is_clip > 1:
             raise ValueError(f"algo.is_clip must be > 1; got {self.is_clip}")
         if not 0 < self.mis_low < 1 < self.mis_high:
-            raise ValueError(f"algo.mis_low/mis_high must satisfy 0 < low < 1 < high; got {self.mis_low}, "
-                             f"{self.mis_high}")
+            raise ValueError(
+                f"algo.mis_low/mis_high must satisfy 0 < low < 1 < high; got {self.mis_low}, {self.mis_high}"
+            )
 
 
 @dataclass
@@ -187,7 +210,9 @@ class TransferConfig(Section):
     SECTION: ClassVar[str] = "transfer"
     transport: str = opt("inprocess", "weight sync path", ("inprocess", "http", "distributed", "disk"))
     bucket_mb: float = opt(64.0, "bucket byte budget", low=0)
-    master_address: str = opt("127.0.0.1", "distributed transport: the sending trainer's host as servers reach it ('auto': its hostname)")
+    master_address: str = opt(
+        "127.0.0.1", "distributed transport: the sending trainer's host as servers reach it ('auto': its hostname)"
+    )
     master_port: int = opt(29600, "distributed transport: port of the weight-update group's store", low=1)
     group_backend: str = opt("gloo", "distributed transport: nccl on GPU clusters, gloo elsewhere", ("gloo", "nccl"))
 
@@ -346,5 +371,7 @@ class LaunchEnv:
         try:
             return cls(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)))
         except (KeyError, ValueError) as e:
-            raise ValueError(f"WORLD_SIZE is set, so this is a torchrun launch, but RANK/WORLD_SIZE/LOCAL_RANK "
-                             f"are incomplete or not integers: {e!r}") from None
+            raise ValueError(
+                f"WORLD_SIZE is set, so this is a torchrun launch, but RANK/WORLD_SIZE/LOCAL_RANK "
+                f"are incomplete or not integers: {e!r}"
+            ) from None

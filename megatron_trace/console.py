@@ -5,6 +5,7 @@
 Only warnings known to be harmless on the machines we run are filtered, each by its exact text,
 so a new warning from the same libraries still shows.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -32,16 +33,23 @@ def plan_lines(cfg) -> list[str]:
         model = cfg.model.path
     else:
         size = {"hidden_size": 64, "num_hidden_layers": 4, **cfg.model.tiny}
-        model = (f"tiny {cfg.model.family} (hidden {size['hidden_size']}, {size['num_hidden_layers']} layers), "
-                 f"warm start {t.warm_start_steps} supervised steps (cached)")
+        model = (
+            f"tiny {cfg.model.family} (hidden {size['hidden_size']}, {size['num_hidden_layers']} layers), "
+            f"warm start {t.warm_start_steps} supervised steps (cached)"
+        )
     if q.format == "bf16":
         weights = "BF16 linears"
     else:
         acts = "W4A4" if q.activations == "fp4" else "W4A16"
         weights = f"{q.format.upper()} {acts} on {', '.join(q.targets)}"
-    kv = f"K {q.kv_k or q.kv}, V {q.kv_v or q.kv}" + (" (auto: per model family)" if "auto" in (q.kv, q.kv_k, q.kv_v) else "")
-    guided = {"guided": f"TRACE guided QAT ({g.mode} guidance, layers {g.layers})", "rtn": "plain QAT (round to nearest)",
-              "off": "BF16 trainer (no QAT)"}[t.qat_mode]
+    kv = f"K {q.kv_k or q.kv}, V {q.kv_v or q.kv}" + (
+        " (auto: per model family)" if "auto" in (q.kv, q.kv_k, q.kv_v) else ""
+    )
+    guided = {
+        "guided": f"TRACE guided QAT ({g.mode} guidance, layers {g.layers})",
+        "rtn": "plain QAT (round to nearest)",
+        "off": "BF16 trainer (no QAT)",
+    }[t.qat_mode]
     backend = "embedded engine, in-process" if r.backend == "local" else f"HTTP: {', '.join(r.urls) or '(no urls)'}"
     where = cfg.logging.run_dir
     # MoE: expert parallelism and routing replay (auto: on for MoE)
@@ -53,8 +61,8 @@ def plan_lines(cfg) -> list[str]:
         f"model:      {model}",
         f"rollout:    {backend}, {r.dtype}; {weights}; KV {kv}",
         f"trainer:    Megatron-Core TP{t.tp} PP{t.pp}{moe}, {t.dtype}, {guided}, loss {cfg.algo.loss}",
-        f"steps:      {t.steps} x {r.prompts_per_step} prompts x {r.n_samples} samples ({r.prompts}, T={r.temperature}, "
-        f"top_p={r.top_p}, up to {r.max_new_tokens} tokens); eval on up to {r.eval_prompts} prompts of the "
-        f"eval split ({r.eval_fraction:.0%} of the problems, never trained on)",
+        f"steps:      {t.steps} x {r.prompts_per_step} prompts x {r.n_samples} samples ({r.prompts}, "
+        f"T={r.temperature}, top_p={r.top_p}, up to {r.max_new_tokens} tokens); eval on up to {r.eval_prompts} "
+        f"prompts of the eval split ({r.eval_fraction:.0%} of the problems, never trained on)",
         f"logs:       {where} (tensorboard --logdir {where}; metrics.jsonl, summary.json, checkpoints/)",
     ]

@@ -11,6 +11,7 @@ running a module), so the kill lands at that exact place whatever the machine's 
 clock decides where it happens. This module imports nothing of the project, so the rollout
 side (`sglang_backend`) may call it too.
 """
+
 from __future__ import annotations
 
 import os

@@ -14,6 +14,7 @@ thread) while step k trains, and the batch waiting for its turn holds only `Stor
 the records come back when their step trains and the step is released after it. Host memory for
 waiting guidance is the budget, not a whole step's bytes (at scale, GBs per step).
 """
+
 from __future__ import annotations
 
 import time
@@ -63,12 +64,14 @@ def guided_sites(cfg: Config) -> list[str]:
     K/V; FP8 and BF16 sides record nothing); refuses a guided run with none."""
     q = cfg.quant
     kv = {"K": q.kv_k or q.kv, "V": q.kv_v or q.kv}
-    sites = (["activations"] if q.format in ("nvfp4", "mxfp4") and q.activations == "fp4" else [])
+    sites = ["activations"] if q.format in ("nvfp4", "mxfp4") and q.activations == "fp4" else []
     sites += [side for side, fmt in kv.items() if fmt in ("nvfp4", "mxfp4", "auto")]
     if not sites:
-        raise ValueError(f"trainer.qat_mode=guided has nothing to guide: guidance records FP4 codes, and this "
-                         f"run has quant.format={q.format}, activations={q.activations}, K={kv['K']}, V={kv['V']}. "
-                         "Use trainer.qat_mode=rtn, or FP4 activations or KV")
+        raise ValueError(
+            f"trainer.qat_mode=guided has nothing to guide: guidance records FP4 codes, and this "
+            f"run has quant.format={q.format}, activations={q.activations}, K={kv['K']}, V={kv['V']}. "
+            "Use trainer.qat_mode=rtn, or FP4 activations or KV"
+        )
     return sites
 
 
@@ -107,10 +110,23 @@ class Rollout:
             if ids is None:
                 continue
             seed = (self.cfg.trainer.seed * 1_000_003 + step) * 1009 + i * rc.n_samples
-            sp = SamplingParams(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
-                                top_k=rc.top_k, n=rc.n_samples, sampling_seed=seed)
-            reqs.append(GenerateRequest(ids, sp, rid=f"{p.prompt_id}-v{version}", return_guidance=self.want_guidance,
-                                        return_routed_experts=self.want_routing))
+            sp = SamplingParams(
+                max_new_tokens=rc.max_new_tokens,
+                temperature=rc.temperature,
+                top_p=rc.top_p,
+                top_k=rc.top_k,
+                n=rc.n_samples,
+                sampling_seed=seed,
+            )
+            reqs.append(
+                GenerateRequest(
+                    ids,
+                    sp,
+                    rid=f"{p.prompt_id}-v{version}",
+                    return_guidance=self.want_guidance,
+                    return_routed_experts=self.want_routing,
+                )
+            )
             kept.append((p, ids))
         results = self.backend.generate(reqs) if reqs else []
         samples, guidance = [], []
@@ -119,9 +135,18 @@ class Rollout:
             text = self.decode(res.output_ids)
             reward, err = score(self.reward_fn, text, p.answer)
             stats["reward_errors"] += err is not None
-            samples.append({"sample_id": res.rid, "prompt_id": p.prompt_id, "prompt": ids, "response": res.output_ids,
-                            "logprobs": res.output_logprobs, "reward": reward,
-                            "version": version_step(res.weight_version), "routed_experts": res.routed_experts})
+            samples.append(
+                {
+                    "sample_id": res.rid,
+                    "prompt_id": p.prompt_id,
+                    "prompt": ids,
+                    "response": res.output_ids,
+                    "logprobs": res.output_logprobs,
+                    "reward": reward,
+                    "version": version_step(res.weight_version),
+                    "routed_experts": res.routed_experts,
+                }
+            )
             guidance.append(self._keep(step, res.rid, self._guidance(res)) if self.want_guidance else None)
         for s, a in zip(samples, grpo_advantages([s["reward"] for s in samples], rc.n_samples)):
             s["advantage"] = a
@@ -131,9 +156,11 @@ class Rollout:
         """The sample's record; guided QAT without it would silently be plain QAT, so that stops the run."""
         if not res.guidance_handle:
             where = getattr(self.backend, "urls", None) or type(self.backend).__name__
-            raise RuntimeError(f"trainer.qat_mode=guided, but the rollout ({where}) returned no guidance handle for "
-                               f"sample {res.rid}: the server must run the TRACE plugin (`python -m "
-                               "sglang_backend.launch --backend sglang`) or the embedded engine, and record FP4 sites")
+            raise RuntimeError(
+                f"trainer.qat_mode=guided, but the rollout ({where}) returned no guidance handle for "
+                f"sample {res.rid}: the server must run the TRACE plugin (`python -m "
+                "sglang_backend.launch --backend sglang`) or the embedded engine, and record FP4 sites"
+            )
         return self.backend.fetch_guidance(res.guidance_handle)
 
     def _keep(self, step: int, rid: str, data: bytes) -> bytes | StoredRecord:
@@ -154,22 +181,44 @@ class Rollout:
 
         prompts = self.prompts.eval_set(n)
         if not prompts:
-            raise ValueError("rollout.eval_prompts > 0 but the eval split is empty: raise rollout.eval_fraction "
-                             "or set rollout.eval_prompts=0")
+            raise ValueError(
+                "rollout.eval_prompts > 0 but the eval split is empty: raise rollout.eval_fraction "
+                "or set rollout.eval_prompts=0"
+            )
         n = len(prompts)
         rc = self.cfg.rollout
         tag = time.monotonic_ns()
-        greedy = [GenerateRequest(self.tok.encode_prompt(p.text), SamplingParams(max_new_tokens=rc.max_new_tokens,
-                  temperature=0.0), rid=f"eval-g{i}-{tag}") for i, p in enumerate(prompts)]
-        sampled = [GenerateRequest(self.tok.encode_prompt(p.text), SamplingParams(
-                   max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                   n=samples, sampling_seed=7_777_777 + i * samples), rid=f"eval-s{i}-{tag}")
-                   for i, p in enumerate(prompts)]
+        greedy = [
+            GenerateRequest(
+                self.tok.encode_prompt(p.text),
+                SamplingParams(max_new_tokens=rc.max_new_tokens, temperature=0.0),
+                rid=f"eval-g{i}-{tag}",
+            )
+            for i, p in enumerate(prompts)
+        ]
+        sampled = [
+            GenerateRequest(
+                self.tok.encode_prompt(p.text),
+                SamplingParams(
+                    max_new_tokens=rc.max_new_tokens,
+                    temperature=rc.temperature,
+                    top_p=rc.top_p,
+                    top_k=rc.top_k,
+                    n=samples,
+                    sampling_seed=7_777_777 + i * samples,
+                ),
+                rid=f"eval-s{i}-{tag}",
+            )
+            for i, p in enumerate(prompts)
+        ]
         res = self.backend.generate(greedy + sampled)
         answers = [p.answer for p in prompts] + [p.answer for p in prompts for _ in range(samples)]
         rewards = [score(self.reward_fn, self.decode(r.output_ids), a)[0] for r, a in zip(res, answers)]
-        return {"eval/accuracy": sum(rewards[:n]) / n, "eval/reward_sampled": sum(rewards[n:]) / (n * samples),
-                "eval/set_size": n}
+        return {
+            "eval/accuracy": sum(rewards[:n]) / n,
+            "eval/reward_sampled": sum(rewards[n:]) / (n * samples),
+            "eval/set_size": n,
+        }
 
     def decode(self, ids: list[int]) -> str:
         # Models often have more embedding rows than the tokenizer has tokens: such ids are junk.
@@ -181,11 +230,20 @@ def share_batch(batch: RolloutBatch | None, store=None) -> RolloutBatch:
     its batch as it is (stored records stay in the store); across ranks the records travel as bytes."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return batch
-    meta = broadcast_json(None if batch is None else {"step": batch.step, "version": batch.version,
-                                                       "samples": batch.samples, "stats": batch.stats,
-                                                       "has": [g is not None for g in batch.guidance]})
-    blobs = broadcast_blobs(None if batch is None else [_record_bytes(g, store) for g in batch.guidance
-                                                        if g is not None])
+    meta = broadcast_json(
+        None
+        if batch is None
+        else {
+            "step": batch.step,
+            "version": batch.version,
+            "samples": batch.samples,
+            "stats": batch.stats,
+            "has": [g is not None for g in batch.guidance],
+        }
+    )
+    blobs = broadcast_blobs(
+        None if batch is None else [_record_bytes(g, store) for g in batch.guidance if g is not None]
+    )
     it = iter(blobs)
     guidance = [next(it) if has else None for has in meta["has"]]
     return RolloutBatch(meta["step"], meta["version"], meta["samples"], guidance, meta["stats"])
@@ -214,24 +272,33 @@ class StepRunner:
         keep = [i for i, s in enumerate(batch.samples) if current_version - min(s["version"], batch.version) <= limit]
         dropped = len(batch.samples) - len(keep)
         records = [self._record(batch.guidance[i]) for i in keep]
-        samples = [Sample(batch.samples[i]["sample_id"], batch.samples[i]["prompt"], batch.samples[i]["response"],
-                          batch.samples[i]["logprobs"], batch.samples[i]["advantage"], records[n],
-                          self._routed(batch.samples[i])) for n, i in enumerate(keep)]
+        samples = [
+            Sample(
+                batch.samples[i]["sample_id"],
+                batch.samples[i]["prompt"],
+                batch.samples[i]["response"],
+                batch.samples[i]["logprobs"],
+                batch.samples[i]["advantage"],
+                records[n],
+                self._routed(batch.samples[i]),
+            )
+            for n, i in enumerate(keep)
+        ]
         if not samples:
             return {"rollout/dropped_stale": dropped, "train/skipped": 1}, []
         self.actor.qat.clear_counters()
         self.actor.routing.clear_counters()
         metrics, train_lp = self.actor.train_step(samples, self.cfg.algo)
         routing = self.actor.routing_agreement()  # collective: every rank
-        m = mismatch_metrics([s.rollout_logprobs for s in samples], [t.tolist() for t in train_lp],
-                             is_clip=self.cfg.algo.is_clip)
+        m = mismatch_metrics(
+            [s.rollout_logprobs for s in samples], [t.tolist() for t in train_lp], is_clip=self.cfg.algo.is_clip
+        )
         out = {f"train/{k}": float(v) for k, v in metrics.items()}
         out["rollout/dropped_stale"] = dropped
         out.update({f"mismatch/{k}": v for k, v in routing.items()})
         out["_mismatch"] = m
         out["_records"] = [r for r in records if r is not None]
         return out, [t - torch.tensor(s.rollout_logprobs) for t, s in zip(train_lp, samples)]
-
 
     def _record(self, g: bytes | StoredRecord | None) -> GuidanceRecord | None:
         if g is None:
@@ -245,8 +312,14 @@ class StepRunner:
         if s.get("routed_experts") is None:
             return None
         a = self.actor.arch
-        return decode_routed_experts(s["routed_experts"], len(s["prompt"]) + len(s["response"]) - 1, a.num_layers,
-                                     a.num_experts_per_tok, a.num_experts, sample=s["sample_id"])
+        return decode_routed_experts(
+            s["routed_experts"],
+            len(s["prompt"]) + len(s["response"]) - 1,
+            a.num_layers,
+            a.num_experts_per_tok,
+            a.num_experts,
+            sample=s["sample_id"],
+        )
 
 
 def async_executor() -> ThreadPoolExecutor:

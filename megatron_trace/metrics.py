@@ -7,6 +7,7 @@ clipped fraction, per-layer codeword disagreement and guidance bytes per token; 
 own router makes too) and `mismatch/routing_replayed` (share its forward used: 1 under routing
 replay), from trainer/routing_replay.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,15 @@ from typing import Protocol
 import torch
 
 NAMESPACES = ("rollout", "train", "mismatch", "perf", "eval")
-REQUIRED_MISMATCH = ("mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "ratio_mean", "ratio_max", "clipped_frac",
-                     "guidance_bytes_per_token")
+REQUIRED_MISMATCH = (
+    "mean_abs_dlogp",
+    "max_abs_dlogp",
+    "k3_kl",
+    "ratio_mean",
+    "ratio_max",
+    "clipped_frac",
+    "guidance_bytes_per_token",
+)
 
 
 class Logger(Protocol):
@@ -75,7 +83,9 @@ class MetricsHub:
         bad = [k for k in metrics if k.split("/", 1)[0] not in NAMESPACES]
         if bad:
             raise ValueError(f"metric names must start with one of {NAMESPACES}: {bad}")
-        clean = {k: float(v) for k, v in metrics.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        clean = {
+            k: float(v) for k, v in metrics.items() if v is not None and not (isinstance(v, float) and math.isnan(v))
+        }
         for lg in self.loggers:
             lg.scalars(step, clean)
 
@@ -88,13 +98,16 @@ class MetricsHub:
             lg.close()
 
 
-def mismatch_scalars(m: dict, agreement: dict[str, float], bytes_per_token: float,
-                     override: dict[str, float] | None = None) -> dict[str, float]:
+def mismatch_scalars(
+    m: dict, agreement: dict[str, float], bytes_per_token: float, override: dict[str, float] | None = None
+) -> dict[str, float]:
     """Probe/loop mismatch dict -> mismatch/* scalars, with per-layer codeword disagreement (where
     full codes were recorded) and, under guided QAT, the share of codes guidance overrode
     against round-to-nearest (all mantissa guidance can measure: it has no codes to agree with)."""
-    out = {f"mismatch/{k}": m[k] for k in ("mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "ratio_mean", "ratio_max",
-                                           "clipped_frac")}
+    out = {
+        f"mismatch/{k}": m[k]
+        for k in ("mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "ratio_mean", "ratio_max", "clipped_frac")
+    }
     out["mismatch/guidance_bytes_per_token"] = bytes_per_token
     per_layer: dict[int, list[float]] = {}
     for site, a in agreement.items():
@@ -102,7 +115,9 @@ def mismatch_scalars(m: dict, agreement: dict[str, float], bytes_per_token: floa
     for layer, vals in sorted(per_layer.items()):
         out[f"mismatch/codeword_disagreement/layer_{layer}"] = 1 - sum(vals) / len(vals)
     if per_layer:
-        out["mismatch/codeword_disagreement/mean"] = 1 - sum(sum(v) for v in per_layer.values()) / sum(len(v) for v in per_layer.values())
+        out["mismatch/codeword_disagreement/mean"] = 1 - sum(sum(v) for v in per_layer.values()) / sum(
+            len(v) for v in per_layer.values()
+        )
     per_layer = {}
     for site, a in (override or {}).items():
         per_layer.setdefault(int(site.split(".")[2]), []).append(a)

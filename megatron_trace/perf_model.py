@@ -18,6 +18,7 @@ Rollout model (one replica = `tp` GPUs, tensor parallel):
   * NVFP4 runs its FLOPs on FP4 tensor cores where the GPU has them (Blackwell, W4A4); Hopper
     has none, so NVFP4 there is W4A16 (dequantize -> BF16 FLOPs): only bytes and batch gain.
 """
+
 from __future__ import annotations
 
 import math
@@ -117,15 +118,30 @@ class ModelSpec:
 
 MODELS = {
     "qwen2.5-72b": ModelSpec("Qwen2.5-72B", 80, 8192, 64, 8, 128, 152064, qkv_bias=True, ffn=29568),
-    "qwen3-30b-a3b": ModelSpec("Qwen3-30B-A3B", 48, 2048, 32, 4, 128, 151936, qk_norm=True,
-                               experts=128, top_k=8, moe_inter=768),
-    "qwen3-235b-a22b": ModelSpec("Qwen3-235B-A22B", 94, 4096, 64, 4, 128, 151936, qk_norm=True,
-                                 experts=128, top_k=8, moe_inter=1536),
+    "qwen3-30b-a3b": ModelSpec(
+        "Qwen3-30B-A3B", 48, 2048, 32, 4, 128, 151936, qk_norm=True, experts=128, top_k=8, moe_inter=768
+    ),
+    "qwen3-235b-a22b": ModelSpec(
+        "Qwen3-235B-A22B", 94, 4096, 64, 4, 128, 151936, qk_norm=True, experts=128, top_k=8, moe_inter=1536
+    ),
 }
 # Guidance cross-check only (hybrid: 30 Gated-DeltaNet + 10 gated-attention layers; both have a
 # 4096-wide output-projection input). Assumed from the public config, not used for rollout.
-QWEN35_35B_A3B = ModelSpec("Qwen3.5-35B-A3B (assumed)", 40, 2048, 16, 2, 256, 248320, experts=256,
-                           top_k=8, moe_inter=512, shared_inter=512, kv_layers=10, o_in=4096)
+QWEN35_35B_A3B = ModelSpec(
+    "Qwen3.5-35B-A3B (assumed)",
+    40,
+    2048,
+    16,
+    2,
+    256,
+    248320,
+    experts=256,
+    top_k=8,
+    moe_inter=512,
+    shared_inter=512,
+    kv_layers=10,
+    o_in=4096,
+)
 
 
 # ---------------------------------------------------------------- parameter and byte counts
@@ -200,8 +216,7 @@ def kv_bytes_per_token_gpu(m: ModelSpec, p: Precision, tp: int) -> float:
 
 def flops_per_token(m: ModelSpec, context: float) -> tuple[float, float]:
     """(linear FLOPs incl. lm_head, attention FLOPs at `context`) for one new token."""
-    return (2 * (active_linear_params(m) + m.vocab * m.hidden),
-            4 * m.n_kv_layers * m.heads * m.head_dim * context)
+    return (2 * (active_linear_params(m) + m.vocab * m.hidden), 4 * m.n_kv_layers * m.heads * m.head_dim * context)
 
 
 # ---------------------------------------------------------------- efficiencies
@@ -231,10 +246,17 @@ class Eff:
         return self.step_overhead_ms * 1e-3 + (2 * m.layers * self.allreduce_us * 1e-6 if tp > 1 else 0.0)
 
 
-MEASURED_KEYS = {"gemv": "gemv", "gemv_pct_roofline": "gemv", "attn": "attn",
-                 "attn_pct_roofline": "attn", "mma": "mma", "gemm_pct_roofline": "mma",
-                 "copy_bw_tbs": "copy_bw_tbs", "step_overhead_ms": "step_overhead_ms",
-                 "allreduce_us": "allreduce_us"}
+MEASURED_KEYS = {
+    "gemv": "gemv",
+    "gemv_pct_roofline": "gemv",
+    "attn": "attn",
+    "attn_pct_roofline": "attn",
+    "mma": "mma",
+    "gemm_pct_roofline": "mma",
+    "copy_bw_tbs": "copy_bw_tbs",
+    "step_overhead_ms": "step_overhead_ms",
+    "allreduce_us": "allreduce_us",
+}
 
 
 def eff_from_measured(data: dict, gpu_key: str, base: Eff | None = None) -> Eff:
@@ -260,6 +282,7 @@ def eff_from_measured(data: dict, gpu_key: str, base: Eff | None = None) -> Eff:
 @dataclass(frozen=True)
 class Scenario:
     """Which precision sets each effect: bytes moved, memory (batch), FLOP rate."""
+
     bytes: str
     batch: str
     flops: str
@@ -272,8 +295,9 @@ def max_batch(m: ModelSpec, gpu: GPU, tp: int, p: Precision, ctx: int, eff: Eff)
     return min(int(free // (kv_bytes_per_token_gpu(m, p, tp) * ctx)), eff.max_batch)
 
 
-def decode_time(m: ModelSpec, gpu: GPU, tp: int, b: int, P: int, L: int, pb: Precision,
-                compute: str, eff: Eff, segments: int = 64) -> float:
+def decode_time(
+    m: ModelSpec, gpu: GPU, tp: int, b: int, P: int, L: int, pb: Precision, compute: str, eff: Eff, segments: int = 64
+) -> float:
     """Seconds for one wave of b sequences to decode L tokens after a P-token prompt."""
     if b <= 0 or L <= 0:
         return 0.0
@@ -307,8 +331,7 @@ class Rollout:
         return self.prefill_s + self.decode_s
 
 
-def rollout(m: ModelSpec, gpu: GPU, tp: int, G: int, prompts: int, P: int, L: int, sc: Scenario,
-            eff: Eff) -> Rollout:
+def rollout(m: ModelSpec, gpu: GPU, tp: int, G: int, prompts: int, P: int, L: int, sc: Scenario, eff: Eff) -> Rollout:
     """One rollout of G answers x prompts on one replica; inf times if one sequence won't fit."""
     n = G * prompts
     b = max_batch(m, gpu, tp, PRECISIONS[sc.batch], P + L, eff)
@@ -326,9 +349,11 @@ def same(prec: str) -> Scenario:
     return Scenario(prec, prec, prec)
 
 
-DECOMP_STEPS = (("bytes", lambda q: Scenario(q, "bf16", "bf16")),
-                ("batch", lambda q: Scenario(q, q, "bf16")),
-                ("flops", lambda q: Scenario(q, q, q)))
+DECOMP_STEPS = (
+    ("bytes", lambda q: Scenario(q, "bf16", "bf16")),
+    ("batch", lambda q: Scenario(q, q, "bf16")),
+    ("flops", lambda q: Scenario(q, q, q)),
+)
 
 
 def decompose(m, gpu, tp, G, prompts, P, L, prec, eff, attr: str = "total_s") -> dict:

@@ -1,6 +1,7 @@
 """Roofline model of the RL step outside the rollout: weight-sync bytes, TRACE guidance bytes
 per token, QAT fake-quant overhead. Stdlib only; builds on `megatron_trace.perf_model`'s model
 specs, byte counts and efficiencies."""
+
 from __future__ import annotations
 
 from .perf_model import GPU, PRECISIONS, Eff, ModelSpec, active_linear_params, linear_params, weight_bytes
@@ -32,14 +33,17 @@ def site_bytes(width: int, mode: str, global_bytes: int = 4) -> float:
     return width * (payload + 1 / 16) + global_bytes
 
 
-def guidance_bytes_per_token(m: ModelSpec, mode: str, layers: str = "half", dedup_experts: bool = False,
-                             global_bytes: int = 4) -> tuple[float, float]:
+def guidance_bytes_per_token(
+    m: ModelSpec, mode: str, layers: str = "half", dedup_experts: bool = False, global_bytes: int = 4
+) -> tuple[float, float]:
     """(activation bytes, KV bytes) per token; layers = "all" or "half" (the last half)."""
     n = m.layers if layers == "all" else m.layers - m.layers // 2
     act, kv = guidance_sites(m, dedup_experts)
     kv_layers = m.n_kv_layers if layers == "all" else m.n_kv_layers - m.n_kv_layers // 2
-    return (n * sum(site_bytes(w, mode, global_bytes) for w in act),
-            kv_layers * sum(site_bytes(w, mode, global_bytes) for w in kv))
+    return (
+        n * sum(site_bytes(w, mode, global_bytes) for w in act),
+        kv_layers * sum(site_bytes(w, mode, global_bytes) for w in kv),
+    )
 
 
 def paper_style_guidance(m: ModelSpec, mode: str, layers: str = "all") -> tuple[float, float]:
@@ -47,12 +51,12 @@ def paper_style_guidance(m: ModelSpec, mode: str, layers: str = "all") -> tuple[
     figures for Qwen3.5-35B-A3B come out exactly)."""
     n = m.layers if layers == "all" else m.layers - m.layers // 2
     kv_layers = m.n_kv_layers if layers == "all" else m.n_kv_layers - m.n_kv_layers // 2
-    return (n * site_bytes(m.hidden, mode, 0),
-            kv_layers * 2 * site_bytes(m.kv_heads * m.head_dim, mode, 0))
+    return (n * site_bytes(m.hidden, mode, 0), kv_layers * 2 * site_bytes(m.kv_heads * m.head_dim, mode, 0))
 
 
-def qat_overhead(m: ModelSpec, gpu: GPU, tp: int, tokens: int, eff: Eff, passes: float = 2.0,
-                 weight_refresh: bool = True) -> dict:
+def qat_overhead(
+    m: ModelSpec, gpu: GPU, tp: int, tokens: int, eff: Eff, passes: float = 2.0, weight_refresh: bool = True
+) -> dict:
     """Fake-quant cost of one trainer micro-batch of `tokens` tokens relative to its fwd+bwd.
     Each quantized linear's input is read and written once in BF16 (passes=2 -> 4 B/element; the
     fused kernel; the CPU reference makes ~15), and (weight_refresh) every quantized weight is
@@ -64,5 +68,10 @@ def qat_overhead(m: ModelSpec, gpu: GPU, tp: int, tokens: int, eff: Eff, passes:
     bw = eff.bw(gpu, "gemv") * tp
     compute_s = 6 * (active_linear_params(m) + m.vocab * m.hidden) * tokens / (gpu.peak("bf16") * eff.mma * tp)
     act_s, w_s = act_bytes / bw, w_bytes / bw
-    return {"act_s": act_s, "weight_s": w_s, "compute_s": compute_s,
-            "act_frac": act_s / compute_s, "weight_frac": w_s / compute_s}
+    return {
+        "act_s": act_s,
+        "weight_s": w_s,
+        "compute_s": compute_s,
+        "act_frac": act_s / compute_s,
+        "weight_frac": w_s / compute_s,
+    }

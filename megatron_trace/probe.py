@@ -18,6 +18,7 @@ tokenizer's chat template) or {"input_ids": [...]}; `--dataset` one of the proje
 (its eval split, in the checkpoint's tokenizer); neither: random token ids (numerics only).
 Real prompts stop at EOS, so the gap is reported position by position out to the longest answer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,13 @@ from megatron_trace.trainer.comm import all_gather_json, broadcast_blobs, broadc
 
 PROBE_MODES = ("off", "rtn", "guided-full", "guided-mantissa")  # the trainer roundings the probe scores
 # --quantization -> (quant.format, quant.weights, quant.activations), SGLang's spellings
-QUANTIZATIONS = {"nvfp4": ("nvfp4", "fp4", "fp4"), "mxfp4": ("mxfp4", "fp4", "fp4"),
-                 "w4a16_nvfp4": ("nvfp4", "fp4", "bf16"), "w4a16_mxfp4": ("mxfp4", "fp4", "bf16"),
-                 "none": ("bf16", "bf16", "bf16")}
+QUANTIZATIONS = {
+    "nvfp4": ("nvfp4", "fp4", "fp4"),
+    "mxfp4": ("mxfp4", "fp4", "fp4"),
+    "w4a16_nvfp4": ("nvfp4", "fp4", "bf16"),
+    "w4a16_mxfp4": ("mxfp4", "fp4", "bf16"),
+    "none": ("bf16", "bf16", "bf16"),
+}
 KV_FORMATS = ("nvfp4", "mxfp4", "fp8", "bf16")
 NO_REPLAY = "guided-full-no-replay"  # MoE with replay: what guided-full is without it
 
@@ -46,16 +51,27 @@ NO_REPLAY = "guided-full-no-replay"  # MoE with replay: what guided-full is with
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m megatron_trace.probe", description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json + safetensors)")
-    ap.add_argument("--quantization", default="nvfp4", choices=list(QUANTIZATIONS),
-                    help="linears: W4A4 or W4A16 in NVFP4 or MXFP4, or none (BF16 linears: a KV-only run)")
+    ap.add_argument(
+        "--quantization",
+        default="nvfp4",
+        choices=list(QUANTIZATIONS),
+        help="linears: W4A4 or W4A16 in NVFP4 or MXFP4, or none (BF16 linears: a KV-only run)",
+    )
     ap.add_argument("--kv-cache-dtype", default="nvfp4", choices=list(KV_FORMATS))
-    ap.add_argument("--activation-scale", default="per_token", choices=["per_token", "static"],
-                    help="NVFP4 activations' global scale: per token, or static (calibrated on the probe's prompts "
-                         "by the fp32 HF forward, sent to the engine as input_scale, given to the trainer's QAT)")
+    ap.add_argument(
+        "--activation-scale",
+        default="per_token",
+        choices=["per_token", "static"],
+        help="NVFP4 activations' global scale: per token, or static (calibrated on the probe's prompts "
+        "by the fp32 HF forward, sent to the engine as input_scale, given to the trainer's QAT)",
+    )
     ap.add_argument("--kv-k", default="", choices=["", *KV_FORMATS], help="K cache format (default: --kv-cache-dtype)")
     ap.add_argument("--kv-v", default="", choices=["", *KV_FORMATS], help="V cache format (default: --kv-cache-dtype)")
-    ap.add_argument("--kv-k-debias", action="store_true", help="the K cache holds K minus its rotated k_proj bias "
-                    "(quant.kv_k_debias; Qwen2/2.5)")
+    ap.add_argument(
+        "--kv-k-debias",
+        action="store_true",
+        help="the K cache holds K minus its rotated k_proj bias (quant.kv_k_debias; Qwen2/2.5)",
+    )
     ap.add_argument("--targets", default=None, help="comma-separated module patterns (default: MLP + experts)")
     # All layers by default: an unguided layer's round-to-nearest flips cascade into every later
     # layer, so "last_half" (the RL default, for memory) shows how much the early flips cost.
@@ -72,9 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
-    ap.add_argument("--routing-replay", default="auto", choices=["auto", "on", "off"],
-                    help="MoE: replay the rollout's routed experts in every mode (auto: on for MoE); an MoE "
-                         "probe also runs guided-full without replay, to show what replay buys")
+    ap.add_argument(
+        "--routing-replay",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="MoE: replay the rollout's routed experts in every mode (auto: on for MoE); an MoE "
+        "probe also runs guided-full without replay, to show what replay buys",
+    )
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
@@ -117,36 +137,58 @@ def rollout(args, policy: QuantPolicy) -> tuple[list[dict], dict[str, float] | N
     from sglang_backend.local import Engine
 
     arch = ModelArch.from_hf_config(args.model_path)
-    eng = Engine(args.model_path, dtype=args.rollout_dtype, quant_policy=policy, guidance_mode="full",
-                 guided_layers=args.guided_layers, random_seed=args.seed)
+    eng = Engine(
+        args.model_path,
+        dtype=args.rollout_dtype,
+        quant_policy=policy,
+        guidance_mode="full",
+        guided_layers=args.guided_layers,
+        random_seed=args.seed,
+    )
     try:
         prompts = probe_prompts(args, arch)
         amax = _push_static_scales(args, arch, policy, eng, prompts) if policy.activation_scale == "static" else None
         real = bool(args.prompts or args.dataset)  # real prompts end their answers; random ones never would
-        params = [{"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "ignore_eos": not real,
-                   "sampling_seed": args.seed * 10_000 + i} for i in range(len(prompts))]
+        params = [
+            {
+                "temperature": args.temperature,
+                "max_new_tokens": args.max_new_tokens,
+                "ignore_eos": not real,
+                "sampling_seed": args.seed * 10_000 + i,
+            }
+            for i in range(len(prompts))
+        ]
         guided = guidance_skipped(policy) is None
-        outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, return_guidance=guided,
-                            return_routed_experts=arch.is_moe)
+        outs = eng.generate(
+            input_ids=prompts,
+            sampling_params=params,
+            return_logprob=True,
+            return_guidance=guided,
+            return_routed_experts=arch.is_moe,
+        )
         samples = []
         for prompt, out in zip(prompts, outs):
             handle = out["meta_info"]["guidance_handle"] if guided else None
-            samples.append({"prompt": prompt, "response": out["output_ids"],
-                            "logprobs": [t[0] for t in out["meta_info"]["output_token_logprobs"]],
-                            "routed_experts": out["meta_info"].get("routed_experts"),
-                            "guidance": eng.fetch_guidance(handle) if guided else b""})
+            samples.append(
+                {
+                    "prompt": prompt,
+                    "response": out["output_ids"],
+                    "logprobs": [t[0] for t in out["meta_info"]["output_token_logprobs"]],
+                    "routed_experts": out["meta_info"].get("routed_experts"),
+                    "guidance": eng.fetch_guidance(handle) if guided else b"",
+                }
+            )
         return samples, amax
     finally:
         eng.shutdown()
 
 
 def _push_static_scales(args, arch: ModelArch, policy: QuantPolicy, eng, prompts) -> dict[str, float]:
-    from sglang_backend.local import InProcessBackend
-
     from megatron_trace.transfer.export import load_hf_dir
     from megatron_trace.transfer.pipeline import push_hf_state_dict
     from megatron_trace.transfer.static_calibration import calibrate_static_amax
     from megatron_trace.transfer.transports import InProcessTransport
+    from sglang_backend.local import InProcessBackend
 
     amax = calibrate_static_amax(args.model_path, arch, policy, prompts)
     _, hf_sd, _ = load_hf_dir(args.model_path)
@@ -159,9 +201,11 @@ def guidance_skipped(policy: QuantPolicy) -> str | None:
     (Engine._validate): NVFP4/MXFP4 activations, or an FP4 K or V cache (a KV-only run guides K/V)."""
     fp4 = ("nvfp4", "mxfp4")
     if not ((policy.format in fp4 and policy.activations == "fp4") or {policy.k_format, policy.v_format} & set(fp4)):
-        return (f"no guided modes: the embedded engine records guidance for FP4 sites only, and this run has "
-                f"none (format {policy.format}, activations {policy.activations}, K {policy.k_format}, "
-                f"V {policy.v_format}), so the trainer has no rollout codes to follow")
+        return (
+            f"no guided modes: the embedded engine records guidance for FP4 sites only, and this run has "
+            f"none (format {policy.format}, activations {policy.activations}, K {policy.k_format}, "
+            f"V {policy.v_format}), so the trainer has no rollout codes to follow"
+        )
     return None
 
 
@@ -183,9 +227,17 @@ def probe(args) -> dict:
     arch = ModelArch.from_hf_config(args.model_path)
     targets = tuple(args.targets.split(",")) if args.targets else QuantPolicy().targets
     fmt, weights, acts = QUANTIZATIONS[args.quantization]
-    policy = QuantPolicy(format=fmt, weights=weights, activations=acts, kv=args.kv_cache_dtype, kv_k=args.kv_k,
-                         kv_v=args.kv_v, targets=targets, kv_k_debias=args.kv_k_debias,
-                         activation_scale=args.activation_scale)
+    policy = QuantPolicy(
+        format=fmt,
+        weights=weights,
+        activations=acts,
+        kv=args.kv_cache_dtype,
+        kv_k=args.kv_k,
+        kv_v=args.kv_v,
+        targets=targets,
+        kv_k_debias=args.kv_k_debias,
+        activation_scale=args.activation_scale,
+    )
     if policy.activation_scale == "static":  # every rank, before rank 0 calibrates and the others wait
         from megatron_trace.transfer.static_calibration import check_calibratable
 
@@ -202,17 +254,30 @@ def probe(args) -> dict:
             print(f"WARNING: {skipped}", flush=True)
         full = [GuidanceRecord.from_bytes(s["guidance"]) if s["guidance"] else None for s in samples]
         records = {"full": full, "mantissa": [r.to_mantissa() for r in full] if not skipped else full}
-        actor = Actor(arch, policy, TrainerConfig(qat_mode="off", micro_batch_size=args.micro_batch_size,
-                                                  routing_replay=args.routing_replay),
-                      RolloutConfig(temperature=args.temperature), hf_path=args.model_path)
+        actor = Actor(
+            arch,
+            policy,
+            TrainerConfig(qat_mode="off", micro_batch_size=args.micro_batch_size, routing_replay=args.routing_replay),
+            RolloutConfig(temperature=args.temperature),
+            hf_path=args.model_path,
+        )
         if amax is not None:  # the S_enc the engine quantized with, per site (per expert for MoE)
             from megatron_trace.trainer.static_scales import static_site_scales
 
             actor.qat.set_static_activation_scales(static_site_scales(amax, arch, policy))
         replay = replay_enabled(args.routing_replay, arch)
-        routed = [None if s["routed_experts"] is None else decode_routed_experts(
-            s["routed_experts"], len(s["prompt"]) + len(s["response"]) - 1, arch.num_layers, arch.num_experts_per_tok,
-            arch.num_experts) for s in samples]
+        routed = [
+            None
+            if s["routed_experts"] is None
+            else decode_routed_experts(
+                s["routed_experts"],
+                len(s["prompt"]) + len(s["response"]) - 1,
+                arch.num_layers,
+                arch.num_experts_per_tok,
+                arch.num_experts,
+            )
+            for s in samples
+        ]
         rollout_lp = [s["logprobs"] for s in samples]
         results = {}
         modes = ("off", "rtn") if skipped else PROBE_MODES + ((NO_REPLAY,) if replay else ())
@@ -224,27 +289,43 @@ def probe(args) -> dict:
             # Mantissa mode rounds with only the mantissa bits of the full records, so its agreement
             # is measured against the rollout's full codes (bytes are the mantissa records').
             actor.qat.mantissa_from_codes = mode == "guided-mantissa"
-            batch = [Sample(f"s{i}", s["prompt"], s["response"], s["logprobs"], 0.0, full[i], routed[i])
-                     for i, s in enumerate(samples)]
+            batch = [
+                Sample(f"s{i}", s["prompt"], s["response"], s["logprobs"], 0.0, full[i], routed[i])
+                for i, s in enumerate(samples)
+            ]
             train_lp = actor.compute_logprobs(batch)
             m = mismatch_metrics(rollout_lp, [t.tolist() for t in train_lp])
             m["dlogp_by_position"] = dlogp_by_position(rollout_lp, train_lp)
             m["agreement"] = _reduce_agreement(actor.qat.agreement())
             m["override"] = _reduce_agreement(actor.qat.override_rate())
             m.update(actor.routing_agreement())  # MoE: routing_agreement, routing_replayed
-            m["guidance_bytes_per_token"] = 0.0 if skipped else (
-                sum(r.nbytes() for r in records[kind]) / sum(r.num_positions for r in records[kind]))
+            m["guidance_bytes_per_token"] = (
+                0.0
+                if skipped
+                else (sum(r.nbytes() for r in records[kind]) / sum(r.num_positions for r in records[kind]))
+            )
             results[mode] = m
         if not rank0:
             return {}  # only rank 0 reports (and writes --json): the others return before destroy()
-        return {"model_path": str(args.model_path), "policy": policy.to_dict(), "rollout_dtype": args.rollout_dtype,
-                "trainer_dtype": "float32", "tp": args.tp, "pp": args.pp, "ep": args.ep,
-                "routing_replay": replay, "guided_skipped": skipped, "num_prompts": len(samples),
-                "prompts": args.prompts or args.dataset or "random token ids",
-                "response_lengths": [len(s["response"]) for s in samples],
-                "max_new_tokens": args.max_new_tokens, "rollout_seconds": t_rollout,
-                "static_scales": _static_scales(actor.qat.static_scales, full) if amax is not None else None,
-                "total_seconds": time.perf_counter() - t0, "modes": results}
+        return {
+            "model_path": str(args.model_path),
+            "policy": policy.to_dict(),
+            "rollout_dtype": args.rollout_dtype,
+            "trainer_dtype": "float32",
+            "tp": args.tp,
+            "pp": args.pp,
+            "ep": args.ep,
+            "routing_replay": replay,
+            "guided_skipped": skipped,
+            "num_prompts": len(samples),
+            "prompts": args.prompts or args.dataset or "random token ids",
+            "response_lengths": [len(s["response"]) for s in samples],
+            "max_new_tokens": args.max_new_tokens,
+            "rollout_seconds": t_rollout,
+            "static_scales": _static_scales(actor.qat.static_scales, full) if amax is not None else None,
+            "total_seconds": time.perf_counter() - t0,
+            "modes": results,
+        }
     finally:
         destroy()
 
@@ -257,8 +338,10 @@ def _static_scales(trainer: dict[str, torch.Tensor], records: list) -> dict[str,
         for site, rec in r.sites.items():
             if site in trainer:
                 rollout.setdefault(site, set()).add(float(rec.global_scale) if rec.global_scale.dim() == 0 else -1.0)
-    return {"trainer": {k: [float(v)] for k, v in sorted(trainer.items())},
-            "rollout": {k: sorted(v) for k, v in sorted(rollout.items())}}
+    return {
+        "trainer": {k: [float(v)] for k, v in sorted(trainer.items())},
+        "rollout": {k: sorted(v) for k, v in sorted(rollout.items())},
+    }
 
 
 def dlogp_by_position(rollout_lp: list[list[float]], train_lp: list[torch.Tensor]) -> list[float]:
@@ -308,21 +391,34 @@ def _expert_agreement(m: dict) -> float:
 
 
 def format_table(res: dict) -> str:
-    lines = ["| mode | mean abs dlogp | max abs dlogp | K3 KL | ratio mean | ratio max | min site agreement | guidance B/token |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| mode | mean abs dlogp | max abs dlogp | K3 KL | ratio mean | ratio max | min site agreement "
+        "| guidance B/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for mode, m in res["modes"].items():
         agree = min(m["agreement"].values()) if m["agreement"] else float("nan")
-        lines.append(f"| {mode} | {m['mean_abs_dlogp']:.4g} | {m['max_abs_dlogp']:.4g} | {m['k3_kl']:.3g} | "
-                     f"{m['ratio_mean']:.4f} | {m['ratio_max']:.4f} | {agree:.4%} | {m['guidance_bytes_per_token']:.0f} |")
+        lines.append(
+            f"| {mode} | {m['mean_abs_dlogp']:.4g} | {m['max_abs_dlogp']:.4g} | {m['k3_kl']:.3g} | "
+            f"{m['ratio_mean']:.4f} | {m['ratio_max']:.4f} | {agree:.4%} | {m['guidance_bytes_per_token']:.0f} |"
+        )
     if any("routing_agreement" in m for m in res["modes"].values()):
-        lines += ["", "| mode (MoE) | min expert-site agreement | routing agreement (own router) | rollout routing used |",
-                  "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "| mode (MoE) | min expert-site agreement | routing agreement (own router) | rollout routing used |",
+            "|---|---:|---:|---:|",
+        ]
         for mode, m in res["modes"].items():
-            lines.append(f"| {mode} | {_expert_agreement(m):.4%} | {m.get('routing_agreement', float('nan')):.4%} | "
-                         f"{m.get('routing_replayed', float('nan')):.4%} |")
+            lines.append(
+                f"| {mode} | {_expert_agreement(m):.4%} | {m.get('routing_agreement', float('nan')):.4%} | "
+                f"{m.get('routing_replayed', float('nan')):.4%} |"
+            )
     pos = [k for k in res["modes"]["off"] if k.startswith("dlogp_pos_")]
-    lines += ["", "| mode | " + " | ".join(p.removeprefix("dlogp_pos_").replace("_", "-") for p in pos) + " |",
-              "|---|" + "---:|" * len(pos)]
+    lines += [
+        "",
+        "| mode | " + " | ".join(p.removeprefix("dlogp_pos_").replace("_", "-") for p in pos) + " |",
+        "|---|" + "---:|" * len(pos),
+    ]
     for mode, m in res["modes"].items():
         lines.append(f"| {mode} | " + " | ".join(f"{m[p]:.4g}" for p in pos) + " |")
     return "\n".join(lines)
@@ -333,10 +429,13 @@ def main(argv=None) -> int:
     res = probe(args)
     if res:  # rank 0
         kv = f"K {args.kv_k or args.kv_cache_dtype} V {args.kv_v or args.kv_cache_dtype}"
-        print(f"rollout {args.quantization} + KV {kv} in {args.rollout_dtype}; trainer fp32 "
-              f"TP{args.tp} PP{args.pp}{f' EP{args.ep}' if args.ep > 1 else ''}; {res['num_prompts']} prompts ({res['prompts']}), answers of "
-              f"{min(res['response_lengths'])}-{max(res['response_lengths'])} tokens; "
-              f"{res['total_seconds']:.1f} s")
+        print(
+            f"rollout {args.quantization} + KV {kv} in {args.rollout_dtype}; trainer fp32 "
+            f"TP{args.tp} PP{args.pp}{f' EP{args.ep}' if args.ep > 1 else ''}; {res['num_prompts']} prompts "
+            f"({res['prompts']}), answers of "
+            f"{min(res['response_lengths'])}-{max(res['response_lengths'])} tokens; "
+            f"{res['total_seconds']:.1f} s"
+        )
         print(format_table(res))
         if args.json:
             with open(args.json, "w") as f:

@@ -23,6 +23,7 @@ one prefill over the engine's paged, quantized KV cache, the numerics decode use
 `--backend sglang`, on a real SGLang server with the TRACE plugin started per setting
 (quality_backends.py: SGLang's own input-token logprobs over its quantized KV).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,16 @@ KV = ("bf16", "fp8", "nvfp4", "mxfp4")
 DEBIASED = "+debias"  # K minus its rotated k_proj bias before quantizing (quant.kv_k_debias)
 K_FORMATS = (*KV, *(f + DEBIASED for f in KV if f != "bf16"))
 REFERENCE = "bf16:bf16:bf16"
-DEFAULT_SETTINGS = (REFERENCE, "bf16:nvfp4:nvfp4", "bf16:bf16:nvfp4", "bf16:nvfp4:bf16", "bf16:fp8:nvfp4",
-                    "w4a4:bf16:bf16", "w4a4:nvfp4:nvfp4", "w4a4:fp8:nvfp4")
+DEFAULT_SETTINGS = (
+    REFERENCE,
+    "bf16:nvfp4:nvfp4",
+    "bf16:bf16:nvfp4",
+    "bf16:nvfp4:bf16",
+    "bf16:fp8:nvfp4",
+    "w4a4:bf16:bf16",
+    "w4a4:nvfp4:nvfp4",
+    "w4a4:fp8:nvfp4",
+)
 # The train CLI warns above this NLL increase per token over BF16 (the real-model check of FP8 K +
 # NVFP4 V asks for <= 0.01; NVFP4 K+V on Qwen2.5-Coder-0.5B costs 0.39: BENCHMARKS.md).
 WARN_NATS_PER_TOKEN = 0.02
@@ -83,10 +92,16 @@ class Setting:
 
     def policy(self, targets: tuple[str, ...] | None = None) -> QuantPolicy:
         fp4 = self.weights != "bf16"
-        return QuantPolicy(format="nvfp4" if fp4 else "bf16", weights="fp4" if fp4 else "bf16",
-                           activations="fp4" if self.weights == "w4a4" else "bf16", kv="bf16",
-                           kv_k=self.k.removesuffix(DEBIASED), kv_v=self.v, kv_k_debias=self.k.endswith(DEBIASED),
-                           targets=targets or QuantPolicy().targets)
+        return QuantPolicy(
+            format="nvfp4" if fp4 else "bf16",
+            weights="fp4" if fp4 else "bf16",
+            activations="fp4" if self.weights == "w4a4" else "bf16",
+            kv="bf16",
+            kv_k=self.k.removesuffix(DEBIASED),
+            kv_v=self.v,
+            kv_k_debias=self.k.endswith(DEBIASED),
+            targets=targets or QuantPolicy().targets,
+        )
 
 
 # ------------------------------------------------------------------ prompts
@@ -143,9 +158,18 @@ def accuracy(texts: list[str] | None, prompts: list[dict]) -> float | None:
     return sum(scored) / len(scored)
 
 
-def run(model_path, prompts: list[dict], settings: list[Setting], *, max_new_tokens: int = 48,
-        dtype: str = "float32", targets: tuple[str, ...] | None = None, tokenizer=None, backend: str = "embedded",
-        workdir: str | Path | None = None) -> dict:
+def run(
+    model_path,
+    prompts: list[dict],
+    settings: list[Setting],
+    *,
+    max_new_tokens: int = 48,
+    dtype: str = "float32",
+    targets: tuple[str, ...] | None = None,
+    tokenizer=None,
+    backend: str = "embedded",
+    workdir: str | Path | None = None,
+) -> dict:
     """The quality report (a JSON-friendly dict) of each setting against the BF16 reference, every
     setting (the reference too) served by `backend` (quality_backends: embedded | sglang)."""
     from megatron_trace.quality_backends import open_scorer
@@ -169,26 +193,43 @@ def run(model_path, prompts: list[dict], settings: list[Setting], *, max_new_tok
             scorer.close()
         mean = sum(nll) / max(len(nll), 1)
         texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outs] if tokenizer else None
-        results[s.name] = {"setting": asdict(s), "nll_per_token": mean, "tokens": len(nll),
-                           "top1_agreement": sum(top1) / max(len(top1), 1),
-                           "same_greedy_answers": sum(o == r for o, r in zip(outs, ref_out)) / len(prompts),
-                           "accuracy": accuracy(texts, prompts), "kv_bytes_per_token": kv_bytes,
-                           "outputs": outs, "texts": texts}
+        results[s.name] = {
+            "setting": asdict(s),
+            "nll_per_token": mean,
+            "tokens": len(nll),
+            "top1_agreement": sum(top1) / max(len(top1), 1),
+            "same_greedy_answers": sum(o == r for o, r in zip(outs, ref_out)) / len(prompts),
+            "accuracy": accuracy(texts, prompts),
+            "kv_bytes_per_token": kv_bytes,
+            "outputs": outs,
+            "texts": texts,
+        }
     base = results[REFERENCE]["nll_per_token"]
     for r in results.values():
         r["nll_increase"] = r["nll_per_token"] - base
-    return {"model_path": str(model_path), "backend": backend, "dtype": dtype, "max_new_tokens": max_new_tokens,
-            "num_prompts": len(prompts), "reference": REFERENCE, "settings": results}
+    return {
+        "model_path": str(model_path),
+        "backend": backend,
+        "dtype": dtype,
+        "max_new_tokens": max_new_tokens,
+        "num_prompts": len(prompts),
+        "reference": REFERENCE,
+        "settings": results,
+    }
 
 
 # ------------------------------------------------------------------ reports
 def format_table(report: dict) -> str:
-    lines = ["| weights:K:V | NLL/token | increase vs BF16 | top-1 agreement | same greedy answer | accuracy | KV B/token |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| weights:K:V | NLL/token | increase vs BF16 | top-1 agreement | same greedy answer | accuracy | KV B/token |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in report["settings"].items():
         acc = "—" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
-        lines.append(f"| {name} | {r['nll_per_token']:.4f} | {r['nll_increase']:+.4f} | {r['top1_agreement']:.2%} | "
-                     f"{r['same_greedy_answers']:.2%} | {acc} | {r['kv_bytes_per_token']:.0f} |")
+        lines.append(
+            f"| {name} | {r['nll_per_token']:.4f} | {r['nll_increase']:+.4f} | {r['top1_agreement']:.2%} | "
+            f"{r['same_greedy_answers']:.2%} | {acc} | {r['kv_bytes_per_token']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -199,7 +240,7 @@ def format_answers(report: dict, prompts: list[dict], width: int = 60) -> str:
         out.append(f"### prompt {i}: {(p['text'] or str(p['ids'][:16]))[:width]!r}")
         for name, r in report["settings"].items():
             ans = r["texts"][i] if r["texts"] else str(r["outputs"][i][:24])
-            out.append(f"- {name}: {ans[:width * 2]!r}")
+            out.append(f"- {name}: {ans[: width * 2]!r}")
     return "\n".join(out)
 
 
@@ -221,16 +262,27 @@ def plot(report: dict, path: str | Path) -> None:
     axes[1].set_xlabel("top-1 agreement with BF16 continuations")
     for ax in axes:
         ax.invert_yaxis()
-    fig.suptitle(f"{Path(report['model_path']).name}: {report['num_prompts']} prompts x <= {report['max_new_tokens']} tokens")
+    fig.suptitle(
+        f"{Path(report['model_path']).name}: {report['num_prompts']} prompts x <= {report['max_new_tokens']} tokens"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 # ------------------------------------------------------------------ the train CLI's hook
-def quality_warning(model_path, policy: QuantPolicy, prompts: list[dict] | None = None, *,
-                    threshold: float = WARN_NATS_PER_TOKEN, max_new_tokens: int = 32, dtype: str = "float32",
-                    tokenizer=None, score=None, accuracy_drop: float = WARN_ACCURACY_DROP) -> str | None:
+def quality_warning(
+    model_path,
+    policy: QuantPolicy,
+    prompts: list[dict] | None = None,
+    *,
+    threshold: float = WARN_NATS_PER_TOKEN,
+    max_new_tokens: int = 32,
+    dtype: str = "float32",
+    tokenizer=None,
+    score=None,
+    accuracy_drop: float = WARN_ACCURACY_DROP,
+) -> str | None:
     """A warning line when `policy`'s setting loses more than `threshold` nats/token against BF16
     on `prompts` (default: 4 synthetic prompts of 16 tokens) or, given a tokenizer and the run's
     `score(response, answer)`, more than `accuracy_drop` of BF16's greedy accuracy on them; else
@@ -242,23 +294,37 @@ def quality_warning(model_path, policy: QuantPolicy, prompts: list[dict] | None 
     setting = Setting.of_policy(policy.for_arch(arch))
     if prompts is None:
         g = torch.Generator().manual_seed(0)
-        prompts = [{"ids": torch.randint(0, arch.vocab_size, (16,), generator=g).tolist(), "text": None, "answer": None}
-                   for _ in range(4)]
-    rep = run(model_path, prompts, [setting], max_new_tokens=max_new_tokens, dtype=dtype, targets=policy.targets,
-              tokenizer=tokenizer)
+        prompts = [
+            {"ids": torch.randint(0, arch.vocab_size, (16,), generator=g).tolist(), "text": None, "answer": None}
+            for _ in range(4)
+        ]
+    rep = run(
+        model_path,
+        prompts,
+        [setting],
+        max_new_tokens=max_new_tokens,
+        dtype=dtype,
+        targets=policy.targets,
+        tokenizer=tokenizer,
+    )
     r, ref = rep["settings"][setting.name], rep["settings"][REFERENCE]
     acc = ref_acc = None
     if score is not None and tokenizer is not None and any(p["answer"] is not None for p in prompts):
-        scored = [(score(t, p["answer"]), score(u, p["answer"]))
-                  for p, t, u in zip(prompts, r["texts"], ref["texts"]) if p["answer"] is not None]
+        scored = [
+            (score(t, p["answer"]), score(u, p["answer"]))
+            for p, t, u in zip(prompts, r["texts"], ref["texts"])
+            if p["answer"] is not None
+        ]
         acc, ref_acc = (sum(x) / len(scored) for x in zip(*scored))
     lost_acc = acc is not None and ref_acc - acc > accuracy_drop
     if r["nll_increase"] <= threshold and not lost_acc:
         return None
     said = f"greedy accuracy {ref_acc:.1%} -> {acc:.1%}, " if acc is not None else ""
-    return (f"quantization {setting.name} (weights:K:V) loses {r['nll_increase']:.4f} nats/token against BF16 "
-            f"(threshold {threshold}); {said}top-1 agreement {r['top1_agreement']:.1%} on {rep['num_prompts']} "
-            "prompts. Consider quant.kv_k=fp8 (python -m megatron_trace.quality shows every setting)")
+    return (
+        f"quantization {setting.name} (weights:K:V) loses {r['nll_increase']:.4f} nats/token against BF16 "
+        f"(threshold {threshold}); {said}top-1 agreement {r['top1_agreement']:.1%} on {rep['num_prompts']} "
+        "prompts. Consider quant.kv_k=fp8 (python -m megatron_trace.quality shows every setting)"
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -270,8 +336,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--targets", default=None, help="comma-separated FP4 module patterns (default: MLP + experts)")
     ap.add_argument("--out", default=None, help="directory for quality.json and quality.png")
-    ap.add_argument("--backend", default="embedded", choices=["embedded", "sglang"],
-                    help="sglang: a real SGLang server per setting (python -m sglang_backend.launch --backend sglang)")
+    ap.add_argument(
+        "--backend",
+        default="embedded",
+        choices=["embedded", "sglang"],
+        help="sglang: a real SGLang server per setting (python -m sglang_backend.launch --backend sglang)",
+    )
     args = ap.parse_args(argv)
     if args.backend == "sglang" and args.targets:
         ap.error("--targets is not supported with --backend sglang (the launcher serves the default FP4 targets)")
@@ -292,8 +362,17 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
         workdir = Path(args.out) if args.out else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        rep = run(args.model_path, prompts, args.settings, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
-                  targets=targets, tokenizer=tok, backend=args.backend, workdir=workdir)
+        rep = run(
+            args.model_path,
+            prompts,
+            args.settings,
+            max_new_tokens=args.max_new_tokens,
+            dtype=args.dtype,
+            targets=targets,
+            tokenizer=tok,
+            backend=args.backend,
+            workdir=workdir,
+        )
     print(format_table(rep))
     print()
     print(format_answers(rep, prompts))

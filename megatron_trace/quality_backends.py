@@ -11,6 +11,7 @@ scorer does it in-process (one prefill over the engine's paged KV); the SGLang s
 `python -m sglang_backend.launch --backend sglang` with the setting's flags and asks SGLang's
 `/generate` for input-token logprobs (`logprob_start_len`, `top_logprobs_num=1`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,7 +39,9 @@ class EmbeddedScorer:
 
     def greedy(self, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
         sp = {"temperature": 0, "max_new_tokens": max_new_tokens}
-        return [o["output_ids"] for o in self.engine.generate(input_ids=[p["ids"] for p in prompts], sampling_params=sp)]
+        return [
+            o["output_ids"] for o in self.engine.generate(input_ids=[p["ids"] for p in prompts], sampling_params=sp)
+        ]
 
     @torch.inference_mode()
     def teacher_forced(self, prompt: list[int], continuation: list[int]) -> tuple[list[float], list[bool]]:
@@ -55,8 +58,9 @@ class EmbeddedScorer:
         try:
             slots = kv.slots(pages, 0, len(ids))
             rows = list(range(len(prompt) - 1, len(ids) - 1))  # row i predicts token i + 1
-            batch = ForwardBatch(torch.tensor(ids), torch.arange(len(ids)), [(0, len(ids))], slots, [slots],
-                                 logits_rows=rows)
+            batch = ForwardBatch(
+                torch.tensor(ids), torch.arange(len(ids)), [(0, len(ids))], slots, [slots], logits_rows=rows
+            )
             logp = torch.log_softmax(self.engine.model(batch, kv).float(), dim=-1)
         finally:
             kv.release(pages)
@@ -79,8 +83,20 @@ class SGLangScorer:
 
         from sglang_backend.server_process import SGLangProcess
 
-        flags = ["--dtype", dtype, "--kv-k", setting.k, "--kv-v", setting.v, "--guided-layers", "none",
-                 "--max-total-tokens", "8192", "--max-running-requests", "16"]
+        flags = [
+            "--dtype",
+            dtype,
+            "--kv-k",
+            setting.k,
+            "--kv-v",
+            setting.v,
+            "--guided-layers",
+            "none",
+            "--max-total-tokens",
+            "8192",
+            "--max-running-requests",
+            "16",
+        ]
         quantization = SGLANG_QUANTIZATION[setting.weights]
         if quantization is not None:
             flags += ["--quantization", quantization]
@@ -105,9 +121,15 @@ class SGLangScorer:
         itself) carries none, each later one is log p(token | everything before it)."""
         if not continuation:
             return [], []
-        meta = self._generate({"input_ids": prompt + continuation, "return_logprob": True, "top_logprobs_num": 1,
-                               "logprob_start_len": len(prompt) - 1,
-                               "sampling_params": {"temperature": 0, "max_new_tokens": 1}})["meta_info"]
+        meta = self._generate(
+            {
+                "input_ids": prompt + continuation,
+                "return_logprob": True,
+                "top_logprobs_num": 1,
+                "logprob_start_len": len(prompt) - 1,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 1},
+            }
+        )["meta_info"]
         scored, tops = meta["input_token_logprobs"][1:], meta["input_top_logprobs"][1:]
         if [t[1] for t in scored] != continuation or len(tops) != len(continuation):
             raise RuntimeError(f"SGLang scored tokens {[t[1] for t in scored]} for the continuation {continuation}")
@@ -134,11 +156,15 @@ def open_scorer(backend: str, model_path, setting, *, dtype: str, targets, workd
     if backend != "sglang":
         raise ValueError(f"quality backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if targets is not None:
-        raise ValueError("--targets is not supported with --backend sglang: the launcher serves the policy's default "
-                         "FP4 targets (MLP and routed experts)")
+        raise ValueError(
+            "--targets is not supported with --backend sglang: the launcher serves the policy's default "
+            "FP4 targets (MLP and routed experts)"
+        )
     if workdir is None:
         raise ValueError("the sglang quality backend needs a workdir for the server logs")
     if setting.k.endswith("+debias"):
-        raise ValueError(f"setting {setting.name}: a de-biased K cache (quant.kv_k_debias) is served by the embedded "
-                         "engine only; the SGLang plugin's KV methods do not implement it")
+        raise ValueError(
+            f"setting {setting.name}: a de-biased K cache (quant.kv_k_debias) is served by the embedded "
+            "engine only; the SGLang plugin's KV methods do not implement it"
+        )
     return SGLangScorer(model_path, setting, dtype, workdir)

@@ -6,6 +6,7 @@
 Multi-process (`torchrun --nproc-per-node N -m megatron_trace.train ... trainer.tp=2`): rank 0
 owns the rollout, data, store and logs; every rank trains.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ from megatron_trace.metrics import JsonlLogger, MetricsHub, TensorBoardLogger, m
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m megatron_trace.train", description=__doc__.splitlines()[0],
-                                 epilog="config keys:\n" + describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_trace.train",
+        description=__doc__.splitlines()[0],
+        epilog="config keys:\n" + describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--resume", action="store_true", help="continue from <run_dir>/checkpoints/latest")
     cfg, args = parse_cli(ap, argv)
     return cfg, args.resume
@@ -48,15 +53,18 @@ class Run:
         if self.rank0:
             print("\n".join(console.plan_lines(cfg)), flush=True)
         tok = CharTokenizer() if cfg.model.tokenizer == "char" else load_tokenizer(cfg.model.tokenizer)
-        prompts = prompt_source(cfg.rollout.prompts, seed=cfg.trainer.seed, tokenizer=tok,
-                                eval_fraction=cfg.rollout.eval_fraction)
+        prompts = prompt_source(
+            cfg.rollout.prompts, seed=cfg.trainer.seed, tokenizer=tok, eval_fraction=cfg.rollout.eval_fraction
+        )
         model_path = self._model_path(tok, prompts)
         self.arch = ModelArch.from_hf_config(model_path)
         if self.arch.is_moe and cfg.trainer.tp > 1 and not cfg.trainer.sequence_parallel:
             # Megatron's MoELayer raises at the first training forward otherwise (after a whole rollout)
-            raise ValueError("an MoE model with trainer.tp > 1 trains only with trainer.sequence_parallel=true "
-                             "(Megatron-Core's MoELayer refuses TP without it); set it, or use trainer.ep for the "
-                             "experts with trainer.tp=1")
+            raise ValueError(
+                "an MoE model with trainer.tp > 1 trains only with trainer.sequence_parallel=true "
+                "(Megatron-Core's MoELayer refuses TP without it); set it, or use trainer.ep for the "
+                "experts with trainer.tp=1"
+            )
         if self.rank0:
             self._check_rollout_quality(model_path, tok, prompts)
         self.actor = Actor(self.arch, cfg.quant.policy(), cfg.trainer, cfg.rollout, hf_path=model_path)
@@ -72,8 +80,9 @@ class Run:
             cfg.save(self.run_dir / "config.yaml")
             self.backend = self._backend(model_path)
             self.store = self._store()
-            self.rollout = Rollout(cfg, self.backend, tok, prompts, get_reward_fn(cfg.rollout.reward), self.arch,
-                                   store=self.store)
+            self.rollout = Rollout(
+                cfg, self.backend, tok, prompts, get_reward_fn(cfg.rollout.reward), self.arch, store=self.store
+            )
             from megatron_trace.transfer.sync import make_transport
 
             self.transport = make_transport(cfg, self.backend, self.run_dir, self.arch)
@@ -124,8 +133,11 @@ class Run:
         cannot show that), on a few of the run's own eval prompts. Cheap on the embedded engine's
         models; on servers, say how to measure it."""
         if self.cfg.rollout.backend != "local":
-            print(f"note: measure what this quantization costs the model before a long run: python -m "
-                  f"megatron_trace.quality --model-path {model_path} --prompts YOUR.jsonl", flush=True)
+            print(
+                f"note: measure what this quantization costs the model before a long run: python -m "
+                f"megatron_trace.quality --model-path {model_path} --prompts YOUR.jsonl",
+                flush=True,
+            )
             return
         from megatron_trace.data import get_reward_fn
         from megatron_trace.quality import quality_warning
@@ -134,12 +146,20 @@ class Run:
         rc = self.cfg.rollout
         policy = self.cfg.quant.policy()
         if policy.activation_scale == "static":  # its engine loads the BF16 checkpoint: no input_scale yet
-            print("note: the rollout quality check measures per-token activation scales; the run's static scales "
-                  "are calibrated after it", flush=True)
+            print(
+                "note: the rollout quality check measures per-token activation scales; the run's static scales "
+                "are calibrated after it",
+                flush=True,
+            )
             policy = dataclasses.replace(policy, activation_scale="per_token")
-        warning = quality_warning(model_path, policy, [
-            {"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked],
-            max_new_tokens=rc.max_new_tokens, tokenizer=tok, score=get_reward_fn(rc.reward))
+        warning = quality_warning(
+            model_path,
+            policy,
+            [{"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked],
+            max_new_tokens=rc.max_new_tokens,
+            tokenizer=tok,
+            score=get_reward_fn(rc.reward),
+        )
         if warning:
             print(f"WARNING: {warning}", flush=True)
 
@@ -155,9 +175,17 @@ class Run:
         from sglang_backend.local import Engine, InProcessBackend
 
         g = self.cfg.guidance
-        return InProcessBackend(Engine(str(model_path), dtype=rc.dtype, quant_policy=self.cfg.quant.policy(),
-                                       guidance_mode=g.mode, guided_layers=g.layers, max_running_requests=rc.max_running,
-                                       random_seed=self.cfg.trainer.seed))
+        return InProcessBackend(
+            Engine(
+                str(model_path),
+                dtype=rc.dtype,
+                quant_policy=self.cfg.quant.policy(),
+                guidance_mode=g.mode,
+                guided_layers=g.layers,
+                max_running_requests=rc.max_running,
+                random_seed=self.cfg.trainer.seed,
+            )
+        )
 
     def _store(self):
         from megatron_trace.guidance import GuidanceStore
@@ -171,8 +199,9 @@ class Run:
         from megatron_trace.transfer.sync import sync_weights
 
         t = time.perf_counter()
-        stats = sync_weights(self.actor.chunks, self.arch, self.cfg, self.transport, self.version,
-                             input_amax=self.input_amax)
+        stats = sync_weights(
+            self.actor.chunks, self.arch, self.cfg, self.transport, self.version, input_amax=self.input_amax
+        )
         if stats is not None:
             self.wire_bytes = stats.bytes
         if hasattr(self.backend, "note_version"):  # a rollout server that died is re-admitted at this version
@@ -217,8 +246,10 @@ class Run:
                 history.append(metrics)
                 for k in totals:
                     totals[k] += metrics[f"perf/{k}"]
-                bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.2f}",
-                                dlogp=f"{metrics.get('mismatch/mean_abs_dlogp', 0):.3f}")
+                bar.set_postfix(
+                    reward=f"{metrics['rollout/reward_mean']:.2f}",
+                    dlogp=f"{metrics.get('mismatch/mean_abs_dlogp', 0):.3f}",
+                )
                 bar.update(1)
             if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0 or step + 1 == cfg.trainer.steps:
                 self.actor.save_checkpoint(self.run_dir / "checkpoints", step, {"version": self.version})
@@ -233,24 +264,36 @@ class Run:
     def _metrics(self, batch, out, deltas, train_s, transfer_s, step_s) -> dict:
         rewards = [s["reward"] for s in batch.samples]
         tokens = sum(len(s["response"]) for s in batch.samples)
-        m = {"rollout/reward_mean": sum(rewards) / max(len(rewards), 1),
-             "rollout/response_len_mean": tokens / max(len(rewards), 1),
-             "rollout/weight_version": batch.version, "rollout/samples": len(rewards)}
+        m = {
+            "rollout/reward_mean": sum(rewards) / max(len(rewards), 1),
+            "rollout/response_len_mean": tokens / max(len(rewards), 1),
+            "rollout/weight_version": batch.version,
+            "rollout/samples": len(rewards),
+        }
         m.update({f"rollout/{k}": v for k, v in batch.stats.items() if k != "rollout_s"})
         m.update({k: v for k, v in out.items() if not k.startswith("_")})
         if "_mismatch" in out:
             recs = out["_records"]
             bpt = sum(r.nbytes() for r in recs) / max(sum(r.num_positions for r in recs), 1)
-            m.update(mismatch_scalars(out["_mismatch"], self.actor.qat.agreement(), bpt, self.actor.qat.override_rate()))
+            m.update(
+                mismatch_scalars(out["_mismatch"], self.actor.qat.agreement(), bpt, self.actor.qat.override_rate())
+            )
             d = torch.cat(deltas) if deltas else torch.zeros(0)
             self.hub.histogram(batch.step, "mismatch/abs_dlogp", d.abs())
             self.hub.histogram(batch.step, "mismatch/importance_ratio", d.exp())
         st = self.store.stats() if self.store is not None else {}
-        m.update({"perf/rollout_s": batch.stats.get("rollout_s", 0.0), "perf/train_s": train_s,
-                  "perf/transfer_s": transfer_s, "perf/step_s": step_s, "perf/transfer_wire_bytes": self.wire_bytes,
-                  "perf/rollout_tokens_per_s": tokens / max(batch.stats.get("rollout_s", 1e-9), 1e-9),
-                  "perf/guidance_spilled_bytes": st.get("bytes_spilled_total", 0),
-                  "perf/guidance_bytes_per_token": st.get("bytes_per_token", 0.0)})
+        m.update(
+            {
+                "perf/rollout_s": batch.stats.get("rollout_s", 0.0),
+                "perf/train_s": train_s,
+                "perf/transfer_s": transfer_s,
+                "perf/step_s": step_s,
+                "perf/transfer_wire_bytes": self.wire_bytes,
+                "perf/rollout_tokens_per_s": tokens / max(batch.stats.get("rollout_s", 1e-9), 1e-9),
+                "perf/guidance_spilled_bytes": st.get("bytes_spilled_total", 0),
+                "perf/guidance_bytes_per_token": st.get("bytes_per_token", 0.0),
+            }
+        )
         self.hub.log(batch.step, m)
         return m
 
@@ -258,19 +301,30 @@ class Run:
         if not self.rank0:
             return {}
         total = sum(totals.values()) or 1.0
-        mean = lambda k: sum(h.get(k, 0.0) for h in history) / max(len(history), 1)  # noqa: E731
-        ev = lambda when, k: evals.get(when, {}).get(k)  # noqa: E731
-        summary = {"steps": len(history), "eval_accuracy_before": ev("before", "eval/accuracy"),
-                   "eval_accuracy_after": ev("after", "eval/accuracy"),
-                   "eval_reward_before": ev("before", "eval/reward_sampled"),
-                   "eval_reward_after": ev("after", "eval/reward_sampled"),
-                   "eval_set_size": ev("before", "eval/set_size") or ev("after", "eval/set_size"),
-                   "reward_first_step": history[0]["rollout/reward_mean"] if history else None,
-                   "reward_last_step": history[-1]["rollout/reward_mean"] if history else None,
-                   "mean_abs_dlogp": mean("mismatch/mean_abs_dlogp"), "max_abs_dlogp": max((h.get("mismatch/max_abs_dlogp", 0) for h in history), default=0),
-                   "k3_kl": mean("mismatch/k3_kl"), "clipped_frac": mean("mismatch/clipped_frac"),
-                   "guidance_bytes_per_token": mean("mismatch/guidance_bytes_per_token"),
-                   "time_split": {k: v / total for k, v in totals.items()}, "wall_s": time.perf_counter() - self.t0}
+
+        def mean(k):
+            return sum(h.get(k, 0.0) for h in history) / max(len(history), 1)
+
+        def ev(when, k):
+            return evals.get(when, {}).get(k)
+
+        summary = {
+            "steps": len(history),
+            "eval_accuracy_before": ev("before", "eval/accuracy"),
+            "eval_accuracy_after": ev("after", "eval/accuracy"),
+            "eval_reward_before": ev("before", "eval/reward_sampled"),
+            "eval_reward_after": ev("after", "eval/reward_sampled"),
+            "eval_set_size": ev("before", "eval/set_size") or ev("after", "eval/set_size"),
+            "reward_first_step": history[0]["rollout/reward_mean"] if history else None,
+            "reward_last_step": history[-1]["rollout/reward_mean"] if history else None,
+            "mean_abs_dlogp": mean("mismatch/mean_abs_dlogp"),
+            "max_abs_dlogp": max((h.get("mismatch/max_abs_dlogp", 0) for h in history), default=0),
+            "k3_kl": mean("mismatch/k3_kl"),
+            "clipped_frac": mean("mismatch/clipped_frac"),
+            "guidance_bytes_per_token": mean("mismatch/guidance_bytes_per_token"),
+            "time_split": {k: v / total for k, v in totals.items()},
+            "wall_s": time.perf_counter() - self.t0,
+        }
         self.hub.close()
         if self.store is not None:
             self.store.close()
@@ -288,15 +342,22 @@ def _progress(total: int, enabled: bool):
 
 
 def print_summary(s: dict) -> None:
-    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    def fmt(v):
+        return "n/a" if v is None else f"{v:.3f}"
+
     print("\n== summary ==")
     size = s.get("eval_set_size")
     print(f"eval set: {size or 0} problems of the eval split (never trained on)")
-    print(f"eval reward (sampled, T=rollout): before {fmt(s['eval_reward_before'])} -> after {fmt(s['eval_reward_after'])}")
+    print(
+        f"eval reward (sampled, T=rollout): before {fmt(s['eval_reward_before'])} -> "
+        f"after {fmt(s['eval_reward_after'])}"
+    )
     print(f"eval accuracy (greedy): before {fmt(s['eval_accuracy_before'])} -> after {fmt(s['eval_accuracy_after'])}")
     print(f"reward (sampled): first step {fmt(s['reward_first_step'])} -> last step {fmt(s['reward_last_step'])}")
-    print(f"mismatch: mean |dlogp| {s['mean_abs_dlogp']:.4f}, max {s['max_abs_dlogp']:.4f}, K3 KL {s['k3_kl']:.2e}, "
-          f"clipped {s['clipped_frac']:.2%}, guidance {s['guidance_bytes_per_token']:.0f} B/token")
+    print(
+        f"mismatch: mean |dlogp| {s['mean_abs_dlogp']:.4f}, max {s['max_abs_dlogp']:.4f}, K3 KL {s['k3_kl']:.2e}, "
+        f"clipped {s['clipped_frac']:.2%}, guidance {s['guidance_bytes_per_token']:.0f} B/token"
+    )
     split = ", ".join(f"{k.removesuffix('_s')} {v:.0%}" for k, v in s["time_split"].items())
     print(f"time split: {split}; wall {s['wall_s']:.0f} s")
 
@@ -323,11 +384,12 @@ def check_debiased_server(info: dict, url: str) -> None:
     would leave TRACE guiding the wrong tensor; refuse it before the first step."""
     served = (info.get("quant_policy") or {}).get("kv_k_debias")
     if served is not True:
-        raise ValueError(f"quant.kv_k_debias=true, but the rollout server {url} does not serve a de-biased K cache "
-                         f"(its model_info quant_policy.kv_k_debias is {served!r}); start it with python -m "
-                         "sglang_backend.launch --backend local --kv-k-debias (the SGLang plugin does not implement it)")
+        raise ValueError(
+            f"quant.kv_k_debias=true, but the rollout server {url} does not serve a de-biased K cache "
+            f"(its model_info quant_policy.kv_k_debias is {served!r}); start it with python -m "
+            "sglang_backend.launch --backend local --kv-k-debias (the SGLang plugin does not implement it)"
+        )
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

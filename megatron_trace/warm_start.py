@@ -3,6 +3,7 @@ supervised steps, so RL starts with a nonzero reward. Cached by everything that 
 
     tiny config + tokenizer + task + steps/lr/seed ──hash──► <cache>/<key>/ (HF checkpoint + tokenizer)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,22 +19,51 @@ from megatron_trace.models import tiny_hf_config
 
 def tiny_config_for(family: str, tokenizer, overrides: dict) -> dict:
     """The tiny HF config sized to the tokenizer (its vocab and special ids)."""
-    base = {"vocab_size": tokenizer.vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-            "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    base = {
+        "vocab_size": tokenizer.vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id,
+    }
     return tiny_hf_config(family, **{**base, **overrides})
 
 
 def cache_key(hf_cfg: dict, tokenizer, task: ArithmeticTask, steps: int, lr: float, seed: int) -> str:
-    blob = json.dumps({"cfg": hf_cfg, "vocab": tokenizer.vocab_size, "chars": getattr(tokenizer, "chars", ""),
-                       "task": [task.max_operand, task.ops, task.template, task.worked, task.eval_fraction],
-                       "steps": steps, "lr": lr, "seed": seed},
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        {
+            "cfg": hf_cfg,
+            "vocab": tokenizer.vocab_size,
+            "chars": getattr(tokenizer, "chars", ""),
+            "task": [task.max_operand, task.ops, task.template, task.worked, task.eval_fraction],
+            "steps": steps,
+            "lr": lr,
+            "seed": seed,
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def build_warm_start(cache_root: str | Path, family: str, tokenizer, task: ArithmeticTask, *, overrides: dict,
-                     steps: int, lr: float, seed: int, batch: int = 64, log=print) -> Path:
+def build_warm_start(
+    cache_root: str | Path,
+    family: str,
+    tokenizer,
+    task: ArithmeticTask,
+    *,
+    overrides: dict,
+    steps: int,
+    lr: float,
+    seed: int,
+    batch: int = 64,
+    log=print,
+) -> Path:
     """Return the cached checkpoint dir, training it first when missing (atomic: tmp + rename)."""
     hf_cfg = tiny_config_for(family, tokenizer, overrides)
     out = Path(cache_root) / cache_key(hf_cfg, tokenizer, task, steps, lr, seed)
@@ -60,9 +90,17 @@ def build_warm_start(cache_root: str | Path, family: str, tokenizer, task: Arith
 def warm_start_for(cfg, tokenizer, task: ArithmeticTask, log=print) -> Path:
     """The run's cached starting checkpoint (next to its run dir), built on first use."""
     t = cfg.trainer
-    return build_warm_start(Path(cfg.logging.run_dir).parent / ".warm_start_cache", cfg.model.family, tokenizer,
-                            task, overrides=cfg.model.tiny, steps=t.warm_start_steps, lr=t.warm_start_lr,
-                            seed=t.seed, log=log)
+    return build_warm_start(
+        Path(cfg.logging.run_dir).parent / ".warm_start_cache",
+        cfg.model.family,
+        tokenizer,
+        task,
+        overrides=cfg.model.tiny,
+        steps=t.warm_start_steps,
+        lr=t.warm_start_lr,
+        seed=t.seed,
+        log=log,
+    )
 
 
 def _train(model, tokenizer, task: ArithmeticTask, *, steps: int, lr: float, batch: int, seed: int, log) -> None:
@@ -103,18 +141,21 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_trace.config import parse_cli
     from megatron_trace.data import TASKS, ArithmeticTask, CharTokenizer, load_tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m megatron_trace.warm_start",
-                                 description="Build (or find) the run's starting checkpoint; print its directory.")
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_trace.warm_start",
+        description="Build (or find) the run's starting checkpoint; print its directory.",
+    )
     cfg, _ = parse_cli(ap, argv)
     if cfg.model.path:  # a real checkpoint: nothing to build
         print(cfg.model.path)
         return 0
     if cfg.rollout.prompts not in TASKS:
-        ap.error(f"the tiny warm start trains on a built-in task ({', '.join(TASKS)}); set model.path for other prompts")
+        ap.error(
+            f"the tiny warm start trains on a built-in task ({', '.join(TASKS)}); set model.path for other prompts"
+        )
     tok = CharTokenizer() if cfg.model.tokenizer == "char" else load_tokenizer(cfg.model.tokenizer)
     task = ArithmeticTask.named(cfg.rollout.prompts, cfg.trainer.seed, tok, cfg.rollout.eval_fraction)
-    out = warm_start_for(cfg, tok, task,
-                         log=lambda m: print(m, file=sys.stderr, flush=True))
+    out = warm_start_for(cfg, tok, task, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(out, flush=True)
     return 0
 

@@ -3,6 +3,7 @@ torch.clone of the same tensor measured in the same run (this machine is shared 
 
     .venv/bin/python scripts/bench_fp4.py [--size 4096] [--repeats 7]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ def main() -> None:
         "guided_quantize mantissa": lambda: guided_quantize(x_train, q.scale, q.global_scale, mantissa=bits),
     }
     gbytes = x.numel() * x.element_size() / 1e9
-    print(f"fp32 input {args.size}x{args.size} ({gbytes * 1e3:.0f} MB), {args.threads} threads, "
-          f"median of {args.repeats}")
+    print(
+        f"fp32 input {args.size}x{args.size} ({gbytes * 1e3:.0f} MB), {args.threads} threads, median of {args.repeats}"
+    )
     print("| operation | ms | GB/s of fp32 input | ratio to clone |")
     print("|---|---:|---:|---:|")
     base = None

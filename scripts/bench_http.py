@@ -16,6 +16,7 @@ guidance, median of the paired extra time in % (bench_rollout.py measures it in-
 Uses only `serve`, `RolloutClient`, `Engine` and the tiny checkpoint, so the same file measures an
 older checkout: copy it there and run it with that checkout's root on PYTHONPATH.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-CONFIGS = {"BF16-equiv": {"quantization": None, "kv_cache_dtype": "auto"},
-           "FP4": {"quantization": "nvfp4", "kv_cache_dtype": "nvfp4"}}
+CONFIGS = {
+    "BF16-equiv": {"quantization": None, "kv_cache_dtype": "auto"},
+    "FP4": {"quantization": "nvfp4", "kv_cache_dtype": "nvfp4"},
+}
 
 
 def parse(argv=None):
@@ -69,17 +72,23 @@ def main(argv=None) -> dict:
     total = args.batch * (args.prompt_len + args.new_tokens) + 64 * 16
     out: dict = {}
     for name, cfg in CONFIGS.items():
-        eng = Engine(str(path), max_running_requests=args.batch, max_total_tokens=total, guidance_mode="mantissa",
-                     **cfg)
+        eng = Engine(
+            str(path), max_running_requests=args.batch, max_total_tokens=total, guidance_mode="mantissa", **cfg
+        )
         srv = serve(eng, api_key="bench")
         client = RolloutClient(srv.url, api_key="bench", max_workers=args.batch)
         try:
+
             def in_process(eng=eng):
                 return eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
 
             def over_http(guided=False, client=client):
-                res = client.generate([GenerateRequest(p, SamplingParams(**sp), return_logprob=True,
-                                                       return_guidance=guided) for p in prompts])
+                res = client.generate(
+                    [
+                        GenerateRequest(p, SamplingParams(**sp), return_logprob=True, return_guidance=guided)
+                        for p in prompts
+                    ]
+                )
                 if guided:
                     for r in res:
                         client.fetch_guidance(r.guidance_handle)
@@ -106,8 +115,10 @@ def main(argv=None) -> dict:
             client.close()
             srv.shutdown()
             eng.shutdown()
-    print(f"| engine | in-process tok/s | HTTP tok/s | HTTP overhead | guidance over HTTP | "
-          f"(batch {args.batch}, {args.new_tokens} new tokens, {args.runs} rounds, {args.threads} threads) |")
+    print(
+        f"| engine | in-process tok/s | HTTP tok/s | HTTP overhead | guidance over HTTP | "
+        f"(batch {args.batch}, {args.new_tokens} new tokens, {args.runs} rounds, {args.threads} threads) |"
+    )
     print("|---|---:|---:|---:|---:|---|")
     for name, r in out.items():
         gpct = f"+{r['guidance_overhead_pct']:.1f}%" if "guidance_overhead_pct" in r else ""

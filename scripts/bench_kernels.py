@@ -19,6 +19,7 @@ quantize >= 60% of copy bandwidth.
 --cpu-check runs every code path (kernels under TRITON_INTERPRET=1, checks, baselines, the table)
 on tiny shapes on the CPU; its timings measure the interpreter, not the kernels.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,19 +87,24 @@ def bench_gemm(cfg, timer, rows, dev):
         for m in cfg["gemm_m"]:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             extra = cfg.get("gemm_extra", {})
-            err = _rel_err(dispatch.fp4_linear(x, w, bias, out_dtype=torch.float32, backend="triton", **extra),
-                           dispatch.fp4_linear_reference(x, w, bias, out_dtype=torch.float32))
-            err4 = _rel_err(dispatch.fp4_linear_w4a4(x, w, bias, out_dtype=torch.float32, backend="triton", **extra),
-                            dispatch.fp4_linear_w4a4_reference(x, w, bias, out_dtype=torch.float32))
+            err = _rel_err(
+                dispatch.fp4_linear(x, w, bias, out_dtype=torch.float32, backend="triton", **extra),
+                dispatch.fp4_linear_reference(x, w, bias, out_dtype=torch.float32),
+            )
+            err4 = _rel_err(
+                dispatch.fp4_linear_w4a4(x, w, bias, out_dtype=torch.float32, backend="triton", **extra),
+                dispatch.fp4_linear_w4a4_reference(x, w, bias, out_dtype=torch.float32),
+            )
             t_bf16 = timer(lambda: torch.nn.functional.linear(x, w_bf16, bias))
             t_fp4 = timer(lambda: dispatch.fp4_linear(x, w, bias, backend="triton", **extra))
             t_a4 = timer(lambda: dispatch.fp4_linear_w4a4(x, w, bias, backend="triton", **extra))
             io = m * k * 2 + m * n * 2 + n * 2
             fp4_bytes = n * k * 0.5625 + n * 4 + io
             rows.append(("W4A16 GEMM", f"M={m} N={n} K={k}", err, 1e-5, t_fp4, t_bf16, fp4_bytes, "cuBLAS bf16"))
-            rows.append(("W4A4 GEMM", f"M={m} N={n} K={k}", err4, 1e-5, t_a4, t_bf16, fp4_bytes + m * k * 0.5625,
-                         "cuBLAS bf16"))
-        del w_src, w, w_bf16
+            rows.append(
+                ("W4A4 GEMM", f"M={m} N={n} K={k}", err4, 1e-5, t_a4, t_bf16, fp4_bytes + m * k * 0.5625, "cuBLAS bf16")
+            )
+        w_src = w = w_bf16 = None  # free the device memory before the next shape
 
 
 def _kv_pages(fmt, slots, kvh, d, gs, dev):
@@ -134,28 +140,55 @@ def bench_attention(cfg, timer, rows, dev):
         kb, _ = _kv_pages("bf16", slots, kvh, d, None, dev)
         vb, _ = _kv_pages("bf16", slots, kvh, d, None, dev)
         extra = cfg.get("attn_extra", {})
-        t_paged = timer(lambda: dispatch.paged_decode_attention(q, kb, None, vb, None, None, None, table, lens, "bf16",
-                                                                backend="triton", **extra))
+        t_paged = timer(
+            lambda: dispatch.paged_decode_attention(
+                q, kb, None, vb, None, None, None, table, lens, "bf16", backend="triton", **extra
+            )
+        )
         kc = kb[table.long()].permute(0, 2, 1, 3).contiguous()  # [B, kvh, L, D] contiguous for SDPA
         vc = vb[table.long()].permute(0, 2, 1, 3).contiguous()
         t_sdpa = timer(lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True))
-        del kc, vc
+        kc = vc = None
         base, base_name = min((t_paged, "paged bf16"), (t_sdpa, "SDPA bf16"))
-        rows.append(("BF16 paged attn", f"ctx={ctx} B={bsz}", float("nan"), None, t_paged, t_sdpa,
-                     4 * slots * kvh * d + 4 * slots, "SDPA bf16"))
+        rows.append(
+            (
+                "BF16 paged attn",
+                f"ctx={ctx} B={bsz}",
+                float("nan"),
+                None,
+                t_paged,
+                t_sdpa,
+                4 * slots * kvh * d + 4 * slots,
+                "SDPA bf16",
+            )
+        )
         nchk = min(bsz, cfg["attn_check_rows"])
         for fmt in ("nvfp4", "mxfp4"):
             k_p, k_s = _kv_pages(fmt, slots, kvh, d, gk, dev)
             v_p, v_s = _kv_pages(fmt, slots, kvh, d, gv, dev)
             args = (k_p, k_s, v_p, v_s, gk, gv)
             qf = q[:nchk].float()
-            err = _rel_err(dispatch.paged_decode_attention(qf, *args, table[:nchk], lens[:nchk], fmt, backend="triton", **extra),
-                           dispatch.paged_decode_attention_reference(qf, *args, table[:nchk], lens[:nchk], fmt))
-            t_fp4 = timer(lambda: dispatch.paged_decode_attention(q, *args, table, lens, fmt, backend="triton", **extra))
-            rows.append((f"{fmt.upper()} paged attn", f"ctx={ctx} B={bsz}", err, 1e-5, t_fp4, base,
-                         2 * slots * kvh * d * 0.5625 + 4 * slots, base_name))
+            err = _rel_err(
+                dispatch.paged_decode_attention(qf, *args, table[:nchk], lens[:nchk], fmt, backend="triton", **extra),
+                dispatch.paged_decode_attention_reference(qf, *args, table[:nchk], lens[:nchk], fmt),
+            )
+            t_fp4 = timer(
+                lambda: dispatch.paged_decode_attention(q, *args, table, lens, fmt, backend="triton", **extra)
+            )
+            rows.append(
+                (
+                    f"{fmt.upper()} paged attn",
+                    f"ctx={ctx} B={bsz}",
+                    err,
+                    1e-5,
+                    t_fp4,
+                    base,
+                    2 * slots * kvh * d * 0.5625 + 4 * slots,
+                    base_name,
+                )
+            )
             del k_p, k_s, v_p, v_s
-        del kb, vb
+        kb = vb = None
 
 
 def bench_quantize(cfg, timer, rows, dev):
@@ -179,58 +212,103 @@ def bench_quantize(cfg, timer, rows, dev):
     ]
     for name, kw, extra_bytes in cases:
         if "mode" in kw:
+
             def run(kw=kw):
                 return dispatch.nvfp4_quantize_with_guidance(x, backend="triton", **kw)
+
             got, g = run()
             want, gw = dispatch.nvfp4_quantize_with_guidance_reference(x, **kw)
             ok = torch.equal(g, gw)
         else:
+
             def run(kw=kw):
                 return dispatch.nvfp4_quantize(x, backend="triton", **kw)
+
             got, want = run(), nvfp4.quantize(x, **kw)
             ok = True
         ok = ok and torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
         t = timer(run)
         moved = m * k * 2 + m * k * 0.5625 + extra_bytes
-        rows.append((name, f"{m}x{k}", 0.0 if ok else 1.0, 0.0, t, t_copy, moved,
-                     f"copy ({100 * moved / t / copy_bw:.0f}% of copy BW)"))
+        rows.append(
+            (
+                name,
+                f"{m}x{k}",
+                0.0 if ok else 1.0,
+                0.0,
+                t,
+                t_copy,
+                moved,
+                f"copy ({100 * moved / t / copy_bw:.0f}% of copy BW)",
+            )
+        )
     # TRACE guided rounding (the trainer's QAT): the rollout's scales and codes / mantissa bits in.
     roll = nvfp4.quantize(x.float() * 1.01, per_row_global=True)
-    for name, kw, guide_bytes in [("guided rounding full", dict(codes=roll.data), m * k / 2),
-                                  ("guided rounding mantissa", dict(mantissa=mantissa_bits_packed(roll.data)), m * k / 8)]:
+    for name, kw, guide_bytes in [
+        ("guided rounding full", dict(codes=roll.data), m * k / 2),
+        ("guided rounding mantissa", dict(mantissa=mantissa_bits_packed(roll.data)), m * k / 8),
+    ]:
+
         def run(kw=kw):
             return dispatch.nvfp4_guided_quantize(x, roll.scale, roll.global_scale, backend="triton", **kw)
+
         want = guided_quantize(x, roll.scale, roll.global_scale, **kw)
         ok = torch.equal(run().data, want.data)
         t = timer(run)
         moved = m * k * 2 + m * k / 16 + guide_bytes + m * k / 2
-        rows.append((name, f"{m}x{k}", 0.0 if ok else 1.0, 0.0, t, t_copy, moved,
-                     f"copy ({100 * moved / t / copy_bw:.0f}% of copy BW)"))
+        rows.append(
+            (
+                name,
+                f"{m}x{k}",
+                0.0 if ok else 1.0,
+                0.0,
+                t,
+                t_copy,
+                moved,
+                f"copy ({100 * moved / t / copy_bw:.0f}% of copy BW)",
+            )
+        )
 
 
 def table(rows, peak_gbps) -> str:
-    out = ["| kernel | shape | check (max rel err) | time us | baseline us | speedup | % HBM peak | baseline |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| kernel | shape | check (max rel err) | time us | baseline us | speedup | % HBM peak | baseline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, shape, err, tol, t, base, moved, base_name in rows:
         if err != err:
             chk = "-"
         else:
             chk = f"{err:.1e} {'ok' if err <= tol else 'FAIL'}"
         roof = 100 * moved / t / (peak_gbps * 1e9)
-        out.append(f"| {name} | {shape} | {chk} | {t * 1e6:.1f} | {base * 1e6:.1f} | {base / t:.2f}x | {roof:.1f}% | {base_name} |")
+        out.append(
+            f"| {name} | {shape} | {chk} | {t * 1e6:.1f} | {base * 1e6:.1f} | {base / t:.2f}x | {roof:.1f}% "
+            f"| {base_name} |"
+        )
     return "\n".join(out)
 
 
 GPU_CFG = dict(
-    gemm_nk=[(8192, 8192), (8192, 29568), (29568, 8192)], gemm_m=[1, 8, 32, 128],
-    heads=8, kv_heads=1, head_dim=128, page_size=16,
-    attn_cases=[(4096, 128), (32768, 16), (131072, 4)], attn_check_rows=4,
+    gemm_nk=[(8192, 8192), (8192, 29568), (29568, 8192)],
+    gemm_m=[1, 8, 32, 128],
+    heads=8,
+    kv_heads=1,
+    head_dim=128,
+    page_size=16,
+    attn_cases=[(4096, 128), (32768, 16), (131072, 4)],
+    attn_check_rows=4,
     quant_mk=(8192, 8192),
 )
 CPU_CFG = dict(
-    gemm_nk=[(40, 96)], gemm_m=[1, 3], gemm_extra=dict(split_k=2),
-    heads=4, kv_heads=1, head_dim=32, page_size=4,
-    attn_cases=[(24, 2)], attn_check_rows=2, attn_extra=dict(splits=2),
+    gemm_nk=[(40, 96)],
+    gemm_m=[1, 3],
+    gemm_extra=dict(split_k=2),
+    heads=4,
+    kv_heads=1,
+    head_dim=32,
+    page_size=4,
+    attn_cases=[(24, 2)],
+    attn_check_rows=2,
+    attn_extra=dict(splits=2),
     quant_mk=(4, 64),
 )
 
@@ -262,8 +340,9 @@ def main(argv=None) -> int:
         sections[name](cfg, timer, rows, dev)
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     md = table(rows, args.peak_gbps)
-    header = (f"device: {torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU (Triton interpreter; times are not kernel times)'}"
-              f", reps {reps}, peak {args.peak_gbps:.0f} GB/s")
+    interp = "CPU (Triton interpreter; times are not kernel times)"
+    where = torch.cuda.get_device_name() if dev.type == "cuda" else interp
+    header = f"device: {where}, reps {reps}, peak {args.peak_gbps:.0f} GB/s"
     print(header + "\n\n" + md)
     if args.out:
         with open(args.out, "w") as f:

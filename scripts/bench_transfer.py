@@ -17,6 +17,7 @@ tests/test_transfer.py, not timed. Reported, as a markdown table:
 * peak extra memory the pipeline holds (source unit + quantized unit + open bucket, tracked by
   the pipeline itself: tracemalloc cannot see torch's allocator) over the bucket budget (goal <= 1.5).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,9 +96,19 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     with tempfile.TemporaryDirectory() as d:
-        make_tiny_checkpoint(Path(d) / "m", "qwen3", seed=0, dtype="bfloat16", hidden_size=args.hidden,
-                             intermediate_size=args.intermediate, num_hidden_layers=args.layers, vocab_size=args.vocab,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+        make_tiny_checkpoint(
+            Path(d) / "m",
+            "qwen3",
+            seed=0,
+            dtype="bfloat16",
+            hidden_size=args.hidden,
+            intermediate_size=args.intermediate,
+            num_hidden_layers=args.layers,
+            vocab_size=args.vocab,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+        )
         arch, sd, _ = load_hf_dir(Path(d) / "m")
     assert isinstance(arch, ModelArch)
     bf16_bytes = sum(t.numel() * t.element_size() for t in sd.values())
@@ -109,9 +120,11 @@ def main() -> None:
         return time.perf_counter() - t0
 
     copy_s = float("inf")  # best of runs interleaved with the transfers: the box may be shared
-    policies = {"bf16": QuantPolicy(format="bf16", weights="bf16", activations="bf16"),
-                "nvfp4 default (MLP)": QuantPolicy(),
-                "nvfp4 all linears": QuantPolicy(targets=ALL_LINEARS)}
+    policies = {
+        "bf16": QuantPolicy(format="bf16", weights="bf16", activations="bf16"),
+        "nvfp4 default (MLP)": QuantPolicy(),
+        "nvfp4 all linears": QuantPolicy(targets=ALL_LINEARS),
+    }
     rows, budget = [], args.bucket_mb * (1 << 20)
     run(sd, arch, policies["nvfp4 all linears"], args.bucket_mb, 0)  # warm-up (first-call costs)
     for label, pol in policies.items():
@@ -123,19 +136,29 @@ def main() -> None:
         sec, wire, peak = best
         rows.append((label, pol, sec, wire, peak))
     base_wire = rows[0][3]
-    print(f"model: qwen3 hidden {args.hidden}, {args.layers} layers, MLP {args.intermediate}, vocab {args.vocab}; "
-          f"{bf16_bytes / 1e6:.2f} MB BF16; bucket budget {args.bucket_mb} MiB; plain copy "
-          f"{bf16_bytes / copy_s / 1e9:.2f} GB/s\n")
-    print("| policy | GB/s (BF16 bytes) | vs plain copy | wire MB | BF16/wire (model) | BF16/FP4 (FP4 linears) "
-          "| peak held / budget |")
+    print(
+        f"model: qwen3 hidden {args.hidden}, {args.layers} layers, MLP {args.intermediate}, vocab {args.vocab}; "
+        f"{bf16_bytes / 1e6:.2f} MB BF16; bucket budget {args.bucket_mb} MiB; plain copy "
+        f"{bf16_bytes / copy_s / 1e9:.2f} GB/s\n"
+    )
+    print(
+        "| policy | GB/s (BF16 bytes) | vs plain copy | wire MB | BF16/wire (model) | BF16/FP4 (FP4 linears) "
+        "| peak held / budget |"
+    )
     print("|---|---|---|---|---|---|---|")
     for label, pol, sec, wire, peak in rows:
         gbs = bf16_bytes / sec / 1e9
-        lin = "-" if not pol.enabled else f"{linear_bytes(sd, arch, pol, False) / linear_bytes(sd, arch, pol, True):.2f}"
-        print(f"| {label} | {gbs:.3f} | {gbs / (bf16_bytes / copy_s / 1e9):.3f} | {wire / 1e6:.2f} | "
-              f"{base_wire / wire:.2f} | {lin} | {peak / budget:.2f} |")
-    print("\ngoal BF16/NVFP4 >= 3.4: met only by the FP4 linears themselves (embeddings, norms, lm_head stay BF16); "
-          "goal peak <= 1.5x budget.")
+        lin = (
+            "-" if not pol.enabled else f"{linear_bytes(sd, arch, pol, False) / linear_bytes(sd, arch, pol, True):.2f}"
+        )
+        print(
+            f"| {label} | {gbs:.3f} | {gbs / (bf16_bytes / copy_s / 1e9):.3f} | {wire / 1e6:.2f} | "
+            f"{base_wire / wire:.2f} | {lin} | {peak / budget:.2f} |"
+        )
+    print(
+        "\ngoal BF16/NVFP4 >= 3.4: met only by the FP4 linears themselves (embeddings, norms, lm_head stay BF16); "
+        "goal peak <= 1.5x budget."
+    )
 
 
 if __name__ == "__main__":

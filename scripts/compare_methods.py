@@ -13,6 +13,7 @@ Every figure is the mean over seeds with the spread (min..max) as a band. Writes
 <out>/curves.png (sampled reward, mean and max |dlogp| over steps), <out>/summary.json and the
 raw runs under <out>/runs/<method>/seed<k>/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,16 +25,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {
-    "bf16": ["quant.format=bf16", "quant.weights=bf16", "quant.activations=bf16", "quant.kv=bf16", "trainer.qat_mode=off"],
+    "bf16": [
+        "quant.format=bf16",
+        "quant.weights=bf16",
+        "quant.activations=bf16",
+        "quant.kv=bf16",
+        "trainer.qat_mode=off",
+    ],
     "naive_fp4": ["trainer.qat_mode=off", "algo.loss=none"],
     "fp4_qat": ["trainer.qat_mode=rtn"],
     "fp4_tis": ["trainer.qat_mode=off", "algo.loss=tis"],
     "trace_full": ["trainer.qat_mode=guided", "guidance.mode=full"],
     "trace_mantissa": ["trainer.qat_mode=guided", "guidance.mode=mantissa"],
 }
-CURVES = (("rollout/reward_mean", "sampled reward (5-step mean)", False),
-          ("mismatch/mean_abs_dlogp", "mean |logp_rollout - logp_train|", True),
-          ("mismatch/max_abs_dlogp", "max |logp_rollout - logp_train|", True))
+CURVES = (
+    ("rollout/reward_mean", "sampled reward (5-step mean)", False),
+    ("mismatch/mean_abs_dlogp", "mean |logp_rollout - logp_train|", True),
+    ("mismatch/max_abs_dlogp", "max |logp_rollout - logp_train|", True),
+)
 
 
 def run_method(name: str, seed: int, out: Path, steps: int, base: list[str], reuse: bool = False) -> Path:
@@ -41,9 +50,19 @@ def run_method(name: str, seed: int, out: Path, steps: int, base: list[str], reu
     if reuse and (run_dir / "summary.json").exists():
         print(f"[{name} seed {seed}] reusing {run_dir}", flush=True)
         return run_dir
-    cmd = [sys.executable, "-m", "megatron_trace.train", "--config", str(ROOT / "configs/tiny_cpu.yaml"),
-           f"trainer.steps={steps}", f"trainer.seed={seed}", f"logging.run_dir={run_dir}", "logging.progress=false",
-           *base, *METHODS[name]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_trace.train",
+        "--config",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        f"trainer.steps={steps}",
+        f"trainer.seed={seed}",
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        *base,
+        *METHODS[name],
+    ]
     print(f"[{name} seed {seed}] {' '.join(cmd[3:])}", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
@@ -75,7 +94,9 @@ def summarize(runs: list[tuple[list[dict], dict]]) -> dict:
         "eval_accuracy_after": per_seed(lambda r, s: s["eval_accuracy_after"]),
         "train_reward_last10": per_seed(lambda r, s: statistics.fmean(x["rollout/reward_mean"] for x in r[-10:])),
         "mean_abs_dlogp": per_seed(lambda r, s: statistics.fmean(x.get("mismatch/mean_abs_dlogp", 0.0) for x in r)),
-        "mean_abs_dlogp_last10": per_seed(lambda r, s: statistics.fmean(x.get("mismatch/mean_abs_dlogp", 0.0) for x in r[-10:])),
+        "mean_abs_dlogp_last10": per_seed(
+            lambda r, s: statistics.fmean(x.get("mismatch/mean_abs_dlogp", 0.0) for x in r[-10:])
+        ),
         "max_abs_dlogp": per_seed(lambda r, s: max(x.get("mismatch/max_abs_dlogp", 0.0) for x in r)),
         "guidance_bytes_per_token": per_seed(lambda r, s: s["guidance_bytes_per_token"]),
         "eval_set_size": runs[0][1].get("eval_set_size"),
@@ -83,8 +104,10 @@ def summarize(runs: list[tuple[list[dict], dict]]) -> dict:
 
 
 def table(summary: dict[str, dict]) -> str:
-    head = ("| method | eval reward before → after | greedy eval acc before → after | train reward (last 10) "
-            "| mean abs dlogp (all / last 10 steps) | max abs dlogp | guidance B/token |")
+    head = (
+        "| method | eval reward before → after | greedy eval acc before → after | train reward (last 10) "
+        "| mean abs dlogp (all / last 10 steps) | max abs dlogp | guidance B/token |"
+    )
     lines = [head, "|---|---|---|---:|---:|---:|---:|"]
     for name, s in summary.items():
         lines.append(
@@ -92,7 +115,8 @@ def table(summary: dict[str, dict]) -> str:
             f"| {_spread(s['eval_accuracy_before'], '.3f')} → {_spread(s['eval_accuracy_after'], '.3f')} "
             f"| {_spread(s['train_reward_last10'], '.3f')} | {_spread(s['mean_abs_dlogp'], '.4f')} / "
             f"{_spread(s['mean_abs_dlogp_last10'], '.4f')} | {_spread(s['max_abs_dlogp'], '.3f')} "
-            f"| {statistics.fmean(s['guidance_bytes_per_token']):.0f} |")
+            f"| {statistics.fmean(s['guidance_bytes_per_token']):.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -110,8 +134,9 @@ def plots(results: dict[str, list[tuple[list[dict], dict]]], out: Path) -> None:
             per = [_smooth([rows[i].get(key, 0.0) for i in range(n)]) for rows, _ in runs]
             mean = [statistics.fmean(v) for v in zip(*per)]
             (line,) = ax.plot(steps, mean, label=name)
-            ax.fill_between(steps, [min(v) for v in zip(*per)], [max(v) for v in zip(*per)], color=line.get_color(),
-                            alpha=0.2)
+            ax.fill_between(
+                steps, [min(v) for v in zip(*per)], [max(v) for v in zip(*per)], color=line.get_color(), alpha=0.2
+            )
             ax.set(title=title, xlabel="RL step", yscale="log" if log else "linear")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"mean over {len(next(iter(results.values())))} seeds, band = min..max")
@@ -139,13 +164,16 @@ def main(argv=None) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {m: [load(run_method(m, seed, out, args.steps, args.base, args.reuse)) for seed in seeds]
-               for m in args.methods.split(",")}
+    results = {
+        m: [load(run_method(m, seed, out, args.steps, args.base, args.reuse)) for seed in seeds]
+        for m in args.methods.split(",")
+    }
     summary = {m: summarize(runs) for m, runs in results.items()}
     md = table(summary)
     (out / "table.md").write_text(md + "\n")
-    (out / "summary.json").write_text(json.dumps({"steps": args.steps, "seeds": seeds, "base": args.base,
-                                                  "methods": summary}, indent=1))
+    (out / "summary.json").write_text(
+        json.dumps({"steps": args.steps, "seeds": seeds, "base": args.base, "methods": summary}, indent=1)
+    )
     plots(results, out)
     print(md)
 

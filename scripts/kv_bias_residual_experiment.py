@@ -10,6 +10,7 @@ continuations (results/quality_real_model/quality.json), 2026-12-01: BF16 0.1954
 NVFP4 K bias-residual 0.2050 (+0.0096), + NVFP4 V 0.2031 (+0.0077). Not in the engine, trainer or
 plugin: docs/quality.md.
 """
+
 import sys
 from pathlib import Path
 
@@ -18,10 +19,12 @@ import json
 
 import torch
 import transformers.models.qwen2.modeling_qwen2 as mq
-from transformers import AutoModelForCausalLM, AttentionInterface
+from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from megatron_trace.fp4 import fp8, nvfp4
+
 from megatron_trace import quality
+from megatron_trace.fp4 import nvfp4
+
 ck = str(Path.home() / ".cache" / "megatron_trace" / "qwen2.5-coder-0.5b" / "hf_bf16")
 res = Path(__file__).resolve().parents[1] / "results" / "quality_real_model"
 rep = json.loads((res / "quality.json").read_text())
@@ -29,12 +32,21 @@ prompts = quality.load_prompts(res / "prompts.jsonl", ck)
 ref = rep["settings"]["bf16:bf16:bf16"]["outputs"]
 ROT = {}
 orig = mq.apply_rotary_pos_emb
+
+
 def cap(q, k, cos, sin, *a, **kw):
     ROT["cos"], ROT["sin"] = cos, sin
     return orig(q, k, cos, sin, *a, **kw)
+
+
 mq.apply_rotary_pos_emb = cap
 MODE = {"k": None}
-nv = lambda t: nvfp4.dequantize(nvfp4.quantize(t.float(), global_scale=torch.tensor(1.0)), t.dtype)
+
+
+def nv(t):
+    return nvfp4.dequantize(nvfp4.quantize(t.float(), global_scale=torch.tensor(1.0)), t.dtype)
+
+
 def attn(module, q, k, v, mask, **kw):
     m = MODE["k"]
     if m == "nvfp4":
@@ -47,6 +59,8 @@ def attn(module, q, k, v, mask, **kw):
     if MODE.get("v"):
         v = nv(v)
     return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+
 AttentionInterface.register("fq", attn)
 model = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float32, attn_implementation="fq").eval()
 for m, v in ((None, False), ("nvfp4", False), ("nvfp4_biasres", False), ("nvfp4_biasres", True)):
@@ -57,5 +71,6 @@ for m, v in ((None, False), ("nvfp4", False), ("nvfp4_biasres", False), ("nvfp4_
         with torch.no_grad():
             lp = torch.log_softmax(model(ids).logits[0].float(), -1)
         rows = torch.arange(len(p["ids"]) - 1, ids.shape[1] - 1)
-        tot += (-lp[rows, torch.tensor(c)]).sum().item(); n += len(c)
+        tot += (-lp[rows, torch.tensor(c)]).sum().item()
+        n += len(c)
     print(f"K {m or 'bf16'} V {'nvfp4' if v else 'bf16'}: NLL/token {tot / n:.4f} over {n} tokens", flush=True)

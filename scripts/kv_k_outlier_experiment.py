@@ -11,13 +11,14 @@ NLL/token on the BF16 continuations. Measured 2026-12-01 (docs/quality.md): bf16
 0.3019, keep:4 0.2957, smooth:1 0.2955 (plain NVFP4 K 0.4570; the bias residual, the scheme the
 engine has as quant.kv_k_debias, 0.2050).
 """
+
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AttentionInterface  # noqa: E402
+from transformers import AttentionInterface, AutoModelForCausalLM  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 from megatron_trace import quality  # noqa: E402
@@ -37,6 +38,8 @@ def nv(t):
 
 MODE = {"k": None}
 AMAX = {}  # layer -> [Hkv, D] running amax
+
+
 def attn(module, q, k, v, mask, **kw):
     m, li = MODE["k"], module.layer_idx
     if m == "calib":

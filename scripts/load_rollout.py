@@ -13,6 +13,7 @@ requests, requests/s, generated tokens/s, p50/p99 latency, errors, the peak numb
 the clients had in flight and (own server only) the peak queue and batch the scheduler held.
 With more clients than capacity the server must queue, never drop: exit status 1 if errors > 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,11 @@ def _client(i: int, url: str, key: str | None, args, stop_at: float, stats: _Sta
     if key:
         headers["Authorization"] = f"Bearer {key}"
     while time.monotonic() < stop_at:
-        body = {"input_ids": [rng.randrange(1, vocab) for _ in range(args.prompt_len)], "rid": f"load-{i}-{rng.random()}",
-                "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True}}
+        body = {
+            "input_ids": [rng.randrange(1, vocab) for _ in range(args.prompt_len)],
+            "rid": f"load-{i}-{rng.random()}",
+            "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True},
+        }
         req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), headers=headers, method="POST")
         stats.start()
         t0 = time.monotonic()
@@ -89,8 +93,10 @@ def run_load(url: str, key: str | None, args, vocab: int, engine=None) -> dict:
     stats = _Stats()
     peak = {"queued": 0, "running": 0}
     stop_at = time.monotonic() + args.duration
-    threads = [threading.Thread(target=_client, args=(i, url, key, args, stop_at, stats, vocab), daemon=True)
-               for i in range(args.clients)]
+    threads = [
+        threading.Thread(target=_client, args=(i, url, key, args, stop_at, stats, vocab), daemon=True)
+        for i in range(args.clients)
+    ]
     t0 = time.monotonic()
     for t in threads:
         t.start()
@@ -102,24 +108,58 @@ def run_load(url: str, key: str | None, args, vocab: int, engine=None) -> dict:
         time.sleep(0.01)
     wall = time.monotonic() - t0
     n = len(stats.latencies)
-    return {"clients": args.clients, "capacity": args.max_running_requests if engine is not None else None,
-            "wall_s": wall, "requests": n, "req_per_s": n / wall, "tokens_per_s": stats.tokens / wall,
-            "p50_s": _percentile(stats.latencies, 50), "p99_s": _percentile(stats.latencies, 99),
-            "errors": len(stats.errors), "first_errors": stats.errors[:3], "peak_in_flight": stats.peak_in_flight,
-            "peak_queued": peak["queued"] if engine is not None else None,
-            "peak_running": peak["running"] if engine is not None else None}
+    return {
+        "clients": args.clients,
+        "capacity": args.max_running_requests if engine is not None else None,
+        "wall_s": wall,
+        "requests": n,
+        "req_per_s": n / wall,
+        "tokens_per_s": stats.tokens / wall,
+        "p50_s": _percentile(stats.latencies, 50),
+        "p99_s": _percentile(stats.latencies, 99),
+        "errors": len(stats.errors),
+        "first_errors": stats.errors[:3],
+        "peak_in_flight": stats.peak_in_flight,
+        "peak_queued": peak["queued"] if engine is not None else None,
+        "peak_running": peak["running"] if engine is not None else None,
+    }
 
 
 def table(r: dict) -> str:
     def fmt(v):
         return "n/a" if v is None else f"{v}"
-    head = ["clients", "server capacity", "wall (s)", "requests", "requests/s", "tokens/s", "p50 latency (s)",
-            "p99 latency (s)", "errors", "peak in flight", "peak queued", "peak running"]
-    row = [r["clients"], fmt(r["capacity"]), f"{r['wall_s']:.1f}", r["requests"], f"{r['req_per_s']:.2f}",
-           f"{r['tokens_per_s']:.1f}", f"{r['p50_s']:.3f}", f"{r['p99_s']:.3f}", r["errors"], r["peak_in_flight"],
-           fmt(r["peak_queued"]), fmt(r["peak_running"])]
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-                      "| " + " | ".join(str(x) for x in row) + " |"])
+
+    head = [
+        "clients",
+        "server capacity",
+        "wall (s)",
+        "requests",
+        "requests/s",
+        "tokens/s",
+        "p50 latency (s)",
+        "p99 latency (s)",
+        "errors",
+        "peak in flight",
+        "peak queued",
+        "peak running",
+    ]
+    row = [
+        r["clients"],
+        fmt(r["capacity"]),
+        f"{r['wall_s']:.1f}",
+        r["requests"],
+        f"{r['req_per_s']:.2f}",
+        f"{r['tokens_per_s']:.1f}",
+        f"{r['p50_s']:.3f}",
+        f"{r['p99_s']:.3f}",
+        r["errors"],
+        r["peak_in_flight"],
+        fmt(r["peak_queued"]),
+        fmt(r["peak_running"]),
+    ]
+    return "\n".join(
+        ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(str(x) for x in row) + " |"]
+    )
 
 
 def parser() -> argparse.ArgumentParser:

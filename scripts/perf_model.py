@@ -20,6 +20,7 @@ How to read:
   * "step": weight sync on the wire, guidance bytes vs host memory/disk, QAT fake-quant cost.
 All numbers are model outputs. The "assumptions" table says which inputs were measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,11 @@ PRECS = ("bf16", "fp8", "nvfp4")
 def table(title: str, header: list[str], rows: list[list], md: bool) -> str:
     cells = [[str(c) for c in r] for r in rows]
     if md:
-        out = [f"\n**{title}**\n", "| " + " | ".join(header) + " |",
-               "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+        out = [
+            f"\n**{title}**\n",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
+        ]
         out += ["| " + " | ".join(r) + " |" for r in cells]
         return "\n".join(out)
     w = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
@@ -73,19 +77,57 @@ def rollout_tables(m, g, a, eff, md) -> list[str]:
         base = rs["bf16"]
         sp = {p: base.total_s / rs[p].total_s if math.isfinite(rs[p].total_s) else math.nan for p in PRECS}
         dsp = base.decode_s / rs["nvfp4"].decode_s if math.isfinite(rs["nvfp4"].decode_s) else math.nan
-        rows.append([kl(L), "/".join(str(rs[p].batch) for p in PRECS), "/".join(str(rs[p].waves) for p in PRECS),
-                     fmt_s(base.total_s), f"{fmt_s(rs['fp8'].total_s)} ({fx(sp['fp8'])})",
-                     f"{fmt_s(rs['nvfp4'].total_s)} ({fx(sp['nvfp4'])})", fx(dsp), fx(sp["bf16"])])
+        rows.append(
+            [
+                kl(L),
+                "/".join(str(rs[p].batch) for p in PRECS),
+                "/".join(str(rs[p].waves) for p in PRECS),
+                fmt_s(base.total_s),
+                f"{fmt_s(rs['fp8'].total_s)} ({fx(sp['fp8'])})",
+                f"{fmt_s(rs['nvfp4'].total_s)} ({fx(sp['nvfp4'])})",
+                fx(dsp),
+                fx(sp["bf16"]),
+            ]
+        )
         for attr in ("total_s", "decode_s"):
             d = pm.decompose(m, gpu, a.tp, a.group, a.prompts, a.prompt_len, L, "nvfp4", eff, attr)
-            drows.append([kl(L), attr[:-2], fx(d["bytes"]), fx(d["batch"]), fx(d["flops"]), fx(d["total"]),
-                          fx(pm.byte_ceiling("nvfp4"))])
+            drows.append(
+                [
+                    kl(L),
+                    attr[:-2],
+                    fx(d["bytes"]),
+                    fx(d["batch"]),
+                    fx(d["flops"]),
+                    fx(d["total"]),
+                    fx(pm.byte_ceiling("nvfp4")),
+                ]
+            )
     head = f"{m.name} on {gpu.name}, TP={a.tp}, N={a.group}x{a.prompts}={n} answers, P={a.prompt_len}"
-    out.append(table(f"Rollout time vs output length — {head}",
-                     ["L", "batch bf16/fp8/fp4", "waves bf16/fp8/fp4", "BF16 s", "FP8 s (speedup)",
-                      "NVFP4 s (speedup)", "NVFP4 decode-only", "BF16 (check)"], rows, md))
-    out.append(table(f"NVFP4 speedup decomposition — {head}",
-                     ["L", "time", "bytes", "+batch", "+FP4 FLOPs", "total", "byte ceiling"], drows, md))
+    out.append(
+        table(
+            f"Rollout time vs output length — {head}",
+            [
+                "L",
+                "batch bf16/fp8/fp4",
+                "waves bf16/fp8/fp4",
+                "BF16 s",
+                "FP8 s (speedup)",
+                "NVFP4 s (speedup)",
+                "NVFP4 decode-only",
+                "BF16 (check)",
+            ],
+            rows,
+            md,
+        )
+    )
+    out.append(
+        table(
+            f"NVFP4 speedup decomposition — {head}",
+            ["L", "time", "bytes", "+batch", "+FP4 FLOPs", "total", "byte ceiling"],
+            drows,
+            md,
+        )
+    )
     return out
 
 
@@ -122,19 +164,27 @@ def paper_54(a, md) -> list[str]:
                     if math.isfinite(s) and abs(s - 5.4) <= 0.3:
                         hits.append(f"{m.name}/{gpu.name}/TP{tp}/G={G} ({s:.2f}x)")
                 rows.append(row)
-    out = [table("Decode speedup NVFP4 vs BF16 at L=128K against G (one prompt per replica, N=G)",
-                 ["model", "GPU", "TP", "batch bf16/fp4"] + [f"G={G}" for G in Gs], rows, md)]
+    out = [
+        table(
+            "Decode speedup NVFP4 vs BF16 at L=128K against G (one prompt per replica, N=G)",
+            ["model", "GPU", "TP", "batch bf16/fp4"] + [f"G={G}" for G in Gs],
+            rows,
+            md,
+        )
+    ]
     m = pm.MODELS[a.models[0]]
-    out.append("\nWhere 5.4x comes from. Per decode step the replica reads the weights once plus the KV of "
-               "every running sequence. Summed over a rollout of N answers in W waves:\n"
-               "  T ~ W*L*(weights/BW + overhead) + N*sum_c KV(c)/BW,  so  "
-               "T_bf16/T_fp4 <= 3.56 * W_bf16/W_fp4 (weights, overhead) and = 3.56 on the KV term.\n"
-               "Bytes alone (same batch) give at most 16/4.5 = 3.56x, less with BF16 embeddings/lm_head and "
-               "the fixed per-step overhead. Anything above 3.56x is the batch effect: NVFP4 frees weight "
-               "memory and shrinks KV 3.56x, so B grows >3.56x and the weight reads + per-step overhead are "
-               "shared by more sequences (fewer waves). At 128K the KV term dominates when the BF16 batch is "
-               "already large (TP=8), so the speedup stays near 4x; it reaches ~5.4x only when the BF16 batch is "
-               "small (weights are a large share of each step) and G is several BF16 batches.")
+    out.append(
+        "\nWhere 5.4x comes from. Per decode step the replica reads the weights once plus the KV of "
+        "every running sequence. Summed over a rollout of N answers in W waves:\n"
+        "  T ~ W*L*(weights/BW + overhead) + N*sum_c KV(c)/BW,  so  "
+        "T_bf16/T_fp4 <= 3.56 * W_bf16/W_fp4 (weights, overhead) and = 3.56 on the KV term.\n"
+        "Bytes alone (same batch) give at most 16/4.5 = 3.56x, less with BF16 embeddings/lm_head and "
+        "the fixed per-step overhead. Anything above 3.56x is the batch effect: NVFP4 frees weight "
+        "memory and shrinks KV 3.56x, so B grows >3.56x and the weight reads + per-step overhead are "
+        "shared by more sequences (fewer waves). At 128K the KV term dominates when the BF16 batch is "
+        "already large (TP=8), so the speedup stays near 4x; it reaches ~5.4x only when the BF16 batch is "
+        "small (weights are a large share of each step) and G is several BF16 batches."
+    )
     for g in a.gpus:
         for tp in sorted({4, 8, a.tp}):
             out.append("  " + step_bytes_note(m, g, tp, a.prompt_len, L, a.eff(g)))
@@ -149,11 +199,27 @@ def step_tables(a, md) -> list[str]:
         for nodes in a.sync_nodes:
             bw = a.net_gbps / 8 * 1e9 * nodes
             b16, b4 = ps.sync_bytes(m, "bf16"), ps.sync_bytes(m, "nvfp4")
-            rows.append([m.name, nodes, f"{bw / 1e9:.0f}", f"{b16 / 1e9:.1f}", f"{b16 / bw:.2f}",
-                         f"{b4 / 1e9:.1f}", f"{b4 / bw:.2f}", fx(b16 / b4)])
-    out.append(table(f"Weight sync trainer -> rollout ({a.net_gbps:g} Gb/s per node x nodes; NVFP4 = 4.5-bit "
-                     "linears + BF16 embeddings/lm_head/norms/router)",
-                     ["model", "nodes", "GB/s", "BF16 GB", "BF16 s", "NVFP4 GB", "NVFP4 s", "ratio"], rows, md))
+            rows.append(
+                [
+                    m.name,
+                    nodes,
+                    f"{bw / 1e9:.0f}",
+                    f"{b16 / 1e9:.1f}",
+                    f"{b16 / bw:.2f}",
+                    f"{b4 / 1e9:.1f}",
+                    f"{b4 / bw:.2f}",
+                    fx(b16 / b4),
+                ]
+            )
+    out.append(
+        table(
+            f"Weight sync trainer -> rollout ({a.net_gbps:g} Gb/s per node x nodes; NVFP4 = 4.5-bit "
+            "linears + BF16 embeddings/lm_head/norms/router)",
+            ["model", "nodes", "GB/s", "BF16 GB", "BF16 s", "NVFP4 GB", "NVFP4 s", "ratio"],
+            rows,
+            md,
+        )
+    )
     rows = []
     for mk in a.models:
         m = pm.MODELS[mk]
@@ -166,63 +232,147 @@ def step_tables(a, md) -> list[str]:
                 tot = per * toks
                 pa, pk = ps.paper_style_guidance(m, mode, layers)
                 ptot = (pa + pk) * toks
-                rows.append([m.name, mode, layers, f"{act / 1024:.1f}", f"{kv / 1024:.2f}",
-                             f"{tot / 1e9:,.0f}", f"{tot / (a.host_mem_gb * 1e9):.2f}",
-                             f"{tot / (a.disk_gbs * 1e9):,.0f}", f"{(pa + pk) / 1024:.1f}",
-                             f"{ptot / 1e9:,.0f}", f"{ptot / (a.host_mem_gb * 1e9):.2f}"])
-    out.append(table(f"Guidance bytes per rollout replica (N={a.group * a.prompts} answers x "
-                     f"(P+L)={a.prompt_len + max(a.lengths)} tokens; per-slot expert sites; host {a.host_mem_gb:g} "
-                     f"GB, disk {a.disk_gbs:g} GB/s)",
-                     ["model", "mode", "layers", "act KiB/tok", "KV KiB/tok", "GB/replica",
-                      "x host mem", "disk write s", "1-site/layer KiB/tok", "1-site GB", "1-site x host"],
-                     rows, md))
+                rows.append(
+                    [
+                        m.name,
+                        mode,
+                        layers,
+                        f"{act / 1024:.1f}",
+                        f"{kv / 1024:.2f}",
+                        f"{tot / 1e9:,.0f}",
+                        f"{tot / (a.host_mem_gb * 1e9):.2f}",
+                        f"{tot / (a.disk_gbs * 1e9):,.0f}",
+                        f"{(pa + pk) / 1024:.1f}",
+                        f"{ptot / 1e9:,.0f}",
+                        f"{ptot / (a.host_mem_gb * 1e9):.2f}",
+                    ]
+                )
+    out.append(
+        table(
+            f"Guidance bytes per rollout replica (N={a.group * a.prompts} answers x "
+            f"(P+L)={a.prompt_len + max(a.lengths)} tokens; per-slot expert sites; host {a.host_mem_gb:g} "
+            f"GB, disk {a.disk_gbs:g} GB/s)",
+            [
+                "model",
+                "mode",
+                "layers",
+                "act KiB/tok",
+                "KV KiB/tok",
+                "GB/replica",
+                "x host mem",
+                "disk write s",
+                "1-site/layer KiB/tok",
+                "1-site GB",
+                "1-site x host",
+            ],
+            rows,
+            md,
+        )
+    )
     q = pm.QWEN35_35B_A3B
     fa, fk = ps.paper_style_guidance(q, "full", "all")
     ma, mkv = ps.paper_style_guidance(q, "mantissa", "half")
     ra, rk = ps.guidance_bytes_per_token(q, "full", "all")
     da, _ = ps.guidance_bytes_per_token(q, "full", "all", dedup_experts=True)
     rma, rmk = ps.guidance_bytes_per_token(q, "mantissa", "half")
-    out.append(table(f"Cross-check vs TRACE paper, {q.name}: 40 layers (10 attention: 2 KV heads x 256), hidden "
-                     "2048, 256 experts top-8 (inter 512) + shared 512",
-                     ["quantity", "paper", "1 hidden site/layer, no globals", "our record format (per-slot)"],
-                     [["full, activations (all 40)", "~45 KB", f"{fa / 1024:.2f} KiB", f"{ra / 1024:.0f} KiB "
-                       f"({da / 1024:.0f} KiB with one expert-input site)"],
-                      ["full, KV (all 10 attn layers)", "5.6 KB", f"{fk / 1024:.3f} KiB", f"{rk / 1024:.2f} KiB"],
-                      ["mantissa, last 20 layers", "~7.5 KB", f"{ma / 1024:.2f} KiB act (+{mkv / 1024:.2f} KV)",
-                       f"{rma / 1024:.0f} KiB act + {rmk / 1024:.2f} KV"]], md))
-    out.append("The paper's figures are reproduced exactly by ONE hidden-wide (2048) site per layer with 4.5 bits "
-               "(full) or 1.5 bits (mantissa) per element and no per-token fp32 globals; its KV figure matches all "
-               "10 attention layers. The record format in megatron_trace/guidance/record.py stores every quantized "
-               "linear input (qkv, o, each routed slot's gate_up and down, shared expert), ~14x more per token.")
+    out.append(
+        table(
+            f"Cross-check vs TRACE paper, {q.name}: 40 layers (10 attention: 2 KV heads x 256), hidden "
+            "2048, 256 experts top-8 (inter 512) + shared 512",
+            ["quantity", "paper", "1 hidden site/layer, no globals", "our record format (per-slot)"],
+            [
+                [
+                    "full, activations (all 40)",
+                    "~45 KB",
+                    f"{fa / 1024:.2f} KiB",
+                    f"{ra / 1024:.0f} KiB ({da / 1024:.0f} KiB with one expert-input site)",
+                ],
+                ["full, KV (all 10 attn layers)", "5.6 KB", f"{fk / 1024:.3f} KiB", f"{rk / 1024:.2f} KiB"],
+                [
+                    "mantissa, last 20 layers",
+                    "~7.5 KB",
+                    f"{ma / 1024:.2f} KiB act (+{mkv / 1024:.2f} KV)",
+                    f"{rma / 1024:.0f} KiB act + {rmk / 1024:.2f} KV",
+                ],
+            ],
+            md,
+        )
+    )
+    out.append(
+        "The paper's figures are reproduced exactly by ONE hidden-wide (2048) site per layer with 4.5 bits "
+        "(full) or 1.5 bits (mantissa) per element and no per-token fp32 globals; its KV figure matches all "
+        "10 attention layers. The record format in megatron_trace/guidance/record.py stores every quantized "
+        "linear input (qkv, o, each routed slot's gate_up and down, shared expert), ~14x more per token."
+    )
     rows = []
     for mk in a.models:
         m = pm.MODELS[mk]
         for g in a.gpus:
             for passes, tag in ((2, "fused (1R+1W)"), (15, "reference (~15 passes)")):
                 q_ = ps.qat_overhead(m, pm.GPUS[g], a.tp, a.train_tokens, a.eff(g), passes=passes)
-                rows.append([m.name, pm.GPUS[g].name, tag, f"{q_['compute_s'] * 1e3:.0f}",
-                             f"{q_['act_frac']:.1%}", f"{q_['weight_frac']:.1%}"])
-    out.append(table(f"QAT fake-quant overhead per micro-batch of {a.train_tokens} tokens on {a.tp} GPUs "
-                     "(extra HBM bytes / fwd+bwd compute time; weights re-quantized each micro-batch)",
-                     ["model", "GPU", "kernel", "fwd+bwd ms", "activations", "weights"], rows, md))
+                rows.append(
+                    [
+                        m.name,
+                        pm.GPUS[g].name,
+                        tag,
+                        f"{q_['compute_s'] * 1e3:.0f}",
+                        f"{q_['act_frac']:.1%}",
+                        f"{q_['weight_frac']:.1%}",
+                    ]
+                )
+    out.append(
+        table(
+            f"QAT fake-quant overhead per micro-batch of {a.train_tokens} tokens on {a.tp} GPUs "
+            "(extra HBM bytes / fwd+bwd compute time; weights re-quantized each micro-batch)",
+            ["model", "GPU", "kernel", "fwd+bwd ms", "activations", "weights"],
+            rows,
+            md,
+        )
+    )
     return out
 
 
 def assumptions(a, eff, md) -> str:
     def src(k):
         return "flag" if k in a.flagged else eff.source(k)
-    keys = ("gemv", "attn", "mma", "copy_bw_tbs", "usable", "reserve_gb", "step_overhead_ms", "allreduce_us",
-            "max_batch")
+
+    keys = (
+        "gemv",
+        "attn",
+        "mma",
+        "copy_bw_tbs",
+        "usable",
+        "reserve_gb",
+        "step_overhead_ms",
+        "allreduce_us",
+        "max_batch",
+    )
     rows = [[k, getattr(eff, k) or "none (spec BW x share)", src(k)] for k in keys]
-    rows += [[f"{g.name} spec", f"{g.hbm_gb} GB, {g.bw_tbs} TB/s, dense PF " + ", ".join(
-        f"{k} {v}" for k, v in g.peak_pflops.items()), "spec sheet" + (
-        "; FP8 = 2x BF16 assumed; 186 GB per GPU of NVL72" if g.name == "GB200" else
-        "; no FP4 tensor cores: NVFP4 runs W4A16" if g.name == "H200" else "")] for g in pm.GPUS.values()]
     rows += [
-             ["NVFP4 bits", pm.NVFP4_BITS, "format (E2M1 + E4M3/16); FP8 8 bits + 128x128 fp32 scales"],
-             ["N, P", f"G={a.group} x prompts={a.prompts}, P={a.prompt_len}", "flag"]]
-    return table(f"Assumptions for {a.gpus[0].upper()} (gemv/attn = share of spec HBM BW; mma = share of dense peak)",
-                 ["input", "value", "source"], rows, md)
+        [
+            f"{g.name} spec",
+            f"{g.hbm_gb} GB, {g.bw_tbs} TB/s, dense PF " + ", ".join(f"{k} {v}" for k, v in g.peak_pflops.items()),
+            "spec sheet"
+            + (
+                "; FP8 = 2x BF16 assumed; 186 GB per GPU of NVL72"
+                if g.name == "GB200"
+                else "; no FP4 tensor cores: NVFP4 runs W4A16"
+                if g.name == "H200"
+                else ""
+            ),
+        ]
+        for g in pm.GPUS.values()
+    ]
+    rows += [
+        ["NVFP4 bits", pm.NVFP4_BITS, "format (E2M1 + E4M3/16); FP8 8 bits + 128x128 fp32 scales"],
+        ["N, P", f"G={a.group} x prompts={a.prompts}, P={a.prompt_len}", "flag"],
+    ]
+    return table(
+        f"Assumptions for {a.gpus[0].upper()} (gemv/attn = share of spec HBM BW; mma = share of dense peak)",
+        ["input", "value", "source"],
+        rows,
+        md,
+    )
 
 
 def main(argv=None) -> int:
@@ -237,10 +387,16 @@ def main(argv=None) -> int:
     ap.add_argument("--measured", help="JSON of measured kernel numbers (flat or keyed by gpu)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--sections", default="rollout,paper,step", help="subset of rollout,paper,step")
-    for k, h in (("gemv", "weight-stream share of HBM BW"), ("attn", "KV-stream share of HBM BW"),
-                 ("mma", "GEMM share of peak"), ("copy-bw-tbs", "measured copy BW TB/s"),
-                 ("usable", "usable HBM share"), ("reserve-gb", "per-GPU reserve"),
-                 ("step-overhead-ms", "per decode step"), ("allreduce-us", "per TP all-reduce")):
+    for k, h in (
+        ("gemv", "weight-stream share of HBM BW"),
+        ("attn", "KV-stream share of HBM BW"),
+        ("mma", "GEMM share of peak"),
+        ("copy-bw-tbs", "measured copy BW TB/s"),
+        ("usable", "usable HBM share"),
+        ("reserve-gb", "per-GPU reserve"),
+        ("step-overhead-ms", "per decode step"),
+        ("allreduce-us", "per TP all-reduce"),
+    ):
         ap.add_argument(f"--{k}", type=float, help=h)
     ap.add_argument("--net-gbps", type=float, default=400.0, help="inter-node Gb/s per node")
     ap.add_argument("--sync-nodes", default="1,8")
@@ -253,6 +409,7 @@ def main(argv=None) -> int:
     a.lengths = [int(x) for x in a.lengths.split(",")]
     a.sync_nodes = [int(x) for x in a.sync_nodes.split(",")]
     data = json.load(open(a.measured)) if a.measured else {}
+
     def make_eff(g):
         eff = pm.eff_from_measured(data, g)
         for k in ("gemv", "attn", "mma", "copy_bw_tbs", "usable", "reserve_gb", "step_overhead_ms", "allreduce_us"):
@@ -260,6 +417,7 @@ def main(argv=None) -> int:
                 setattr(eff, k, getattr(a, k))
                 a.flagged.add(k)
         return eff
+
     a.eff, a.flagged = make_eff, set()
     out = []
     if "rollout" in a.sections:

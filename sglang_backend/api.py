@@ -7,6 +7,7 @@ the HTTP client (`sglang_backend.client.RolloutClient`) that speaks SGLang's nat
 to our embedded server or a real SGLang server with our plugin. Field names follow SGLang's
 JSON so the two map one to one.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,7 +67,9 @@ class SamplingParams:
             bad("n", "an int >= 1")
         if self.sampling_seed is not None and not isinstance(self.sampling_seed, int):
             bad("sampling_seed", "an int or null")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(isinstance(t, int) for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            isinstance(t, int) for t in self.stop_token_ids
+        ):
             bad("stop_token_ids", "a list of ints")
         self.stop_token_ids = list(self.stop_token_ids)
 

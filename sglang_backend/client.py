@@ -21,6 +21,7 @@ client replays the last update it pushed: the serialized bucket, or the disk pat
 `readmit_hook(url, version)` pushes them, e.g. for a transport that bypasses this client) and is
 re-admitted only after its `/model_info` reports that version. `dead()` lists them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -39,9 +40,18 @@ from sglang_backend.http_errors import Retryable, RolloutError, error_message
 
 
 class RolloutClient:
-    def __init__(self, urls: list[str] | str, api_key: str | None = None, timeout: float = 600.0,
-                 retries: int = 3, backoff: float = 0.5, max_workers: int = 64, probe_interval: float = 2.0,
-                 keep_last_weights: bool = True, readmit_hook: Callable[[str, int], None] | None = None):
+    def __init__(
+        self,
+        urls: list[str] | str,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        max_workers: int = 64,
+        probe_interval: float = 2.0,
+        keep_last_weights: bool = True,
+        readmit_hook: Callable[[str, int], None] | None = None,
+    ):
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         if not self.urls:
             raise ValueError("RolloutClient needs at least one server URL")
@@ -70,15 +80,27 @@ class RolloutClient:
         # the client drops an idle connection before a server can close it under a new request.
         # trust_env=False: rollout traffic is server to server; an HTTP(S)_PROXY meant for the web
         # must not route it.
-        limits = httpx.Limits(max_connections=max_workers + 8, max_keepalive_connections=max_workers,
-                              keepalive_expiry=2.0)
-        self._sessions = {u: httpx.Client(base_url=u, timeout=timeout, trust_env=False,
-                                          transport=httpx.HTTPTransport(retries=1, limits=limits))
-                          for u in self.urls}
+        limits = httpx.Limits(
+            max_connections=max_workers + 8, max_keepalive_connections=max_workers, keepalive_expiry=2.0
+        )
+        self._sessions = {
+            u: httpx.Client(
+                base_url=u, timeout=timeout, trust_env=False, transport=httpx.HTTPTransport(retries=1, limits=limits)
+            )
+            for u in self.urls
+        }
 
     # -- transport -------------------------------------------------------------------------------
-    def _http(self, url: str, path: str, payload: Any = None, *, method: str | None = None,
-              raw: bytes | None = None, timeout: float | None = None) -> tuple[int, bytes]:
+    def _http(
+        self,
+        url: str,
+        path: str,
+        payload: Any = None,
+        *,
+        method: str | None = None,
+        raw: bytes | None = None,
+        timeout: float | None = None,
+    ) -> tuple[int, bytes]:
         """One HTTP exchange; returns (status, body) for 2xx/4xx, raises Retryable otherwise."""
         headers = {}
         data = raw
@@ -90,8 +112,13 @@ class RolloutClient:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         try:
-            r = self._sessions[url].request(method or ("POST" if data is not None else "GET"), path, content=data,
-                                            headers=headers, timeout=timeout or self.timeout)
+            r = self._sessions[url].request(
+                method or ("POST" if data is not None else "GET"),
+                path,
+                content=data,
+                headers=headers,
+                timeout=timeout or self.timeout,
+            )
         except httpx.TransportError as e:  # refused, reset, timed out, cut off mid-answer
             raise Retryable(f"{type(e).__name__}: {e}", dead=True) from None
         if r.status_code >= 500:
@@ -100,8 +127,11 @@ class RolloutClient:
 
     def _retrying(self) -> Retrying:
         """`retries` more attempts after the first, `backoff` * 2^k s apart, on Retryable only."""
-        return Retrying(stop=stop_after_attempt(self.retries + 1), wait=wait_exponential(multiplier=self.backoff),
-                        retry=retry_if_exception_type(Retryable))
+        return Retrying(
+            stop=stop_after_attempt(self.retries + 1),
+            wait=wait_exponential(multiplier=self.backoff),
+            retry=retry_if_exception_type(Retryable),
+        )
 
     def _call(self, url: str, path: str, payload: Any = None, **kw) -> bytes:
         """Same server, with retries (weight updates must reach *this* server); 4xx raises."""
@@ -110,8 +140,9 @@ class RolloutClient:
                 with attempt:
                     status, body = self._http(url, path, payload, **kw)
         except RetryError as e:
-            raise RolloutError(f"failed after {self.retries + 1} attempts: {e.last_attempt.exception()}", None,
-                               url + path) from None
+            raise RolloutError(
+                f"failed after {self.retries + 1} attempts: {e.last_attempt.exception()}", None, url + path
+            ) from None
         if status >= 400:
             raise RolloutError(error_message(status, body), status, url + path)
         return body
@@ -123,10 +154,13 @@ class RolloutClient:
             live = [u for u in self.urls if u not in self._dead]
             if not live:
                 return None
-            pool = [u for u in live if u not in avoid and self._down_until[u] <= now] \
-                or [u for u in live if u not in avoid] or live
+            pool = (
+                [u for u in live if u not in avoid and self._down_until[u] <= now]
+                or [u for u in live if u not in avoid]
+                or live
+            )
             k = next(self._rotate)
-            pool = pool[k % len(pool):] + pool[:k % len(pool)]
+            pool = pool[k % len(pool) :] + pool[: k % len(pool)]
             url = min(pool, key=lambda u: self._outstanding[u])
             self._outstanding[url] += 1
             return url
@@ -152,8 +186,9 @@ class RolloutClient:
                 with attempt:
                     url, status, body = self._generate_attempt(payload, tried, attempt.retry_state.attempt_number - 1)
         except RetryError as e:
-            raise RolloutError(f"generate failed after {self.retries + 1} attempts; "
-                               f"last: {e.last_attempt.exception()}") from None
+            raise RolloutError(
+                f"generate failed after {self.retries + 1} attempts; last: {e.last_attempt.exception()}"
+            ) from None
         if status >= 400:
             raise RolloutError(error_message(status, body), status, url + "/generate")
         out = json.loads(body)
@@ -257,6 +292,7 @@ class RolloutClient:
     def _weight_call(self, path: str, payload=None, raw=None) -> list[str]:
         """Push to every live server; one that cannot be reached is marked dead (and caught up on
         re-admission). A refusal (4xx / success false) raises. Returns the servers updated."""
+
         def one(url):
             try:
                 self._push_one(url, path, payload, raw)
@@ -266,6 +302,7 @@ class RolloutClient:
                     raise
                 self._mark_dead(url, str(e))
                 return False
+
         live = self._live()
         done = [u for u, ok in zip(live, self._each(one, live)) if ok]
         if not done:
@@ -354,11 +391,12 @@ class RolloutClient:
                         self.readmit_hook(url, version)
                     elif push is not None:
                         kind, (path, body) = push
-                        self._push_one(url, path, body if kind == "disk" else None,
-                                       body if kind == "tensor" else None)
+                        self._push_one(url, path, body if kind == "disk" else None, body if kind == "tensor" else None)
                     else:
-                        raise RolloutError(f"server reports version {got}, current is {version}, and there are "
-                                           "no weights to replay (keep_last_weights=False and no readmit_hook)")
+                        raise RolloutError(
+                            f"server reports version {got}, current is {version}, and there are "
+                            "no weights to replay (keep_last_weights=False and no readmit_hook)"
+                        )
                     got = self._served_version(url)
                     if got != str(version):
                         raise RolloutError(f"after catch-up the server reports version {got}, expected {version}")
@@ -391,6 +429,7 @@ class RolloutClient:
                 return self._http(u, "/health", timeout=min(self.timeout, 10))[0] == 200
             except Retryable:
                 return False
+
         return all(self._each(ok))
 
     def model_info(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 `RolloutError` is what callers see; `Retryable` is the client's own signal to its retry policy;
 `error_message` reads any of SGLang's error shapes (see sglang_backend/local/server.py).
 """
+
 from __future__ import annotations
 
 import json

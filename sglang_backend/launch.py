@@ -19,6 +19,7 @@ pytorch, --disable-cuda-graph, a --mem-fraction-static sized to the weights + KV
 Always: --skip-tokenizer-init (the rollout speaks token ids) and --weight-version (default "0",
 the trainer's first version).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,15 @@ from sglang_backend.plugin_settings import SIDE_FORMATS, PluginSettings, env_nam
 
 QUANTIZATIONS = ["nvfp4", "w4a16_nvfp4", "mxfp4", "w4a16_mxfp4", "modelopt_fp4"]
 SGLANG_QUANT = {"nvfp4": "trace_nvfp4", "mxfp4": "trace_mxfp4", "modelopt_fp4": "modelopt_fp4"}
-CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-             "--disable-cuda-graph"]
+CPU_FLAGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--disable-cuda-graph",
+]
 SGLANG_KV = {"auto": "auto", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "fp4_mx_block16"}
 PLUGIN_NAME = "trace_fp4"
 KV_SIDES = SIDE_FORMATS  # what the plugin can store per side
@@ -69,8 +77,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4", "mxfp4"], default="auto")
     p.add_argument("--kv-k", choices=KV_SIDES, default=None, help="K cache format (default: --kv-cache-dtype)")
     p.add_argument("--kv-v", choices=KV_SIDES, default=None, help="V cache format (default: --kv-cache-dtype)")
-    p.add_argument("--kv-k-debias", action="store_true",
-                   help="--backend local: the K cache holds K minus its rotated k_proj bias (quant.kv_k_debias)")
+    p.add_argument(
+        "--kv-k-debias",
+        action="store_true",
+        help="--backend local: the K cache holds K minus its rotated k_proj bias (quant.kv_k_debias)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--guidance-mode", choices=["full", "mantissa"], default="mantissa")
     p.add_argument("--guided-layers", type=_parse_guided_layers, default="last_half", metavar="last_half|all|none|N")
@@ -78,14 +89,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--max-body-mb", type=_positive, default=64, help="request body limit in MiB (default 64)")
     p.add_argument("--tp-size", type=_positive, default=1, help="tensor parallel size (--backend sglang)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="--backend sglang: auto = cuda when torch sees a GPU, else SGLang's CPU engine")
-    p.add_argument("--mem-fraction-static", type=float, default=None,
-                   help="--backend sglang (default: SGLang's on GPU; on CPU what the weights + KV need, >= 0.05)")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="--backend sglang: auto = cuda when torch sees a GPU, else SGLang's CPU engine",
+    )
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="--backend sglang (default: SGLang's on GPU; on CPU what the weights + KV need, >= 0.05)",
+    )
     p.add_argument("--max-total-tokens", type=_positive, default=None, help="KV pool tokens (default 16384 on CPU)")
     p.add_argument("--weight-version", default="0", help="--backend sglang: the served version's name (default '0')")
-    p.add_argument("--enable-return-routed-experts", action="store_true",
-                   help="routing replay: SGLang keeps each token's routed expert ids (the embedded engine always can)")
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="routing replay: SGLang keeps each token's routed expert ids (the embedded engine always can)",
+    )
     p.add_argument("--dry-run", action="store_true", help="--backend sglang: print the command, do not run it")
     return p
 
@@ -142,9 +164,12 @@ def sglang_kv(args: argparse.Namespace, device: str) -> tuple[list[str], tuple[s
         return ["--kv-cache-dtype", SGLANG_KV[sides[0]]], None
     flags = ["--kv-cache-dtype", "nvfp4"]
     if device != "cpu":  # the CPU flags select torch_native already
-        print(f"warning: K cache {sides[0]} + V cache {sides[1]} is read through the plugin's plain dequantized "
-              "path, which only SGLang's torch_native attention takes: adding --attention-backend torch_native "
-              "(slower than the GPU backends; plugin/kv_sides.py)", file=sys.stderr)
+        print(
+            f"warning: K cache {sides[0]} + V cache {sides[1]} is read through the plugin's plain dequantized "
+            "path, which only SGLang's torch_native attention takes: adding --attention-backend torch_native "
+            "(slower than the GPU backends; plugin/kv_sides.py)",
+            file=sys.stderr,
+        )
         flags += ["--attention-backend", "torch_native"]
     return flags, sides
 
@@ -179,10 +204,12 @@ def cpu_thread_binding(tp_size: int, cpus: list[int] | None = None) -> str:
     stops on a one-node box."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
     if len(cpus) < tp_size:
-        raise ValueError(f"--tp-size {tp_size} on the CPU engine needs at least one CPU per rank; this process may "
-                         f"use {len(cpus)} ({cpus}); set SGLANG_CPU_OMP_THREADS_BIND yourself to share them")
+        raise ValueError(
+            f"--tp-size {tp_size} on the CPU engine needs at least one CPU per rank; this process may "
+            f"use {len(cpus)} ({cpus}); set SGLANG_CPU_OMP_THREADS_BIND yourself to share them"
+        )
     per = len(cpus) // tp_size
-    groups = [cpus[r * per:(r + 1) * per] for r in range(tp_size)]
+    groups = [cpus[r * per : (r + 1) * per] for r in range(tp_size)]
 
     def cpu_list(g: list[int]) -> str:
         if len(g) == 1:
@@ -228,16 +255,37 @@ def cpu_mem_fraction(args: argparse.Namespace, kv_tokens: int, available: int | 
 def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) of the SGLang server for our parsed flags."""
     if args.kv_k_debias:
-        raise ValueError("--kv-k-debias (quant.kv_k_debias) is served by --backend local only: the SGLang plugin's KV "
-                         "pool does not know each slot's position, which adding RoPE_pos(bias) back needs")
+        raise ValueError(
+            "--kv-k-debias (quant.kv_k_debias) is served by --backend local only: the SGLang plugin's KV "
+            "pool does not know each slot's position, which adding RoPE_pos(bias) back needs"
+        )
     if args.quantization is not None and args.quantization not in SGLANG_QUANT:
-        raise ValueError(f"--quantization {args.quantization} is served by --backend local only; SGLang takes "
-                         f"{', '.join(SGLANG_QUANT)}")
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_path, "--host", args.host,
-           "--port", str(args.port), "--tp-size", str(args.tp_size), "--dtype", args.dtype,
-           "--random-seed", str(args.random_seed),
-           "--max-running-requests", str(args.max_running_requests), "--skip-tokenizer-init",
-           "--weight-version", str(args.weight_version)]
+        raise ValueError(
+            f"--quantization {args.quantization} is served by --backend local only; SGLang takes "
+            f"{', '.join(SGLANG_QUANT)}"
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        args.model_path,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--tp-size",
+        str(args.tp_size),
+        "--dtype",
+        args.dtype,
+        "--random-seed",
+        str(args.random_seed),
+        "--max-running-requests",
+        str(args.max_running_requests),
+        "--skip-tokenizer-init",
+        "--weight-version",
+        str(args.weight_version),
+    ]
     env = {"SGLANG_PLUGINS": PLUGIN_NAME}
     plugin = {"guidance_mode": args.guidance_mode, "guided_layers": tuple(_resolve_guided_layers(args))}
     if args.api_key:
@@ -260,8 +308,12 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
         if args.tp_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(args.tp_size)
         tokens = args.max_total_tokens or 16384
-        cmd += CPU_FLAGS + ["--mem-fraction-static", str(args.mem_fraction_static or cpu_mem_fraction(args, tokens)),
-                            "--max-total-tokens", str(tokens)]
+        cmd += CPU_FLAGS + [
+            "--mem-fraction-static",
+            str(args.mem_fraction_static or cpu_mem_fraction(args, tokens)),
+            "--max-total-tokens",
+            str(tokens),
+        ]
     else:
         if args.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(args.mem_fraction_static)]
@@ -281,8 +333,11 @@ def _run_sglang(args: argparse.Namespace, extra: list[str]) -> int:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(shown))
         return 0
     if importlib.util.find_spec("sglang") is None:
-        print("error: --backend sglang needs the 'sglang' package, which is not installed in this Python "
-              f"({sys.executable}); install it with pip install 'megatron-trace[sglang]' (CUDA only)", file=sys.stderr)
+        print(
+            "error: --backend sglang needs the 'sglang' package, which is not installed in this Python "
+            f"({sys.executable}); install it with pip install 'megatron-trace[sglang]' (CUDA only)",
+            file=sys.stderr,
+        )
         return 2
     sys.stdout.flush()
     # The plugin's variables are exactly `env`'s: one the flags left unset must not leak in from ours.
@@ -291,11 +346,12 @@ def _run_sglang(args: argparse.Namespace, extra: list[str]) -> int:
     return 0  # not reached
 
 
-def main(argv: list[str] | None = None, *, ready: threading.Event | None = None,
-         stop: threading.Event | None = None) -> int:
+def main(
+    argv: list[str] | None = None, *, ready: threading.Event | None = None, stop: threading.Event | None = None
+) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.backend == "sglang":
         if not args.dry_run and not _loopback(args.host) and not args.api_key:
             print(f"error: --host {args.host} is not loopback; --api-key is required there", file=sys.stderr)
@@ -312,10 +368,17 @@ def main(argv: list[str] | None = None, *, ready: threading.Event | None = None,
         print(f"error: --host {args.host} is not loopback; --api-key is required there", file=sys.stderr)
         return 2
     try:
-        engine = Engine(args.model_path, dtype=args.dtype, quantization=args.quantization,
-                        kv_cache_dtype=args.kv_cache_dtype, quant_policy=_policy(args),
-                        guidance_mode=args.guidance_mode, guided_layers=args.guided_layers, max_running_requests=args.max_running_requests,
-                        random_seed=args.random_seed)
+        engine = Engine(
+            args.model_path,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+            quant_policy=_policy(args),
+            guidance_mode=args.guidance_mode,
+            guided_layers=args.guided_layers,
+            max_running_requests=args.max_running_requests,
+            random_seed=args.random_seed,
+        )
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: cannot load {args.model_path}: {e}", file=sys.stderr)
         return 2

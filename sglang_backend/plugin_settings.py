@@ -12,6 +12,7 @@ importing the plugin (which imports SGLang).
 Settings the launcher does not decide (`fp4_kv`, `fp4_native`, `guidance_dir`) pass through from
 the launcher's own environment, so an operator can still set them by hand.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,31 +32,49 @@ def _env(name: str, default, help: str):
 class PluginSettings:
     guidance_mode: str = _env("TRACE_GUIDANCE_MODE", "mantissa", "what a guidance record keeps per element")
     guided_layers: tuple[int, ...] | None = _env(
-        "TRACE_GUIDED_LAYERS", None, "layer indices the server captures guidance of (the launcher resolves "
-        "--guided-layers against the checkpoint); unset: no capture")
-    guidance_dir: str | None = _env("TRACE_GUIDANCE_DIR", None, "where finished records are published "
-                                    "(unset: /dev/shm/trace_guidance, else the temp dir)")
-    quant_policy: str | None = _env("TRACE_QUANT_POLICY", None, "online quantization (trace_nvfp4/trace_mxfp4): "
-                                    "JSON {'policy': QuantPolicy.to_dict(), 'num_layers': N}; unset: the default")
-    kv_sides: tuple[str, str] | None = _env("TRACE_KV_SIDES", None, "K and V cache formats when they differ "
-                                            "from SGLang's one --kv-cache-dtype (plugin/kv_sides.py)")
+        "TRACE_GUIDED_LAYERS",
+        None,
+        "layer indices the server captures guidance of (the launcher resolves "
+        "--guided-layers against the checkpoint); unset: no capture",
+    )
+    guidance_dir: str | None = _env(
+        "TRACE_GUIDANCE_DIR",
+        None,
+        "where finished records are published (unset: /dev/shm/trace_guidance, else the temp dir)",
+    )
+    quant_policy: str | None = _env(
+        "TRACE_QUANT_POLICY",
+        None,
+        "online quantization (trace_nvfp4/trace_mxfp4): "
+        "JSON {'policy': QuantPolicy.to_dict(), 'num_layers': N}; unset: the default",
+    )
+    kv_sides: tuple[str, str] | None = _env(
+        "TRACE_KV_SIDES",
+        None,
+        "K and V cache formats when they differ from SGLang's one --kv-cache-dtype (plugin/kv_sides.py)",
+    )
     kv_read_dtype: str = _env("TRACE_KV_READ_DTYPE", "float32", "the model dtype attention reads K/V in")
-    fp4_kv: bool = _env("TRACE_FP4_KV", True, "install the plugin's NVFP4 KV method (false keeps SGLang's, "
-                        "which records no guidance)")
+    fp4_kv: bool = _env(
+        "TRACE_FP4_KV", True, "install the plugin's NVFP4 KV method (false keeps SGLang's, which records no guidance)"
+    )
     fp4_native: str = _env("TRACE_FP4_NATIVE", "auto", "auto: SGLang's native FP4 GEMM on SM100+; 0: never")
 
     def __post_init__(self) -> None:
         from megatron_trace.fp4.guided import GUIDANCE_MODES  # here: the launcher imports this module before torch
 
         if self.guidance_mode not in GUIDANCE_MODES:
-            raise ValueError(f"{env_name('guidance_mode')} must be one of {', '.join(GUIDANCE_MODES)}; "
-                             f"got {self.guidance_mode!r}")
+            raise ValueError(
+                f"{env_name('guidance_mode')} must be one of {', '.join(GUIDANCE_MODES)}; got {self.guidance_mode!r}"
+            )
         if self.fp4_native not in FP4_NATIVE_MODES:
-            raise ValueError(f"{env_name('fp4_native')} must be one of {', '.join(FP4_NATIVE_MODES)}; "
-                             f"got {self.fp4_native!r}")
+            raise ValueError(
+                f"{env_name('fp4_native')} must be one of {', '.join(FP4_NATIVE_MODES)}; got {self.fp4_native!r}"
+            )
         if self.kv_sides is not None and (len(self.kv_sides) != 2 or any(s not in SIDE_FORMATS for s in self.kv_sides)):
-            raise ValueError(f"{env_name('kv_sides')} must be '<K format>,<V format>' with each one of "
-                             f"{', '.join(SIDE_FORMATS)}; got {','.join(self.kv_sides)!r}")
+            raise ValueError(
+                f"{env_name('kv_sides')} must be '<K format>,<V format>' with each one of "
+                f"{', '.join(SIDE_FORMATS)}; got {','.join(self.kv_sides)!r}"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> PluginSettings:
@@ -98,13 +117,16 @@ def _parse(attr: str, raw: str):
         try:
             return tuple(int(x) for x in raw.split(",") if x.strip())
         except ValueError:
-            raise ValueError(f"{env_name(attr)} must be comma-separated layer indices (set by sglang_backend.launch); "
-                             f"got {raw!r}") from None
+            raise ValueError(
+                f"{env_name(attr)} must be comma-separated layer indices (set by sglang_backend.launch); got {raw!r}"
+            ) from None
     if attr == "kv_sides":
         parts = tuple(p.strip() for p in raw.split(","))
         if len(parts) != 2:
-            raise ValueError(f"{env_name(attr)} must be '<K format>,<V format>' with each one of "
-                             f"{', '.join(SIDE_FORMATS)}; got {raw!r}")
+            raise ValueError(
+                f"{env_name(attr)} must be '<K format>,<V format>' with each one of "
+                f"{', '.join(SIDE_FORMATS)}; got {raw!r}"
+            )
         return parts
     if attr == "fp4_kv":
         if raw not in ("0", "1"):

@@ -8,6 +8,7 @@ logits, so with identical numerics the importance ratio is exactly 1 under top-p
 reports the unfiltered softmax unless a request sets `return_sampling_mask`, whose "selected"
 logprob is this one.) Lives beside the rollout contract because both sides must share it.
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@
 detokenizer; stopping the whole process group leaves none behind), ready once `/health` answers.
 Used by the quality probe's SGLang backend and by the test suite's real-server fixtures.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,17 +64,38 @@ def free_port() -> int:
 
 
 class SGLangProcess:
-    def __init__(self, model_path: str | Path, flags: list[str] | tuple[str, ...] = (), *, log_path: str | Path,
-                 port: int | None = None, env: dict[str, str] | None = None, device: str = "cpu",
-                 start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(
+        self,
+        model_path: str | Path,
+        flags: list[str] | tuple[str, ...] = (),
+        *,
+        log_path: str | Path,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        device: str = "cpu",
+        start_timeout_s: float = START_TIMEOUT_S,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
-        cmd = [sys.executable, "-m", "sglang_backend.launch", "--backend", "sglang", "--model-path", str(model_path),
-               "--port", str(self.port), "--device", device, *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang_backend.launch",
+            "--backend",
+            "sglang",
+            "--model-path",
+            str(model_path),
+            "--port",
+            str(self.port),
+            "--device",
+            device,
+            *flags,
+        ]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+            )
         try:
             self._wait_healthy(start_timeout_s)
         except BaseException:

@@ -26,6 +26,7 @@ its uint8 view: the receiver allocates uint8, and its weight loader reinterprets
 (`view(torch.float8_e4m3fn)`: the plugin's `load_shard`, our engine's loader). The bytes are the
 same; NCCL moves float8 natively and keeps the real dtype name.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -46,7 +47,9 @@ def dtype_from_name(name: str) -> torch.dtype:
     attr = name.removeprefix("torch.") if isinstance(name, str) else None
     dt = getattr(torch, attr, None) if attr else None
     if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}; use a torch attribute name like 'bfloat16', 'uint8', 'float8_e4m3fn'")
+        raise ValueError(
+            f"unknown dtype {name!r}; use a torch attribute name like 'bfloat16', 'uint8', 'float8_e4m3fn'"
+        )
     return dt
 
 
@@ -59,8 +62,9 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in _BYTE_VIEW else t
 
 
-def _make_group(address: str, port: int, rank: int, world_size: int, group_name: str,
-                timeout_s: float, backend: str = "gloo"):
+def _make_group(
+    address: str, port: int, rank: int, world_size: int, group_name: str, timeout_s: float, backend: str = "gloo"
+):
     """SGLang's init_custom_process_group(backend, init_method=tcp://address:port, world_size, rank,
     group_name), key for key: the tcp:// rendezvous store (a TCPStore rank 0 hosts),
     `PrefixStore(group_name)`, then what `_new_process_group_helper` builds on it:
@@ -79,8 +83,15 @@ def _make_group(address: str, port: int, rank: int, world_size: int, group_name:
     # torch's tcp:// rendezvous (SGLang's side) is a bare TCPStore hosted by rank 0. Build it directly:
     # under torchrun the rendezvous handler would instead join torchelastic's agent store (a trainer
     # rank 0 would then host nothing and the servers would wait for it forever).
-    store = dist.TCPStore(address, int(port), world_size, is_master=(rank == 0), timeout=timeout,
-                          wait_for_workers=False, multi_tenant=True)
+    store = dist.TCPStore(
+        address,
+        int(port),
+        world_size,
+        is_master=(rank == 0),
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
     store = PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
     pg = ProcessGroup(store, rank, world_size)
     kind = ProcessGroup.BackendType.GLOO if backend == "gloo" else ProcessGroup.BackendType.NCCL
@@ -113,13 +124,23 @@ def _destroy(pg) -> None:
 class WeightGroup:
     """The server's end of one named update group (our embedded server: rank = rank_offset, tp 1)."""
 
-    def __init__(self, address: str, port: int, rank: int, world_size: int, group_name: str,
-                 timeout_s: float = 300.0, backend: str = "gloo"):
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        timeout_s: float = 300.0,
+        backend: str = "gloo",
+    ):
         self.rank, self.world_size, self.name, self.backend = rank, world_size, group_name, backend
         self._pg = _make_group(address, port, rank, world_size, group_name, timeout_s, backend)
         self._lock = threading.Lock()  # one transfer at a time: broadcasts must pair up in order
 
-    def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+    def receive(
+        self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]
+    ) -> list[tuple[str, torch.Tensor]]:
         """Every tensor of one update, in order; raises (and the caller keeps old weights) on failure."""
         out = []
         with self._lock:
@@ -143,17 +164,26 @@ class WeightSender:
     call `send` concurrently.
     """
 
-    def __init__(self, master_address: str, master_port: int, world_size: int,
-                 group_name: str = "weight_update_group", timeout_s: float = 300.0, backend: str = "gloo"):
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        timeout_s: float = 300.0,
+        backend: str = "gloo",
+    ):
         self.world_size, self.group_name, self.backend = world_size, group_name, backend
         self._pg = _make_group(master_address, master_port, 0, world_size, group_name, timeout_s, backend)
 
     @staticmethod
     def describe(named: dict[str, torch.Tensor], backend: str = "gloo") -> dict[str, list]:
         """The `names`, `dtypes`, `shapes` fields of /update_weights_from_distributed (wire dtypes)."""
-        return {"names": list(named),
-                "dtypes": [str(wire_dtype(t.dtype, backend)).removeprefix("torch.") for t in named.values()],
-                "shapes": [list(t.shape) for t in named.values()]}
+        return {
+            "names": list(named),
+            "dtypes": [str(wire_dtype(t.dtype, backend)).removeprefix("torch.") for t in named.values()],
+            "shapes": [list(t.shape) for t in named.values()],
+        }
 
     def send(self, named: dict[str, torch.Tensor]) -> None:
         for t in named.values():

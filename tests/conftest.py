@@ -1,4 +1,5 @@
 """Shared pytest setup."""
+
 import os
 
 # Triton fixes interpreter mode when its jit decorators run (at kernel-module import), so this

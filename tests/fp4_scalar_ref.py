@@ -1,5 +1,6 @@
 """An independent scalar re-implementation of the FP4 numerics in numpy float32, written from
 the hardware/TE definitions (not from megatron_trace.fp4), used as the second opinion in tests."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """The actor under TP/PP: QAT recompute, a train step's grad norm, and checkpoint reload match TP1."""
+
 import json
 import subprocess
 import sys
@@ -18,8 +19,22 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     launches = [(1, "1x1"), (2, "2x1,1x2")]  # (nproc, TPxPP layouts run one after another)
     for nproc, layouts in launches:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(free_port()), str(SCRIPT), "--ckpt", str(ckpt), "--out", str(out), "--layouts", layouts]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            str(SCRIPT),
+            "--ckpt",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--layouts",
+            layouts,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
     tags = [tuple(layout.split("x")) for _, layouts in launches for layout in layouts.split(",")]

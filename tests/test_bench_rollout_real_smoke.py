@@ -1,4 +1,5 @@
 """Smoke test of scripts/bench_rollout_real.py: `--quick` (a tiny random model) prints every row."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,8 +20,9 @@ def test_quick_prints_every_contender_at_both_batches(capsys):
     spec.loader.exec_module(bench)
     report = bench.main(["--quick", "--threads", "1"])
     assert report in capsys.readouterr().out
-    rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| engine") or
-            line.startswith("| HF")]
+    rows = [
+        line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| engine") or line.startswith("| HF")
+    ]
     names = [(r[0].strip(), int(r[1])) for r in rows]
     contenders = list(bench.ENGINES) + ["HF generate BF16"]
     assert names == [(c, b) for b in (1, 4) for c in contenders]
@@ -41,8 +43,11 @@ def test_kv_attention_bench_quick_reports_all_page_formats(capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     report = bench.main(["--quick", "--threads", "1", "--batch", "2"])
-    rows = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in report.splitlines() if r.startswith("| ") and
-            "pages" in r.split("|")[1] and not r.startswith("| pages")}
+    rows = {
+        r.split("|")[1].strip(): r.split("|")[2:-1]
+        for r in report.splitlines()
+        if r.startswith("| ") and "pages" in r.split("|")[1] and not r.startswith("| pages")
+    }
     assert list(rows) == ["BF16 pages", "NVFP4 pages (in registers)", "MXFP4 pages (in registers)"]
     mb = {k: float(v[3]) for k, v in rows.items()}  # ms, ratio, CPU ms, then MB
     assert mb["MXFP4 pages (in registers)"] == mb["NVFP4 pages (in registers)"]  # E8M0 per 16: 4.5 bits too

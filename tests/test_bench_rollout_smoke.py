@@ -1,4 +1,5 @@
 """Smoke test of scripts/bench_rollout.py: `--quick` runs end to end and prints every table row."""
+
 from __future__ import annotations
 
 import importlib.util

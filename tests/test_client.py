@@ -1,4 +1,5 @@
 """RolloutClient against two real embedded servers over loopback HTTP."""
+
 from __future__ import annotations
 
 import os
@@ -67,9 +68,16 @@ def test_generate_order_and_n(client, ref):
     out = client.generate(reqs)
     assert [r.rid for r in out] == ["q0", "q1-0", "q1-1", "q2", "q3"]
     want = ref[0].generate(input_ids=prompts, sampling_params=greedy().to_dict())
-    assert [r.output_ids for r in out] == [want[0]["output_ids"], want[1]["output_ids"], want[1]["output_ids"],
-                                           want[2]["output_ids"], want[3]["output_ids"]]
-    assert all(len(r.output_logprobs) == len(r.output_ids) > 0 and r.weight_version == "0" and r.prompt_tokens for r in out)
+    assert [r.output_ids for r in out] == [
+        want[0]["output_ids"],
+        want[1]["output_ids"],
+        want[1]["output_ids"],
+        want[2]["output_ids"],
+        want[3]["output_ids"],
+    ]
+    assert all(
+        len(r.output_logprobs) == len(r.output_ids) > 0 and r.weight_version == "0" and r.prompt_tokens for r in out
+    )
 
 
 def test_least_outstanding_spreads_load(client):

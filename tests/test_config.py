@@ -1,4 +1,5 @@
 """The config tree: YAML + overrides, and errors that name the key and what is allowed."""
+
 import pytest
 
 from megatron_trace.config import Config
@@ -14,18 +15,21 @@ def test_yaml_and_overrides(tmp_path):
     assert Config.load(tmp_path / "resolved.yaml").to_dict() == cfg.to_dict()
 
 
-@pytest.mark.parametrize("override,message", [
-    ("algo.loss=grpo", "algo.loss must be one of ppo_clip, tis, mis, none; got 'grpo'"),
-    ("trainer.lr=fast", "trainer.lr must be a number"),
-    ("trainer.tp=0", "trainer.tp must be >= 1"),
-    ("trainer.steps=2.5", "trainer.steps must be int"),
-    ("trainer.bogus=1", "unknown keys ['trainer.bogus']"),
-    ("nosuch.key=1", "unknown config sections ['nosuch']"),
-    ("quant.kv=fp4", "quant.kv must be one of auto, nvfp4, mxfp4, fp8, bf16"),
-    ("quant.kv_k=int8", "quant.kv_k must be one of , nvfp4, mxfp4, fp8, bf16"),
-    ("quant.weights=bf16", "quant"),  # W16A4 is not a policy
-    ("trainer.lr", "must look like section.key=value"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("algo.loss=grpo", "algo.loss must be one of ppo_clip, tis, mis, none; got 'grpo'"),
+        ("trainer.lr=fast", "trainer.lr must be a number"),
+        ("trainer.tp=0", "trainer.tp must be >= 1"),
+        ("trainer.steps=2.5", "trainer.steps must be int"),
+        ("trainer.bogus=1", "unknown keys ['trainer.bogus']"),
+        ("nosuch.key=1", "unknown config sections ['nosuch']"),
+        ("quant.kv=fp4", "quant.kv must be one of auto, nvfp4, mxfp4, fp8, bf16"),
+        ("quant.kv_k=int8", "quant.kv_k must be one of , nvfp4, mxfp4, fp8, bf16"),
+        ("quant.weights=bf16", "quant"),  # W16A4 is not a policy
+        ("trainer.lr", "must look like section.key=value"),
+    ],
+)
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=None) as e:
         Config.load(None, [override])

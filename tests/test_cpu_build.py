@@ -1,5 +1,6 @@
 """kernels/cpu_build: a build that cannot happen says so, loudly and once, and the engine reports
 it in model_info while the torch references serve."""
+
 import logging
 
 from kernels import cpu_build, cpu_fused, cpu_gemv, dispatch
@@ -13,8 +14,10 @@ def test_a_missing_compiler_is_named_and_logged_once(caplog):
     with caplog.at_level(logging.WARNING, logger="kernels.cpu_build"):
         assert build.module() is None
         assert build.module() is None
-    assert build.reason() == f"build failed (RuntimeError: no C++ compiler: {MISSING!r} is not on PATH " \
-                             f"(install g++ or clang++, or set CXX))"
+    assert (
+        build.reason() == f"build failed (RuntimeError: no C++ compiler: {MISSING!r} is not on PATH "
+        f"(install g++ or clang++, or set CXX))"
+    )
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and MISSING in warnings[0].getMessage()
     assert "torch references" in warnings[0].getMessage()
@@ -36,11 +39,11 @@ def test_without_kernels_the_engine_reports_it_and_runs_the_references(monkeypat
         eng = Engine(str(make_tiny_checkpoint(tmp_path, "qwen2", seed=1)), quantization="nvfp4")
         try:
             info = eng.get_model_info()["cpu_linear"]
-            out = eng.generate(input_ids=[[5, 6, 7]], sampling_params={"temperature": 0, "max_new_tokens": 2,
-                                                                          "ignore_eos": True})
+            out = eng.generate(
+                input_ids=[[5, 6, 7]], sampling_params={"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
+            )
         finally:
             eng.shutdown()
     assert info.startswith("torch (build failed (RuntimeError: no C++ compiler") and MISSING in info
     assert len(out[0]["output_ids"]) == 2
     assert any(MISSING in r.getMessage() for r in caplog.records if r.name == "kernels.cpu_build")
-

@@ -7,6 +7,7 @@ differ from the exact value by the rounding of a K-term fp32 sum: |error| <= K *
 for the product and scale roundings), plus the roundings of the global scale and bias applied to
 the sum (2^-23 of |y| and |bias|). Outputs rounded to bf16 add half a bf16 ulp of the value.
 """
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,26 +26,27 @@ def _lib(build):
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     k = x.shape[1]
-    return k * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    return k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 1e-30
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None):
     ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
-    tol = _bound(x, w) + 2.0 ** -23 * (ref.abs() + (0 if bias is None else bias.double().abs()))  # + the final roundings
+    tol = _bound(x, w) + 2.0**-23 * (ref.abs() + (0 if bias is None else bias.double().abs()))  # + the final roundings
     if y.dtype == torch.bfloat16:
-        tol = tol + ref.abs() * 2.0 ** -8
+        tol = tol + ref.abs() * 2.0**-8
     err = (y.double() - ref).abs()
     worst = int((err - tol).argmax())
     assert bool((err <= tol).all()), f"error {float(err.flatten()[worst])} > {float(tol.flatten()[worst])} allowed"
 
 
-shapes = st.tuples(st.integers(1, 40), st.integers(1, 67).map(lambda n: n | 1), st.integers(1, 24).map(lambda b: 16 * b))
+shapes = st.tuples(
+    st.integers(1, 40), st.integers(1, 67).map(lambda n: n | 1), st.integers(1, 24).map(lambda b: 16 * b)
+)
 
 
 @pytest.mark.parametrize("build", BUILDS)
 @settings(max_examples=15, deadline=None)
-@given(shape=shapes, seed=st.integers(0, 2 ** 31 - 1), x_bf16=st.booleans(), bias=st.booleans(),
-       per_row=st.booleans())
+@given(shape=shapes, seed=st.integers(0, 2**31 - 1), x_bf16=st.booleans(), bias=st.booleans(), per_row=st.booleans())
 def test_nvfp4_linear_equals_dequantize_then_matmul(build, shape, seed, x_bf16, bias, per_row):
     m, n, k = shape
     g = torch.Generator().manual_seed(seed)
@@ -53,14 +55,15 @@ def test_nvfp4_linear_equals_dequantize_then_matmul(build, shape, seed, x_bf16, 
     x = torch.randn(m, k, generator=g)
     x = x.bfloat16() if x_bf16 else x
     b = torch.randn(n, generator=g) if bias else None
-    y = cpu_gemv.nvfp4_linear(x, q.data, q.scale, nvfp4.decode_scale(q.global_scale), b, out_dtype=torch.float32,
-                              lib=_lib(build))
+    y = cpu_gemv.nvfp4_linear(
+        x, q.data, q.scale, nvfp4.decode_scale(q.global_scale), b, out_dtype=torch.float32, lib=_lib(build)
+    )
     _check(y, x.float(), nvfp4.dequantize(q), b)
 
 
 @pytest.mark.parametrize("build", BUILDS)
 @settings(max_examples=15, deadline=None)
-@given(shape=shapes, seed=st.integers(0, 2 ** 31 - 1), static=st.booleans(), out_bf16=st.booleans())
+@given(shape=shapes, seed=st.integers(0, 2**31 - 1), static=st.booleans(), out_bf16=st.booleans())
 def test_w4a4_linear_equals_both_dequantized_then_matmul(build, shape, seed, static, out_bf16):
     """Activations quantized by fp4 (per token or under one static scale) times an NVFP4 weight."""
     m, n, k = shape
@@ -68,15 +71,22 @@ def test_w4a4_linear_equals_both_dequantized_then_matmul(build, shape, seed, sta
     q = nvfp4.quantize(torch.randn(n, k, generator=g))
     x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 8
     qa = nvfp4.quantize(x, global_scale=torch.tensor(0.5)) if static else nvfp4.quantize(x, per_row_global=True)
-    y = cpu_gemv.w4a4_linear(qa.data, qa.scale, nvfp4.decode_scale(qa.global_scale), q.data, q.scale,
-                             nvfp4.decode_scale(q.global_scale), out_dtype=torch.bfloat16 if out_bf16 else torch.float32,
-                             lib=_lib(build))
+    y = cpu_gemv.w4a4_linear(
+        qa.data,
+        qa.scale,
+        nvfp4.decode_scale(qa.global_scale),
+        q.data,
+        q.scale,
+        nvfp4.decode_scale(q.global_scale),
+        out_dtype=torch.bfloat16 if out_bf16 else torch.float32,
+        lib=_lib(build),
+    )
     _check(y, nvfp4.dequantize(qa), nvfp4.dequantize(q))
 
 
 @pytest.mark.parametrize("build", BUILDS)
 @settings(max_examples=12, deadline=None)
-@given(shape=shapes, seed=st.integers(0, 2 ** 31 - 1), x_bf16=st.booleans(), out_bf16=st.booleans())
+@given(shape=shapes, seed=st.integers(0, 2**31 - 1), x_bf16=st.booleans(), out_bf16=st.booleans())
 def test_bf16_linear_equals_fp64_matmul(build, shape, seed, x_bf16, out_bf16):
     m, n, k = shape
     g = torch.Generator().manual_seed(seed)
@@ -97,9 +107,10 @@ def test_nvfp4_linear_reads_the_modelopt_layout_exactly(build):
     want = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, -0.0, -1, -2, -3, -4, -6, -8, -12])
     assert torch.equal(y[:, 0], want)
     qa = nvfp4.quantize(torch.eye(16), per_row_global=True)  # W4A4: unit activations pick the same row out
-    y4 = cpu_gemv.w4a4_linear(qa.data, qa.scale, nvfp4.decode_scale(qa.global_scale), codes, scale,
-                              torch.tensor(1.0), lib=_lib(build))
-    torch.testing.assert_close(y4[:, 0], want, rtol=2 ** -22, atol=0)  # S_dec = fp32(1/2688) rounds
+    y4 = cpu_gemv.w4a4_linear(
+        qa.data, qa.scale, nvfp4.decode_scale(qa.global_scale), codes, scale, torch.tensor(1.0), lib=_lib(build)
+    )
+    torch.testing.assert_close(y4[:, 0], want, rtol=2**-22, atol=0)  # S_dec = fp32(1/2688) rounds
 
 
 def test_the_portable_build_is_the_scalar_code():

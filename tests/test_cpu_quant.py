@@ -1,5 +1,6 @@
 """The C NVFP4 quantizers (kernels/cpu_quant) are the reference (`fp4.nvfp4`) bit for bit, in the
 -march=native build the engine runs and the portable build's scalar code, or step aside."""
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -50,8 +51,15 @@ def test_gemv_tables_are_twice_fp4s_grid():
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**16), rows=st.integers(1, 6), blocks=st.integers(1, 5), spread=st.sampled_from([0, 3, 12]),
-       static=st.booleans(), bf16=st.booleans(), build=st.sampled_from(BUILDS))
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(1, 6),
+    blocks=st.integers(1, 5),
+    spread=st.sampled_from([0, 3, 12]),
+    static=st.booleans(),
+    bf16=st.booleans(),
+    build=st.sampled_from(BUILDS),
+)
 def test_quantize_dequantize_is_the_reference(seed, rows, blocks, spread, static, bf16, build):
     x = _inputs(seed, rows, blocks, spread)
     dtype = torch.bfloat16 if bf16 else torch.float32

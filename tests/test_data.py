@@ -1,4 +1,5 @@
 """megatron_trace.data: tokenizers, prompt sources (determinism, JSONL validation) and rewards."""
+
 import json
 
 import pytest
@@ -61,20 +62,27 @@ def _tiny_hf_tokenizer(chat_template=None):
     """A PreTrainedTokenizerFast over an in-memory WordLevel model: no hub, no files."""
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    vocab = {w: i for i, w in enumerate(
-        ["<unk>", "<s>", "<|im_end|>", "<|im_start|>", "user", "assistant", "what", "is", "1+1", "?", "\n"])}
+    vocab = {
+        w: i
+        for i, w in enumerate(
+            ["<unk>", "<s>", "<|im_end|>", "<|im_start|>", "user", "assistant", "what", "is", "1+1", "?", "\n"]
+        )
+    }
     model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>")
+        tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>"
+    )
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     if chat_template:
         tok.chat_template = chat_template
     return tok
 
 
-TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
 
 
 def test_hf_tokenizer_chat_template(tmp_path):
@@ -241,7 +249,7 @@ def test_math_verify_not_equal(response, answer):
     assert math_verify(response, answer) == 0.0
 
 
-@given(st.integers(-10**6, 10**6))
+@given(st.integers(-(10**6), 10**6))
 def test_math_verify_integer_forms(n):
     assert math_verify(rf"\boxed{{{n}}}", str(n)) == 1.0
     assert math_verify(f"{n}.0", str(n)) == 1.0
@@ -281,8 +289,12 @@ def test_math_verify_never_raises(response, answer):
 def test_eval_split_never_meets_training(name):
     task = ArithmeticTask.named(name, seed=3)
     evals = task.eval_problems()
-    every = {task._canonical(a, op, b) for a in range(task.max_operand + 1) for b in range(task.max_operand + 1)
-             for op in task.ops}
+    every = {
+        task._canonical(a, op, b)
+        for a in range(task.max_operand + 1)
+        for b in range(task.max_operand + 1)
+        for op in task.ops
+    }
     assert 0 < len(evals) < len(every) and len(set(evals)) == len(evals)
     eval_texts = {task.make(*p)[0] for p in evals}
     drawn = {p.text for step in range(-300, 300) for p in task.sample(32, step)}  # RL steps and warm start

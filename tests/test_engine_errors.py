@@ -1,4 +1,5 @@
 """A failing step or guidance record answers every request with an abort; the engine keeps serving."""
+
 import pytest
 
 from megatron_trace.guidance.record import GuidanceRecord
@@ -33,8 +34,11 @@ def test_failing_prefill_aborts_admitted_and_waiting_requests(eng, monkeypatch):
     want = eng.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=GREEDY)
     _fail_once(monkeypatch, eng.model, "forward")  # first forward = the prefill of admitted groups
     # 3 prompts, n=2 on the first: 2 are admitted (max_running 2), the rest wait.
-    out = eng.generate(input_ids=[[5, 6, 7], [8, 9], [10, 11]],
-                       sampling_params=[{**GREEDY, "n": 2}, GREEDY, GREEDY], rid=["a", "b", "c"])
+    out = eng.generate(
+        input_ids=[[5, 6, 7], [8, 9], [10, 11]],
+        sampling_params=[{**GREEDY, "n": 2}, GREEDY, GREEDY],
+        rid=["a", "b", "c"],
+    )
     assert len(out) == 4
     for o in out:
         assert o["meta_info"]["finish_reason"]["type"] == "abort"

@@ -1,4 +1,5 @@
 """FP4 in the engine: bit-equality with the fp4 reference, determinism, batching, guidance."""
+
 import threading
 
 import pytest
@@ -46,22 +47,25 @@ def test_quantized_linear_matches_reference_bit_for_bit(fp4_engine, ckpt):
 
 
 def test_kv_pages_hold_reference_codes():
-    kv = PagedKVCache(num_layers=1, kv_heads=2, head_dim=32, num_pages=4, page_size=4, kv_dtype="nvfp4",
-                      dtype=torch.float32)
+    kv = PagedKVCache(
+        num_layers=1, kv_heads=2, head_dim=32, num_pages=4, page_size=4, kv_dtype="nvfp4", dtype=torch.float32
+    )
     x = torch.randn(6, 2, 32)
     slots = kv.slots(kv.allocate(2), 0, 6)
     back = kv.write(0, 0, slots, x)
     ref = nvfp4.quantize(x, global_scale=torch.tensor(1.0))
     assert torch.equal(kv.codes[0, 0, slots], ref.data) and torch.equal(kv.scales[0, 0, slots], ref.scale)
     assert torch.equal(back, nvfp4.dequantize(ref)) and torch.equal(kv.read(0, 0, slots), back)
-    bf16 = PagedKVCache(num_layers=1, kv_heads=2, head_dim=32, num_pages=4, page_size=4, kv_dtype="bf16",
-                        dtype=torch.bfloat16)
+    bf16 = PagedKVCache(
+        num_layers=1, kv_heads=2, head_dim=32, num_pages=4, page_size=4, kv_dtype="bf16", dtype=torch.bfloat16
+    )
     assert bf16.bytes_per_token() / kv.bytes_per_token() == pytest.approx(16 / 4.5)
 
 
 def test_kv_scale_floats_follow_every_change_of_the_global_scale():
-    kv = PagedKVCache(num_layers=2, kv_heads=2, head_dim=32, num_pages=4, page_size=4, kv_dtype="nvfp4",
-                      dtype=torch.float32)
+    kv = PagedKVCache(
+        num_layers=2, kv_heads=2, head_dim=32, num_pages=4, page_size=4, kv_dtype="nvfp4", dtype=torch.float32
+    )
     dec, enc = kv.scales_as_floats()
     assert enc == [(1.0, 1.0), (1.0, 1.0)] and dec == nvfp4.decode_scale(kv.global_scale).tolist()
     with torch.inference_mode():  # where the engine runs
@@ -98,8 +102,9 @@ def test_n_samples_share_prefill_and_seeds_are_per_sample(fp4_engine):
     many = fp4_engine.generate(input_ids=[5, 6, 7, 8], sampling_params={**params, "n": 3}, return_logprob=True)
     assert len(many) == 3
     for i, out in enumerate(many):
-        single = fp4_engine.generate(input_ids=[5, 6, 7, 8], sampling_params={**params, "sampling_seed": 123 + i},
-                                     return_logprob=True)
+        single = fp4_engine.generate(
+            input_ids=[5, 6, 7, 8], sampling_params={**params, "sampling_seed": 123 + i}, return_logprob=True
+        )
         assert out["output_ids"] == single["output_ids"]
         # Batch size changes the GEMM blocking, so logprobs agree to fp32 rounding, not bitwise.
         got = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
@@ -125,6 +130,7 @@ def test_guidance_record_covers_prompt_and_response(fp4_engine):
 
 def test_modelopt_checkpoint_loads_to_the_same_weights(ckpt, tmp_path, fp4_engine):
     import shutil
+
     from safetensors.torch import load_file
 
     hf = load_file(str(ckpt / "model.safetensors"))
@@ -145,8 +151,10 @@ def test_modelopt_checkpoint_loads_to_the_same_weights(ckpt, tmp_path, fp4_engin
         for a, b in zip(eng.model.linears(), fp4_engine.model.linears()):
             assert torch.equal(a.weight, b.weight), a.site
         prompt = [7, 7, 8]
-        assert eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == \
-            fp4_engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+        assert (
+            eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+            == fp4_engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+        )
     finally:
         eng.shutdown()
 

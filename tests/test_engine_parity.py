@@ -1,4 +1,5 @@
 """The embedded engine with FP4 off against HF transformers (the model reference), fp32."""
+
 import pytest
 import torch
 
@@ -18,17 +19,27 @@ def _hf_greedy(path, prompt):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, output_scores=True,
-                      return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    ids = out.sequences[0, len(prompt):].tolist()
+    out = hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=NEW,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    ids = out.sequences[0, len(prompt) :].tolist()
     return ids, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, ids)]
 
 
 def test_greedy_tokens_and_logprobs_match_hf(ckpt):
     eng = Engine(str(ckpt))
     try:
-        outs = eng.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": NEW,
-                                                                "ignore_eos": True}, return_logprob=True)
+        outs = eng.generate(
+            input_ids=PROMPTS,
+            sampling_params={"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
+            return_logprob=True,
+        )
     finally:
         eng.shutdown()
     for prompt, out in zip(PROMPTS, outs):
@@ -81,9 +92,14 @@ def test_guidance_from_the_c_layer_equals_the_torch_path(ckpt, mode, monkeypatch
             monkeypatch.setattr(QwenEngineModel, "uses_fused", lambda self, kv: False)
         eng = Engine(str(ckpt), quantization="nvfp4", kv_cache_dtype="nvfp4", guidance_mode=mode, guided_layers="all")
         try:
-            outs = eng.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": NEW,
-                                                                    "ignore_eos": True}, return_guidance=True)
-            recs.append([GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs])
+            outs = eng.generate(
+                input_ids=PROMPTS,
+                sampling_params={"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
+                return_guidance=True,
+            )
+            recs.append(
+                [GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs]
+            )
         finally:
             eng.shutdown()
     same = total = 0
@@ -120,8 +136,9 @@ def test_c_layer_guidance_through_log_growth_and_per_row_scales(ckpt, static_act
             a, wrong = eng.arch, torch.tensor(-1.0)
             for layer in eng.model.layers:
                 for site in layer.kv_sites:
-                    log.pointers(site, (a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16), (),
-                                 static_gs=wrong)
+                    log.pointers(
+                        site, (a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16), (), static_gs=wrong
+                    )
                 for name in ("qkv", "o_proj", "gate_up", "down") if static_act and not layer.moe else ():
                     lin = getattr(layer, name)
                     if lin.act_fmt != "nvfp4":  # (the default policy keeps attention inputs unquantized)
@@ -129,9 +146,14 @@ def test_c_layer_guidance_through_log_growth_and_per_row_scales(ckpt, static_act
                     lin.input_global_scale = torch.tensor(600.0)
                     static_sites.add(lin.site)
                     log.pointers(lin.site, (lin.in_features // 2,), (lin.in_features // 16,), (), static_gs=wrong)
-            outs = eng.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": NEW,
-                                                                    "ignore_eos": True}, return_guidance=True)
-            recs.append([GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs])
+            outs = eng.generate(
+                input_ids=PROMPTS,
+                sampling_params={"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
+                return_guidance=True,
+            )
+            recs.append(
+                [GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs]
+            )
             kv_scales = eng.kv.global_scale.clone()
             grew = eng.scheduler.log.capacity > 4
         finally:

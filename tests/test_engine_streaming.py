@@ -1,5 +1,6 @@
 """Decode at a real layer width: the one-call C layer steps aside, the weight-streaming linears
 (kernels/cpu_gemv) serve decode, and the engine's tokens and logprobs match its torch path."""
+
 import pytest
 import torch
 
@@ -10,16 +11,24 @@ from sglang_backend.local import Engine, layer_c
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
 
 # hidden 512 x (2 x 4224) gate_up weights: above layer_c.ONE_CALL_MAX_WEIGHTS, one layer to stay quick
-WIDE = dict(hidden_size=512, intermediate_size=4224, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=320, tie_word_embeddings=False)
+WIDE = dict(
+    hidden_size=512,
+    intermediate_size=4224,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    tie_word_embeddings=False,
+)
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41]]
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def wide(request, tmp_path_factory):
-    return request.param, make_tiny_checkpoint(tmp_path_factory.mktemp("wide"), "qwen2", seed=4, dtype=request.param,
-                                               **WIDE)
+    return request.param, make_tiny_checkpoint(
+        tmp_path_factory.mktemp("wide"), "qwen2", seed=4, dtype=request.param, **WIDE
+    )
 
 
 def _run(path, dtype, quant, monkeypatch, fused: bool):
@@ -29,8 +38,11 @@ def _run(path, dtype, quant, monkeypatch, fused: bool):
     with monkeypatch.context() as m:
         for name in calls:
             real = getattr(cpu_gemv, name)
-            m.setattr(cpu_gemv, name, lambda *a, _real=real, _n=name, **k: (calls.__setitem__(_n, calls[_n] + 1),
-                                                                             _real(*a, **k))[1])
+            m.setattr(
+                cpu_gemv,
+                name,
+                lambda *a, _real=real, _n=name, **k: (calls.__setitem__(_n, calls[_n] + 1), _real(*a, **k))[1],
+            )
         if not fused:
             m.setattr(QwenEngineModel, "uses_fused", lambda self, kv: False)
         eng = Engine(str(path), dtype=dtype, quantization=quant)
@@ -63,6 +75,6 @@ def test_wide_decode_streams_weights_and_matches_the_torch_path(wide, quant, mon
         ids_a, ids_b = a["output_ids"], b["output_ids"]
         same = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), len(ids_a))
         assert same == len(ids_a) or (loose and same >= 2), (ids_a, ids_b)
-        la = torch.tensor([t[0] for t in a["meta_info"]["output_token_logprobs"]][:same + 1])
-        lb = torch.tensor([t[0] for t in b["meta_info"]["output_token_logprobs"]][:same + 1])
+        la = torch.tensor([t[0] for t in a["meta_info"]["output_token_logprobs"]][: same + 1])
+        lb = torch.tensor([t[0] for t in b["meta_info"]["output_token_logprobs"]][: same + 1])
         assert float((la - lb).abs().max()) <= tol

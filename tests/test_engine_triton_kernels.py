@@ -1,6 +1,7 @@
 """The embedded engine's CUDA paths reach the Triton kernels through kernels.dispatch. CUDA is not
 needed to check the routing: the interpreter (TRITON_INTERPRET=1) runs the same kernels on CPU
 tensors when the backend is forced to 'triton', and each result is held to the torch path."""
+
 import importlib
 
 import pytest
@@ -40,8 +41,9 @@ def _spy(monkeypatch, module: str, name: str) -> list:
 def test_decode_attention_over_fp4_pages_runs_the_paged_kernel(monkeypatch, fmt):
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, d, lens = 4, 2, 32, [5, 11]
-    kv = PagedKVCache(num_layers=2, kv_heads=kv_heads, head_dim=d, num_pages=8, page_size=4, kv_dtype=fmt,
-                      dtype=torch.float32)
+    kv = PagedKVCache(
+        num_layers=2, kv_heads=kv_heads, head_dim=d, num_pages=8, page_size=4, kv_dtype=fmt, dtype=torch.float32
+    )
     kv.global_scale[1] = torch.tensor([3.0, 0.5])  # per-layer S_enc reaches the kernel (ignored by MXFP4)
     read = []
     for n in lens:
@@ -49,8 +51,13 @@ def test_decode_attention_over_fp4_pages_runs_the_paged_kernel(monkeypatch, fmt)
         for which in (0, 1):
             kv.write(1, which, slots, torch.randn(n, kv_heads, d, generator=g))
         read.append(slots)
-    batch = ForwardBatch(torch.zeros(2, dtype=torch.long), torch.tensor([n - 1 for n in lens]), [(0, 1), (1, 2)],
-                         torch.cat([s[-1:] for s in read]), read)
+    batch = ForwardBatch(
+        torch.zeros(2, dtype=torch.long),
+        torch.tensor([n - 1 for n in lens]),
+        [(0, 1), (1, 2)],
+        torch.cat([s[-1:] for s in read]),
+        read,
+    )
     q = torch.randn(2, heads, d, generator=g)
     monkeypatch.setattr(engine_attention, "DECODE_ATTENTION_BACKEND", "reference")
     want = engine_attention.decode_attention(q, batch, kv, 1)
@@ -63,8 +70,9 @@ def test_decode_attention_over_fp4_pages_runs_the_paged_kernel(monkeypatch, fmt)
 
 
 def test_decode_attention_on_cpu_keeps_the_torch_path_under_auto(monkeypatch):
-    kv = PagedKVCache(num_layers=1, kv_heads=1, head_dim=16, num_pages=2, page_size=4, kv_dtype="nvfp4",
-                      dtype=torch.float32)
+    kv = PagedKVCache(
+        num_layers=1, kv_heads=1, head_dim=16, num_pages=2, page_size=4, kv_dtype="nvfp4", dtype=torch.float32
+    )
     slots = kv.slots(kv.allocate(1), 0, 3)
     for which in (0, 1):
         kv.write(0, which, slots, torch.randn(3, 1, 16))
@@ -77,8 +85,15 @@ def test_decode_attention_on_cpu_keeps_the_torch_path_under_auto(monkeypatch):
 
 def _fp4_linear(act_fmt, static):
     g = torch.Generator().manual_seed(1)
-    lin = EngineLinear({"gate": 32, "up": 48}, 64, bias=True, weight_fmt="nvfp4", act_fmt=act_fmt,
-                       dtype=torch.float32, site="model.layers.0.mlp.gate_up_proj")
+    lin = EngineLinear(
+        {"gate": 32, "up": 48},
+        64,
+        bias=True,
+        weight_fmt="nvfp4",
+        act_fmt=act_fmt,
+        dtype=torch.float32,
+        site="model.layers.0.mlp.gate_up_proj",
+    )
     for shard, rows in lin.shards.items():
         lin.load_shard(shard, torch.randn(rows, 64, generator=g))
         lin.load_shard(shard, torch.randn(rows, generator=g), "bias")
@@ -88,8 +103,11 @@ def _fp4_linear(act_fmt, static):
     return lin, torch.randn(5, 64, generator=g) * 2
 
 
-@pytest.mark.parametrize("act_fmt,static", [(None, False), ("nvfp4", False), ("nvfp4", True)],
-                         ids=["w4a16", "w4a4_per_token", "w4a4_static_scale"])
+@pytest.mark.parametrize(
+    "act_fmt,static",
+    [(None, False), ("nvfp4", False), ("nvfp4", True)],
+    ids=["w4a16", "w4a4_per_token", "w4a4_static_scale"],
+)
 def test_fp4_linear_runs_the_triton_gemm_on_its_packed_weight(monkeypatch, act_fmt, static):
     lin, x = _fp4_linear(act_fmt, static)
     captured = {"reference": [], "triton": []}
@@ -97,6 +115,7 @@ def test_fp4_linear_runs_the_triton_gemm_on_its_packed_weight(monkeypatch, act_f
     kernel = "fp4_linear_w4a4_triton" if act_fmt else "fp4_linear_triton"
     calls = _spy(monkeypatch, "kernels.fp4_gemm", kernel)
     for backend in ("reference", "triton"):
+
         def record(site, q, into=captured[backend]):
             into.append((site, q))
 

@@ -2,6 +2,7 @@
 config parsing (ModelConfig -> ModelOptFp4Config -> get_quant_method), calibrated W4A4
 input_scales, the refusal without calibration, and the chat template travelling with the export.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,26 @@ from megatron_trace.fp4.modelopt import input_scale_from_amax
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
 from megatron_trace.transfer.export import main
 
-WORDS = ["<pad>", "<eos>", "<|im_start|>", "<|im_end|>", "user", "assistant", "\n", "hello", "world", "two",
-         "plus", "three", "is", "five"]
-TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+WORDS = [
+    "<pad>",
+    "<eos>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "user",
+    "assistant",
+    "\n",
+    "hello",
+    "world",
+    "two",
+    "plus",
+    "three",
+    "is",
+    "five",
+]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
 MSGS = [{"role": "user", "content": "two plus three is"}]
 PROMPTS = [[7, 8, 9, 10, 11], {"input_ids": [2, 4, 9, 10, 11, 12, 3, 2, 5]}]
 
@@ -44,8 +61,7 @@ def exported(tmp_path_factory):
     prompts.write_text("\n".join([json.dumps(p) for p in PROMPTS] + [""]))
     out = root / "out"
     # layer 3 stays BF16 (a BF16 band): its MLP must be excluded too
-    assert main(["--load", str(src), "--out", str(out), "--calib-prompts", str(prompts),
-                 "--bf16-layers-end", "1"]) == 0
+    assert main(["--load", str(src), "--out", str(out), "--calib-prompts", str(prompts), "--bf16-layers-end", "1"]) == 0
     return src, out, prompts
 
 
@@ -97,10 +113,12 @@ def test_real_sglang_modelopt_config_keeps_bf16_modules_excluded(exported, tmp_p
     policy = QuantPolicy(bf16_layers_end=1)
     fp4 = set(policy.quantized_linears(arch))
     assert fp4 and len(fp4) < len(arch.hf_linear_modules()) - 1  # both kinds are present
-    kinds = {"self_attn.qkv_proj": (QKVParallelLinear, ["q_proj", "k_proj", "v_proj"]),
-             "self_attn.o_proj": (RowParallelLinear, ["o_proj"]),
-             "mlp.gate_up_proj": (MergedColumnParallelLinear, ["gate_proj", "up_proj"]),
-             "mlp.down_proj": (RowParallelLinear, ["down_proj"])}
+    kinds = {
+        "self_attn.qkv_proj": (QKVParallelLinear, ["q_proj", "k_proj", "v_proj"]),
+        "self_attn.o_proj": (RowParallelLinear, ["o_proj"]),
+        "mlp.gate_up_proj": (MergedColumnParallelLinear, ["gate_proj", "up_proj"]),
+        "mlp.down_proj": (RowParallelLinear, ["down_proj"]),
+    }
     checked = 0
     for i in range(arch.num_layers):
         for sg_name, (cls, members) in kinds.items():
@@ -112,7 +130,9 @@ def test_real_sglang_modelopt_config_keeps_bf16_modules_excluded(exported, tmp_p
                 assert isinstance(method, ModelOptFp4LinearMethod if want_fp4 else UnquantizedLinearMethod), prefix
             checked += 1
     for c in (cfg, nested):
-        assert isinstance(c.get_quant_method(ParallelLMHead.__new__(ParallelLMHead), "lm_head"), UnquantizedLinearMethod)
+        assert isinstance(
+            c.get_quant_method(ParallelLMHead.__new__(ParallelLMHead), "lm_head"), UnquantizedLinearMethod
+        )
     assert checked == 4 * arch.num_layers
 
 
@@ -122,8 +142,12 @@ def _reference_amax(src, prompts: list[list[int]], modules: list[str]) -> dict[s
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     amax = dict.fromkeys(modules, 0.0)
-    hooks = [model.get_submodule(m).register_forward_pre_hook(
-        lambda _m, a, m=m: amax.__setitem__(m, max(amax[m], a[0].abs().max().item())) or None) for m in modules]
+    hooks = [
+        model.get_submodule(m).register_forward_pre_hook(
+            lambda _m, a, m=m: amax.__setitem__(m, max(amax[m], a[0].abs().max().item())) or None
+        )
+        for m in modules
+    ]
     with torch.no_grad():
         for ids in prompts:
             model(input_ids=torch.tensor([ids]))
@@ -134,7 +158,6 @@ def _reference_amax(src, prompts: list[list[int]], modules: list[str]) -> dict[s
 
 def test_w4a4_export_has_calibrated_input_scales(exported):
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
     src, out, _ = exported
     prompts = [PROMPTS[0], PROMPTS[1]["input_ids"]]
@@ -160,7 +183,8 @@ def test_chat_template_travels_with_the_export(exported):
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True) == (
-        "<|im_start|> user two plus three is <|im_end|> <|im_start|> assistant ")
+        "<|im_start|> user two plus three is <|im_end|> <|im_start|> assistant "
+    )
 
 
 def test_calibration_prompts_text_and_chat(tmp_path):
@@ -168,8 +192,9 @@ def test_calibration_prompts_text_and_chat(tmp_path):
 
     _tokenizer_into(tmp_path / "tok")
     f = tmp_path / "p.jsonl"
-    f.write_text("\n".join(json.dumps(x) for x in ([1, 2], "hello world two", {"text": "plus three"},
-                                                   {"messages": MSGS})))
+    f.write_text(
+        "\n".join(json.dumps(x) for x in ([1, 2], "hello world two", {"text": "plus three"}, {"messages": MSGS}))
+    )
     assert load_prompts(f, tmp_path / "tok") == [[1, 2], [7, 8, 9], [10, 11], [2, 4, 9, 10, 11, 12, 3, 2, 5]]
     f.write_text(json.dumps("hello"))
     with pytest.raises(ValueError, match="tokenizer"):

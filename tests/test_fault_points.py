@@ -1,4 +1,5 @@
 """The fault-injection points themselves: arming is checked, and only the named place fires."""
+
 import pytest
 
 from megatron_trace import faults

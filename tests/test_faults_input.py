@@ -7,6 +7,7 @@ test_generate_rejects, tests/test_client.py test_4xx_raises_without_retry); a fu
 guidance spill (tests/test_guidance_store.py test_enospc_*); a truncated trainer checkpoint
 shard (tests/test_faults_trainer.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -53,16 +54,27 @@ class _Backend:
 
     def generate(self, reqs):
         self.sent += reqs
-        return [GenerateResult(f"{r.rid}-{k}", [5], [-0.1], {"type": "length"}, len(r.input_ids), 0)
-                for r in reqs for k in range(r.sampling_params.n)]
+        return [
+            GenerateResult(f"{r.rid}-{k}", [5], [-0.1], {"type": "length"}, len(r.input_ids), 0)
+            for r in reqs
+            for k in range(r.sampling_params.n)
+        ]
 
 
 @pytest.mark.parametrize("mode", ["reject", "truncate"])
 def test_long_prompts_rejected_or_truncated_and_counted(mode):
     tok = CharTokenizer()
     texts = ["1+2=", "9" * 40 + "+1=", "3+3=", "8" * 30 + "-1="]
-    cfg = Config.load(None, ["rollout.max_prompt_len=12", f"rollout.long_prompts={mode}", "rollout.n_samples=2",
-                             "rollout.prompts_per_step=4", "trainer.qat_mode=rtn"])
+    cfg = Config.load(
+        None,
+        [
+            "rollout.max_prompt_len=12",
+            f"rollout.long_prompts={mode}",
+            "rollout.n_samples=2",
+            "rollout.prompts_per_step=4",
+            "trainer.qat_mode=rtn",
+        ],
+    )
     backend = _Backend()
     batch = Rollout(cfg, backend, tok, _Prompts(texts), lambda text, answer: 1.0).run(step=0, version=0)
     long_ids = [tok.encode_prompt(t) for t in texts if len(tok.encode_prompt(t)) > 12]
@@ -99,8 +111,12 @@ def test_engine_refuses_damaged_checkpoint_naming_the_file(ckpt, tmp_path):
 
 def test_weight_bucket_from_damaged_bytes():
     raw = WeightBucket({"a.weight": torch.ones(64, 64), "b.bias": torch.zeros(64)}, 3).to_bytes()
-    for bad, needle in [(raw[:4], "truncated"), (raw[:60], "truncated"), (raw[: len(raw) - 100], "corrupt"),
-                        (b"\x10\x00\x00\x00\x00\x00\x00\x00" + b"{not json at all", "corrupt")]:
+    for bad, needle in [
+        (raw[:4], "truncated"),
+        (raw[:60], "truncated"),
+        (raw[: len(raw) - 100], "corrupt"),
+        (b"\x10\x00\x00\x00\x00\x00\x00\x00" + b"{not json at all", "corrupt"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             WeightBucket.from_bytes(bad)
     assert WeightBucket.from_bytes(raw).version == 3
@@ -114,8 +130,12 @@ def test_server_refuses_damaged_weights_and_keeps_serving(ckpt, tmp_path):
         before = {k: v.clone() for k, v in engine.model.state_dict().items()}
 
         def post(path, data, ctype="application/json"):
-            req = urllib.request.Request(srv.url + path, data=data, method="POST", headers={
-                "Authorization": f"Bearer {KEY}", "Content-Type": ctype})
+            req = urllib.request.Request(
+                srv.url + path,
+                data=data,
+                method="POST",
+                headers={"Authorization": f"Bearer {KEY}", "Content-Type": ctype},
+            )
             try:
                 with urllib.request.urlopen(req, timeout=30) as r:
                     return r.status, json.loads(r.read())
@@ -123,7 +143,9 @@ def test_server_refuses_damaged_weights_and_keeps_serving(ckpt, tmp_path):
                 return e.code, json.loads(e.read())
 
         for kind, d in _damaged_copies(ckpt, tmp_path).items():
-            status, out = post("/update_weights_from_disk", json.dumps({"model_path": str(d), "weight_version": 7}).encode())
+            status, out = post(
+                "/update_weights_from_disk", json.dumps({"model_path": str(d), "weight_version": 7}).encode()
+            )
             assert status == 400 and not out["success"] and str(d) in out["message"], (kind, out)
             assert "still serving version 0" in out["message"]
         raw = WeightBucket(load_file(str(ckpt / "model.safetensors")), 9).to_bytes()
@@ -141,8 +163,12 @@ def test_server_refuses_damaged_weights_and_keeps_serving(ckpt, tmp_path):
 def test_guidance_record_of_wrong_length_is_a_clear_error(ckpt):
     engine = Engine(str(ckpt), quantization="nvfp4")
     try:
-        out = engine.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 4, "temperature": 0},
-                              return_logprob=True, return_guidance=True)
+        out = engine.generate(
+            input_ids=[3, 4, 5],
+            sampling_params={"max_new_tokens": 4, "temperature": 0},
+            return_logprob=True,
+            return_guidance=True,
+        )
         rec = GuidanceRecord.from_bytes(engine.fetch_guidance(out["meta_info"]["guidance_handle"]))
     finally:
         engine.shutdown()

@@ -4,6 +4,7 @@ only at the current weight version; an HTTP weight upload cut off mid-body.
 Servers here are real subprocesses (`python -m sglang_backend.launch --backend local`), driven
 through `RolloutClient` (the loop's http backend) with a batch of requests carrying unique rids.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,13 +32,38 @@ KEY = "fault-key"
 
 def _launch(ckpt: Path, port: int, kill_at: str | None = None) -> subprocess.Popen:
     """A real server process; `kill_at` arms a named fault point that SIGKILLs it there."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": str(REPO),
+    }
     runner = ["-m"] if kill_at is None else [str(REPO / "tests/mp_scripts/with_fault.py"), "--kill-at", kill_at, "-m"]
-    return subprocess.Popen([sys.executable, *runner, "sglang_backend.launch", "--backend", "local", "--model-path",
-                             str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY,
-                             "--max-running-requests", "4"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            *runner,
+            "sglang_backend.launch",
+            "--backend",
+            "local",
+            "--model-path",
+            str(ckpt),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--max-running-requests",
+            "4",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -92,8 +118,12 @@ def test_server_killed_mid_batch_then_readmitted_at_current_version(ckpts, procs
     try:
         # 1. A batch with unique rids; server b is SIGKILLed (by its fault point) mid-batch.
         n = 24
-        reqs = [GenerateRequest([1 + i % 50, 2, 3], SamplingParams(max_new_tokens=24, temperature=1.0,
-                                sampling_seed=i), rid=f"req-{i}") for i in range(n)]
+        reqs = [
+            GenerateRequest(
+                [1 + i % 50, 2, 3], SamplingParams(max_new_tokens=24, temperature=1.0, sampling_seed=i), rid=f"req-{i}"
+            )
+            for i in range(n)
+        ]
         box: dict = {}
         t = threading.Thread(target=lambda: box.update(out=client.generate(reqs)))
         t.start()
@@ -121,8 +151,9 @@ def test_server_killed_mid_batch_then_readmitted_at_current_version(ckpts, procs
         seen_b, deadline = 0, time.time() + 60
         while seen_b == 0:
             assert time.time() < deadline, f"b never re-admitted: {client.events[-3:]}"
-            res = client.generate([GenerateRequest([5, 6], SamplingParams(max_new_tokens=2, temperature=0))
-                                   for _ in range(4)])
+            res = client.generate(
+                [GenerateRequest([5, 6], SamplingParams(max_new_tokens=2, temperature=0)) for _ in range(4)]
+            )
             assert [r.weight_version for r in res] == ["1"] * 4, "a server served a stale weight version"
             seen_b = client.served[b] - served_b
         assert client.dead() == [] and _version(b) == 1
@@ -155,8 +186,12 @@ def _cut_off_upload(ckpts, url: str, port: int) -> None:
     before = client.generate(greedy)[0].output_ids
     raw = WeightBucket(load_file(str(ckpts[1] / "model.safetensors")), 1).to_bytes()
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall((f"POST /update_weights_from_tensor HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                   f"Content-Type: application/octet-stream\r\nContent-Length: {len(raw)}\r\n\r\n").encode())
+        s.sendall(
+            (
+                f"POST /update_weights_from_tensor HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: application/octet-stream\r\nContent-Length: {len(raw)}\r\n\r\n"
+            ).encode()
+        )
         s.sendall(raw[: len(raw) // 2])
         s.shutdown(socket.SHUT_WR)  # the sender is gone; the server sees EOF mid-body
         s.settimeout(30)
@@ -192,9 +227,15 @@ def test_stale_server_stays_out_without_weights_to_replay(ckpts):
         assert client.dead() == [srv.url]
         with pytest.raises(Exception, match="no live server"):
             client.generate([GenerateRequest([1], SamplingParams(max_new_tokens=1))])
-        client.readmit_hook = lambda url, v: urllib.request.urlopen(urllib.request.Request(
-            url + "/update_weight_version", data=json.dumps({"new_version": v}).encode(), method="POST",
-            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}), timeout=10).read()
+        client.readmit_hook = lambda url, v: urllib.request.urlopen(
+            urllib.request.Request(
+                url + "/update_weight_version",
+                data=json.dumps({"new_version": v}).encode(),
+                method="POST",
+                headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+            ),
+            timeout=10,
+        ).read()
         deadline = time.time() + 10
         while client.dead() and time.time() < deadline:
             time.sleep(0.05)

@@ -6,6 +6,7 @@ point `checkpoint.shard_written` (armed by tests/mp_scripts/with_fault.py), betw
 write and the save's commit, so it lands there on any machine. Kill mid-step + exact resume:
 tests/test_train_loop.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,28 @@ from types import SimpleNamespace
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ["--config", "configs/tiny_cpu.yaml", "trainer.warm_start_steps=0", "rollout.prompts_per_step=2",
-        "rollout.n_samples=2", "rollout.eval_prompts=0", "trainer.micro_batch_size=4", "logging.progress=false",
-        "trainer.steps=2", "trainer.save_every=1"]
+BASE = [
+    "--config",
+    "configs/tiny_cpu.yaml",
+    "trainer.warm_start_steps=0",
+    "rollout.prompts_per_step=2",
+    "rollout.n_samples=2",
+    "rollout.eval_prompts=0",
+    "trainer.micro_batch_size=4",
+    "logging.progress=false",
+    "trainer.steps=2",
+    "trainer.save_every=1",
+]
 
 
 def _env() -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-            "PYTHONPATH": str(ROOT)}
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:
@@ -38,10 +53,23 @@ def test_kill_mid_checkpoint_save_keeps_previous_and_resumes(tmp_path):
     run_dir = tmp_path / "runs" / "cut"
     ckpt = run_dir / "checkpoints"
     # The kill lands after step 1's shard is on disk and before the save commits it.
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/mp_scripts/with_fault.py"), "--kill-at",
-                           "checkpoint.shard_written:step=1", "-m", "megatron_trace.train", *BASE,
-                           f"logging.run_dir={run_dir}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests/mp_scripts/with_fault.py"),
+            "--kill-at",
+            "checkpoint.shard_written:step=1",
+            "-m",
+            "megatron_trace.train",
+            *BASE,
+            f"logging.run_dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-3000:]
     shard = ckpt / "step_1.tmp" / "rank_00000.pt"
     assert shard.exists() and shard.stat().st_size > 0
@@ -61,8 +89,14 @@ def test_kill_mid_checkpoint_save_keeps_previous_and_resumes(tmp_path):
         Actor.load_checkpoint(SimpleNamespace(), bad)  # fails before touching the (absent) model
 
     # --resume loads step_0 (latest) and continues: step 1 is trained and saved again.
-    res = subprocess.run([sys.executable, "-m", "megatron_trace.train", *BASE, f"logging.run_dir={run_dir}",
-                          "--resume"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    res = subprocess.run(
+        [sys.executable, "-m", "megatron_trace.train", *BASE, f"logging.run_dir={run_dir}", "--resume"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert (ckpt / "latest").read_text() == "step_1" and not (ckpt / "step_1.tmp").exists()
     meta = json.loads((ckpt / "step_1" / "meta.json").read_text())

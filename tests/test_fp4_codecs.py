@@ -1,4 +1,5 @@
 """Codecs against an independent scalar reference, exhaustively where the space is small."""
+
 import math
 
 import numpy as np
@@ -8,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_trace.fp4 import (
-    e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, e8m0_decode, e8m0_encode, pack_fp4, unpack_fp4,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode,
+    e8m0_decode,
+    e8m0_encode,
+    pack_fp4,
+    unpack_fp4,
 )
 from tests import fp4_scalar_ref as ref
 

@@ -1,4 +1,5 @@
 """FP8 E4M3 rows with a per-row fp32 scale (the FP8 KV format) against the scalar reference."""
+
 import math
 
 import numpy as np
@@ -21,8 +22,10 @@ def test_rows_match_scalar_reference(rows):
         codes, s_dec = ref.fp8_row(row)
         assert q.data[r].tolist() == codes
         assert q.scale[r].item() == s_dec
-    want = [[ref.e4m3_value(c) * np.float32(s) for c in ref.fp8_row(row)[0]] for row, s in
-            ((row, ref.fp8_row(row)[1]) for row in rows)]
+    want = [
+        [ref.e4m3_value(c) * np.float32(s) for c in ref.fp8_row(row)[0]]
+        for row, s in ((row, ref.fp8_row(row)[1]) for row in rows)
+    ]
     assert fp8.dequantize(q).tolist() == np.array(want, dtype=np.float32).tolist()
 
 
@@ -30,8 +33,10 @@ def test_row_amax_maps_to_448_and_outliers_stay_in_their_row():
     x = torch.tensor([[216.0, 1.0, -0.5, 0.0], [0.3, -0.2, 0.1, 0.0]])
     q = fp8.quantize(x)
     assert q.data[0, 0].item() == 0x7E and q.data[1, 0].item() == 0x7E  # 448 = 0x7E
-    assert q.scale.tolist() == [np.float32(1 / np.float64(np.float32(448 / np.float32(216.0)))),
-                                np.float32(1 / np.float64(np.float32(448 / np.float32(0.3))))]
+    assert q.scale.tolist() == [
+        np.float32(1 / np.float64(np.float32(448 / np.float32(216.0)))),
+        np.float32(1 / np.float64(np.float32(448 / np.float32(0.3)))),
+    ]
     rel = (fp8.dequantize(q) - x).abs() / x.abs().clamp_min(1e-30)
     assert rel[x != 0].max() <= 2.0**-4  # 3 mantissa bits: half an ulp of relative error
 

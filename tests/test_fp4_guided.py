@@ -1,14 +1,19 @@
 """TRACE guided rounding: properties against the rollout's codes, and the straight-through estimator."""
-import numpy as np
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_trace.fp4 import (
-    e2m1_decode, e2m1_encode, guided_quantize, mantissa_bits, straight_through, unpack_fp4, unpack_mantissa_bits,
+    e2m1_decode,
+    e2m1_encode,
+    guided_quantize,
+    mantissa_bits,
+    nvfp4,
+    straight_through,
+    unpack_mantissa_bits,
 )
-from megatron_trace.fp4 import nvfp4
 
 SIGNED = [-6, -4, -3, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 3, 4, 6]
 
@@ -32,8 +37,13 @@ def _neighbours(values):
     return grid[(idx - 1).clamp(min=0)], grid[(idx + 1).clamp(max=len(SIGNED) - 1)]
 
 
-params = st.tuples(st.integers(0, 10**6), st.integers(1, 4), st.sampled_from([16, 32, 64]),
-                   st.sampled_from([1e-3, 1e-2, 5e-2, 0.2]), st.booleans())
+params = st.tuples(
+    st.integers(0, 10**6),
+    st.integers(1, 4),
+    st.sampled_from([16, 32, 64]),
+    st.sampled_from([1e-3, 1e-2, 5e-2, 0.2]),
+    st.booleans(),
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -128,8 +138,9 @@ def test_straight_through_forward_exact_backward_identity(dtype):
 def test_mantissa_bits_from_packed_codes_equal_the_unpacked_route(seed, rows, heads, groups):
     from megatron_trace.fp4 import mantissa_bits_packed, pack_fp4
 
-    codes = torch.randint(0, 16, (rows, heads, 8 * groups), generator=torch.Generator().manual_seed(seed),
-                          dtype=torch.uint8)
+    codes = torch.randint(
+        0, 16, (rows, heads, 8 * groups), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
+    )
     from kernels.dispatch import mantissa_bits_packed as dispatched
 
     want = mantissa_bits(codes)

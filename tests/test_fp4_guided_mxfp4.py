@@ -1,4 +1,5 @@
 """Guided MXFP4 rounding (fp4.guided_quantize_mxfp4) against mxfp4.quantize, the rollout's quantizer."""
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -6,8 +7,13 @@ from hypothesis import strategies as st
 
 from megatron_trace.fp4 import e2m1_decode, e2m1_encode, guided_quantize_mxfp4, mantissa_bits, mxfp4
 
-params = st.tuples(st.integers(0, 10**6), st.integers(1, 4), st.sampled_from([(32, 32), (64, 32), (32, 16), (48, 16)]),
-                   st.sampled_from([1e-3, 1e-2, 5e-2, 0.2]), st.sampled_from(mxfp4.RULES))
+params = st.tuples(
+    st.integers(0, 10**6),
+    st.integers(1, 4),
+    st.sampled_from([(32, 32), (64, 32), (32, 16), (48, 16)]),
+    st.sampled_from([1e-3, 1e-2, 5e-2, 0.2]),
+    st.sampled_from(mxfp4.RULES),
+)
 
 
 def _pair(seed, rows, kb, noise, rule):

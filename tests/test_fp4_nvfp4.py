@@ -1,4 +1,5 @@
 """NVFP4 quantization: TE's sequence against the scalar reference, properties, edge cases, layouts."""
+
 import numpy as np
 import pytest
 import torch
@@ -6,8 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from megatron_trace.fp4 import e2m1_decode, from_modelopt, to_modelopt, to_modelopt_fused, unswizzle_scales, swizzle_scales
-from megatron_trace.fp4 import nvfp4
+from megatron_trace.fp4 import (
+    e2m1_decode,
+    from_modelopt,
+    nvfp4,
+    swizzle_scales,
+    to_modelopt,
+    to_modelopt_fused,
+    unswizzle_scales,
+)
 from megatron_trace.fp4.guided import bracket_indices
 from tests import fp4_scalar_ref as ref
 
@@ -129,14 +137,17 @@ def test_four_over_six_is_standard_nvfp4_and_never_worse(seed):
     assert torch.all(err46 <= err6)
     # On Gaussian activations (no subnormal block scales) it beats the standard recipe overall.
     g = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed))
+
     def mse(q):
         return (nvfp4.dequantize(q) - g).pow(2).sum()
+
     assert mse(nvfp4.quantize(g, four_over_six=True)) < 0.9 * mse(nvfp4.quantize(g))
 
 
 def _six_only(x, s_enc):
     sf = nvfp4._scales_for_blocks(nvfp4._blocks(x), s_enc, 6.0)
-    from megatron_trace.fp4 import pack_fp4, e2m1_encode
+    from megatron_trace.fp4 import e2m1_encode, pack_fp4
+
     return pack_fp4(e2m1_encode(nvfp4.encode_with_scales(x, sf, s_enc)).reshape(x.shape)), sf, s_enc
 
 
@@ -154,8 +165,11 @@ def test_modelopt_tensors_roundtrip_and_fused_shards_share_scale():
     loaded = from_modelopt(one)
     assert torch.equal(nvfp4.dequantize(loaded), nvfp4.dequantize(nvfp4.quantize(q)))
     # A loader's formula: code * weight_scale * weight_scale_2 gives our values bit for bit.
-    loader = (e2m1_decode(loaded.codes()).reshape(64, 4, 16) * one["weight_scale"].float().unsqueeze(-1)
-              * one["weight_scale_2"]).reshape(64, 64)
+    loader = (
+        e2m1_decode(loaded.codes()).reshape(64, 4, 16)
+        * one["weight_scale"].float().unsqueeze(-1)
+        * one["weight_scale_2"]
+    ).reshape(64, 64)
     assert torch.equal(loader, nvfp4.dequantize(nvfp4.quantize(q)))
     with pytest.raises(KeyError, match="weight_scale_2"):
         from_modelopt({"weight": one["weight"], "weight_scale": one["weight_scale"]})

@@ -1,9 +1,9 @@
 """The public test vectors (NVIDIA host conversions, TE's NVFP4 sequence, OCP MXFP4), bit for bit."""
+
 import pytest
 import torch
 
-from megatron_trace.fp4 import e2m1_encode, pack_fp4, swizzle_scales
-from megatron_trace.fp4 import mxfp4, nvfp4
+from megatron_trace.fp4 import e2m1_encode, mxfp4, nvfp4, pack_fp4, swizzle_scales
 
 INF, NAN = float("inf"), float("nan")
 S_ENC_ONE = 2688.0  # global amax that gives S_enc = 1 exactly
@@ -35,7 +35,7 @@ def test_nvfp4_vector_2_exact_grid():
 
 
 def test_nvfp4_vector_3_midpoints():
-    x = torch.tensor([6, .25, .75, 1.25, 1.75, 2.5, 3.5, 5, -.25, -.75, -1.25, -1.75, -2.5, -3.5, -5, .1])
+    x = torch.tensor([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, 0.1])
     q = nvfp4.quantize(x, global_amax=S_ENC_ONE)
     assert q.scale.tolist() == [0x38]
     assert _codes(q) == [7, 0, 2, 2, 4, 4, 6, 6, 8, 0xA, 0xA, 0xC, 0xC, 0xE, 0xE, 0]
@@ -75,8 +75,16 @@ def test_mxfp4_vector_6(rule, byte, codes):
 
 @pytest.mark.parametrize(
     "m,k,K,offset",
-    [(0, 0, 64, 0), (1, 0, 64, 16), (32, 0, 64, 4), (33, 3, 64, 23), (127, 3, 64, 511),
-     (0, 4, 128, 512), (128, 0, 128, 1024), (5, 6, 128, 594)],
+    [
+        (0, 0, 64, 0),
+        (1, 0, 64, 16),
+        (32, 0, 64, 4),
+        (33, 3, 64, 23),
+        (127, 3, 64, 511),
+        (0, 4, 128, 512),
+        (128, 0, 128, 1024),
+        (5, 6, 128, 594),
+    ],
 )
 def test_swizzle_vector_7(m, k, K, offset):
     rows = m + 1

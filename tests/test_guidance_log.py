@@ -1,4 +1,5 @@
 """The engine's guidance log: rows written per step come back per sample, through growth and compaction."""
+
 import torch
 
 from megatron_trace.fp4 import nvfp4
@@ -14,8 +15,9 @@ class _Sample:
 def _gather(log, finished, alive):
     """The engine's path: the log's batch of rows -> one record's bytes per sample -> read back."""
     sites, lens = log.gather(finished, alive)
-    for i, (s, b) in enumerate(zip(finished, encode_records([f"s{i}" for i in range(len(lens))], log.mode, lens,
-                                                            sites))):
+    for i, (s, b) in enumerate(
+        zip(finished, encode_records([f"s{i}" for i in range(len(lens))], log.mode, lens, sites))
+    ):
         rec = GuidanceRecord.from_bytes(b)
         assert rec.sample_id == f"s{i}" and rec.num_positions == lens[i]
         s.guidance = rec.sites
@@ -34,8 +36,9 @@ def test_rows_round_trip_through_growth_and_compaction():
         first = log.reserve(len(live))
         qa, qk = _step_q(len(live), step, static=False), _step_q(len(live), 1000 + step, static=True)
         log.store("model.layers.0.mlp.down_proj", first, qa)
-        d, sc, gs = log.buffers("model.layers.0.self_attn.k_cache", first, len(live), (16,), (2,), (),
-                                static_gs=torch.tensor(0.5))
+        d, sc, gs = log.buffers(
+            "model.layers.0.self_attn.k_cache", first, len(live), (16,), (2,), (), static_gs=torch.tensor(0.5)
+        )
         assert gs is None
         d.copy_(qk.data)
         sc.copy_(qk.scale)
@@ -62,7 +65,7 @@ def test_rows_round_trip_through_growth_and_compaction():
 def test_a_resynced_static_scale_keeps_each_row_its_own():
     log = GuidanceLog("full", capacity=2)
     s = _Sample()
-    for step, gs in enumerate((0.5, 0.5, 2.0, 2.0)):
+    for gs in (0.5, 0.5, 2.0, 2.0):
         first = log.reserve(1)
         q = nvfp4.quantize(torch.randn(1, 32), global_scale=torch.tensor(gs))
         log.store("model.layers.0.mlp.down_proj", first, q)

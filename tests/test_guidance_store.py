@@ -1,4 +1,5 @@
 """GuidanceStore: async put/get from memory and spill shards, release, back-pressure, ENOSPC."""
+
 import errno
 import os
 import threading
@@ -333,12 +334,15 @@ def _rewrite_header(data: bytes, edit) -> bytes:
     return len(head).to_bytes(8, "little") + head + data[8 + n :]
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda h: h[next(k for k in h if k.endswith("/payload"))].update(data_offsets=[0, 10**9]), "outside"),
-    (lambda h: h[next(k for k in h if k.endswith("/scale"))].update(shape=[999, 4]), "do not hold shape"),
-    (lambda h: h[next(k for k in h if k.endswith("/scale"))].update(dtype="F64"), "bad header entry"),
-    (lambda h: h["__metadata__"].pop("sites"), "lacks"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda h: h[next(k for k in h if k.endswith("/payload"))].update(data_offsets=[0, 10**9]), "outside"),
+        (lambda h: h[next(k for k in h if k.endswith("/scale"))].update(shape=[999, 4]), "do not hold shape"),
+        (lambda h: h[next(k for k in h if k.endswith("/scale"))].update(dtype="F64"), "bad header entry"),
+        (lambda h: h["__metadata__"].pop("sites"), "lacks"),
+    ],
+)
 def test_damaged_record_headers_are_refused_by_name(edit, message):
     data = _rewrite_header(make_record("s0").to_bytes(), edit)
     with pytest.raises(ValueError, match=message):
@@ -348,8 +352,12 @@ def test_damaged_record_headers_are_refused_by_name(edit, message):
 
 
 @settings(max_examples=25)
-@given(lens=st.lists(st.integers(1, 5), min_size=1, max_size=4), mode=st.sampled_from(["full", "mantissa"]),
-       static_kv=st.booleans(), seed=st.integers(0, 100))
+@given(
+    lens=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    mode=st.sampled_from(["full", "mantissa"]),
+    static_kv=st.booleans(),
+    seed=st.integers(0, 100),
+)
 def test_batch_encoding_writes_each_records_own_bytes(lens, mode, static_kv, seed):
     """encode_records (the engine's writer, one conversion per tensor per batch) gives, sample by
     sample, the bytes of that sample's own record, which a plain safetensors reader loads."""
@@ -359,8 +367,10 @@ def test_batch_encoding_writes_each_records_own_bytes(lens, mode, static_kv, see
     total, sites = sum(lens), {}
     for name in ("model.layers.0.mlp.down_proj", "model.layers.0.self_attn.k_cache"):
         static = static_kv and name.endswith("k_cache")
-        q = nvfp4.quantize(torch.randn(total, 32, generator=g), **({"global_scale": torch.tensor(0.75)} if static
-                                                                     else {"per_row_global": True}))
+        q = nvfp4.quantize(
+            torch.randn(total, 32, generator=g),
+            **({"global_scale": torch.tensor(0.75)} if static else {"per_row_global": True}),
+        )
         sites[name] = make_site(q.scale, q.global_scale, q.data, mode)
     ids = [f"sample-{i}" for i in range(len(lens))]
     got = encode_records(ids, mode, lens, sites)

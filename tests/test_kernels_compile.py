@@ -2,6 +2,7 @@
 in every variant (round-to-nearest with each scale mode and the mantissa capture, guided rounding
 full and mantissa with scalar and per-row S_enc). The interpreter runs the same source on CPU but
 accepts things the GPU compiler rejects; triton.compile needs no GPU."""
+
 import os
 import subprocess
 import sys
@@ -41,7 +42,8 @@ for arch in (90, 100):
 def test_quantize_kernel_compiles_for_sm90_and_sm100():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
-    res = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("ok ") == 16

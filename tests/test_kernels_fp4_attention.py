@@ -1,6 +1,7 @@
 """Triton paged decode attention over NVFP4 / MXFP4 / BF16 pages (TRITON_INTERPRET=1) against
 gather + fp4 dequantize + fp32 torch softmax attention: |err| <= 1e-5 (fp32 q), bf16 rounding
 of the output for bf16 q."""
+
 import importlib
 
 import pytest
@@ -55,11 +56,14 @@ def _run(fmt, b, h, kvh, d, lens, qdtype=torch.float32, seed=0, table_dtype=torc
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "bf16"])
-@pytest.mark.parametrize("b,h,kvh,d,lens", [
-    (1, 2, 2, 16, [1]),          # one token, MHA
-    (2, 8, 2, 32, [37, 5]),      # GQA group 4, partial tiles
-    (3, 6, 2, 16, [20, 1, 33]),  # group 3 (not a power of two)
-])
+@pytest.mark.parametrize(
+    "b,h,kvh,d,lens",
+    [
+        (1, 2, 2, 16, [1]),  # one token, MHA
+        (2, 8, 2, 32, [37, 5]),  # GQA group 4, partial tiles
+        (3, 6, 2, 16, [20, 1, 33]),  # group 3 (not a power of two)
+    ],
+)
 def test_matches_reference(fmt, b, h, kvh, d, lens):
     _run(fmt, b, h, kvh, d, lens)
 

@@ -1,6 +1,7 @@
 """The Triton FP4 GEMM (W4A16 and W4A4, under TRITON_INTERPRET=1) against F.linear on the
 dequantized weights. Summation order differs, so results agree to fp32 accuracy: |err| <=
 1e-5 * max|y| + 1e-5 * |y| (observed ~2e-7 relative)."""
+
 import importlib
 
 import pytest

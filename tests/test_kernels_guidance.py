@@ -1,5 +1,6 @@
 """The Triton quantize kernel's guidance option (TRITON_INTERPRET=1) against nvfp4.quantize and
 mantissa_bits(unpack_fp4(codes)), bit for bit."""
+
 import importlib
 
 import numpy as np

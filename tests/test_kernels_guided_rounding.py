@@ -1,5 +1,6 @@
 """The Triton kernel's guided rounding (TRITON_INTERPRET=1) against fp4.guided_quantize, bit for bit:
 full and mantissa guidance, scalar and per-row S_enc, any fp32 input (NaN, Inf, zeros, subnormals)."""
+
 import importlib
 
 import numpy as np

@@ -3,6 +3,7 @@
 tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton, so the kernel runs
 on CPU tensors here. Shapes stay small: the interpreter runs each program in numpy.
 """
+
 import importlib
 import os
 import subprocess
@@ -96,9 +97,7 @@ def test_bf16_with_inf_and_nan():
     _check(x, per_row_global=True)
 
 
-@pytest.mark.parametrize(
-    "amax", [1.0, 0.01, 1e6, 448.0, 0.0, -3.0, float("inf"), float("nan"), 1e-40, 3e38]
-)
+@pytest.mark.parametrize("amax", [1.0, 0.01, 1e6, 448.0, 0.0, -3.0, float("inf"), float("nan"), 1e-40, 3e38])
 def test_given_scalar_global_amax(amax):
     # Below-the-data amax saturates E4M3 at 448 and E2M1 at 6; the rest hit S_enc's special cases.
     x = torch.randn(6, 48, generator=_gen(3)) * 4
@@ -162,8 +161,24 @@ def test_e2m1_midpoints_round_to_even_codes():
 def test_e4m3_ties_and_saturation():
     # global_amax 448 -> S_enc 6 and S_enc*fp32(1/6) == 1, so each block's SF input is its amax.
     amaxes = [
-        1.0625, 1.1875, 17.0, 19.0, 432.0, 440.0, 447.9, 448.0, 464.0, 1e30, float("inf"),
-        2.0 ** -10, 3 * 2.0 ** -10, 5 * 2.0 ** -10, 7.5 * 2.0 ** -9, 2.0 ** -6, 1e-30, 0.0,
+        1.0625,
+        1.1875,
+        17.0,
+        19.0,
+        432.0,
+        440.0,
+        447.9,
+        448.0,
+        464.0,
+        1e30,
+        float("inf"),
+        2.0**-10,
+        3 * 2.0**-10,
+        5 * 2.0**-10,
+        7.5 * 2.0**-9,
+        2.0**-6,
+        1e-30,
+        0.0,
     ]
     x = torch.zeros(len(amaxes), 32)
     for i, a in enumerate(amaxes):

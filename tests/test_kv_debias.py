@@ -2,6 +2,7 @@
 with the bias added back exactly when attention reads K. On a checkpoint with an outlier planted in
 K's bias (tests/test_quality.py) it removes NVFP4 K's outlier loss; the engine's C and torch paths,
 its decode and prefill, and the trainer's QAT agree on it; families without the bias refuse it."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,7 @@ from sglang_backend.local import Engine
 from sglang_backend.local.model import QwenEngineModel
 from tests.test_quality import _prompts, outlier_ckpt  # noqa: F401 - the fixture
 
-DEBIASED = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv_k="nvfp4", kv_v="nvfp4",
-                       kv_k_debias=True)
+DEBIASED = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv_k="nvfp4", kv_v="nvfp4", kv_k_debias=True)
 
 
 def test_debiased_k_removes_the_planted_outlier_loss(outlier_ckpt):  # noqa: F811
@@ -35,8 +35,11 @@ def _generate(ckpt, policy, monkeypatch=None, fused=True):
         if not fused:
             monkeypatch.setattr(QwenEngineModel, "uses_fused", lambda self, kv: False)
         assert eng.model.uses_fused(eng.kv) == fused
-        out = eng.generate(input_ids=[p["ids"] for p in _prompts(2)],
-                           sampling_params={"temperature": 0, "max_new_tokens": 10}, return_logprob=True)
+        out = eng.generate(
+            input_ids=[p["ids"] for p in _prompts(2)],
+            sampling_params={"temperature": 0, "max_new_tokens": 10},
+            return_logprob=True,
+        )
         scorer = EmbeddedScorer.__new__(EmbeddedScorer)  # teacher-forced prefill over this engine
         scorer.engine = eng
         tf = [scorer.teacher_forced(p["ids"], o["output_ids"])[0] for p, o in zip(_prompts(2), out)]
@@ -71,8 +74,17 @@ def test_trainer_qat_k_equals_the_engines_debiased_pages():
     rb = rotated_bias(bias, torch.arange(s), arch.rope_theta)[:, None]  # [S, 1, G, D]
     key = (torch.randn(s, b, heads, d, generator=g) + rb).requires_grad_()
     got = st.kv(key, "model.layers.0.self_attn.k_cache", "nvfp4", offset=rb)
-    kv = PagedKVCache(num_layers=1, kv_heads=heads, head_dim=d, num_pages=4, page_size=16, kv_dtype="auto",
-                      k_dtype="nvfp4", v_dtype="nvfp4", dtype=torch.float32)
+    kv = PagedKVCache(
+        num_layers=1,
+        kv_heads=heads,
+        head_dim=d,
+        num_pages=4,
+        page_size=16,
+        kv_dtype="auto",
+        k_dtype="nvfp4",
+        v_dtype="nvfp4",
+        dtype=torch.float32,
+    )
     rows = (key.detach() - rb).transpose(0, 1).reshape(b * s, heads, d)  # sample-major rows, positions 0..S-1
     kv.write(0, 0, torch.arange(b * s), rows, return_values=False)
     back = kv.read(0, 0, torch.arange(b * s)).view(b, s, heads, d).transpose(0, 1) + rb
@@ -85,9 +97,26 @@ def test_trainer_qat_k_equals_the_engines_debiased_pages():
 def _probe(ckpt, *flags):
     from megatron_trace import probe
 
-    return probe.probe(probe.parse_args(["--model-path", str(ckpt), "--num-prompts", "4", "--max-new-tokens", "12",
-                                         "--quantization", "none", "--kv-k", "nvfp4", "--kv-v", "bf16", "--kv-k-debias",
-                                         *flags]))
+    return probe.probe(
+        probe.parse_args(
+            [
+                "--model-path",
+                str(ckpt),
+                "--num-prompts",
+                "4",
+                "--max-new-tokens",
+                "12",
+                "--quantization",
+                "none",
+                "--kv-k",
+                "nvfp4",
+                "--kv-v",
+                "bf16",
+                "--kv-k-debias",
+                *flags,
+            ]
+        )
+    )
 
 
 def test_probe_fp32_rollout_and_trainer_are_bit_exact_on_debiased_k(outlier_ckpt):  # noqa: F811
@@ -131,13 +160,16 @@ def test_servers_are_launched_and_checked_for_the_debiased_cache(outlier_ckpt, t
     args = parser().parse_args(["--model-path", str(outlier_ckpt), "--kv-k", "nvfp4", "--kv-k-debias"])
     assert _policy(args).kv_k_debias is True and _policy(args).k_format == "nvfp4"
     with pytest.raises(ValueError, match="--kv-k-debias .* --backend local only"):
-        sglang_command(parser().parse_args(["--backend", "sglang", "--model-path", str(outlier_ckpt),
-                                            "--kv-k-debias"]), [])
+        sglang_command(
+            parser().parse_args(["--backend", "sglang", "--model-path", str(outlier_ckpt), "--kv-k-debias"]), []
+        )
     from sglang_backend.client import RolloutClient
     from sglang_backend.local.server import serve
 
-    for policy, ok in ((DEBIASED, True), (QuantPolicy(format="bf16", weights="bf16", activations="bf16",
-                                                      kv="nvfp4"), False)):
+    for policy, ok in (
+        (DEBIASED, True),
+        (QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4"), False),
+    ):
         eng = Engine(str(outlier_ckpt), quant_policy=policy)
         srv = serve(eng, "127.0.0.1", 0)
         try:

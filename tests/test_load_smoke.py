@@ -1,5 +1,6 @@
 """Smoke test of scripts/load_rollout.py: 16 clients against a server of capacity 4 for a few
 seconds: it queues (the scheduler holds waiting requests, its batch never exceeds 4), never drops."""
+
 from __future__ import annotations
 
 import importlib.util

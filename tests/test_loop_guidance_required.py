@@ -1,5 +1,6 @@
 """A guided run never degrades to plain QAT in silence: a rollout without guidance stops it, naming
 the server; a config whose FP4 sites guidance cannot cover is refused or warned about at start."""
+
 import pytest
 
 from megatron_trace.config import Config
@@ -14,8 +15,13 @@ class NoGuidanceServer:
     urls = ["http://127.0.0.1:30999"]
 
     def generate(self, reqs):
-        return [GenerateResult(f"{r.rid}-{k}", [3, 4], [-0.5, -0.7], {"type": "length", "length": 2}, len(r.input_ids),
-                               "default") for r in reqs for k in range(r.sampling_params.n)]
+        return [
+            GenerateResult(
+                f"{r.rid}-{k}", [3, 4], [-0.5, -0.7], {"type": "length", "length": 2}, len(r.input_ids), "default"
+            )
+            for r in reqs
+            for k in range(r.sampling_params.n)
+        ]
 
 
 def _rollout(*overrides):
@@ -33,6 +39,8 @@ def test_guided_run_without_guidance_stops_naming_the_server():
 
 def test_guided_config_with_nothing_to_guide_is_refused(capsys):
     with pytest.raises(ValueError, match="nothing to guide.*quant.format=bf16.*K=fp8, V=bf16"):
-        _rollout("quant.format=bf16", "quant.weights=bf16", "quant.activations=bf16", "quant.kv_k=fp8", "quant.kv_v=bf16")
+        _rollout(
+            "quant.format=bf16", "quant.weights=bf16", "quant.activations=bf16", "quant.kv_k=fp8", "quant.kv_v=bf16"
+        )
     _rollout("quant.format=mxfp4", "quant.kv=mxfp4")  # MXFP4 activations and K/V are guided sites too
     assert "WARNING" not in capsys.readouterr().out

@@ -2,6 +2,7 @@
 fetches it (so in async mode step k+1's records are stored, and spilled, while step k trains),
 the waiting batch holds handles, the step that trains gets them back and releases them. With a
 zero memory budget everything spills and training sees exactly the records it sees without it."""
+
 import pytest
 import torch
 
@@ -22,9 +23,19 @@ class GuidedServer:
         self.fetched = {}
 
     def generate(self, reqs):
-        return [GenerateResult(f"{r.rid}-{k}", RESPONSE, [-0.5, -0.7], {"type": "length", "length": 2},
-                               len(r.input_ids), "0", guidance_handle=f"{r.rid}-{k}")
-                for r in reqs for k in range(r.sampling_params.n)]
+        return [
+            GenerateResult(
+                f"{r.rid}-{k}",
+                RESPONSE,
+                [-0.5, -0.7],
+                {"type": "length", "length": 2},
+                len(r.input_ids),
+                "0",
+                guidance_handle=f"{r.rid}-{k}",
+            )
+            for r in reqs
+            for k in range(r.sampling_params.n)
+        ]
 
     def fetch_guidance(self, handle: str) -> bytes:
         # A fresh, distinct record per fetch (the same rid in two steps is two records)
@@ -98,12 +109,14 @@ def test_without_a_store_the_batch_carries_the_bytes():
 
 
 def test_a_step_that_trains_nothing_still_releases_its_records(tmp_path):
-    cfg = Config.load("configs/tiny_cpu.yaml", ["rollout.prompts_per_step=1", "rollout.n_samples=2",
-                                                "algo.max_version_diff=0"])
+    cfg = Config.load(
+        "configs/tiny_cpu.yaml", ["rollout.prompts_per_step=1", "rollout.n_samples=2", "algo.max_version_diff=0"]
+    )
     tok = CharTokenizer()
     with GuidanceStore(0, tmp_path / "spill") as store:
-        rollout = Rollout(cfg, GuidedServer(), tok, ArithmeticTask(tokenizer=tok), get_reward_fn("exact_match"),
-                          store=store)
+        rollout = Rollout(
+            cfg, GuidedServer(), tok, ArithmeticTask(tokenizer=tok), get_reward_fn("exact_match"), store=store
+        )
         batch = rollout.run(0, version=0)
         out, _ = StepRunner(cfg, RecordingActor(), store, rank0=True).train(batch, current_version=1)  # all stale
         assert out["train/skipped"] == 1 and out["rollout/dropped_stale"] == 2

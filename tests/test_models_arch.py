@@ -1,4 +1,5 @@
 """ModelArch: read real transformers configs, round-trip them, list HF parameters exactly."""
+
 from __future__ import annotations
 
 import json
@@ -66,9 +67,17 @@ def test_fields_from_transformers_configs():
 
     c = ModelArch.from_hf_config(
         _hf_config(
-            "qwen3_moe", num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
-            moe_intermediate_size=16, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
-            tie_word_embeddings=True, eos_token_id=[5, 6],
+            "qwen3_moe",
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            tie_word_embeddings=True,
+            eos_token_id=[5, 6],
         ).to_dict()
     )
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (6, 2, 16, True)
@@ -79,11 +88,24 @@ def test_fields_from_transformers_configs():
 def test_legacy_hub_config_and_directory(tmp_path):
     # A Qwen2.5-style config.json as published on the hub (transformers 4.x spelling).
     legacy = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
-        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-        "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-        "max_position_embeddings": 32768, "use_sliding_window": False, "bos_token_id": 151643,
-        "eos_token_id": 151643, "rope_scaling": None, "hidden_act": "silu",
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "rope_scaling": None,
+        "hidden_act": "silu",
     }
     (tmp_path / "config.json").write_text(json.dumps(legacy))
     for source in (legacy, tmp_path, tmp_path / "config.json", str(tmp_path)):
@@ -112,8 +134,16 @@ def test_yarn_rope_scaling_round_trip():
         ),
         (
             "qwen3_moe",
-            dict(num_key_value_heads=2, head_dim=8, num_experts=3, num_experts_per_tok=1, moe_intermediate_size=8,
-                 decoder_sparse_step=2, mlp_only_layers=[2], tie_word_embeddings=True),
+            dict(
+                num_key_value_heads=2,
+                head_dim=8,
+                num_experts=3,
+                num_experts_per_tok=1,
+                moe_intermediate_size=8,
+                decoder_sparse_step=2,
+                mlp_only_layers=[2],
+                tie_word_embeddings=True,
+            ),
         ),
     ],
 )
@@ -129,8 +159,16 @@ def test_param_shapes_match_real_model_and_round_trip(family, kw):
 
 
 def test_layer_is_moe_matches_transformers():
-    kw = dict(num_key_value_heads=2, head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
-              decoder_sparse_step=2, mlp_only_layers=[1], num_hidden_layers=6)
+    kw = dict(
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=8,
+        decoder_sparse_step=2,
+        mlp_only_layers=[1],
+        num_hidden_layers=6,
+    )
     arch = ModelArch.from_hf_config(_hf_config("qwen3_moe", **kw).to_dict())
     model = _hf_model("qwen3_moe", **kw)
     truth = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in model.model.layers]

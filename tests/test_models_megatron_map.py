@@ -1,4 +1,5 @@
 """HF <-> Megatron-Core layout maps: bit-exact TP x PP x EP round trips on real tiny checkpoints."""
+
 from __future__ import annotations
 
 import itertools
@@ -162,8 +163,10 @@ def test_interleave_property(groups_log, q_per, hd, tp_log, bias):
     assert all(torch.equal(a, b) for a, b in zip(split_qkv(qkv, g * q_per, g, hd), (q, k, v)))
     # A contiguous TP slice is the interleave of that rank's own groups.
     for r, shard in enumerate(qkv.chunk(tp)):
+
         def sl(t):
             return t.chunk(tp)[r]
+
         assert torch.equal(shard, interleave_qkv(sl(q), sl(k), sl(v), g // tp))
 
 

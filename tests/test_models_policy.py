@@ -1,4 +1,5 @@
 """QuantPolicy: which HF modules are FP4, fusion groups, validation messages, (de)serialization."""
+
 from __future__ import annotations
 
 import pytest

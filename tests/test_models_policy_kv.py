@@ -1,4 +1,5 @@
 """K and V cache formats in the one quant policy: kv as the shorthand, kv_k / kv_v per side, auto."""
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -28,13 +29,14 @@ def test_bf16_band_keeps_both_sides_bf16():
         p.kv_format(0, 3, "q")
 
 
-@pytest.mark.parametrize("family,want", [("qwen2", ("fp8", "nvfp4")), ("qwen3", ("nvfp4", "nvfp4")),
-                                         ("qwen3_moe", ("nvfp4", "nvfp4"))])
+@pytest.mark.parametrize(
+    "family,want", [("qwen2", ("fp8", "nvfp4")), ("qwen3", ("nvfp4", "nvfp4")), ("qwen3_moe", ("nvfp4", "nvfp4"))]
+)
 def test_auto_resolves_per_family(family, want):
     arch = ModelArch.from_hf_config(tiny_hf_config(family))
     p = QuantPolicy(kv="auto")
     with pytest.raises(ValueError, match=r"quant.kv='auto'.*for_arch"):
-        p.k_format
+        _ = p.k_format
     r = p.for_arch(arch)
     assert (r.k_format, r.v_format) == want and r.kv == "auto"
     assert QuantPolicy(kv="auto", kv_v="bf16").for_arch(arch).v_format == "bf16"  # explicit side wins
@@ -49,9 +51,18 @@ def test_config_default_is_auto_and_explicit_kv_is_both():
     assert (p.k_format, p.v_format) == ("fp8", "nvfp4")
 
 
-@pytest.mark.parametrize("k,v,algo", [("bf16", "bf16", None), ("fp8", "fp8", "FP8"), ("fp8", "nvfp4", "FP8"),
-                                      ("nvfp4", "nvfp4", "NVFP4"), ("mxfp4", "mxfp4", "MXFP4"),
-                                      ("mxfp4", "nvfp4", "NVFP4"), ("nvfp4", "bf16", None)])
+@pytest.mark.parametrize(
+    "k,v,algo",
+    [
+        ("bf16", "bf16", None),
+        ("fp8", "fp8", "FP8"),
+        ("fp8", "nvfp4", "FP8"),
+        ("nvfp4", "nvfp4", "NVFP4"),
+        ("mxfp4", "mxfp4", "MXFP4"),
+        ("mxfp4", "nvfp4", "NVFP4"),
+        ("nvfp4", "bf16", None),
+    ],
+)
 def test_export_kv_algo_names_the_finer_side(k, v, algo):
     assert QuantPolicy(kv_k=k, kv_v=v).kv_cache_quant_algo() == algo
 
@@ -65,5 +76,6 @@ def test_export_names_the_policy_kv_algo(tmp_path):
     amax = {m: 4.0 for m in QuantPolicy().quantized_linears(arch)}
     out = export_checkpoint(sd, arch, tmp_path / "out", policy=QuantPolicy(kv="auto"), input_amax=amax, hf_config=cfg)
     import json
+
     hq = json.loads((out / "hf_quant_config.json").read_text())
     assert hq["quantization"]["kv_cache_quant_algo"] == "FP8"  # qwen2 auto: FP8 K + NVFP4 V, the finer side

@@ -6,6 +6,7 @@ refuses to TRAIN with TP > 1 without sequence parallelism).
 One rollout (embedded engine, bf16, NVFP4 W4A4 + KV, full guidance of every layer, routed experts),
 then one 1-process and one 2-process launch (imports dominate: ~1 min on 2 cores).
 """
+
 import json
 import subprocess
 import sys
@@ -33,25 +34,54 @@ def results(tmp_path_factory):
     prompts = torch.randint(0, arch.vocab_size, (4, 8), generator=torch.Generator().manual_seed(1)).tolist()
     eng = Engine(str(ckpt), dtype="bfloat16", quant_policy=POLICY, guidance_mode="full", guided_layers="all")
     try:
-        outs = eng.generate(input_ids=prompts, sampling_params=[
-            {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": i} for i in range(4)],
-            return_logprob=True, return_guidance=True, return_routed_experts=True)
+        outs = eng.generate(
+            input_ids=prompts,
+            sampling_params=[
+                {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": i} for i in range(4)
+            ],
+            return_logprob=True,
+            return_guidance=True,
+            return_routed_experts=True,
+        )
         meta = []
         for i, (p, o) in enumerate(zip(prompts, outs)):
             (root / f"guidance_{i}.bin").write_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"]))
-            meta.append({"prompt": p, "response": o["output_ids"], "routed_experts": o["meta_info"]["routed_experts"],
-                         "logprobs": [t[0] for t in o["meta_info"]["output_token_logprobs"]]})
+            meta.append(
+                {
+                    "prompt": p,
+                    "response": o["output_ids"],
+                    "routed_experts": o["meta_info"]["routed_experts"],
+                    "logprobs": [t[0] for t in o["meta_info"]["output_token_logprobs"]],
+                }
+            )
     finally:
         eng.shutdown()
     (root / "samples.json").write_text(json.dumps(meta))
     out = tmp_path_factory.mktemp("out")
     for nproc, layouts in [(1, "1x1"), (2, "1x2,2x1,2x1sp")]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(free_port()), str(SCRIPT), "--ckpt", str(ckpt), "--samples", str(root), "--out", str(out),
-               "--layouts", layouts]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            str(SCRIPT),
+            "--ckpt",
+            str(ckpt),
+            "--samples",
+            str(root),
+            "--out",
+            str(out),
+            "--layouts",
+            layouts,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, proc.stderr[-4000:]
-    return {tag: json.loads((out / f"{tag}.json").read_text()) for tag in ("tp1_ep1", "tp1_ep2", "tp2_ep1", "tp2_ep1_sp")}
+    return {
+        tag: json.loads((out / f"{tag}.json").read_text()) for tag in ("tp1_ep1", "tp1_ep2", "tp2_ep1", "tp2_ep1_sp")
+    }
 
 
 def _expert_sites(rank: dict) -> dict:

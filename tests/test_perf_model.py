@@ -1,4 +1,5 @@
 """Sanity properties of the rollout roofline model (megatron_trace/perf_model.py); stdlib math, < 1 s."""
+
 import json
 import math
 import subprocess
@@ -74,8 +75,9 @@ def test_batch_grows_about_356x_when_kv_dominates_memory():
     assert b4 / b16 == pytest.approx(16 / 4.5, rel=0.08)
     assert b4 / b16 >= 16 / 4.5 - 0.1  # freed weight memory only adds
     # with weights a big share (72B TP4 on H200) the growth is well above 3.56x
-    r = (pm.max_batch(M72, H200, 4, pm.PRECISIONS["nvfp4"], 132096, eff)
-         / pm.max_batch(M72, H200, 4, pm.PRECISIONS["bf16"], 132096, eff))
+    r = pm.max_batch(M72, H200, 4, pm.PRECISIONS["nvfp4"], 132096, eff) / pm.max_batch(
+        M72, H200, 4, pm.PRECISIONS["bf16"], 132096, eff
+    )
     assert r > 4.5
 
 
@@ -143,8 +145,12 @@ def test_cli_runs(tmp_path):
     f = tmp_path / "m.json"
     f.write_text(json.dumps({"h200": {"copy_bw_tbs": 4.3}}))
     script = Path(__file__).resolve().parents[1] / "scripts" / "perf_model.py"
-    out = subprocess.run([sys.executable, str(script), "--model", "qwen2.5-72b", "--gpu", "h200",
-                          "--measured", str(f), "--markdown"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(script), "--model", "qwen2.5-72b", "--gpu", "h200", "--measured", str(f), "--markdown"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "| 128K |" in out.stdout and "copy_bw_tbs | 4.3 | measured" in out.stdout
 

@@ -3,6 +3,7 @@
 The stand-in layer is a bare nn.Module (SGLang's LinearBase is what is missing here, not our
 code); the SGLang modules that `register()` mutates are replaced by test doubles in sys.modules.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -157,8 +158,9 @@ def test_kv_method_matches_paged_kv_cache():
     heads, d = 2, 32
     g = torch.Generator().manual_seed(7)
     k, v = torch.randn(3, heads, d, generator=g), torch.randn(3, heads, d, generator=g) * 5
-    cache = PagedKVCache(num_layers=2, kv_heads=heads, head_dim=d, num_pages=4, page_size=4, kv_dtype="nvfp4",
-                         dtype=torch.float32)
+    cache = PagedKVCache(
+        num_layers=2, kv_heads=heads, head_dim=d, num_pages=4, page_size=4, kv_dtype="nvfp4", dtype=torch.float32
+    )
     cache.global_scale[1] = torch.stack([encode_scale_from_amax(k.abs().amax()), torch.tensor(1.0)])
     slots = torch.tensor([3, 5, 14])
     cache.write(1, 0, slots, k)
@@ -166,9 +168,17 @@ def test_kv_method_matches_paged_kv_cache():
     method = TraceNVFP4KVMethod(num_layers=2)
     bufs = method.create_buffers(16, heads, d, 2, "cpu")
     method.capture = KVCaptureBuffer(num_layers=2, capacity=8, heads=heads, head_dim=d)
-    method.quantize_and_store(bufs["k_buffer"][1], bufs["v_buffer"][1], bufs["k_scale_buffer"][1],
-                              bufs["v_scale_buffer"][1], slots, k, v, k_scale=decode_scale(cache.global_scale[1, 0]),
-                              v_scale=None)
+    method.quantize_and_store(
+        bufs["k_buffer"][1],
+        bufs["v_buffer"][1],
+        bufs["k_scale_buffer"][1],
+        bufs["v_scale_buffer"][1],
+        slots,
+        k,
+        v,
+        k_scale=decode_scale(cache.global_scale[1, 0]),
+        v_scale=None,
+    )
     for which, name in ((0, "k"), (1, "v")):
         assert torch.equal(bufs[f"{name}_buffer"][1][slots], cache.codes[1, which][slots])
         assert torch.equal(bufs[f"{name}_scale_buffer"][1][slots], cache.scales[1, which][slots])
@@ -183,8 +193,11 @@ def test_register_mutates_fake_sglang(monkeypatch):
     quant_mod.QUANTIZATION_METHODS = methods
     args_mod = types.ModuleType("sglang.srt.server_args")
     args_mod.QUANTIZATION_CHOICES = ["fp8", "modelopt_fp4"]
-    for name, mod in {"sglang": types.ModuleType("sglang"), "sglang.srt.layers.quantization": quant_mod,
-                      "sglang.srt.server_args": args_mod}.items():
+    for name, mod in {
+        "sglang": types.ModuleType("sglang"),
+        "sglang.srt.layers.quantization": quant_mod,
+        "sglang.srt.server_args": args_mod,
+    }.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setitem(quant_method._ACTIVE, "on", False)
     # This fake SGLang has no KV registry; without this, a real SGLang module that an earlier test
@@ -204,9 +217,15 @@ def test_register_mutates_fake_sglang(monkeypatch):
 def test_config_from_exported_checkpoint_and_exclusion(monkeypatch):
     monkeypatch.setitem(quant_method._ACTIVE, "on", False)
     monkeypatch.setattr(quant_method, "sglang_attr", lambda *_: None)  # bare nn.Modules stand in for SGLang's layers
-    hq = {"producer": {"name": "megatron_trace"}, "quantization": {
-        "quant_algo": "NVFP4", "group_size": 16, "trace_targets": ["*.mlp.*"],
-        "exclude_modules": ["lm_head", "model.layers.*.self_attn.*"]}}
+    hq = {
+        "producer": {"name": "megatron_trace"},
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "group_size": 16,
+            "trace_targets": ["*.mlp.*"],
+            "exclude_modules": ["lm_head", "model.layers.*.self_attn.*"],
+        },
+    }
     cfg = TraceFP4Config.from_config(hq)
     assert cfg.get_name() == "trace_fp4" and cfg.trace_targets == ["*.mlp.*"]
     assert TraceFP4Config.override_quantization_method(hq, None) is None  # plugin not active
@@ -214,7 +233,9 @@ def test_config_from_exported_checkpoint_and_exclusion(monkeypatch):
     assert cfg.get_quant_method(nn.Module(), "model.layers.0.self_attn.qkv_proj") is None  # excluded, no SGLang
     assert isinstance(cfg.get_quant_method(nn.Module(), "model.layers.0.mlp.gate_up_proj"), TraceFP4LinearMethod)
     with pytest.raises(ValueError, match="partly"):
-        TraceFP4Config(exclude_modules=["model.layers.0.mlp.gate_proj"]).is_layer_excluded("model.layers.0.mlp.gate_up_proj")
+        TraceFP4Config(exclude_modules=["model.layers.0.mlp.gate_proj"]).is_layer_excluded(
+            "model.layers.0.mlp.gate_up_proj"
+        )
     with pytest.raises(ValueError, match="group_size"):
         TraceFP4Config.from_config({"quant_algo": "NVFP4", "group_size": 32})
 
@@ -235,8 +256,12 @@ def test_slot_capture_record_and_guidance_answer(tmp_path, monkeypatch):
     assert list(cap.sites) == ["model.layers.1.mlp.down_proj"]
     got = cap.record("r-1", torch.tensor([5, 3, 4]))
     rows = torch.tensor([2, 0, 1])
-    want = encode_records(["r-1"], "full", [3], {"model.layers.1.mlp.down_proj": make_site(
-        q.scale[rows], q.global_scale[rows], q.data[rows], "full")})[0]
+    want = encode_records(
+        ["r-1"],
+        "full",
+        [3],
+        {"model.layers.1.mlp.down_proj": make_site(q.scale[rows], q.global_scale[rows], q.data[rows], "full")},
+    )[0]
     assert got == want and GuidanceRecord.from_bytes(got).num_positions == 3
     slot_capture.publish("r-1", got)
     assert register.guidance_answer({"rid": "r-1"}) == (200, got)
@@ -249,10 +274,12 @@ def test_slot_capture_record_and_guidance_answer(tmp_path, monkeypatch):
 
 
 def test_import_without_sglang():
-    code = ("import sys; sys.modules['sglang'] = None\n"
-            "import sglang_backend.plugin as p, sglang_backend.plugin.register as r\n"
-            "assert not p.HAVE_SGLANG and p.TraceFP4LinearMethod.__mro__[1].__name__ == '_TraceLinearBase'\n"
-            "assert r.register()['quantization'] is False\n")
+    code = (
+        "import sys; sys.modules['sglang'] = None\n"
+        "import sglang_backend.plugin as p, sglang_backend.plugin.register as r\n"
+        "assert not p.HAVE_SGLANG and p.TraceFP4LinearMethod.__mro__[1].__name__ == '_TraceLinearBase'\n"
+        "assert r.register()['quantization'] is False\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 

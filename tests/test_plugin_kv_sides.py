@@ -3,16 +3,17 @@ for every K/V format pair the policy allows, what attention reads back through S
 equals the embedded engine's pages bit for bit, and its bytes per token are the engine's (plus the
 one-byte placeholder scale of a BF16 side). No server: the method class SGLang's pool would build.
 """
+
 from __future__ import annotations
 
 import itertools
 
 import pytest
+import sglang  # noqa: F401 - the test command installs it
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sglang  # noqa: F401 - the test command installs it
 from sglang_backend.local.kv_cache import PagedKVCache
 from sglang_backend.plugin import kv_sides
 
@@ -27,8 +28,12 @@ def _method(sides):
 
 
 @settings(max_examples=25, deadline=None)
-@given(pair=st.sampled_from(PAIRS), seed=st.integers(0, 2**31 - 1), k_mag=st.sampled_from([1e-3, 1.0, 40.0, 300.0]),
-       tokens=st.integers(1, 12))
+@given(
+    pair=st.sampled_from(PAIRS),
+    seed=st.integers(0, 2**31 - 1),
+    k_mag=st.sampled_from([1e-3, 1.0, 40.0, 300.0]),
+    tokens=st.integers(1, 12),
+)
 def test_reads_equal_the_engine_pages(pair, seed, k_mag, tokens):
     m, bufs = _method(pair)
     g = torch.Generator().manual_seed(seed)
@@ -38,13 +43,30 @@ def test_reads_equal_the_engine_pages(pair, seed, k_mag, tokens):
     loc = torch.randperm(SLOTS, generator=g)[:tokens]
     layer = 1
     # the pool passes cache_k flat over heads on some paths: the method takes either shape
-    m.quantize_and_store(bufs["k_buffer"][layer], bufs["v_buffer"][layer], bufs["k_scale_buffer"][layer],
-                         bufs["v_scale_buffer"][layer], loc, k.reshape(tokens, -1), v,
-                         m.k_scales_gpu[layer:layer + 1], m.v_scales_gpu[layer:layer + 1])
+    m.quantize_and_store(
+        bufs["k_buffer"][layer],
+        bufs["v_buffer"][layer],
+        bufs["k_scale_buffer"][layer],
+        bufs["v_scale_buffer"][layer],
+        loc,
+        k.reshape(tokens, -1),
+        v,
+        m.k_scales_gpu[layer : layer + 1],
+        m.v_scales_gpu[layer : layer + 1],
+    )
     got_k = m.dequantize_kv_tensor(bufs["k_buffer"][layer], bufs["k_scale_buffer"][layer], layer)
     got_v = m.dequantize_kv_tensor(bufs["v_buffer"][layer], bufs["v_scale_buffer"][layer], layer)
-    kv = PagedKVCache(num_layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, num_pages=SLOTS // 16, page_size=16,
-                      kv_dtype="auto", k_dtype=pair[0], v_dtype=pair[1], dtype=torch.float32)
+    kv = PagedKVCache(
+        num_layers=LAYERS,
+        kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        num_pages=SLOTS // 16,
+        page_size=16,
+        kv_dtype="auto",
+        k_dtype=pair[0],
+        v_dtype=pair[1],
+        dtype=torch.float32,
+    )
     kv.write(layer, 0, loc, k, return_values=False)
     kv.write(layer, 1, loc, v, return_values=False)
     assert torch.equal(got_k[loc], kv.read(layer, 0, loc)), pair
@@ -54,8 +76,17 @@ def test_reads_equal_the_engine_pages(pair, seed, k_mag, tokens):
 @pytest.mark.parametrize("pair", PAIRS)
 def test_cell_size_is_the_engines_bytes_per_token(pair):
     m, _ = _method(pair)
-    kv = PagedKVCache(num_layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, num_pages=1, page_size=16,
-                      kv_dtype="auto", k_dtype=pair[0], v_dtype=pair[1], dtype=torch.float32)
+    kv = PagedKVCache(
+        num_layers=LAYERS,
+        kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        num_pages=1,
+        page_size=16,
+        kv_dtype="auto",
+        k_dtype=pair[0],
+        v_dtype=pair[1],
+        dtype=torch.float32,
+    )
     placeholder = LAYERS * pair.count("bf16")  # a BF16 side keeps a one-byte scale row for the pool's lists
     assert m.compute_cell_size(HEADS, HEAD_DIM, LAYERS, 1) == kv.bytes_per_token() + placeholder
 

@@ -1,4 +1,5 @@
 """The mismatch probe end to end: engine rollout (bf16) vs Megatron recompute (fp32), TP1 and TP2."""
+
 import json
 import subprocess
 import sys
@@ -20,8 +21,17 @@ def _run(args, tmp_path, nproc=1):
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_trace.probe"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", "megatron_trace.probe"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "megatron_trace.probe",
+        ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd + args + ["--json", str(out)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -60,13 +70,19 @@ def test_guided_beats_rtn_beats_off_and_agrees_on_every_site(tp1):
 def test_tp2_gives_the_tp1_numbers(ckpt, tp1, tmp_path):
     one, two = tp1[0], _run(_probe_args(ckpt) + ["--tp", "2"], tmp_path, nproc=2)[0]
     for mode in ("off", "rtn", "guided-full"):
-        assert two["modes"][mode]["mean_abs_dlogp"] == pytest.approx(one["modes"][mode]["mean_abs_dlogp"], rel=1e-3, abs=1e-5)
+        assert two["modes"][mode]["mean_abs_dlogp"] == pytest.approx(
+            one["modes"][mode]["mean_abs_dlogp"], rel=1e-3, abs=1e-5
+        )
     assert min(two["modes"]["guided-full"]["agreement"].values()) >= 0.999
 
 
 def test_bad_flags_are_named(ckpt):
-    proc = subprocess.run([sys.executable, "-m", "megatron_trace.probe", "--model-path", str(ckpt), "--tp", "0"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_trace.probe", "--model-path", str(ckpt), "--tp", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "--tp must be >= 1" in proc.stderr
 
 
@@ -86,8 +102,9 @@ def test_moe_experts_follow_the_rollout(tmp_path_factory, tmp_path):
 def _probe_in_process(ckpt, *flags):
     from megatron_trace import probe
 
-    return probe.probe(probe.parse_args(["--model-path", str(ckpt), "--num-prompts", "4", "--max-new-tokens", "12",
-                                         *flags]))
+    return probe.probe(
+        probe.parse_args(["--model-path", str(ckpt), "--num-prompts", "4", "--max-new-tokens", "12", *flags])
+    )
 
 
 def test_w4a16_with_nvfp4_kv_guides_k_and_v(ckpt):
@@ -150,7 +167,20 @@ def test_static_activation_scales_are_calibrated_and_guided(ckpt):
 
 
 def test_static_activation_scale_needs_nvfp4_w4a4(ckpt):
-    proc = subprocess.run([sys.executable, "-m", "megatron_trace.probe", "--model-path", str(ckpt),
-                           "--quantization", "w4a16_nvfp4", "--activation-scale", "static"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_trace.probe",
+            "--model-path",
+            str(ckpt),
+            "--quantization",
+            "w4a16_nvfp4",
+            "--activation-scale",
+            "static",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "--activation-scale static needs --quantization nvfp4" in proc.stderr

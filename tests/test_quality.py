@@ -1,5 +1,6 @@
 """The quality probe on a random-init Qwen2 with outlier channels planted in K (a large k_proj bias,
 as Qwen2.5 has): NVFP4 K loses, FP8 K does not; the CLI writes its table, JSON and PNG."""
+
 import json
 
 import pytest
@@ -49,8 +50,20 @@ def test_nvfp4_k_loses_and_fp8_k_does_not(outlier_ckpt):
 def test_cli_writes_table_json_png(outlier_ckpt, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p["ids"]}) + "\n" for p in _prompts(2)))
-    rc = quality.main(["--model-path", str(outlier_ckpt), "--prompts", str(prompts), "--settings", "bf16:fp8:nvfp4",
-                       "--max-new-tokens", "4", "--out", str(tmp_path / "out")])
+    rc = quality.main(
+        [
+            "--model-path",
+            str(outlier_ckpt),
+            "--prompts",
+            str(prompts),
+            "--settings",
+            "bf16:fp8:nvfp4",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert rc == 0
     rep = json.loads((tmp_path / "out" / "quality.json").read_text())
     assert list(rep["settings"]) == [quality.REFERENCE, "bf16:fp8:nvfp4"]
@@ -59,8 +72,11 @@ def test_cli_writes_table_json_png(outlier_ckpt, tmp_path, capsys):
 
 
 def test_bad_settings_and_prompts_are_named(tmp_path):
-    with pytest.raises(ValueError, match=r"K must be one of bf16, fp8, nvfp4, mxfp4, fp8\+debias, nvfp4\+debias, "
-                                         r"mxfp4\+debias; got 'fp4'"):
+    with pytest.raises(
+        ValueError,
+        match=r"K must be one of bf16, fp8, nvfp4, mxfp4, fp8\+debias, nvfp4\+debias, "
+        r"mxfp4\+debias; got 'fp4'",
+    ):
         quality.Setting.parse("w4a4:fp4:nvfp4")
     with pytest.raises(ValueError, match="WEIGHTS:K:V"):
         quality.Setting.parse("w4a4")
@@ -70,16 +86,36 @@ def test_bad_settings_and_prompts_are_named(tmp_path):
 
 
 def test_train_hook_warns_only_above_the_threshold(outlier_ckpt):
-    lossy = quality.quality_warning(outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16",
-                                                              kv="nvfp4"), _prompts(2), max_new_tokens=8)
+    lossy = quality.quality_warning(
+        outlier_ckpt,
+        QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4"),
+        _prompts(2),
+        max_new_tokens=8,
+    )
     assert lossy is not None and "bf16:nvfp4:nvfp4" in lossy and "quant.kv_k=fp8" in lossy
-    assert quality.quality_warning(outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16",
-                                                             kv_k="fp8"), _prompts(2), max_new_tokens=8) is None
+    assert (
+        quality.quality_warning(
+            outlier_ckpt,
+            QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv_k="fp8"),
+            _prompts(2),
+            max_new_tokens=8,
+        )
+        is None
+    )
 
 
-@pytest.mark.parametrize("text,ok", [("17 + 25 equals 42.", 1.0), ("42", 1.0), ("so \\boxed{42}, not 41", 1.0),
-                                     ("17 + 25 = 8", 0.0), ("17+25 equals 422.", 0.0), ("no idea", 0.0),
-                                     ("the sum is 1,042.", 0.0)])
+@pytest.mark.parametrize(
+    "text,ok",
+    [
+        ("17 + 25 equals 42.", 1.0),
+        ("42", 1.0),
+        ("so \\boxed{42}, not 41", 1.0),
+        ("17 + 25 = 8", 0.0),
+        ("17+25 equals 422.", 0.0),
+        ("no idea", 0.0),
+        ("the sum is 1,042.", 0.0),
+    ],
+)
 def test_verifier_reads_the_last_number_when_nothing_is_boxed(text, ok):
     assert quality.verify_answer(text, "42") == ok
 
@@ -98,8 +134,13 @@ def test_train_hook_warns_on_lost_accuracy_the_nll_hides(outlier_ckpt):
     for p, text in zip(prompts, ref["texts"]):
         p["answer"] = text  # BF16's own greedy answers: BF16 scores 100%
     kw = dict(max_new_tokens=8, tokenizer=tok, score=lambda r, a: float(r == a), threshold=1e9)
-    lossy = quality.quality_warning(outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16",
-                                                              kv="nvfp4"), prompts, **kw)
+    lossy = quality.quality_warning(
+        outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4"), prompts, **kw
+    )
     assert lossy is not None and "greedy accuracy 100.0% -> " in lossy
-    assert quality.quality_warning(outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16",
-                                                             kv="bf16"), prompts, **kw) is None
+    assert (
+        quality.quality_warning(
+            outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="bf16"), prompts, **kw
+        )
+        is None
+    )

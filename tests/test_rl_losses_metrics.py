@@ -1,4 +1,5 @@
 """Policy losses and mismatch metrics against hand-computed values."""
+
 import math
 
 import pytest

@@ -5,6 +5,7 @@ HF is the reference for a forced routing: each layer's router keeps its logits b
 experts, weighted by the softmax of their logits (renormalized top-k, as Qwen3-MoE). Megatron's
 RouterReplay must give the same logits AND the same router-weight gradients (replay in backward).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,10 +36,12 @@ def _hf_forced(path, forced: torch.Tensor | None):
     for layer, block in enumerate(hf.model.layers):
         gate = block.mlp.gate
         if forced is not None:
+
             def fwd(h, gate=gate, ids=forced[:, layer]):
                 logits = torch.nn.functional.linear(h.reshape(-1, gate.hidden_dim), gate.weight)
                 w = torch.softmax(logits.gather(1, ids), dim=-1)  # = renormalized top-k probs
                 return logits, w.to(logits.dtype), ids
+
             gate.forward = fwd
     ids = torch.tensor(TOKENS)
     logits = hf(ids[:, :-1]).logits
@@ -76,7 +79,12 @@ def actor(moe_ckpt):
 
     init_distributed()
     arch = ModelArch.from_hf_config(moe_ckpt)
-    yield Actor(arch, QuantPolicy(), TrainerConfig(qat_mode="off", routing_replay="on", lr=1e-5, micro_batch_size=4), hf_path=moe_ckpt)
+    yield Actor(
+        arch,
+        QuantPolicy(),
+        TrainerConfig(qat_mode="off", routing_replay="on", lr=1e-5, micro_batch_size=4),
+        hf_path=moe_ckpt,
+    )
     destroy()
 
 
@@ -89,8 +97,10 @@ def test_replay_forward_and_backward_equal_hf_with_the_routing_forced(moe_ckpt, 
     bottom = torch.stack([torch.topk(-r, arch.num_experts_per_tok, -1).indices for r in router_logits], 1)
     own = torch.stack([torch.topk(r, arch.num_experts_per_tok, -1).indices for r in router_logits], 1)
     s = len(TOKENS[0]) - 1
+
     def per_sample(t):
         return [t[i * s : (i + 1) * s] for i in range(len(TOKENS))]
+
     ref_logits, ref_grads = _hf_forced(moe_ckpt, bottom)
     logits, grads, agree = _megatron(actor, per_sample(bottom))
     assert torch.allclose(logits, ref_logits, atol=1e-4), (logits - ref_logits).abs().max()
@@ -138,8 +148,10 @@ def test_probe_replay_buys_expert_agreement_and_logprob(moe_ckpt):
 
     res = probe(parse_args(["--model-path", str(moe_ckpt), "--num-prompts", "6", "--max-new-tokens", "24"]))
     m = res["modes"]
+
     def experts(mode):
         return min(v for k, v in m[mode]["agreement"].items() if ".mlp.experts." in k)
+
     assert res["routing_replay"] is True
     assert experts("guided-full") >= 0.999
     assert m["guided-full"]["routing_replayed"] == 1.0
@@ -150,8 +162,13 @@ def test_probe_replay_buys_expert_agreement_and_logprob(moe_ckpt):
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 9), copies=st.integers(1, 3), num_local=st.integers(1, 3), ep_rank=st.integers(0, 1),
-       seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 9),
+    copies=st.integers(1, 3),
+    num_local=st.integers(1, 3),
+    ep_rank=st.integers(0, 1),
+    seed=st.integers(0, 2**16),
+)
 def test_expert_rows_pick_the_slot_the_rollout_gave_this_expert(n, copies, num_local, ep_rank, seed):
     """expert_rows against a brute-force walk over the allgather dispatcher's state: `copies` TP x EP
     copies of n tokens, this rank's experts [ep_rank * num_local, ...), the rollout's top-k ids and
@@ -171,10 +188,13 @@ def test_expert_rows_pick_the_slot_the_rollout_gave_this_expert(n, copies, num_l
     local_map = own[:, first : first + num_local].repeat(copies, 1)  # gathered [copies * n, num_local]
     probs = torch.rand(copies * n, num_local, generator=g) + 0.1
     local_probs = probs.T.contiguous().masked_select(local_map.T.contiguous())
-    moe = SimpleNamespace(local_expert_indices=list(range(first, first + num_local)),
-                          token_dispatcher=SimpleNamespace(local_map=local_map, local_probs=local_probs))
-    state = SimpleNamespace(routing_replay=SimpleNamespace(
-        rollout_ids=lambda layer: (ids, torch.ones(n, dtype=torch.bool))))
+    moe = SimpleNamespace(
+        local_expert_indices=list(range(first, first + num_local)),
+        token_dispatcher=SimpleNamespace(local_map=local_map, local_probs=local_probs),
+    )
+    state = SimpleNamespace(
+        routing_replay=SimpleNamespace(rollout_ids=lambda layer: (ids, torch.ones(n, dtype=torch.bool)))
+    )
     tag = torch.arange(n * k, dtype=torch.float32).view(n, k)  # names (token, slot)
     rr = RolloutRounding(tag.to(torch.uint8)[..., None], tag + 1.0, codes=tag.to(torch.uint8)[..., None])
     mask = torch.rand(n, generator=g) < 0.8
@@ -193,6 +213,8 @@ def test_expert_rows_pick_the_slot_the_rollout_gave_this_expert(n, copies, num_l
             if keep[i]:
                 assert int(sel.codes[i, 0]) == int(tag[t, hit[0]])
                 assert float(sel.global_scale[i]) == float(tag[t, hit[0]] + 1)  # the record's S_enc of the slot
-        sel, keep = expert_rows(state, moe, 0, e, per_slot=False)(RolloutRounding(
-            tag[:, 0].to(torch.uint8)[:, None], tag[:, 0], codes=tag[:, 0].to(torch.uint8)[:, None]), mask)
+        sel, keep = expert_rows(state, moe, 0, e, per_slot=False)(
+            RolloutRounding(tag[:, 0].to(torch.uint8)[:, None], tag[:, 0], codes=tag[:, 0].to(torch.uint8)[:, None]),
+            mask,
+        )
         assert torch.equal(sel.codes[:, 0], tag[rows % n, 0].to(torch.uint8)) and torch.equal(keep, mask[rows % n])

@@ -5,6 +5,7 @@ every prompt and response position; the wire form against SGLang 0.5.23's own en
 (`DetokenizerManager._b64_encode_per_request`, `extract_routed_experts_from_meta_info`); a real
 SGLang server's ids: tests/test_sglang_real_routing.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -49,8 +50,13 @@ def test_engine_routed_experts_are_hf_router_topk_at_every_position(moe_ckpt, en
     assert len(outs) == 4
     for i, out in enumerate(outs):
         tokens = PROMPTS[i // 2] + out["output_ids"]
-        ids = decode_routed_experts(out["meta_info"]["routed_experts"], len(tokens) - 1, arch.num_layers,
-                                    arch.num_experts_per_tok, arch.num_experts)
+        ids = decode_routed_experts(
+            out["meta_info"]["routed_experts"],
+            len(tokens) - 1,
+            arch.num_layers,
+            arch.num_experts_per_tok,
+            arch.num_experts,
+        )
         ref = _hf_topk(moe_ckpt, tokens[:-1], arch.num_experts_per_tok)  # [T, layers, k]
         # same experts in the same top-k order (slot order names the down_proj guidance slot)
         assert torch.equal(ids, ref.to(torch.int32))
@@ -61,8 +67,9 @@ def test_routed_experts_through_http_equal_in_process(moe_ckpt, engine):
     from sglang_backend.local import InProcessBackend
     from sglang_backend.local.server import serve
 
-    req = GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True),
-                          return_routed_experts=True)
+    req = GenerateRequest(
+        PROMPTS[0], SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True), return_routed_experts=True
+    )
     local = InProcessBackend(engine).generate([req])[0]
     srv = serve(engine)
     try:
@@ -96,11 +103,13 @@ def test_sglang_encoder_and_decoder_agree_with_ours(moe_ckpt, engine):
     res = GenerateResult.from_sglang({"output_ids": [1, 2, 3, 4, 5], "meta_info": meta})
     got = decode_routed_experts(res.routed_experts, 9, arch.num_layers, arch.num_experts_per_tok, arch.num_experts)
     assert torch.equal(got, ids)
-    out = engine.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": NEW, "ignore_eos": True},
-                          return_routed_experts=True)
+    out = engine.generate(
+        input_ids=PROMPTS[1], sampling_params={"max_new_tokens": NEW, "ignore_eos": True}, return_routed_experts=True
+    )
     flat = extract_routed_experts_from_meta_info(out)
-    ours = decode_routed_experts(out["meta_info"]["routed_experts"], len(PROMPTS[1]) + NEW - 1, arch.num_layers,
-                                 arch.num_experts_per_tok)
+    ours = decode_routed_experts(
+        out["meta_info"]["routed_experts"], len(PROMPTS[1]) + NEW - 1, arch.num_layers, arch.num_experts_per_tok
+    )
     assert torch.equal(torch.from_numpy(flat.copy()), ours.reshape(-1))
 
 

@@ -1,5 +1,6 @@
 """Top-p/top-k sampling: the recorded logprob is the one of the distribution sampled from, and the
 trainer's recompute of it is the same number (importance ratio exactly 1 for identical logits)."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -25,11 +26,17 @@ def _trainer_logprobs(cfg: RolloutConfig, logits: torch.Tensor, tokens: list[int
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 10_000), top_p=st.floats(0.05, 0.95), temperature=st.floats(0.3, 1.5),
-       top_k=st.sampled_from([-1, 3, 17]))
+@given(
+    seed=st.integers(0, 10_000),
+    top_p=st.floats(0.05, 0.95),
+    temperature=st.floats(0.3, 1.5),
+    top_k=st.sampled_from([-1, 3, 17]),
+)
 def test_rollout_logprob_is_the_filtered_one_and_the_trainer_matches_it(seed, top_p, temperature, top_k):
     logits = _logits(6, 64, seed)
-    params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, sampling_seed=seed + i) for i in range(6)]
+    params = [
+        SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, sampling_seed=seed + i) for i in range(6)
+    ]
     gens = [torch.Generator().manual_seed(seed + i) for i in range(6)]
     toks, lps = sample_batch(logits, params, gens)
     logp = torch.log_softmax(logits / temperature, dim=-1)

@@ -4,6 +4,7 @@ Loopback bind by default, an API key on every endpoint but the health probes, a 
 key compare, a request-body limit, no unpickling of anything from the network, and a weight-update
 group that only admits the configured world.
 """
+
 from __future__ import annotations
 
 import base64
@@ -115,8 +116,9 @@ def test_nothing_is_unpickled_from_the_network(srv, engine):
     sg = json.dumps({"serialized_named_tensors": [base64.b64encode(payload).decode()], "flush_cache": True}).encode()
     status, body = call(srv.url, "/update_weights_from_tensor", body=sg)
     assert status == 400 and b"serialized_named_tensors[0]" in body
-    status, body = call(srv.url, "/update_weights_from_tensor", body=json.dumps(
-        {"serialized_named_tensors": [list(payload)]}).encode())
+    status, body = call(
+        srv.url, "/update_weights_from_tensor", body=json.dumps({"serialized_named_tensors": [list(payload)]}).encode()
+    )
     assert status == 400 and b"no pickle" in body
     assert not marker.exists(), "a pickle from the network was executed"
     assert engine.weight_version == "0"
@@ -131,8 +133,14 @@ def test_nothing_is_unpickled_from_the_network(srv, engine):
 
 @pytest.mark.parametrize("offset, world", [(0, 2), (2, 2), (3, 2), (1, 1), (-1, 4)])
 def test_weight_group_only_accepts_the_configured_world(srv, offset, world):
-    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": offset, "world_size": world,
-            "group_name": "g", "backend": "gloo"}
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank_offset": offset,
+        "world_size": world,
+        "group_name": "g",
+        "backend": "gloo",
+    }
     status, out = call(srv.url, "/init_weights_update_group", body=json.dumps(body).encode())
     assert status == 400 and "rank_offset" in json.loads(out)["error"]["message"]
     assert json.loads(call(srv.url, "/model_info", "GET")[1])["weight_update_groups"] == []

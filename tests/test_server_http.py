@@ -1,4 +1,5 @@
 """The embedded server over real loopback HTTP: SGLang's endpoint shapes, errors and weight paths."""
+
 from __future__ import annotations
 
 import base64
@@ -86,8 +87,9 @@ def bucket_of(path, version) -> WeightBucket:
 
 # -- /generate -----------------------------------------------------------------------------------
 def test_generate_single_matches_engine(srv, ref):
-    status, out = jhttp(srv.url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": GREEDY,
-                                               "return_logprob": True, "rid": "r1"})
+    status, out = jhttp(
+        srv.url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": GREEDY, "return_logprob": True, "rid": "r1"}
+    )
     assert status == 200 and isinstance(out, dict)
     want = ref[0].generate(input_ids=[1, 2, 3], sampling_params=GREEDY, return_logprob=True)
     assert out["output_ids"] == want["output_ids"]
@@ -97,7 +99,9 @@ def test_generate_single_matches_engine(srv, ref):
     assert meta["finish_reason"]["type"] == "length"
     triples = meta["output_token_logprobs"]
     assert [t[1] for t in triples] == out["output_ids"] and all(t[2] is None and t[0] <= 0 for t in triples)
-    assert [t[0] for t in triples] == pytest.approx([t[0] for t in want["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert [t[0] for t in triples] == pytest.approx(
+        [t[0] for t in want["meta_info"]["output_token_logprobs"]], abs=1e-5
+    )
 
 
 def test_generate_batch_and_n(srv, ref):
@@ -107,31 +111,36 @@ def test_generate_batch_and_n(srv, ref):
     assert [o["output_ids"] for o in out] == [w["output_ids"] for w in want]
     assert "output_token_logprobs" not in out[0]["meta_info"]  # return_logprob defaults to False
     sp = [{"max_new_tokens": 3, "n": 2, "temperature": 1.0}, {"max_new_tokens": 4, "n": 2}]
-    status, out = jhttp(srv.url, "/generate", {"input_ids": [[5, 6], [7, 8, 9]], "sampling_params": sp,
-                                               "rid": ["a", "b"]})
+    status, out = jhttp(
+        srv.url, "/generate", {"input_ids": [[5, 6], [7, 8, 9]], "sampling_params": sp, "rid": ["a", "b"]}
+    )
     assert status == 200 and [o["meta_info"]["id"] for o in out] == ["a-0", "a-1", "b-0", "b-1"]
     assert [len(o["output_ids"]) for o in out] == [3, 3, 4, 4]
     status, out = jhttp(srv.url, "/generate", {"input_ids": [4], "sampling_params": {"n": 3, "max_new_tokens": 2}})
     assert status == 200 and isinstance(out, list) and len(out) == 3
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "bogus_key": 1}}, "bogus_key"),
-    ({"input_ids": [1, 99999]}, "vocabulary"),
-    ({"input_ids": [[1], [-1]]}, "vocabulary"),
-    ({"text": "hello", "input_ids": [1]}, "text"),
-    ({"sampling_params": {}}, "input_ids"),
-    ({"input_ids": []}, "input_ids"),
-    ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "bogus_key": 1}}, "bogus_key"),
+        ({"input_ids": [1, 99999]}, "vocabulary"),
+        ({"input_ids": [[1], [-1]]}, "vocabulary"),
+        ({"text": "hello", "input_ids": [1]}, "text"),
+        ({"sampling_params": {}}, "input_ids"),
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+    ],
+)
 def test_generate_rejects(srv, body, needle):
     status, out = jhttp(srv.url, "/generate", body)
     assert status == 400 and needle in out["error"]
 
 
 def test_unknown_top_level_key_ignored(srv):
-    status, out = jhttp(srv.url, "/generate", {"input_ids": [1, 2], "sampling_params": GREEDY, "stream": False,
-                                               "whatever": {"x": 1}})
+    status, out = jhttp(
+        srv.url, "/generate", {"input_ids": [1, 2], "sampling_params": GREEDY, "stream": False, "whatever": {"x": 1}}
+    )
     assert status == 200 and len(out["output_ids"]) == 6
 
 
@@ -150,9 +159,14 @@ def test_bad_requests_never_kill_the_server(srv):
 
 
 def test_auth(srv):
-    for path, payload in [("/generate", {"input_ids": [1]}), ("/flush_cache", {}), ("/model_info", None),
-                          ("/update_weights_from_tensor", {"serialized_named_tensors": []}),
-                          ("/update_weights_from_disk", {"model_path": "/x"}), ("/pause_generation", {})]:
+    for path, payload in [
+        ("/generate", {"input_ids": [1]}),
+        ("/flush_cache", {}),
+        ("/model_info", None),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": []}),
+        ("/update_weights_from_disk", {"model_path": "/x"}),
+        ("/pause_generation", {}),
+    ]:
         for key in (None, "wrong-key"):
             status, out = jhttp(srv.url, path, payload, key=key)
             assert (status, out) == (401, {"error": "Unauthorized"}), (path, key)
@@ -176,9 +190,14 @@ def test_concurrent_clients(srv, ref):
 
 
 def test_pause_blocks_generate_until_continue(srv):
-    assert jhttp(srv.url, "/pause_generation", {"mode": "in_place"}) == (200, {"message": "Generation paused successfully.", "status": "ok"})
+    assert jhttp(srv.url, "/pause_generation", {"mode": "in_place"}) == (
+        200,
+        {"message": "Generation paused successfully.", "status": "ok"},
+    )
     box = {}
-    t = threading.Thread(target=lambda: box.update(r=jhttp(srv.url, "/generate", {"input_ids": [3], "sampling_params": GREEDY})))
+    t = threading.Thread(
+        target=lambda: box.update(r=jhttp(srv.url, "/generate", {"input_ids": [3], "sampling_params": GREEDY}))
+    )
     try:
         t.start()
         wait_until(lambda: srv.engine.scheduler.waiting, "the paused server to queue the request")
@@ -224,8 +243,11 @@ def test_update_weights_json_base64_and_version(fresh, ref, ckpts):
     tensors = load_file(str(ckpts[1] / "model.safetensors"))
     names = sorted(tensors)
     parts = [base64.b64encode(save({k: tensors[k] for k in names[i::2]})).decode() for i in (0, 1)]
-    status, out = jhttp(fresh.url, "/update_weights_from_tensor", {"serialized_named_tensors": parts,
-                                                                   "weight_version": "9", "flush_cache": True})
+    status, out = jhttp(
+        fresh.url,
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": parts, "weight_version": "9", "flush_cache": True},
+    )
     assert status == 200 and out["success"], out
     got = jhttp(fresh.url, "/generate", {"input_ids": [4, 5], "sampling_params": GREEDY})[1]
     assert got["output_ids"] == ref[1].generate(input_ids=[4, 5], sampling_params=GREEDY)["output_ids"]
@@ -248,16 +270,35 @@ def test_update_weights_from_disk(fresh, ref, ckpts, tmp_path):
 
 
 def _init_group(url, port, box, **kw):
-    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": "g", "backend": "gloo", **kw}
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "g",
+        "backend": "gloo",
+        **kw,
+    }
     box["init"] = jhttp(url, "/init_weights_update_group", body)
 
 
 def test_update_weights_from_distributed(fresh, ref, ckpts):
-    assert jhttp(fresh.url, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
-                                                          "rank_offset": 0, "world_size": 2})[0] == 400
-    assert jhttp(fresh.url, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
-                                                          "rank_offset": 1, "world_size": 2, "backend": "nccl"})[0] == 400
+    assert (
+        jhttp(
+            fresh.url,
+            "/init_weights_update_group",
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2},
+        )[0]
+        == 400
+    )
+    assert (
+        jhttp(
+            fresh.url,
+            "/init_weights_update_group",
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "nccl"},
+        )[0]
+        == 400
+    )
     port, box = free_port(), {}
     t = threading.Thread(target=_init_group, args=(fresh.url, port, box))
     t.start()
@@ -281,8 +322,11 @@ def test_update_weights_from_distributed(fresh, ref, ckpts):
     finally:
         direct.shutdown()
     # an interrupted transfer: the sender stops half way; the server keeps version 7
-    t = threading.Thread(target=lambda: box.update(upd=jhttp(fresh.url, "/update_weights_from_distributed",
-                                                             {**desc, "weight_version": "8"})))
+    t = threading.Thread(
+        target=lambda: box.update(
+            upd=jhttp(fresh.url, "/update_weights_from_distributed", {**desc, "weight_version": "8"})
+        )
+    )
     t.start()
     sender.send(dict(list(named.items())[:3]))
     sender.close()
@@ -296,13 +340,18 @@ def test_update_weights_from_distributed(fresh, ref, ckpts):
 def test_weight_group_dtypes():
     """bf16, uint8 and float8 (sent as bytes: gloo has no float8) arrive bit-exact."""
     port = free_port()
-    named = {"a": torch.randn(3, 4).to(torch.bfloat16), "b": torch.arange(10, dtype=torch.uint8),
-             "c": torch.randn(8).to(torch.float8_e4m3fn)}
+    named = {
+        "a": torch.randn(3, 4).to(torch.bfloat16),
+        "b": torch.arange(10, dtype=torch.uint8),
+        "c": torch.randn(8).to(torch.float8_e4m3fn),
+    }
     box = {}
 
     def recv():
         g = WeightGroup("127.0.0.1", port, 1, 2, "t", timeout_s=20)
-        box["got"] = dict(g.receive(list(named), [t.dtype for t in named.values()], [list(t.shape) for t in named.values()]))
+        box["got"] = dict(
+            g.receive(list(named), [t.dtype for t in named.values()], [list(t.shape) for t in named.values()])
+        )
 
     t = threading.Thread(target=recv)
     t.start()
@@ -317,8 +366,9 @@ def test_guidance_roundtrip(ckpts):
     engine = Engine(str(ckpts[0]), quantization="nvfp4")
     server = serve(engine, api_key=KEY)
     try:
-        status, out = jhttp(server.url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": GREEDY,
-                                                      "return_guidance": True})
+        status, out = jhttp(
+            server.url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": GREEDY, "return_guidance": True}
+        )
         handle = out["meta_info"]["guidance_handle"]
         status, body, headers = http(server.url, "/get_guidance", {"rid": handle})
         assert status == 200 and headers["Content-Type"] == "application/octet-stream"
@@ -351,8 +401,22 @@ def test_launch_local_and_sglang_stub(ckpts, capsys):
         main(["--model-path", str(ckpts[0]), "--kv-cache-dtype", "int4"])
     assert "--kv-cache-dtype" in capsys.readouterr().err
     port, ready, stop, box = free_port(), threading.Event(), threading.Event(), {}
-    argv = ["--model-path", str(ckpts[0]), "--port", str(port), "--api-key", KEY, "--quantization", "nvfp4",
-            "--kv-cache-dtype", "nvfp4", "--guided-layers", "2", "--max-body-mb", "1"]
+    argv = [
+        "--model-path",
+        str(ckpts[0]),
+        "--port",
+        str(port),
+        "--api-key",
+        KEY,
+        "--quantization",
+        "nvfp4",
+        "--kv-cache-dtype",
+        "nvfp4",
+        "--guided-layers",
+        "2",
+        "--max-body-mb",
+        "1",
+    ]
     t = threading.Thread(target=lambda: box.update(rc=main(argv, ready=ready, stop=stop)))
     t.start()
     try:

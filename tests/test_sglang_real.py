@@ -6,6 +6,7 @@ checkpoint by the plugin, full-code guidance of the last half of the layers, rad
 and one embedded server over the same checkpoint and flags. The test command installs SGLang
 (scripts/sglang_cpu/install.sh), so a missing SGLang fails this module instead of skipping it.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 import sgl_kernel  # the real CUDA build, or on CPU the stand-in from scripts/sglang_cpu
 import sglang  # noqa: F401 - the test command installs it: no import, no pass
 import torch
+
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, SamplingParams
@@ -34,8 +35,9 @@ def greedy(n: int = 1, max_new_tokens: int = 8) -> SamplingParams:
 
 
 def _post(url: str, path: str, body: dict) -> tuple[int, bytes]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, r.read()
@@ -109,8 +111,9 @@ def test_top_p_logprobs_are_the_sampled_distributions_on_both_stacks(clients, sg
     assert [r.output_ids for r in a] == [r.output_ids for r in b] == [r.output_ids for r in g]
     assert all(abs(lp) <= 1e-6 for r in a + b for lp in r.output_logprobs)
     # SGLang's plain output_token_logprobs are the unfiltered softmax: not what the sample was drawn from
-    status, body = _post(sglang_url, "/generate", {"input_ids": PROMPTS[0], "sampling_params": sp.to_dict(),
-                                                   "return_logprob": True})
+    status, body = _post(
+        sglang_url, "/generate", {"input_ids": PROMPTS[0], "sampling_params": sp.to_dict(), "return_logprob": True}
+    )
     assert status == 200 and max(t[0] for t in json.loads(body)["meta_info"]["output_token_logprobs"]) < -1e-3
 
 
@@ -146,20 +149,34 @@ def test_guidance_records_match_the_embedded_engine(clients, sglang_url):
     sg, emb = clients
     # warm the radix cache with the shared prefix, then ask for guidance of prompts that reuse it
     sg.generate([GenerateRequest(PREFIX + [99], greedy(max_new_tokens=1))])
-    status, body = _post(sglang_url, "/generate", {
-        "input_ids": PREFIX + [60, 61], "rid": "radix-1", "sampling_params": {
-            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "custom_params": {GUIDANCE_KEY: True}}})
+    status, body = _post(
+        sglang_url,
+        "/generate",
+        {
+            "input_ids": PREFIX + [60, 61],
+            "rid": "radix-1",
+            "sampling_params": {
+                "max_new_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+                "custom_params": {GUIDANCE_KEY: True},
+            },
+        },
+    )
     assert status == 200, body
     assert json.loads(body)["meta_info"]["cached_tokens"] >= len(PREFIX)  # the prefix came from the radix cache
-    want = emb.generate([GenerateRequest(PREFIX + [60, 61], greedy(max_new_tokens=6), rid="radix-1",
-                                         return_guidance=True)])[0]
+    want = emb.generate(
+        [GenerateRequest(PREFIX + [60, 61], greedy(max_new_tokens=6), rid="radix-1", return_guidance=True)]
+    )[0]
     ref = emb.fetch_guidance(want.guidance_handle)
     got = sg.fetch_guidance("radix-1")
     assert GuidanceRecord.from_bytes(ref).num_positions == len(PREFIX) + 2 + 6 - 1
     _check(_agreement(got, ref))
 
-    reqs = [GenerateRequest(PROMPTS[0], greedy(n=2, max_new_tokens=5), rid="multi", return_guidance=True),
-            GenerateRequest(PROMPTS[2], greedy(max_new_tokens=5), rid="single", return_guidance=True)]
+    reqs = [
+        GenerateRequest(PROMPTS[0], greedy(n=2, max_new_tokens=5), rid="multi", return_guidance=True),
+        GenerateRequest(PROMPTS[2], greedy(max_new_tokens=5), rid="single", return_guidance=True),
+    ]
     a, b = sg.generate(reqs), emb.generate(reqs)
     assert len(a) == len(b) == 3 and [r.output_ids for r in a] == [r.output_ids for r in b]
     for ra, rb in zip(a, b):
@@ -186,8 +203,14 @@ def test_get_guidance_unknown_or_fetched_rid_is_404_json(clients, sglang_url, em
 @pytest.mark.skipif(not getattr(sgl_kernel, "STAND_IN", False), reason="the real (CUDA) sgl_kernel is installed here")
 def test_sgl_kernel_stand_in_has_one_kernel_and_raises_on_the_rest():
     req_to_token = torch.zeros(3, 8, dtype=torch.int32)
-    sgl_kernel.assign_req_to_token_pool_cpu(torch.tensor([2, 0]), req_to_token, torch.tensor([1, 0]),
-                                            torch.tensor([4, 2]), torch.tensor([10, 11, 12, 20, 21]), 8)
+    sgl_kernel.assign_req_to_token_pool_cpu(
+        torch.tensor([2, 0]),
+        req_to_token,
+        torch.tensor([1, 0]),
+        torch.tensor([4, 2]),
+        torch.tensor([10, 11, 12, 20, 21]),
+        8,
+    )
     assert req_to_token[2, 1:4].tolist() == [10, 11, 12] and req_to_token[0, :2].tolist() == [20, 21]
     assert int(req_to_token.count_nonzero()) == 5
     with pytest.raises(NotImplementedError, match="rmsnorm_cpu is a CUDA kernel"):
@@ -210,8 +233,16 @@ def test_kv_quantize_and_store_takes_sglang_0523_scale_layouts(linear):
     k, v = torch.randn(5, heads, d), torch.randn(5, heads, d) * 3
     loc = torch.tensor([1, 6, 9, 15, 20])
     scales = (bufs["k_scale_buffer"][0], bufs["v_scale_buffer"][0]) if linear else (None, None)
-    method.quantize_and_store(bufs["k_buffer"][0], bufs["v_buffer"][0], *scales, loc, k, v,
-                              native_k_scale_buffer=native[0], native_v_scale_buffer=native[1])
+    method.quantize_and_store(
+        bufs["k_buffer"][0],
+        bufs["v_buffer"][0],
+        *scales,
+        loc,
+        k,
+        v,
+        native_k_scale_buffer=native[0],
+        native_v_scale_buffer=native[1],
+    )
     qk, qv = quantize_kv(k, None), quantize_kv(v, None)
     assert torch.equal(bufs["k_buffer"][0][loc], qk.data) and torch.equal(bufs["v_buffer"][0][loc], qv.data)
     if linear:

@@ -5,13 +5,14 @@ KV setting (NVFP4 W4A4 weights, fp32, full-code guidance of the last half), each
 embedded engine on the same checkpoint and policy. SGLang must be installed (the test command
 installs it).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 import sglang  # noqa: F401 - a missing SGLang fails this module, it is not skipped
+
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
 from sglang_backend.api import GenerateRequest, SamplingParams
@@ -21,8 +22,10 @@ from sglang_backend.local.engine import policy_for
 from tests.test_sglang_real import PROMPTS, _agreement, _check, start_sglang
 
 # (launcher KV flags, K format, V format)
-SETTINGS = {"nvfp4": (("--kv-cache-dtype", "nvfp4"), "nvfp4", "nvfp4"),
-            "fp8k_nvfp4v": (("--kv-k", "fp8", "--kv-v", "nvfp4"), "fp8", "nvfp4")}
+SETTINGS = {
+    "nvfp4": (("--kv-cache-dtype", "nvfp4"), "nvfp4", "nvfp4"),
+    "fp8k_nvfp4v": (("--kv-k", "fp8", "--kv-v", "nvfp4"), "fp8", "nvfp4"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +39,9 @@ def setting(request, ckpt, tmp_path_factory):
     gen = start_sglang(ckpt, tmp_path_factory, "--quantization", "nvfp4", "--guidance-mode", "full", *flags)
     url = next(gen)
     base = policy_for("nvfp4", "bf16", Path(ckpt)).to_dict()
-    engine = Engine(ckpt, quant_policy=QuantPolicy.from_dict({**base, "kv_k": k_fmt, "kv_v": v_fmt}),
-                    guidance_mode="full")
+    engine = Engine(
+        ckpt, quant_policy=QuantPolicy.from_dict({**base, "kv_k": k_fmt, "kv_v": v_fmt}), guidance_mode="full"
+    )
     try:
         yield url, engine, (k_fmt, v_fmt)
     finally:
@@ -59,16 +63,22 @@ def test_greedy_matches_the_embedded_engine_and_differs_from_bf16_pages(ckpt, se
         bf16_kv.shutdown()
     assert engine.kv.side_fmt == sides
     assert [r.output_ids for r in got] == [w["output_ids"] for w in want]
-    diffs = sorted(abs(r.output_logprobs[j] - w["meta_info"]["output_token_logprobs"][j][0])
-                   for r, w in zip(got, want) for j in range(8))
+    diffs = sorted(
+        abs(r.output_logprobs[j] - w["meta_info"]["output_token_logprobs"][j][0])
+        for r, w in zip(got, want)
+        for j in range(8)
+    )
     # The stacks' fp32 sums (SGLang's torch kernels, the engine's C kernels: integer W4A4 decode) agree
     # to ulps; a value at a rounding boundary of its FP4/FP8 grid may still flip, which moves that one
     # position's logprob by ~1e-4 (seen once in 24 positions with FP8 K). Everything else is within 1e-5.
     print("logprob differences", sides, diffs[-3:])
     assert diffs[-2] <= 1e-5 and diffs[-1] <= 1e-3, (sides, diffs[-3:])
     # the pages really are quantized: BF16 pages give other logprobs
-    gap = max(abs(r.output_logprobs[j] - p["meta_info"]["output_token_logprobs"][j][0])
-              for r, p in zip(got, plain) for j in range(8))
+    gap = max(
+        abs(r.output_logprobs[j] - p["meta_info"]["output_token_logprobs"][j][0])
+        for r, p in zip(got, plain)
+        for j in range(8)
+    )
     assert gap > 1e-3, (sides, gap)
 
 
@@ -77,14 +87,19 @@ def test_guidance_records_carry_the_fp4_kv_sites_as_the_engine_does(setting):
     (FP8 and BF16 sides record nothing on either stack), with >= 99.9% equal bytes."""
     url, engine, sides = setting
     client = RolloutClient(url, retries=0)
-    req = GenerateRequest(PROMPTS[2], SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True),
-                          rid=f"kvg-{'-'.join(sides)}", return_guidance=True)
+    req = GenerateRequest(
+        PROMPTS[2],
+        SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True),
+        rid=f"kvg-{'-'.join(sides)}",
+        return_guidance=True,
+    )
     res = client.generate([req])[0]
     mine = client.fetch_guidance(res.guidance_handle)
     out = engine.wait(engine.submit(req))[0]
     assert out["output_ids"] == res.output_ids
     theirs = engine.fetch_guidance(req.rid)
     kv_sites = {s for s in GuidanceRecord.from_bytes(mine).sites if s.endswith(("k_cache", "v_cache"))}
-    assert kv_sites == {f"model.layers.{i}.self_attn.{n}_cache" for i in (2, 3)
-                        for n, f in zip("kv", sides) if f == "nvfp4"}
+    assert kv_sites == {
+        f"model.layers.{i}.self_attn.{n}_cache" for i in (2, 3) for n, f in zip("kv", sides) if f == "nvfp4"
+    }
     _check(_agreement(mine, theirs))

@@ -2,11 +2,12 @@
 server per setting, against the embedded engine on the same checkpoint: the two stacks measure the
 same damage, and on a checkpoint with outlier channels planted in K (tests/test_quality.py) SGLang
 too shows NVFP4 K losing and FP8 K not."""
+
 from __future__ import annotations
 
 import pytest
-
 import sglang  # noqa: F401 - a missing SGLang fails this module, it is not skipped
+
 from megatron_trace import quality
 from tests.test_quality import _prompts, outlier_ckpt  # noqa: F401 - the fixture
 
@@ -18,8 +19,10 @@ def reports(outlier_ckpt, tmp_path_factory):  # noqa: F811 - the imported fixtur
     settings = [quality.Setting.parse(s) for s in SETTINGS]
     prompts = _prompts(3)
     work = tmp_path_factory.mktemp("quality_sglang")
-    return {b: quality.run(outlier_ckpt, prompts, settings, max_new_tokens=12, backend=b, workdir=work)
-            for b in ("sglang", "embedded")}
+    return {
+        b: quality.run(outlier_ckpt, prompts, settings, max_new_tokens=12, backend=b, workdir=work)
+        for b in ("sglang", "embedded")
+    }
 
 
 def test_sglang_and_embedded_measure_the_same_damage(reports):
@@ -42,5 +45,15 @@ def test_sglang_shows_nvfp4_k_losing_and_fp8_k_not(reports):
 
 def test_targets_are_refused_on_sglang(outlier_ckpt, tmp_path):  # noqa: F811
     with pytest.raises(SystemExit):
-        quality.parse_args(["--model-path", str(outlier_ckpt), "--prompts", "p.jsonl", "--backend", "sglang",
-                            "--targets", "*.mlp.down_proj"])
+        quality.parse_args(
+            [
+                "--model-path",
+                str(outlier_ckpt),
+                "--prompts",
+                "p.jsonl",
+                "--backend",
+                "sglang",
+                "--targets",
+                "*.mlp.down_proj",
+            ]
+        )

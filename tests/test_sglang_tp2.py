@@ -13,6 +13,7 @@ A whole TP=2 SGLang server (two scheduler ranks over gloo, SGLang's CPU engine, 
 with online NVFP4 of a BF16-era fp32 checkpoint and full-code guidance) answers the embedded engine's
 greedy tokens, logprobs and guidance records (test_tp2_server_matches_the_embedded_engine).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,10 +33,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_two_ranks(out: Path, script: str) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "SGLANG_USE_CPU_ENGINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(REPO / "tests/mp_scripts" / script), str(out)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "SGLANG_USE_CPU_ENGINE": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(REPO / "tests/mp_scripts" / script),
+        str(out),
+    ]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     return [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
@@ -99,9 +116,14 @@ def test_guidance_record_at_tp2_equals_tp1(online_ranks):
     """The record every TP=2 rank assembles (row-parallel K chunks and K/V heads all-gathered, the column-
     parallel sites' replicated inputs as they are) is TP=1's record byte for byte; without the assembly
     it is not. Rank 0 is the one that publishes."""
-    sites = ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.k_cache",
-             "model.layers.0.self_attn.v_cache", "model.layers.0.self_attn.o_proj",
-             "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"]
+    sites = [
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.0.self_attn.k_cache",
+        "model.layers.0.self_attn.v_cache",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.mlp.gate_up_proj",
+        "model.layers.0.mlp.down_proj",
+    ]
     for rank, rep in enumerate(online_ranks):
         g = rep["guidance"]
         assert g["tp_rank"] == rank and g["sites"] == sites, g
@@ -121,8 +143,18 @@ def tp2_server(tmp_path_factory):
     # the launcher gives each CPU TP rank its own cores (SGLANG_CPU_OMP_THREADS_BIND; SGLang would ask
     # for one NUMA node per rank)
     env = {"TRACE_GUIDANCE_DIR": str(tmp_path_factory.mktemp("guidance"))}
-    flags = ["--max-total-tokens", "4096", "--max-running-requests", "16", "--tp-size", "2",
-             "--quantization", "nvfp4", "--guidance-mode", "full"]
+    flags = [
+        "--max-total-tokens",
+        "4096",
+        "--max-running-requests",
+        "16",
+        "--tp-size",
+        "2",
+        "--quantization",
+        "nvfp4",
+        "--guidance-mode",
+        "full",
+    ]
     try:
         srv = SGLangProcess(ckpt, flags, log_path=tmp_path_factory.mktemp("sglang") / "server.log", env=env)
     except ServerStartError as e:
@@ -147,8 +179,10 @@ def test_tp2_server_matches_the_embedded_engine(tp2_server):
 
     sg, emb = (RolloutClient(url, retries=0) for url in tp2_server)
     greedy = [SamplingParams(max_new_tokens=6, temperature=0, n=n, ignore_eos=True) for n in (1, 2)]
-    reqs = [GenerateRequest(PROMPTS[0], greedy[1], rid="multi", return_guidance=True),
-            GenerateRequest(PROMPTS[2], greedy[0], rid="single", return_guidance=True)]
+    reqs = [
+        GenerateRequest(PROMPTS[0], greedy[1], rid="multi", return_guidance=True),
+        GenerateRequest(PROMPTS[2], greedy[0], rid="single", return_guidance=True),
+    ]
     a, b = sg.generate(reqs), emb.generate(reqs)
     assert len(a) == len(b) == 3 and [r.output_ids for r in a] == [r.output_ids for r in b]
     worst = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.output_logprobs, rb.output_logprobs))

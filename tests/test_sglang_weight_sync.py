@@ -9,6 +9,7 @@ the same weights.
 
 One server per module (start-up is most of this module's time).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,9 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 
 
 def _post(url: str, path: str, body: dict) -> dict:
-    req = urllib.request.Request(url + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    req = urllib.request.Request(
+        url + path, json.dumps(body).encode(), {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
@@ -78,8 +80,17 @@ def reference(exports):
 
 @pytest.fixture(scope="module")
 def server(exports, tmp_path_factory):
-    yield from start_sglang(str(exports["a"]), tmp_path_factory, "--api-key", KEY, "--dtype", "float32",
-                            "--weight-version", "0", defaults=())
+    yield from start_sglang(
+        str(exports["a"]),
+        tmp_path_factory,
+        "--api-key",
+        KEY,
+        "--dtype",
+        "float32",
+        "--weight-version",
+        "0",
+        defaults=(),
+    )
 
 
 def _served(url: str) -> list[tuple[list[int], list[float]]]:
@@ -166,11 +177,13 @@ def test_bad_updates_are_refused_before_loading(server, exports, tmp_path):
     client = RolloutClient([server], api_key=KEY, retries=0)
     dist = DistributedTransport([server], api_key=KEY, master_port=free_port(), timeout_s=120)
     disk = DiskTransport(client, tmp_path / "bad", json.loads((exports["b"] / "config.json").read_text()))
-    cases = [(SGLangTensorTransport([server], api_key=KEY), unknown,
-              "'model.layers.0.mlp.no_such_proj.weight': no such"),
-             (SGLangTensorTransport([server], api_key=KEY), bad_shape, f"'{name}': shape [{sd[name].shape[0]}, "),
-             (dist, bad_dtype, f"'{name}': dtype float32, the served model takes uint8"),
-             (dist, bad_shape, f"'{name}': shape"), (disk, unknown, "no_such_proj.weight': no such tensor")]
+    cases = [
+        (SGLangTensorTransport([server], api_key=KEY), unknown, "'model.layers.0.mlp.no_such_proj.weight': no such"),
+        (SGLangTensorTransport([server], api_key=KEY), bad_shape, f"'{name}': shape [{sd[name].shape[0]}, "),
+        (dist, bad_dtype, f"'{name}': dtype float32, the served model takes uint8"),
+        (dist, bad_shape, f"'{name}': shape"),
+        (disk, unknown, "no_such_proj.weight': no such tensor"),
+    ]
     try:
         for version, (transport, tensors, says) in enumerate(cases, start=50):
             with pytest.raises((TransferError, RolloutError)) as e:

@@ -6,6 +6,7 @@ submits the script in CPU mode on the tiny config: a warm-start step, a rollout 
 a Slurm step, the trainer via srun + torchrun; once with the embedded server (`--backend local`, weight
 sync over HTTP) and once with a real SGLang server (`ROLLOUT_BACKEND=sglang`, the distributed transport).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,8 +37,14 @@ def _clean_env(**extra) -> dict:
 
 # -- the plan and the script's hygiene -------------------------------------------------------------
 def test_dry_run_plan_for_16_nodes():
-    out = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--nodes", "16"], cwd=ROOT, env=_clean_env(),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--nodes", "16"],
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "trainer: 4 nodes (node001 node002 node003 node004), TP=8 PP=4 DP=1 = 32 ranks (8 per node)" in text
@@ -53,9 +61,16 @@ def test_dry_run_plan_for_16_nodes():
     trainer = [ln for ln in text.splitlines() if "torchrun" in ln and "megatron_trace.train" in ln]
     assert len(trainer) == 1
     t = trainer[0]
-    for part in ("--nodes 4 --ntasks 4", "-w node001,node002,node003,node004", "--nnodes 4 --nproc-per-node 8",
-                 "--rdzv-backend c10d --rdzv-endpoint node001:29500", "--config configs/qwen2.5_72b.yaml",
-                 "model.path=/models/Qwen2.5-72B-Instruct", "rollout.backend=http", "transfer.transport=distributed"):
+    for part in (
+        "--nodes 4 --ntasks 4",
+        "-w node001,node002,node003,node004",
+        "--nnodes 4 --nproc-per-node 8",
+        "--rdzv-backend c10d --rdzv-endpoint node001:29500",
+        "--config configs/qwen2.5_72b.yaml",
+        "model.path=/models/Qwen2.5-72B-Instruct",
+        "rollout.backend=http",
+        "transfer.transport=distributed",
+    ):
         assert part in t, part
     urls = re.search(r"rollout\.urls=\[([^\]]*)\]", t).group(1).split(",")
     assert len(urls) == 24 and urls[0] == "http://node005:30000" and urls[-1] == "http://node016:30001"
@@ -66,8 +81,14 @@ def test_dry_run_tiny_cpu_plan_needs_no_gpus_and_resumes(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_1")  # a requeued job finds this
     env = _clean_env(CONFIG="configs/tiny_cpu.yaml", CPU_MODE="1", TRAINER_NODES="1", ROLLOUT_NODES="0")
-    out = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--nodes", "1", "--run-dir", str(tmp_path)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--nodes", "1", "--run-dir", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "megatron_trace.warm_start" in out.stdout and "--backend local" in out.stdout
     assert "--nproc-per-node 1" in out.stdout and "transfer.transport=http" in out.stdout
@@ -109,20 +130,42 @@ def _write_conf(d: Path, munge_socket: Path) -> Path:
     for sub in ("state", "spool"):
         (d / sub).mkdir()
     conf = d / "slurm.conf"
-    conf.write_text("\n".join([
-        "ClusterName=tracetest", f"SlurmctldHost={name}", "SlurmUser=root", "SlurmdUser=root",
-        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={munge_socket}",
-        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
-        f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
-        f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
-        f"SlurmctldLogFile={d}/slurmctld.log", f"SlurmdLogFile={d}/slurmd.log",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "GresTypes=gpu",
-        "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-        "ReturnToService=2", "SchedulerType=sched/backfill", "MinJobAge=600", "KillWait=5",
-        f"{node} Gres=gpu:8 State=UNKNOWN",
-        f"PartitionName=debug Nodes={name} Default=YES MaxTime=INFINITE State=UP",
-    ]) + "\n")
+    conf.write_text(
+        "\n".join(
+            [
+                "ClusterName=tracetest",
+                f"SlurmctldHost={name}",
+                "SlurmUser=root",
+                "SlurmdUser=root",
+                "AuthType=auth/munge",
+                "CredType=cred/munge",
+                f"AuthInfo=socket={munge_socket}",
+                f"SlurmctldPort={free_port()}",
+                f"SlurmdPort={free_port()}",
+                f"StateSaveLocation={d}/state",
+                f"SlurmdSpoolDir={d}/spool",
+                f"SlurmctldPidFile={d}/slurmctld.pid",
+                f"SlurmdPidFile={d}/slurmd.pid",
+                f"SlurmctldLogFile={d}/slurmctld.log",
+                f"SlurmdLogFile={d}/slurmd.log",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "MpiDefault=none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_Core",
+                "GresTypes=gpu",
+                "JobAcctGatherType=jobacct_gather/none",
+                "AccountingStorageType=accounting_storage/none",
+                "ReturnToService=2",
+                "SchedulerType=sched/backfill",
+                "MinJobAge=600",
+                "KillWait=5",
+                f"{node} Gres=gpu:8 State=UNKNOWN",
+                f"PartitionName=debug Nodes={name} Default=YES MaxTime=INFINITE State=UP",
+            ]
+        )
+        + "\n"
+    )
     return conf
 
 
@@ -153,18 +196,38 @@ def slurm(tmp_path_factory):
     procs: list[subprocess.Popen] = []
     env = _clean_env(SLURM_CONF=str(d / "slurm.conf"))
     try:
-        procs.append(subprocess.Popen(
-            ["munged", "-F", "-f", f"--key-file={key}", f"--socket={sock}", f"--pid-file={munge_dir}/munged.pid",
-             f"--log-file={munge_dir}/munged.log", f"--seed-file={munge_dir}/munged.seed"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    "munged",
+                    "-F",
+                    "-f",
+                    f"--key-file={key}",
+                    f"--socket={sock}",
+                    f"--pid-file={munge_dir}/munged.pid",
+                    f"--log-file={munge_dir}/munged.log",
+                    f"--seed-file={munge_dir}/munged.seed",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         _until(lambda: sock.exists(), 15, lambda: f"munged did not start: {_tail(munge_dir / 'munged.log')}")
         _write_conf(d, sock)
         for daemon in ("slurmctld", "slurmd"):
-            procs.append(subprocess.Popen([daemon, "-D"], env=env, stdout=subprocess.DEVNULL,
-                                          stderr=open(d / f"{daemon}.stderr", "w")))
-        _until(lambda: _run(env, "sinfo", "-h", "-o", "%T").strip() == "idle", 60,
-               lambda: f"node never idle: {_run(env, 'sinfo', '-h', '-o', '%T %E')}\n{_tail(d / 'slurmctld.log')}"
-                       f"\n{_tail(d / 'slurmd.log')}")
+            procs.append(
+                subprocess.Popen(
+                    [daemon, "-D"], env=env, stdout=subprocess.DEVNULL, stderr=open(d / f"{daemon}.stderr", "w")
+                )
+            )
+        _until(
+            lambda: _run(env, "sinfo", "-h", "-o", "%T").strip() == "idle",
+            60,
+            lambda: (
+                f"node never idle: {_run(env, 'sinfo', '-h', '-o', '%T %E')}\n{_tail(d / 'slurmctld.log')}"
+                f"\n{_tail(d / 'slurmd.log')}"
+            ),
+        )
         yield env, d
     finally:
         _run(env, "scancel", "--user", "root", "--full")
@@ -218,15 +281,51 @@ def test_tiny_run_through_real_sglang_as_a_slurm_job(slurm):
 def _tiny_job(slurm, backend: str, extra_env: dict):
     env, d = slurm
     run_dir = d / "runs" / f"tiny-{backend}"
-    env = {**env, "CONFIG": "configs/tiny_cpu.yaml", "CPU_MODE": "1", "GPUS_PER_NODE": "0", "TRAINER_NODES": "1",
-           "ROLLOUT_NODES": "0", "TENSORBOARD": "0", "SERVER_PORT": str(free_port()), "RDZV_PORT": str(free_port()),
-           "ROLLOUT_BACKEND": backend, **extra_env}
-    overrides = [f"trainer.steps={STEPS}", "trainer.warm_start_steps=5", "trainer.save_every=0",
-                 "rollout.eval_prompts=0", "rollout.prompts_per_step=4", "rollout.n_samples=4", "logging.progress=false"]
+    env = {
+        **env,
+        "CONFIG": "configs/tiny_cpu.yaml",
+        "CPU_MODE": "1",
+        "GPUS_PER_NODE": "0",
+        "TRAINER_NODES": "1",
+        "ROLLOUT_NODES": "0",
+        "TENSORBOARD": "0",
+        "SERVER_PORT": str(free_port()),
+        "RDZV_PORT": str(free_port()),
+        "ROLLOUT_BACKEND": backend,
+        **extra_env,
+    }
+    overrides = [
+        f"trainer.steps={STEPS}",
+        "trainer.warm_start_steps=5",
+        "trainer.save_every=0",
+        "rollout.eval_prompts=0",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples=4",
+        "logging.progress=false",
+    ]
     t0 = time.time()
-    sub = subprocess.run(["sbatch", "--parsable", "--nodes", "1", "--time", "30", "--output", f"{d}/job-%j.out",
-                          str(SCRIPT), "--run-dir", str(run_dir), "--", *overrides],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    sub = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes",
+            "1",
+            "--time",
+            "30",
+            "--output",
+            f"{d}/job-%j.out",
+            str(SCRIPT),
+            "--run-dir",
+            str(run_dir),
+            "--",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
     state = {}
@@ -243,7 +342,9 @@ def _tiny_job(slurm, backend: str, extra_env: dict):
     elapsed = time.time() - t0
     log = _tail(out_file, 6000)
     print(f"slurm job {job}: {state.get('JobState')} in {elapsed:.0f} s")
-    assert state["JobState"] == "COMPLETED" and state.get("ExitCode") == "0:0", log + _tail(run_dir / "logs" / "server_0.log")
+    assert state["JobState"] == "COMPLETED" and state.get("ExitCode") == "0:0", log + _tail(
+        run_dir / "logs" / "server_0.log"
+    )
     # trained: every step logged, summary written
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in rows if "rollout/reward_mean" in r}

@@ -1,4 +1,5 @@
 """transfer.static_calibration: the static-scale calibration a run makes at start, and its refusals."""
+
 import pytest
 
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
@@ -26,10 +27,13 @@ def test_amax_is_the_exporters_calibration_of_every_fp4_activation_linear(dense)
         assert amax[f"model.layers.{i}.mlp.gate_proj"] == amax[f"model.layers.{i}.mlp.up_proj"]
 
 
-@pytest.mark.parametrize("policy, message", [
-    (QuantPolicy(format="nvfp4"), "activation_scale='per_token'"),
-    (QuantPolicy(format="nvfp4", activations="bf16", activation_scale="static"), "nothing to calibrate"),
-])
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        (QuantPolicy(format="nvfp4"), "activation_scale='per_token'"),
+        (QuantPolicy(format="nvfp4", activations="bf16", activation_scale="static"), "nothing to calibrate"),
+    ],
+)
 def test_refuses_a_policy_with_nothing_static(dense, policy, message):
     with pytest.raises(ValueError, match=message):
         calibrate_static_amax(dense, ModelArch.from_hf_config(dense), policy, PROMPTS)

@@ -3,12 +3,22 @@
 Two in-process steps of the tiny config (few prompts): every rollout record of every step carries,
 per FP4-activation site, the one static S_enc the trainer's QAT rounds that site with.
 """
+
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OVERRIDES = ["trainer.warm_start_steps=40", "rollout.prompts_per_step=2", "rollout.n_samples=2",
-             "rollout.eval_prompts=0", "trainer.micro_batch_size=4", "logging.progress=false", "trainer.steps=2",
-             "trainer.save_every=0", "quant.activation_scale=static", "quant.calib_prompts=4"]
+OVERRIDES = [
+    "trainer.warm_start_steps=40",
+    "rollout.prompts_per_step=2",
+    "rollout.n_samples=2",
+    "rollout.eval_prompts=0",
+    "trainer.micro_batch_size=4",
+    "logging.progress=false",
+    "trainer.steps=2",
+    "trainer.save_every=0",
+    "quant.activation_scale=static",
+    "quant.calib_prompts=4",
+]
 
 
 def _static_scales_seen(run) -> list[dict[str, float]]:

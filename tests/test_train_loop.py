@@ -1,4 +1,5 @@
 """The README's main command, shortened: TensorBoard read-back, async mode, kill + resume."""
+
 import json
 import signal
 import subprocess
@@ -9,8 +10,16 @@ import pytest
 
 from megatron_trace.metrics import REQUIRED_MISMATCH
 
-BASE = ["--config", "configs/tiny_cpu.yaml", "trainer.warm_start_steps=40", "rollout.prompts_per_step=4",
-        "rollout.n_samples=4", "rollout.eval_prompts=8", "trainer.micro_batch_size=16", "logging.progress=false"]
+BASE = [
+    "--config",
+    "configs/tiny_cpu.yaml",
+    "trainer.warm_start_steps=40",
+    "rollout.prompts_per_step=4",
+    "rollout.n_samples=4",
+    "rollout.eval_prompts=8",
+    "trainer.micro_batch_size=16",
+    "logging.progress=false",
+]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -80,8 +89,9 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
 def test_async_mode_counts_stale_samples(runs):
     run_dir = runs / "async"
     # Zero guidance budget: the records of step k+1 are spilled by the store while step k trains
-    _train(run_dir, "trainer.steps=3", "algo.async_rollout=true", "algo.max_version_diff=0",
-           "guidance.memory_budget_mb=0")
+    _train(
+        run_dir, "trainer.steps=3", "algo.async_rollout=true", "algo.max_version_diff=0", "guidance.memory_budget_mb=0"
+    )
     m = _metrics(run_dir)
     assert m[0]["rollout/dropped_stale"] == 0  # the first batch was made with version 0
     assert m[1]["rollout/dropped_stale"] > 0  # made while step 0 trained: one version old
@@ -101,8 +111,14 @@ def test_spilled_guidance_trains_exactly_like_the_in_memory_run(runs, main_run):
     assert overrides and any(a[s][k] > 0 for s in a for k in overrides)
     for step in a:
         assert a[step]["perf/guidance_spilled_bytes"] == 0 and b[step]["perf/guidance_spilled_bytes"] > 0
-        for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "mismatch/mean_abs_dlogp",
-                    "mismatch/guidance_bytes_per_token", *overrides):
+        for key in (
+            "rollout/reward_mean",
+            "train/loss",
+            "train/grad_norm",
+            "mismatch/mean_abs_dlogp",
+            "mismatch/guidance_bytes_per_token",
+            *overrides,
+        ):
             assert b[step][key] == a[step][key], (step, key)
 
 

@@ -1,6 +1,7 @@
 """The RL loop on the tiny Qwen3-MoE config (configs/tiny_moe_cpu.yaml) with expert parallelism 2,
 routing replay and full-code guidance: two steps under torchrun on gloo (~10 s on 2 cores, most
 of it two processes importing Megatron)."""
+
 import json
 import subprocess
 import sys
@@ -13,11 +14,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_moe_rl_steps_replay_the_rollouts_routing_with_guidance(tmp_path):
     run_dir = tmp_path / "moe_ep2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "megatron_trace.train", "--config", "configs/tiny_moe_cpu.yaml", "trainer.ep=2",
-           "trainer.warm_start_steps=20", "rollout.prompts_per_step=4", "rollout.n_samples=4", "rollout.eval_prompts=8",
-           "trainer.micro_batch_size=16", "trainer.steps=2", "trainer.save_every=0", "logging.progress=false",
-           f"logging.run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "megatron_trace.train",
+        "--config",
+        "configs/tiny_moe_cpu.yaml",
+        "trainer.ep=2",
+        "trainer.warm_start_steps=20",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples=4",
+        "rollout.eval_prompts=8",
+        "trainer.micro_batch_size=16",
+        "trainer.steps=2",
+        "trainer.save_every=0",
+        "logging.progress=false",
+        f"logging.run_dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "Megatron-Core TP1 PP1 EP2, routing replay on" in proc.stdout

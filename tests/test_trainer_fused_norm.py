@@ -1,6 +1,7 @@
 """The project's layer spec with the RMSNorm fused into linear_qkv / linear_fc1 (Transformer
 Engine's layout) gives the unfused layout's QAT logprobs, in every mode, and QAT there quantizes the
 normalized activation: guided rounding reproduces the rollout's codes at the fused sites."""
+
 import pytest
 import torch
 
@@ -21,17 +22,26 @@ def _rollout(ckpt, policy):
     from megatron_trace.guidance import decode_routed_experts
     from sglang_backend.local import Engine
 
-    eng = Engine(str(ckpt), dtype="bfloat16", quant_policy=policy, guidance_mode="full", guided_layers="all",
-                 random_seed=0)
+    eng = Engine(
+        str(ckpt), dtype="bfloat16", quant_policy=policy, guidance_mode="full", guided_layers="all", random_seed=0
+    )
     try:
-        outs = eng.generate(input_ids=PROMPTS, sampling_params={"temperature": 0.0, "max_new_tokens": 6,
-                                                                 "ignore_eos": True},
-                            return_logprob=True, return_guidance=True, return_routed_experts=eng.arch.is_moe)
+        outs = eng.generate(
+            input_ids=PROMPTS,
+            sampling_params={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True},
+            return_logprob=True,
+            return_guidance=True,
+            return_routed_experts=eng.arch.is_moe,
+        )
         recs = [GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs]
         seqs = [p + o["output_ids"] for p, o in zip(PROMPTS, outs)]
         a = eng.arch
-        routed = [decode_routed_experts(o["meta_info"]["routed_experts"], len(t) - 1, a.num_layers,
-                                        a.num_experts_per_tok) if a.is_moe else None for o, t in zip(outs, seqs)]
+        routed = [
+            decode_routed_experts(o["meta_info"]["routed_experts"], len(t) - 1, a.num_layers, a.num_experts_per_tok)
+            if a.is_moe
+            else None
+            for o, t in zip(outs, seqs)
+        ]
     finally:
         eng.shutdown()
     s = max(len(t) for t in seqs) - 1

@@ -5,6 +5,7 @@ launches of tests/mp_scripts/megatron_check.py: one 1-process (TP1: HF parity, r
 training smoke) and one 4-process run that re-initializes the model-parallel groups for
 TP2 (DP2), PP2 (DP2), TP2xPP2 and EP2 (MoE). Results come back as safetensors / JSON files.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,21 @@ MP_CONFIGS = ["2x1x1", "1x2x1", "2x2x1", "1x1x2"]  # TPxPPxEP; EP2 runs the MoE 
 def _torchrun(nproc: int, out: Path, ckpts: Path, *args: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(SCRIPT), "--ckpts", str(ckpts), "--out", str(out), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(SCRIPT),
+        "--ckpts",
+        str(ckpts),
+        "--out",
+        str(out),
+        *args,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)

@@ -1,4 +1,5 @@
 """QAT sites without Megatron: rtn equals the fp4 reference; guided follows the rollout's records."""
+
 import pytest
 import torch
 
@@ -108,7 +109,9 @@ def test_sequence_parallel_rank_rows_equal_the_unsliced_result():
         for r in range(tp):
             st = QATState(ARCH, QuantPolicy(), mode)
             st.guidance = MicroBatchGuidance(recs, s)
-            per_rank.append(st.activation(x[r * s // tp : (r + 1) * s // tp], SITE, None, rows=slice(r * n, (r + 1) * n)))
+            per_rank.append(
+                st.activation(x[r * s // tp : (r + 1) * s // tp], SITE, None, rows=slice(r * n, (r + 1) * n))
+            )
             a, c = st.agree[SITE]
             counts = [counts[0] + a, counts[1] + c]
         assert torch.equal(torch.cat(per_rank), want), mode
@@ -116,7 +119,9 @@ def test_sequence_parallel_rank_rows_equal_the_unsliced_result():
     # Unsliced guidance against one rank's rows is a layout error, not a silent round-to-nearest.
     st = QATState(ARCH, QuantPolicy(), "guided")
     st.guidance = MicroBatchGuidance(recs, s)
-    with pytest.raises(ValueError, match=r"QAT site model\.layers\.3\.mlp\.down_proj: the guidance has 24 rows .* has 12 rows"):
+    with pytest.raises(
+        ValueError, match=r"QAT site model\.layers\.3\.mlp\.down_proj: the guidance has 24 rows .* has 12 rows"
+    ):
         st.activation(x[: s // tp], SITE, None)
 
 
@@ -218,17 +223,32 @@ def test_static_scales_from_calibrated_amax_match_the_engine_reading_the_checkpo
     wg, wu, x = torch.randn(f, h, generator=g), torch.randn(f, h, generator=g), 2 * torch.randn(6, h, generator=g)
     prefix = "model.layers.2.mlp."
     amax = {prefix + "gate_proj": 3.0, prefix + "up_proj": 5.0, prefix + "down_proj": 7.0}
-    eng = EngineLinear({"gate_proj": f, "up_proj": f}, h, bias=False, weight_fmt="nvfp4", act_fmt="nvfp4",
-                       dtype=torch.float32, site=prefix + "gate_up_proj")
+    eng = EngineLinear(
+        {"gate_proj": f, "up_proj": f},
+        h,
+        bias=False,
+        weight_fmt="nvfp4",
+        act_fmt="nvfp4",
+        dtype=torch.float32,
+        site=prefix + "gate_up_proj",
+    )
     for shard, t in zip(("gate_proj", "up_proj"), to_modelopt_fused([wg, wu], input_amax=5.0)):
         for kind, v in t.items():
             eng.load_shard(shard, v, "weight_packed" if kind == "weight" else kind)
     eng.finalize()
     policy = QuantPolicy(activation_scale="static")
-    scales = static_site_scales({f"model.layers.{i}.mlp.{m}": a for i in range(ARCH.num_layers)
-                                 for m, a in (("gate_proj", 3.0), ("up_proj", 5.0), ("down_proj", 7.0))}, ARCH, policy)
-    assert sorted(scales) == sorted(f"model.layers.{i}.mlp.{s}" for i in range(ARCH.num_layers)
-                                    for s in ("gate_up_proj", "down_proj"))
+    scales = static_site_scales(
+        {
+            f"model.layers.{i}.mlp.{m}": a
+            for i in range(ARCH.num_layers)
+            for m, a in (("gate_proj", 3.0), ("up_proj", 5.0), ("down_proj", 7.0))
+        },
+        ARCH,
+        policy,
+    )
+    assert sorted(scales) == sorted(
+        f"model.layers.{i}.mlp.{s}" for i in range(ARCH.num_layers) for s in ("gate_up_proj", "down_proj")
+    )
     assert torch.equal(scales[prefix + "gate_up_proj"], eng.input_global_scale)
     st = QATState(ARCH, policy, "rtn")
     st.set_static_activation_scales(scales)
@@ -275,6 +295,7 @@ def test_cuda_route_runs_the_triton_kernels_with_the_reference_bits(monkeypatch,
         def on_triton(*args, **kwargs):
             calls.append(fn.__name__)
             return fn(*args, backend="triton", **kwargs)
+
         return on_triton
 
     monkeypatch.setattr(qat, "nvfp4_quantize", forced(dispatch.nvfp4_quantize))

@@ -2,6 +2,7 @@
 on CPU (its norms allow it), each rank's QAT linears quantize its [S/TP, B, H] rows with the
 guidance rows sliced to match, and recompute and a guided training step give TP2's numbers
 (forward bit for bit) and TP1's (to float tolerance)."""
+
 import json
 import os
 import subprocess
@@ -26,21 +27,33 @@ def _rollout(ckpt, root: Path) -> None:
     actor pads to 14 under SP (SP splits S over the 2 ranks)."""
     from sglang_backend.local import Engine
 
-    eng = Engine(str(ckpt), dtype="bfloat16", quant_policy=POLICY, guidance_mode="full", guided_layers="all",
-                 random_seed=0)
+    eng = Engine(
+        str(ckpt), dtype="bfloat16", quant_policy=POLICY, guidance_mode="full", guided_layers="all", random_seed=0
+    )
     try:
-        outs = eng.generate(input_ids=PROMPTS, sampling_params=[{"temperature": 1.0, "max_new_tokens": 6,
-                                                                  "ignore_eos": True, "sampling_seed": i}
-                                                                 for i in range(len(PROMPTS))],
-                            return_logprob=True, return_guidance=True)
+        outs = eng.generate(
+            input_ids=PROMPTS,
+            sampling_params=[
+                {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": i}
+                for i in range(len(PROMPTS))
+            ],
+            return_logprob=True,
+            return_guidance=True,
+        )
         (root / "records").mkdir()
         samples = []
         for i, (p, o) in enumerate(zip(PROMPTS, outs)):
             data = eng.fetch_guidance(o["meta_info"]["guidance_handle"])
             GuidanceRecord.from_bytes(data).validate(len(p) + len(o["output_ids"]) - 1)
             (root / "records" / f"{i}.bin").write_bytes(data)
-            samples.append({"prompt": p, "response": o["output_ids"], "advantage": 1.0 - i,
-                            "logprobs": [t[0] for t in o["meta_info"]["output_token_logprobs"]]})
+            samples.append(
+                {
+                    "prompt": p,
+                    "response": o["output_ids"],
+                    "advantage": 1.0 - i,
+                    "logprobs": [t[0] for t in o["meta_info"]["output_token_logprobs"]],
+                }
+            )
     finally:
         eng.shutdown()
     (root / "samples.json").write_text(json.dumps(samples))
@@ -53,10 +66,26 @@ def runs(tmp_path_factory):
     _rollout(ckpt, root)
     out = root / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(REPO / "tests" / "mp_scripts" / "sp_qat_check.py"),
-           "--ckpt", str(ckpt), "--samples", str(root / "samples.json"), "--records", str(root / "records"),
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(REPO / "tests" / "mp_scripts" / "sp_qat_check.py"),
+        "--ckpt",
+        str(ckpt),
+        "--samples",
+        str(root / "samples.json"),
+        "--records",
+        str(root / "records"),
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

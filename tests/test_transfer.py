@@ -4,6 +4,7 @@ transports against the embedded engine/server, atomic versions under failure, an
 One 4-process torchrun launch (tests/mp_scripts/transfer_check.py) covers the Megatron side; the
 rest runs in this process against an in-process engine + HTTP server (imports dominate on CPU).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,11 @@ from megatron_trace.transfer.export import export_checkpoint, load_hf_dir  # noq
 from megatron_trace.transfer.pipeline import hf_state_dict_stream, push_hf_state_dict  # noqa: E402
 from megatron_trace.transfer.quantize import NonFiniteWeightError, group_key, rollout_tensors  # noqa: E402
 from megatron_trace.transfer.transports import (  # noqa: E402
-    DiskTransport, DistributedTransport, HttpTransport, InProcessTransport, TransferError)
+    DiskTransport,
+    DistributedTransport,
+    HttpTransport,
+    InProcessTransport,
+)
 from sglang_backend.client import RolloutClient  # noqa: E402
 from sglang_backend.local import Engine, InProcessBackend  # noqa: E402
 from sglang_backend.local.server import serve  # noqa: E402
@@ -40,8 +45,13 @@ IDS = [[5, 7, 9, 11, 3], [1, 2, 3], [100, 200, 300, 17]]
 
 
 def _env() -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-            "PYTHONPATH": str(REPO)}
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": str(REPO),
+    }
 
 
 def _greedy(engine: Engine) -> list[list[int]]:
@@ -63,8 +73,12 @@ def _fp4_linears(engine: Engine):
 
 def _assert_fp4_equals(engine: Engine, hf: dict, arch: ModelArch):
     """Every FP4 linear of the engine holds to_modelopt_fused(HF weights) bit for bit."""
-    shards = {"qkv": ("self_attn", "qkv"), "gate_up": ("mlp", ("gate", "up")), "down": ("mlp", ("down",)),
-              "o_proj": ("self_attn", ("o",))}
+    shards = {
+        "qkv": ("self_attn", "qkv"),
+        "gate_up": ("mlp", ("gate", "up")),
+        "down": ("mlp", ("down",)),
+        "o_proj": ("self_attn", ("o",)),
+    }
     n = 0
     for i, attr, lin in _fp4_linears(engine):
         if attr.startswith("expert"):
@@ -98,10 +112,30 @@ def dist_run(ckpts, tmp_path_factory):
     out = tmp_path_factory.mktemp("tr_mp")
     engine = Engine(str(ckpts / "qwen3_b"), quantization="nvfp4")
     server = serve(engine, api_key=KEY)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(REPO / "tests/mp_scripts/transfer_check.py"),
-           "--ckpts", str(ckpts), "--out", str(out), "--url", server.url, "--api-key", KEY,
-           "--master-port", str(free_port()), "--send", str(ckpts / "qwen3")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(REPO / "tests/mp_scripts/transfer_check.py"),
+        "--ckpts",
+        str(ckpts),
+        "--out",
+        str(out),
+        "--url",
+        server.url,
+        "--api-key",
+        KEY,
+        "--master-port",
+        str(free_port()),
+        "--send",
+        str(ckpts / "qwen3"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=400)
     if proc.returncode != 0 or not (out / "done").exists():
         server.shutdown()
@@ -133,8 +167,9 @@ def test_distributed_transfer_from_tp2_pp2(ckpts, dist_run, tmp_path):
     arch = ModelArch.from_hf_config(ckpts / "qwen3")
     _assert_fp4_equals(engine, hf, arch)
     amax = dict.fromkeys(QuantPolicy().quantized_linears(arch), 4.0)  # a W4A4 export needs static scales
-    exported = Engine(str(export_checkpoint(hf, arch, tmp_path / "exp", hf_config=arch.to_hf_config(),
-                                            input_amax=amax)))
+    exported = Engine(
+        str(export_checkpoint(hf, arch, tmp_path / "exp", hf_config=arch.to_hf_config(), input_amax=amax))
+    )
     try:  # the export holds the live transfer's FP4 bits
         _assert_fp4_equals(exported, hf, arch)
     finally:
@@ -147,8 +182,20 @@ def test_interrupted_transfer_keeps_previous_version(ckpts, tmp_path):
     try:
         before = {k: v.clone() for k, v in engine.model.state_dict().items()}
         port = free_port()
-        cmd = [sys.executable, str(REPO / "tests/mp_scripts/transfer_sender.py"), "--ckpt", str(ckpts / "qwen3_b"),
-               "--url", server.url, "--api-key", KEY, "--port", str(port), "--version", "5"]
+        cmd = [
+            sys.executable,
+            str(REPO / "tests/mp_scripts/transfer_sender.py"),
+            "--ckpt",
+            str(ckpts / "qwen3_b"),
+            "--url",
+            server.url,
+            "--api-key",
+            KEY,
+            "--port",
+            str(port),
+            "--version",
+            "5",
+        ]
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             line = proc.stdout.readline()
@@ -190,8 +237,9 @@ def test_inprocess_http_disk_transports(ckpts, tmp_path):
     try:
         sd_b = {k: v * 1.5 for k, v in sd_a.items()}
         client = RolloutClient(server.url, api_key=KEY)
-        s1 = push_hf_state_dict(sd_b, arch, QuantPolicy(), InProcessTransport(InProcessBackend(engine)), 1,
-                                bucket_mb=0.05)
+        s1 = push_hf_state_dict(
+            sd_b, arch, QuantPolicy(), InProcessTransport(InProcessBackend(engine)), 1, bucket_mb=0.05
+        )
         assert engine.weight_version == "1" and s1.buckets > 1
         _assert_fp4_equals(engine, sd_b, arch)
         s2 = push_hf_state_dict(sd_a, arch, QuantPolicy(), HttpTransport(client), 2, bucket_mb=0.05)
@@ -203,7 +251,9 @@ def test_inprocess_http_disk_transports(ckpts, tmp_path):
         _assert_fp4_equals(engine, sd_b, arch)
         # NaN: nothing reaches the rollout, the error names the parameter.
         bad = dict(sd_a)
-        bad["model.layers.1.mlp.experts.2.up_proj.weight"] = torch.full_like(sd_a["model.layers.1.mlp.experts.2.up_proj.weight"], float("inf"))
+        bad["model.layers.1.mlp.experts.2.up_proj.weight"] = torch.full_like(
+            sd_a["model.layers.1.mlp.experts.2.up_proj.weight"], float("inf")
+        )
         with pytest.raises(NonFiniteWeightError, match=r"experts\.2\.up_proj"):
             push_hf_state_dict(bad, arch, QuantPolicy(), HttpTransport(client), 4)
         assert engine.weight_version == "3"
@@ -227,9 +277,14 @@ def test_static_input_scales_arrive_every_transfer(ckpts):
             assert engine.weight_version == str(version)
             seen = 0
             for i, attr, lin in _fp4_linears(engine):
-                members = [m for m in mods if m.startswith(f"model.layers.{i}.") and
-                           group_key(m + ".weight").endswith({"qkv": "qkv_proj", "gate_up": "gate_up_proj",
-                                                               "o_proj": "o_proj", "down": "down_proj"}[attr])]
+                members = [
+                    m
+                    for m in mods
+                    if m.startswith(f"model.layers.{i}.")
+                    and group_key(m + ".weight").endswith(
+                        {"qkv": "qkv_proj", "gate_up": "gate_up_proj", "o_proj": "o_proj", "down": "down_proj"}[attr]
+                    )
+                ]
                 want = max(amax[m] for m in members)
                 s_dec = input_scale_from_amax(want)
                 assert lin.input_global_scale is not None and float(s_dec) != 1.0
@@ -264,7 +319,8 @@ def test_buckets_respect_budget_and_keep_groups(ckpts, budget):
                 sib = n.replace("q_proj", "k_proj").replace("gate_proj", "up_proj")
                 assert sib in b.tensors and torch.equal(b.tensors[n], b.tensors[sib])
     assert stats.tensors == sum(len(u) for u in units) and stats.oversized_units == sum(
-        1 for s in sizes.values() if s > budget)
+        1 for s in sizes.values() if s > budget
+    )
 
 
 def test_export_cli_loads_and_matches(ckpts, tmp_path):
@@ -274,9 +330,28 @@ def test_export_cli_loads_and_matches(ckpts, tmp_path):
     amax_file = tmp_path / "amax.json"
     amax_file.write_text(json.dumps(dict.fromkeys(QuantPolicy().quantized_linears(arch), 3.0)))
     out = tmp_path / "nvfp4"
-    r = subprocess.run([sys.executable, "-m", "megatron_trace.transfer.export", "--load", str(src), "--out", str(out),
-                        "--format", "nvfp4", "--max-shard-mb", "0.1", "--input-amax", str(amax_file)], cwd=REPO,
-                       env=_env(), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_trace.transfer.export",
+            "--load",
+            str(src),
+            "--out",
+            str(out),
+            "--format",
+            "nvfp4",
+            "--max-shard-mb",
+            "0.1",
+            "--input-amax",
+            str(amax_file),
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]  # ModelOpt 0.47's form (tests/test_export_forms.py reads it with SGLang)
@@ -309,8 +384,21 @@ def test_export_single_rank_megatron_checkpoint(ckpts, tmp_path):
     (root / "latest").write_text("step_3")
     from megatron_trace.transfer.export import main
 
-    assert main(["--load", str(root), "--out", str(tmp_path / "bf16"), "--format", "bf16",
-                 "--hf-config", str(ckpts / "qwen2")]) == 0
+    assert (
+        main(
+            [
+                "--load",
+                str(root),
+                "--out",
+                str(tmp_path / "bf16"),
+                "--format",
+                "bf16",
+                "--hf-config",
+                str(ckpts / "qwen2"),
+            ]
+        )
+        == 0
+    )
     got = load_file(str(tmp_path / "bf16" / "model.safetensors"))
     assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
     (root / "step_3" / "meta.json").write_text(json.dumps({"step": 3, "world_size": 4}))

@@ -1,5 +1,6 @@
 """Waiting for a state, not for a clock: a test that needs "the request has reached the server"
 waits for exactly that, bounded only so that a hang fails instead of stalling the suite."""
+
 import time
 
 

@@ -2,6 +2,7 @@
 
 Light on purpose: stdlib only at import (transformers loads lazily inside HFTokenizer).
 """
+
 from .prompts import TASKS, ArithmeticTask, JsonlPrompts, Prompt, in_eval_split, prompt_source
 from .rewards import REWARD_FNS, exact_match, final_answer, get_reward_fn, math_verify, score
 from .tokenizer import CharTokenizer, HFTokenizer, load_tokenizer

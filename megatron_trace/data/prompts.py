@@ -5,6 +5,7 @@ on how many batches were drawn before, so a `--resume` at step k sees exactly th
 original run saw at step k. Prompt ids are unique per (step, index) because the guidance store
 keys records by sample id and releases them per step.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def in_eval_split(key: str, eval_fraction: float) -> bool:
 
 
 class ArithmeticTask:
-    """"a+b=" -> "c": small enough that a tiny model learns it in a few hundred GRPO steps.
+    """ "a+b=" -> "c": small enough that a tiny model learns it in a few hundred GRPO steps.
 
     Operands are drawn from 0..max_operand. Subtraction orders its operands so the answer is never
     negative (a tiny model then has no sign to learn); "*" is allowed for a harder variant.
@@ -50,9 +51,16 @@ class ArithmeticTask:
 
     OPS = ("+", "-", "*")
 
-    def __init__(self, seed: int = 0, max_operand: int = 9, ops: tuple[str, ...] = ("+", "-"),
-                 tokenizer=None, template: str = "{a}{op}{b}=", worked: bool = False,
-                 eval_fraction: float = 0.1) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        max_operand: int = 9,
+        ops: tuple[str, ...] = ("+", "-"),
+        tokenizer=None,
+        template: str = "{a}{op}{b}=",
+        worked: bool = False,
+        eval_fraction: float = 0.1,
+    ) -> None:
         bad = [op for op in ops if op not in self.OPS]
         if not ops or bad:
             raise ValueError(f"ArithmeticTask ops must be a non-empty subset of {self.OPS}; got {ops}")
@@ -118,8 +126,12 @@ class ArithmeticTask:
 
     def eval_problems(self) -> list[tuple[int, str, int]]:
         """Every problem of the eval split, in a fixed (hash) order."""
-        seen = {self._canonical(a, op, b) for a in range(self.max_operand + 1) for b in range(self.max_operand + 1)
-                for op in self.ops}
+        seen = {
+            self._canonical(a, op, b)
+            for a in range(self.max_operand + 1)
+            for b in range(self.max_operand + 1)
+            for op in self.ops
+        }
         keep = [p for p in seen if self.is_eval(*p)]
         return sorted(keep, key=lambda p: _rng("order", *p).random())
 
@@ -142,8 +154,9 @@ class JsonlPrompts:
     takes items [k*n, (k+1)*n) of that stream.
     """
 
-    def __init__(self, path: str | os.PathLike, tokenizer=None, shuffle_seed: int = 0,
-                 eval_fraction: float = 0.0) -> None:
+    def __init__(
+        self, path: str | os.PathLike, tokenizer=None, shuffle_seed: int = 0, eval_fraction: float = 0.0
+    ) -> None:
         self.path = os.fspath(path)
         self.tokenizer, self.shuffle_seed = tokenizer, shuffle_seed
         lines: list[tuple[str, str, str]] = []  # (source id, prompt, answer)
@@ -157,13 +170,17 @@ class JsonlPrompts:
         self.items = [x for x, h in zip(lines, held) if not h]
         self.eval_items = [x for x, h in zip(lines, held) if h]
         if not self.items:
-            raise ValueError(f"{self.path}: every one of its {len(lines)} prompts fell in the eval split "
-                             f"(eval_fraction {eval_fraction}); add prompts")
+            raise ValueError(
+                f"{self.path}: every one of its {len(lines)} prompts fell in the eval split "
+                f"(eval_fraction {eval_fraction}); add prompts"
+            )
         self._perm_cache: dict[int, list[int]] = {}
 
     def eval_set(self, n: int) -> list[Prompt]:
         """The first n prompts of the eval split, in file order."""
-        return [self._make(f"eval-{i}-{src}", prompt, answer) for i, (src, prompt, answer) in enumerate(self.eval_items[:n])]
+        return [
+            self._make(f"eval-{i}-{src}", prompt, answer) for i, (src, prompt, answer) in enumerate(self.eval_items[:n])
+        ]
 
     def _make(self, pid: str, prompt: str, answer: str) -> Prompt:
         ids = self.tokenizer.encode_prompt(prompt) if self.tokenizer is not None else None

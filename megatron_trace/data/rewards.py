@@ -3,6 +3,7 @@
 `score` is what the loop calls: a reward function that raises scores 0 and hands the error back,
 so one malformed response (or a verifier bug) costs a sample, not the run.
 """
+
 from __future__ import annotations
 
 import math
@@ -64,9 +65,8 @@ def _replace_frac(s: str) -> str:
     parentheses), innermost first."""
     pat = re.compile(r"\\[dt]?frac")
     while True:
-        m = None
-        for m in pat.finditer(s):
-            pass  # the last one: its arguments hold no further \frac (they come after it)
+        # the last one: its arguments hold no further \frac (they come after it)
+        m = next(reversed(list(pat.finditer(s))), None)
         if m is None:
             return s
         try:
@@ -201,6 +201,7 @@ def math_verify(response: str, answer: str, tol: float = 1e-6) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+
 
 def final_answer(response: str, answer: str) -> float:
     """1.0 when the last comma-separated field of a worked answer ("7+8=15,4+3+1=8,85") equals the

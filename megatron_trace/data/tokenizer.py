@@ -5,6 +5,7 @@ Both expose the same small surface: `vocab_size`, `pad_id`, `bos_id`, `eos_id`, 
 `decode`, `render_prompt` (the text the model actually sees: the chat template when there is
 one), `encode_prompt` (its token ids) and `save(dir)`. `load_tokenizer` picks one from a spec.
 """
+
 from __future__ import annotations
 
 import json
@@ -149,7 +150,7 @@ class HFTokenizer:
 
 
 def load_tokenizer(path_or_spec: str | os.PathLike | None = "char"):
-    """"char" (or None) -> the default CharTokenizer; a directory or file holding
+    """ "char" (or None) -> the default CharTokenizer; a directory or file holding
     char_tokenizer.json -> that CharTokenizer; anything else -> HFTokenizer(path)."""
     if path_or_spec is None or path_or_spec == "char":
         return CharTokenizer()

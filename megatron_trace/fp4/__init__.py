@@ -2,6 +2,7 @@
 swizzle, ModelOpt tensors, TRACE guided rounding and the straight-through estimator QAT uses.
 Pure torch; imports nothing else of the project.
 """
+
 from .codecs import (
     e2m1_decode,
     e2m1_encode,
@@ -29,9 +30,29 @@ from .straight_through import dequantize_any, straight_through
 from .swizzle import swizzle_scales, unswizzle_scales
 
 __all__ = [
-    "FP8Tensor", "GUIDANCE_MODES", "MXFP4Tensor", "NVFP4Tensor", "RolloutRounding",
-    "dequantize_any", "e2m1_decode", "e2m1_encode", "e4m3_decode", "e4m3_encode", "e8m0_decode", "e8m0_encode",
-    "from_modelopt", "guided_quantize", "guided_quantize_mxfp4", "mantissa_bits", "mantissa_bits_packed",
-    "pack_fp4", "straight_through", "swizzle_scales", "to_modelopt", "to_modelopt_fused",
-    "unpack_fp4", "unpack_mantissa_bits", "unswizzle_scales",
+    "FP8Tensor",
+    "GUIDANCE_MODES",
+    "MXFP4Tensor",
+    "NVFP4Tensor",
+    "RolloutRounding",
+    "dequantize_any",
+    "e2m1_decode",
+    "e2m1_encode",
+    "e4m3_decode",
+    "e4m3_encode",
+    "e8m0_decode",
+    "e8m0_encode",
+    "from_modelopt",
+    "guided_quantize",
+    "guided_quantize_mxfp4",
+    "mantissa_bits",
+    "mantissa_bits_packed",
+    "pack_fp4",
+    "straight_through",
+    "swizzle_scales",
+    "to_modelopt",
+    "to_modelopt_fused",
+    "unpack_fp4",
+    "unpack_mantissa_bits",
+    "unswizzle_scales",
 ]

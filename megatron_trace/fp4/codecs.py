@@ -5,6 +5,7 @@ E4M3 (FP8 E4M3FN, used unsigned as the NVFP4 block scale). E8M0 (the MX power-of
 Every codec takes floating tensors, computes in fp32 (the hardware's input precision) and
 returns uint8 codes; decoders return fp32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,9 +49,7 @@ def as_float32(x: torch.Tensor, what: str = "input") -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
-        raise TypeError(
-            f"{what} must be a floating tensor (float32, bfloat16, float16, float64), got {x.dtype}"
-        )
+        raise TypeError(f"{what} must be a floating tensor (float32, bfloat16, float16, float64), got {x.dtype}")
     return x if x.dtype == torch.float32 else x.to(torch.float32)
 
 

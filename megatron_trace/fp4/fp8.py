@@ -15,6 +15,7 @@ ranks' heads. Every step in fp32, as NVFP4's tensor scale:
 Stored size: 8 bits per element + 32 bits per row (8.125 bits per element for 2 KV heads of
 head_dim 128 per TP rank; 8.25 for one).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,8 +57,9 @@ def quantize(x: torch.Tensor, dims: int = 1, amax: torch.Tensor | None = None) -
     `amax` [...] overrides the row amax (a MAX over tensor-parallel ranks' slices of the row)."""
     x = as_float32(x)
     if dims < 1 or x.dim() < dims:
-        raise ValueError(f"fp8 row quantization over the last {dims} dim(s) needs at least that many; got a "
-                         f"{x.dim()}-d tensor")
+        raise ValueError(
+            f"fp8 row quantization over the last {dims} dim(s) needs at least that many; got a {x.dim()}-d tensor"
+        )
     if amax is None:
         amax = nan_free_amax(x.reshape(*x.shape[: x.dim() - dims], -1), dim=-1)
     s_enc = encode_scale(amax)
@@ -73,7 +75,8 @@ def dequantize(q: FP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return (e4m3_decode(q.data) * _per_row(q.scale.to(torch.float32), q.data.dim())).to(dtype)
 
 
-def quantize_dequantize(x: torch.Tensor, dtype: torch.dtype | None = None, dims: int = 1,
-                        amax: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_dequantize(
+    x: torch.Tensor, dtype: torch.dtype | None = None, dims: int = 1, amax: torch.Tensor | None = None
+) -> torch.Tensor:
     """dequantize(quantize(x, dims, amax)) in x's dtype (or `dtype`)."""
     return dequantize(quantize(x, dims, amax), dtype or x.dtype)

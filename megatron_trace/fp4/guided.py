@@ -17,14 +17,15 @@ can be the farther one, and around zero (-0.5, 0, +0.5) that can mean the opposi
 often that happens is measured, not assumed: the probe scores mantissa mode against the rollout's
 full codes (tests/test_fp4_guided.py shows both cases).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from .codecs import E2M1_MAX, as_float32, e2m1_grid, pack_fp4, unpack_fp4
 from . import mxfp4
+from .codecs import E2M1_MAX, as_float32, e2m1_grid, pack_fp4, unpack_fp4
 from .nvfp4 import BLOCK, NVFP4Tensor, check_blocks, encode_with_scales
 
 # What the rollout records per element (`guidance.mode`): its 4-bit code, or its mantissa bit.

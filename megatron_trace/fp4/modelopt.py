@@ -10,6 +10,7 @@ loader computing code * weight_scale * weight_scale_2 gets the trainer's values 
 Loaders take max() of weight_scale_2 / input_scale across fused shards (q/k/v, gate/up), so
 fused shards are quantized with one shared global amax.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ rule="floor" (OCP): X = 2^(floor(log2 amax) - 2), values mapping into (6, 8) sat
 rule="ceil" (TE reference, SGLang's KV path): X = 2^ceil(log2(amax / 6)), nothing saturates.
 An all-zero block gets the smallest scale, 2^-127 (byte 0x00).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -12,6 +12,7 @@ engine, the trainer's QAT, the Triton kernel and the exporter all reproduce):
 
 NaN elements encode as 0x7 (hardware rule) and are ignored by amax, as fmaxf ignores them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """The two pieces of QAT glue the trainer's quantized linears use (trainer/qat.py): the dequantized
 value of either FP4 tensor, and the straight-through estimator that passes it forward."""
+
 from __future__ import annotations
 
 import torch

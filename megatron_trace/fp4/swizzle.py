@@ -4,6 +4,7 @@ Byte offset of the scale of row m, K-block k, with KT = ceil(K/64) tiles along K
     ((m // 128) * KT + k // 4) * 512 + (m % 32) * 16 + ((m // 32) % 4) * 4 + k % 4
 The result is zero padded to [roundup(M, 128), roundup(K/16, 4)].
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """TRACE guidance: the record layout (what the rollout rounded to) and, later, its store."""
+
 from .record import (
     GUIDANCE_MODES,
     KV_SITES,
@@ -13,6 +14,16 @@ from .routing import decode_routed_experts, encode_routed_experts
 from .store import GuidanceStore, GuidanceStoreError
 
 __all__ = [
-    "GUIDANCE_MODES", "KV_SITES", "GuidanceRecord", "SiteRecord", "concat_sites", "encode_records", "make_site",
-    "resolve_guided_layers", "GuidanceStore", "GuidanceStoreError", "decode_routed_experts", "encode_routed_experts",
+    "GUIDANCE_MODES",
+    "KV_SITES",
+    "GuidanceRecord",
+    "SiteRecord",
+    "concat_sites",
+    "encode_records",
+    "make_site",
+    "resolve_guided_layers",
+    "GuidanceStore",
+    "GuidanceStoreError",
+    "decode_routed_experts",
+    "encode_routed_experts",
 ]

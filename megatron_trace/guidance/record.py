@@ -13,6 +13,7 @@ but the last (whose activations nobody computes). Each site holds the E4M3 block
 packed 4-bit codes [..., K/2] (mode "full") or packed mantissa bits [..., K/8] ("mantissa").
 Records serialize to safetensors bytes with a JSON header: no pickle crosses a process boundary.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,6 +28,7 @@ import torch
 from kernels.dispatch import mantissa_bits_packed
 from megatron_trace.fp4 import RolloutRounding
 from megatron_trace.fp4.guided import GUIDANCE_MODES
+
 KV_SITES = ("k_cache", "v_cache")
 
 
@@ -62,9 +64,7 @@ def concat_sites(parts: list[SiteRecord]) -> SiteRecord:
         global_scale = gs
     else:
         global_scale = torch.cat([p.global_scale for p in parts])
-    return SiteRecord(
-        torch.cat([p.scale for p in parts]), global_scale, torch.cat([p.payload for p in parts])
-    )
+    return SiteRecord(torch.cat([p.scale for p in parts]), global_scale, torch.cat([p.payload for p in parts]))
 
 
 @dataclass
@@ -107,8 +107,7 @@ class GuidanceRecord:
         """The compact record a mantissa-mode rollout would have written (from full codes)."""
         if self.mode == "mantissa":
             return self
-        sites = {n: SiteRecord(s.scale, s.global_scale, mantissa_bits_packed(s.payload))
-                 for n, s in self.sites.items()}
+        sites = {n: SiteRecord(s.scale, s.global_scale, mantissa_bits_packed(s.payload)) for n, s in self.sites.items()}
         return GuidanceRecord(self.sample_id, "mantissa", self.num_positions, sites)
 
     def to_bytes(self) -> bytes:
@@ -144,8 +143,11 @@ def encode_records(sample_ids: list[str], mode: str, lens: list[int], sites: dic
         raise ValueError(f"{len(sample_ids)} sample ids but {len(lens)} position counts")
     total = sum(lens)
     columns = [_column(f"{n}/global_scale", site.global_scale, total) for n, site in sites.items()]
-    columns += [_column(f"{n}/{k}", t, total) for n, site in sites.items()
-                for k, t in (("scale", site.scale), ("payload", site.payload))]
+    columns += [
+        _column(f"{n}/{k}", t, total)
+        for n, site in sites.items()
+        for k, t in (("scale", site.scale), ("payload", site.payload))
+    ]
     # The header differs between samples only in the position count n: tensor j spans bytes
     # [n * per_row[j] + fixed[j], n * per_row[j + 1] + fixed[j + 1]) of the data section, so one
     # printf template and one integer table give every sample's header.
@@ -165,8 +167,9 @@ def encode_records(sample_ids: list[str], mode: str, lens: list[int], sites: dic
         meta = json.dumps({"sample_id": sid, "mode": mode, "num_positions": str(n), "sites": names})
         header = (template % (meta, *values)).encode()
         header += b" " * (-len(header) % 8)  # safetensors aligns the data section to 8 bytes
-        blobs = [mv if row_bytes is None else mv[start * row_bytes:(start + n) * row_bytes]
-                 for row_bytes, mv in blobs_of]
+        blobs = [
+            mv if row_bytes is None else mv[start * row_bytes : (start + n) * row_bytes] for row_bytes, mv in blobs_of
+        ]
         out.append(b"".join([len(header).to_bytes(8, "little"), header, *blobs]))
         start += n
     return out
@@ -176,8 +179,9 @@ def _column(name: str, t: torch.Tensor, total: int) -> tuple:
     """(JSON key, dtype code, shape after the first dim, bytes per row or None when 0-d, bytes)."""
     if t.dtype not in _ST_DTYPES:
         raise ValueError(f"guidance tensor {name} has dtype {t.dtype}; records hold uint8 and float32")
-    a = (t if t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
-         else t.detach().cpu().contiguous()).numpy()
+    a = (
+        t if t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad else t.detach().cpu().contiguous()
+    ).numpy()
     flat = a.reshape(-1).view("u1")
     if a.ndim == 0:
         return _json_key(name), _ST_DTYPES[t.dtype], "", None, flat

@@ -10,6 +10,7 @@ run through the model. Dense layers of a mixed model hold whatever the server le
 trainer reads the MoE layers only. The top-k order matters: a routed slot's guidance (the
 down_proj input record is [T, top_k, K]) is the slot's position in that order.
 """
+
 from __future__ import annotations
 
 import base64
@@ -27,8 +28,9 @@ def encode_routed_experts(ids: torch.Tensor) -> str:
     return base64.b64encode(a.tobytes()).decode("ascii")
 
 
-def decode_routed_experts(data: str, num_positions: int, num_layers: int, top_k: int,
-                          num_experts: int | None = None, sample: str = "?") -> torch.Tensor:
+def decode_routed_experts(
+    data: str, num_positions: int, num_layers: int, top_k: int, num_experts: int | None = None, sample: str = "?"
+) -> torch.Tensor:
     """SGLang's base64 string -> int32 [num_positions, num_layers, top_k], checked: the byte count
     must be exactly that shape (a server serving another model, or one that cut the positions,
     is an error naming both shapes) and, given num_experts, every id in [0, num_experts)."""
@@ -43,9 +45,12 @@ def decode_routed_experts(data: str, num_positions: int, num_layers: int, top_k:
         raise ValueError(
             f"sample {sample}: routed_experts holds {len(raw) // 4} int32 ids; the sample needs "
             f"{num_positions} positions x {num_layers} layers x top-{top_k} = {want} "
-            "(a server of another model, or routed experts of a different position range)")
+            "(a server of another model, or routed experts of a different position range)"
+        )
     ids = torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int32)).view(num_positions, num_layers, top_k)
     if num_experts is not None and want and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
-        raise ValueError(f"sample {sample}: routed_experts ids span [{int(ids.min())}, {int(ids.max())}]; "
-                         f"the model has experts 0..{num_experts - 1}")
+        raise ValueError(
+            f"sample {sample}: routed_experts ids span [{int(ids.min())}, {int(ids.max())}]; "
+            f"the model has experts 0..{num_experts - 1}"
+        )
     return ids

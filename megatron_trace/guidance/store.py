@@ -21,6 +21,7 @@ once training is done with it, unlinking a shard as soon as its last record is r
 A failed spill write (a full disk above all) stops the writer; every later put/get raises
 GuidanceStoreError naming the spill dir, rather than training silently without guidance.
 """
+
 from __future__ import annotations
 
 import errno
@@ -69,8 +70,9 @@ class GuidanceStore:
     shard_bytes: a shard is sealed and a new one started once it reaches this size.
     """
 
-    def __init__(self, memory_budget_bytes: int, spill_dir: str | os.PathLike, max_queue: int = 64,
-                 shard_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self, memory_budget_bytes: int, spill_dir: str | os.PathLike, max_queue: int = 64, shard_bytes: int = 256 << 20
+    ) -> None:
         if memory_budget_bytes < 0 or max_queue < 1 or shard_bytes < 1:
             raise ValueError("GuidanceStore needs memory_budget_bytes >= 0, max_queue >= 1, shard_bytes >= 1")
         self.memory_budget_bytes = int(memory_budget_bytes)
@@ -241,7 +243,7 @@ class GuidanceStore:
             try:
                 self._store(sid, step, data, positions)
             except OSError as e:
-                why = ("the disk is full (ENOSPC)" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}")
+                why = "the disk is full (ENOSPC)" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
                 err = GuidanceStoreError(
                     f"guidance store: spilling to {self.spill_dir} failed: {why}. Free space there, point "
                     f"the spill dir elsewhere, or raise the memory budget; the store has stopped."
@@ -309,7 +311,7 @@ class GuidanceStore:
         """Write all of `data` (raw files may write short). Tests patch this to simulate ENOSPC."""
         view = memoryview(data)
         while view:
-            view = view[fh.write(view):]
+            view = view[fh.write(view) :]
 
     def _seal_active(self) -> None:
         # Caller holds the lock.

@@ -2,6 +2,7 @@
 
 Pure torch + stdlib: importing this package pulls in neither transformers nor megatron.
 """
+
 from .arch import FAMILIES, ModelArch
 from .megatron_map import (
     hf_to_megatron,

@@ -3,6 +3,7 @@
 One `ModelArch` is the single source of truth the rollout engine, the trainer's name maps and the
 quantization policy share, so every HF spelling quirk is absorbed here and nowhere else.
 """
+
 from __future__ import annotations
 
 import json
@@ -98,8 +99,7 @@ class ModelArch:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be divisible by "
-                f"num_key_value_heads ({self.num_kv_heads})"
+                f"num_attention_heads ({self.num_heads}) must be divisible by num_key_value_heads ({self.num_kv_heads})"
             )
         self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers)
         if self.family == "qwen3_moe":

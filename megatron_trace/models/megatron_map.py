@@ -13,6 +13,7 @@ round trip is bit-exact. Megatron's layouts that differ from HF:
 
 The returned tensors may share storage with the input state dict.
 """
+
 from __future__ import annotations
 
 import re

@@ -3,6 +3,7 @@
 The rollout engine, the trainer's QAT and the checkpoint exporter all ask this one object, so
 "is this module FP4?" has a single answer in the whole system.
 """
+
 from __future__ import annotations
 
 import re
@@ -31,6 +32,7 @@ def kv_side_bits(fmt: str, row: int, bf16_bits: float = 16.0) -> float:
     if fmt not in bits:
         raise ValueError(f"KV format must be one of {', '.join(KV_FORMATS)}; got {fmt!r}")
     return bits[fmt]
+
 
 # Attention projections are opt-in (e.g. "*.self_attn.*_proj"): FP4 attention costs the most accuracy.
 DEFAULT_TARGETS = ("*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj", "*.mlp.experts.*")
@@ -167,8 +169,10 @@ class QuantPolicy:
         """This policy with kv="auto" resolved for `arch` (kv_k and kv_v made explicit); a policy
         without "auto" comes back unchanged. kv_k_debias on a family without a k_proj bias is an error."""
         if self.kv_k_debias and not arch.qkv_bias:
-            raise ValueError(f"quant.kv_k_debias subtracts K's rotated k_proj bias, but {arch.family} has no q/k/v "
-                             "bias (Qwen2/2.5 have one); set quant.kv_k_debias=false")
+            raise ValueError(
+                f"quant.kv_k_debias subtracts K's rotated k_proj bias, but {arch.family} has no q/k/v "
+                "bias (Qwen2/2.5 have one); set quant.kv_k_debias=false"
+            )
         if self.kv != "auto":
             return self
         k, v = auto_kv_formats(arch)
@@ -187,7 +191,9 @@ class QuantPolicy:
         fmt = self.kv_k if which == "k" else self.kv_v
         fmt = fmt or self.kv
         if fmt == "auto":
-            raise ValueError(f"quant.kv='auto' picks quant.kv_{which} per model family: call policy.for_arch(arch) first")
+            raise ValueError(
+                f"quant.kv='auto' picks quant.kv_{which} per model family: call policy.for_arch(arch) first"
+            )
         return fmt
 
     @property

@@ -6,6 +6,7 @@ there (per-layer K amax up to 216 on a real Qwen2.5-0.5B). The cache stores K - 
 adds RoPE_pos(b) back when it reads: both terms are exact functions of the position and the
 weights, so the rollout and the trainer compute the same offset from this one function.
 """
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@
 Shapes are chosen to exercise the layout corner cases (GQA with 2 groups, Qwen3's
 head_dim != hidden / heads, a MoE with top-2 of 4 experts) while staying a few hundred KB.
 """
+
 from __future__ import annotations
 
 import inspect

@@ -1,5 +1,6 @@
 """RL math: advantages, policy losses and train/rollout mismatch metrics (no trainer internals).
 The losses read the config tree's `algo` section (`megatron_trace.config.AlgoConfig`)."""
+
 from .losses import policy_loss
 from .mismatch import mismatch_metrics, position_buckets
 

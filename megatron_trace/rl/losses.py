@@ -11,14 +11,17 @@ count, so micro-batches add up to a token-level mean over the whole batch.
   mis       masked IS (IcePop): tokens whose r leaves [mis_low, mis_high] drop out of PPO
   none      -logp·A with no correction (what a naive FP4 rollout trains with)
 """
+
 from __future__ import annotations
 
 import torch
 
 from megatron_trace.config import AlgoConfig
 
-def policy_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
+
+def policy_loss(
+    logp: torch.Tensor, rollout_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: AlgoConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
     mask = mask.to(logp.dtype)
     log_ratio = logp - rollout_logp.to(logp.dtype)
     ratio = torch.exp(log_ratio)

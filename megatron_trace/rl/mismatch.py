@@ -6,6 +6,7 @@ With samples drawn by the rollout policy, r = p_train / p_rollout per token:
   ratio         mean / max of r, and the fraction of tokens with r > is_clip (what the loss clips)
   by position   mean |Δlogp| per response-position bucket: FP4 KV error grows with length
 """
+
 from __future__ import annotations
 
 import math
@@ -16,11 +17,16 @@ DEFAULT_BUCKETS = (0, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def _flat(seqs: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([torch.as_tensor(s, dtype=torch.float64).reshape(-1) for s in seqs]) if seqs else torch.zeros(0, dtype=torch.float64)
+    return (
+        torch.cat([torch.as_tensor(s, dtype=torch.float64).reshape(-1) for s in seqs])
+        if seqs
+        else torch.zeros(0, dtype=torch.float64)
+    )
 
 
-def mismatch_metrics(rollout_logprobs: list, train_logprobs: list, *, is_clip: float = 5.0,
-                     buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> dict[str, float]:
+def mismatch_metrics(
+    rollout_logprobs: list, train_logprobs: list, *, is_clip: float = 5.0, buckets: tuple[int, ...] = DEFAULT_BUCKETS
+) -> dict[str, float]:
     """Per-sample lists of per-token logprobs (same lengths) -> scalar metrics."""
     if len(rollout_logprobs) != len(train_logprobs):
         raise ValueError(f"{len(rollout_logprobs)} rollout samples but {len(train_logprobs)} train samples")
@@ -29,8 +35,15 @@ def mismatch_metrics(rollout_logprobs: list, train_logprobs: list, *, is_clip: f
             raise ValueError(f"sample {i}: {len(a)} rollout logprobs but {len(b)} train logprobs")
     lr, lt = _flat(rollout_logprobs), _flat(train_logprobs)
     if lr.numel() == 0:
-        return {"mean_abs_dlogp": 0.0, "max_abs_dlogp": 0.0, "k3_kl": 0.0, "ratio_mean": 1.0,
-                "ratio_max": 1.0, "clipped_frac": 0.0, "tokens": 0}
+        return {
+            "mean_abs_dlogp": 0.0,
+            "max_abs_dlogp": 0.0,
+            "k3_kl": 0.0,
+            "ratio_mean": 1.0,
+            "ratio_max": 1.0,
+            "clipped_frac": 0.0,
+            "tokens": 0,
+        }
     d = lt - lr
     r = torch.exp(d)
     out = {

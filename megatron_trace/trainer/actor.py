@@ -9,6 +9,7 @@
          STE backward, DDP/TP grad reduction, grad clipping, Adam step
 Every rank passes the same samples; logprobs come back on every rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron_trace import faults
+from megatron_trace.config import AlgoConfig, RolloutConfig, TrainerConfig
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy, pp_layer_range
-from megatron_trace.config import AlgoConfig, RolloutConfig, TrainerConfig
 from megatron_trace.rl import policy_loss
-
 from sglang_backend.sampling_support import keep_mask, needs_filter, support_logprob
 
 from .gpt import _unwrap, build_model, load_hf_weights
@@ -64,40 +63,66 @@ class _MicroBatch:
 
 
 class Actor:
-    def __init__(self, arch: ModelArch, policy: QuantPolicy, cfg: TrainerConfig, sampling: RolloutConfig | None = None,
-                 hf_path=None):
+    def __init__(
+        self,
+        arch: ModelArch,
+        policy: QuantPolicy,
+        cfg: TrainerConfig,
+        sampling: RolloutConfig | None = None,
+        hf_path=None,
+    ):
         """Call `parallel.init_distributed` first. Loads `hf_path` (an HF checkpoint) when given.
         `cfg` is the run's `trainer` section; `sampling` its `rollout` section, whose temperature and
         top-k/top-p filters define the policy the logprobs are recomputed under (default: plain sampling)."""
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.arch, self.policy, self.cfg = arch, policy, cfg
         self.sampling = sampling if sampling is not None else RolloutConfig()  # temperature > 0: the section checks it
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
         if cfg.distributed_optimizer and not torch.cuda.is_available():
-            raise ValueError("trainer.distributed_optimizer needs CUDA (Megatron rejects CPU parameters); "
-                             "set it false on this machine")
+            raise ValueError(
+                "trainer.distributed_optimizer needs CUDA (Megatron rejects CPU parameters); "
+                "set it false on this machine"
+            )
         ep = ps.get_expert_model_parallel_world_size()
         if ep > 1 and (not arch.is_moe or arch.num_experts % ep):
-            raise ValueError(f"trainer.ep={ep} needs an MoE model whose experts split evenly over it; "
-                             f"{arch.family} has {arch.num_experts} experts")
+            raise ValueError(
+                f"trainer.ep={ep} needs an MoE model whose experts split evenly over it; "
+                f"{arch.family} has {arch.num_experts} experts"
+            )
         chunks = build_model(arch, dtype=dtype, sequence_parallel=cfg.sequence_parallel)
         if hf_path is not None:
             load_hf_weights(chunks, hf_path, arch)
         model = chunks[0]
         model.config.finalize_model_grads_func = finalize_model_grads  # TP-replicated grads (q/k norms)
         dist_opt = cfg.distributed_optimizer
-        self.ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt), model)
+        self.ddp = DistributedDataParallel(
+            model.config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt), model
+        )
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
-                            bf16=dtype == torch.bfloat16, fp16=False, use_distributed_optimizer=dist_opt),
-            [self.ddp])
-        start, _ = pp_layer_range(arch.num_layers, ps.get_pipeline_model_parallel_world_size(),
-                                  ps.get_pipeline_model_parallel_rank())
-        self.qat = install_qat([_unwrap(model)], arch, policy, cfg.qat_mode, [start],
-                               tp_group=ps.get_tensor_model_parallel_group())
+            OptimizerConfig(
+                optimizer="adam",
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+                clip_grad=cfg.clip_grad,
+                bf16=dtype == torch.bfloat16,
+                fp16=False,
+                use_distributed_optimizer=dist_opt,
+            ),
+            [self.ddp],
+        )
+        start, _ = pp_layer_range(
+            arch.num_layers, ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        )
+        self.qat = install_qat(
+            [_unwrap(model)], arch, policy, cfg.qat_mode, [start], tp_group=ps.get_tensor_model_parallel_group()
+        )
         self.routing = RoutingReplay(_unwrap(model), arch, start, replay_enabled(cfg.routing_replay, arch))
         self.qat.routing_replay = self.routing  # expert-site guidance names slots by the rollout's ids
         self._ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
@@ -127,8 +152,10 @@ class Actor:
                 t = torch.tensor(s.tokens)
                 n, p = len(t) - 1, len(s.prompt_ids)
                 if len(s.rollout_logprobs) != len(s.response_ids):
-                    raise ValueError(f"sample {s.sample_id}: {len(s.rollout_logprobs)} rollout logprobs "
-                                     f"for {len(s.response_ids)} response tokens")
+                    raise ValueError(
+                        f"sample {s.sample_id}: {len(s.rollout_logprobs)} rollout logprobs "
+                        f"for {len(s.response_ids)} response tokens"
+                    )
                 ids[j, :n], labels[j, :n] = t[:-1], t[1:]
                 mask[j, p - 1 : n] = 1
                 lp[j, p - 1 : n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
@@ -138,8 +165,19 @@ class Actor:
             records = [s.guidance for s in part] + [None] * (mbs - len(part))
             guidance = MicroBatchGuidance(records, seq) if any(r is not None for r in records) else None
             pad = [None] * (mbs - len(part))
-            out.append(_MicroBatch(ids, labels, mask, lp, adv, guidance, len(part),
-                                   [s.routed_experts for s in part] + pad, [s.sample_id for s in part] + pad))
+            out.append(
+                _MicroBatch(
+                    ids,
+                    labels,
+                    mask,
+                    lp,
+                    adv,
+                    guidance,
+                    len(part),
+                    [s.routed_experts for s in part] + pad,
+                    [s.sample_id for s in part] + pad,
+                )
+            )
         return out, seq
 
     def _run(self, micro: list[_MicroBatch], seq: int, forward_only: bool, loss_cfg: AlgoConfig | None, total: float):
@@ -174,9 +212,14 @@ class Actor:
             return out, loss_func
 
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=self.chunks,
-            num_microbatches=len(micro), seq_length=seq, micro_batch_size=self.cfg.micro_batch_size,
-            forward_only=forward_only)
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=self.chunks,
+            num_microbatches=len(micro),
+            seq_length=seq,
+            micro_batch_size=self.cfg.micro_batch_size,
+            forward_only=forward_only,
+        )
 
     def _token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """logp of each label under the rollout's sampling distribution (temperature, then the
@@ -193,7 +236,6 @@ class Actor:
     # -- public --------------------------------------------------------------------------------
     def compute_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Per sample, the trainer's logprob of each response token (fp32), on every rank."""
-        from megatron.core import parallel_state as ps
 
         micro, seq = self._micro_batches(samples)
         self.ddp.eval()
@@ -237,9 +279,15 @@ class Actor:
             sums = torch.tensor([sum(float(d[k]) for d in store) for k in keys])
         _broadcast_from_last_stage(sums)
         n = max(float(sums[5]), 1.0)
-        metrics = {"loss": float(sums[0]) / n, "clipped_frac": float(sums[1]) / n, "is_clipped_frac": float(sums[2]) / n,
-                   "masked_frac": float(sums[3]) / n, "ratio_mean": float(sums[4]) / n,
-                   "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "update_ok": bool(ok)}
+        metrics = {
+            "loss": float(sums[0]) / n,
+            "clipped_frac": float(sums[1]) / n,
+            "is_clipped_frac": float(sums[2]) / n,
+            "masked_frac": float(sums[3]) / n,
+            "ratio_mean": float(sums[4]) / n,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "update_ok": bool(ok),
+        }
         return metrics, self._response_logprobs(store, micro, seq, samples)
 
     def routing_agreement(self) -> dict[str, float]:
@@ -259,8 +307,14 @@ class Actor:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        torch.save({"model": _unwrap(self.ddp).state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "rng": torch.get_rng_state()}, tmp / f"rank_{rank:05d}.pt")
+        torch.save(
+            {
+                "model": _unwrap(self.ddp).state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "rng": torch.get_rng_state(),
+            },
+            tmp / f"rank_{rank:05d}.pt",
+        )
         faults.hit("checkpoint.shard_written", step=step, rank=rank)
         _barrier()
         if rank == 0:

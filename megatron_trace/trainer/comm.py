@@ -1,4 +1,5 @@
 """Bytes between trainer ranks with tensor collectives only (no pickle crosses a process boundary)."""
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,11 @@ def broadcast_blobs(blobs: list[bytes] | None, src: int = 0) -> list[bytes]:
     sizes = torch.tensor([len(b) for b in blobs], dtype=torch.long) if mine else torch.empty(int(n), dtype=torch.long)
     dist.broadcast(sizes, src)
     if mine:
-        buf = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if sum(map(len, blobs)) else torch.empty(0, dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+            if sum(map(len, blobs))
+            else torch.empty(0, dtype=torch.uint8)
+        )
     else:
         buf = torch.empty(int(sizes.sum()), dtype=torch.uint8)
     if buf.numel():

@@ -34,6 +34,7 @@ dispatcher needs CUDA streams (use "allgather") and `use_distributed_optimizer=T
 params (use the plain optimizer). Sequence parallelism runs on gloo with the project's layer spec
 (`layer_spec.py`: its norms allow it, where Megatron's WrappedTorchNorm refuses it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,7 +60,19 @@ _PROXIED_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
 )
-_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "zeros_like", "ones_like", "empty_like")
+_FACTORIES = (
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "tensor",
+    "arange",
+    "rand",
+    "randn",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+)
 
 
 def _cpu_device(device: Any) -> Any:
@@ -214,6 +227,7 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_deco
 @contextlib.contextmanager
 def _compile_as_identity():
     """Item 7: `torch.compile(fn)` and `@torch.compile(...)` return the function unchanged."""
+
     def identity(model=None, **_kwargs):
         return model if model is not None else (lambda fn: fn)
 
@@ -258,8 +272,11 @@ def apply_cpu_workarounds() -> bool:
         # A tracker created before this call holds the CUDA class: have the next seeding rebuild it.
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     # 4. Gradient norm / clipping, patched where they are defined and where they were imported.
-    for mod_name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer",
-                     "megatron.core.optimizer.layer_wise_optimizer"):
+    for mod_name in (
+        "megatron.core.optimizer.clip_grads",
+        "megatron.core.optimizer.optimizer",
+        "megatron.core.optimizer.layer_wise_optimizer",
+    ):
         try:
             mod = importlib.import_module(mod_name)
         except ImportError:

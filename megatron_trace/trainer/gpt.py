@@ -11,6 +11,7 @@ Positions: each row of `input_ids` is one sequence starting at position 0 (Megat
 0..S-1 and ignores position_ids), under a causal mask. Right padding is harmless for the logits of
 the real tokens; packed sequences must be split into rows by the caller.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -45,8 +46,14 @@ def _sequence_parallel(wanted: bool, tp: int) -> bool:
     return wanted and tp > 1
 
 
-def build_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32, vocab_divisible_by: int = 128,
-                sequence_parallel: bool = False, fused_norm: bool = True) -> list:
+def build_model(
+    arch: ModelArch,
+    *,
+    dtype: torch.dtype = torch.float32,
+    vocab_divisible_by: int = 128,
+    sequence_parallel: bool = False,
+    fused_norm: bool = True,
+) -> list:
     """This rank's model chunks (one GPTModel; pre/post-process set by its pipeline stage).
 
     The vocab is padded to a multiple of `vocab_divisible_by * TP` as Megatron-LM does (pass 1 to
@@ -116,8 +123,9 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32, vocab_di
         moe_token_dispatcher_type="allgather",  # alltoall needs CUDA streams
         moe_router_dtype="fp32" if moe else None,
     )
-    spec = block_spec(cfg, num_experts=arch.num_experts if moe else None, qk_layernorm=arch.qk_norm,
-                      fused_norm=fused_norm)
+    spec = block_spec(
+        cfg, num_experts=arch.num_experts if moe else None, qk_layernorm=arch.qk_norm, fused_norm=fused_norm
+    )
     model = GPTModel(
         cfg,
         spec,

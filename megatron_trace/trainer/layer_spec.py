@@ -16,6 +16,7 @@ spec uses none of TE's modules; the numerics never depend on which GEMM kernel r
 Modules without a bound site (`qat_site is None`: mode off, a BF16 module, QAT not installed) run
 exactly Megatron's ColumnParallelLinear / RowParallelLinear / DotProductAttention.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,9 +60,11 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         if config.normalization != "RMSNorm":
-            raise ValueError(f"the project's layer spec has RMSNorm only; config.normalization is {config.normalization!r}")
+            raise ValueError(
+                f"the project's layer spec has RMSNorm only; config.normalization is {config.normalization!r}"
+            )
         super().__init__(hidden_size, eps=eps)
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
 def _sequence_rows(module, x: torch.Tensor) -> slice | None:
@@ -100,7 +103,7 @@ class QATLayerNormColumnParallelLinear(QATColumnParallelLinear):
         super().__init__(input_size, output_size, config=config, **kwargs)
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
         self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, device=device, dtype=config.params_dtype))
-        setattr(self.layer_norm_weight, "sequence_parallel", config.sequence_parallel)
+        self.layer_norm_weight.sequence_parallel = config.sequence_parallel
         if config.normalization != "RMSNorm":
             raise ValueError(f"the fused norm is RMSNorm only; config.normalization is {config.normalization!r}")
         self.layer_norm_eps = config.layernorm_epsilon
@@ -131,9 +134,16 @@ class QATRowParallelLinear(RowParallelLinear):
             input_ = st.activation(input_, b.site, k_slice, select=b.select)
         weight = b.state.weight(self.weight)
         # Megatron's RowParallelLinear.forward with the fake-quantized weight.
-        out = self._forward_impl(input=input_, weight=weight, bias=None,
-                                 gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                                 allreduce_dgrad=False, sequence_parallel=False, tp_group=None, grad_output_buffer=None)
+        out = self._forward_impl(
+            input=input_,
+            weight=weight,
+            bias=None,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            allreduce_dgrad=False,
+            sequence_parallel=False,
+            tp_group=None,
+            grad_output_buffer=None,
+        )
         if self.explicit_expert_comm:
             assert self.skip_bias_add
         elif self.sequence_parallel:
@@ -187,14 +197,17 @@ class QATSpecProvider(LocalSpecProvider):
         if moe_use_grouped_gemm:
             raise ValueError("the project's layer spec runs experts as SequentialMLP (moe_grouped_gemm=False)")
         return super().grouped_mlp_modules(False, False)[0], MLPSubmodules(
-            linear_fc1=QATColumnParallelLinear, linear_fc2=QATRowParallelLinear)
+            linear_fc1=QATColumnParallelLinear, linear_fc2=QATRowParallelLinear
+        )
 
 
 def layer_spec(*, num_experts: int | None, qk_layernorm: bool, fused_norm: bool = True) -> ModuleSpec:
     """One decoder layer of the project's spec (see the module docstring for the layout)."""
     fused = QATLayerNormColumnParallelLinear if fused_norm else QATColumnParallelLinear
     if num_experts:
-        mlp = get_moe_module_spec_for_backend(backend=QATSpecProvider(), num_experts=num_experts, moe_grouped_gemm=False)
+        mlp = get_moe_module_spec_for_backend(
+            backend=QATSpecProvider(), num_experts=num_experts, moe_grouped_gemm=False
+        )
     else:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fused, linear_fc2=QATRowParallelLinear))
     qk = RMSNorm if qk_layernorm else IdentityOp
@@ -205,8 +218,13 @@ def layer_spec(*, num_experts: int | None, qk_layernorm: bool, fused_norm: bool 
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(linear_qkv=fused, core_attention=QATDotProductAttention,
-                                                   linear_proj=QATRowParallelLinear, q_layernorm=qk, k_layernorm=qk),
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=fused,
+                    core_attention=QATDotProductAttention,
+                    linear_proj=QATRowParallelLinear,
+                    q_layernorm=qk,
+                    k_layernorm=qk,
+                ),
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm if (num_experts or not fused_norm) else IdentityOp,
@@ -216,7 +234,9 @@ def layer_spec(*, num_experts: int | None, qk_layernorm: bool, fused_norm: bool 
     )
 
 
-def block_spec(config, *, num_experts: int | None, qk_layernorm: bool, fused_norm: bool = True) -> TransformerBlockSubmodules:
+def block_spec(
+    config, *, num_experts: int | None, qk_layernorm: bool, fused_norm: bool = True
+) -> TransformerBlockSubmodules:
     """This pipeline stage's layers and the final RMSNorm (Megatron's default block picks
     WrappedTorchNorm, which refuses sequence parallelism)."""
     spec = layer_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, fused_norm=fused_norm)

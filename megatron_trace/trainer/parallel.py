@@ -1,4 +1,5 @@
 """torch.distributed + Megatron-Core model-parallel setup for the trainer (GPU or CPU/gloo)."""
+
 from __future__ import annotations
 
 import random
@@ -28,8 +29,9 @@ def init_distributed(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> No
         if cuda:
             torch.cuda.set_device((launched.local_rank if launched else 0) % torch.cuda.device_count())
         if launched:
-            dist.init_process_group(backend="nccl" if cuda else "gloo", rank=launched.rank,
-                                    world_size=launched.world_size)
+            dist.init_process_group(
+                backend="nccl" if cuda else "gloo", rank=launched.rank, world_size=launched.world_size
+            )
         else:
             # A single process needs no rendezvous port: two runs on one machine must not collide.
             dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -98,8 +98,10 @@ class MicroBatchGuidance:
             block = ref.payload.shape[-1] * per // ref.scale.shape[-1]  # 16 (NVFP4) or 32 (MXFP4)
             scale = scale[..., k0 // block : k1 // block]
             payload = payload[..., k0 // per : k1 // per]
+
         def flat(t):
             return t.reshape(s * b, *t.shape[2:]).contiguous().to(dev)
+
         rr = RolloutRounding(
             flat(scale), flat(gs), codes=flat(payload) if full else None, mantissa=None if full else flat(payload)
         )
@@ -222,8 +224,10 @@ class QATState:
             return deq
         if rows is not None:  # sequence parallel: this rank's rows of the micro-batch
             rr, mask = got
+
             def pick(t):
                 return None if t is None else t[rows]
+
             got = RolloutRounding(pick(rr.scale), pick(rr.global_scale), pick(rr.codes), pick(rr.mantissa)), mask[rows]
         if select is not None:
             got = select(*got)
@@ -239,8 +243,10 @@ class QATState:
                 f"layout disagree"
             )
         if heads is not None:
+
             def pick(t):
                 return None if t is None else t[:, heads]
+
             gs = rr.global_scale[:, heads] if rr.global_scale.dim() > 1 else rr.global_scale
             rr = RolloutRounding(pick(rr.scale), gs, pick(rr.codes), pick(rr.mantissa))
         if self.mode != "guided":

@@ -7,6 +7,7 @@ the budget travels alone in an oversized bucket (it cannot be split), which `Buc
 records. Every floating tensor is checked for NaN/Inf before it enters a bucket, so a bad
 parameter raises here, naming it, before its bucket is sent.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -31,8 +32,14 @@ class BucketStats:
     peak_held_bytes: int = 0  # max bytes the packer held at once (open bucket + incoming unit)
 
 
-def pack_buckets(units: Iterable[Unit], version: int, bucket_mb: float = 512.0, *,
-                 budget_bytes: int | None = None, stats: BucketStats | None = None) -> Iterator[WeightBucket]:
+def pack_buckets(
+    units: Iterable[Unit],
+    version: int,
+    bucket_mb: float = 512.0,
+    *,
+    budget_bytes: int | None = None,
+    stats: BucketStats | None = None,
+) -> Iterator[WeightBucket]:
     """Yield buckets of whole units, each at most `bucket_mb` MiB unless one unit alone exceeds it."""
     budget = int(budget_bytes if budget_bytes is not None else bucket_mb * (1 << 20))
     if budget <= 0:

@@ -15,6 +15,7 @@ Prompts: `load_prompts(file, tokenizer_dir)` reads one prompt per line: a JSON l
 `{"input_ids": [...]}`, `{"text": "..."}` or a JSON string (text needs the checkpoint's tokenizer;
 `{"messages": [...]}` goes through its chat template).
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,10 @@ def load_prompts(path: str | Path, tokenizer_dir: str | Path | None = None) -> l
 
 def _tokenizer(tokenizer_dir, where: str):
     if tokenizer_dir is None or not (Path(tokenizer_dir) / "tokenizer_config.json").exists():
-        raise ValueError(f"{where}: text prompts need the checkpoint's tokenizer files (none in {tokenizer_dir}); "
-                         "write token ids instead")
+        raise ValueError(
+            f"{where}: text prompts need the checkpoint's tokenizer files (none in {tokenizer_dir}); "
+            "write token ids instead"
+        )
     from transformers import AutoTokenizer  # lazy: seconds of imports
 
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -82,26 +85,32 @@ def _hf_model(hf_sd: Mapping[str, torch.Tensor], hf_config: dict):
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
-        raise ValueError(f"calibration model does not match the checkpoint: missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]}")
+        raise ValueError(
+            f"calibration model does not match the checkpoint: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     return model.eval()
 
 
-def calibrate_input_amax(hf_sd: Mapping[str, torch.Tensor], hf_config: dict, prompts: Sequence[Sequence[int]],
-                         modules: Sequence[str]) -> dict[str, float]:
+def calibrate_input_amax(
+    hf_sd: Mapping[str, torch.Tensor], hf_config: dict, prompts: Sequence[Sequence[int]], modules: Sequence[str]
+) -> dict[str, float]:
     """{HF module name: max |input|} of each module in `modules` over the prompts (fp32 forward)."""
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
     if any(".experts." in m for m in modules):
-        raise ValueError("calibrating routed-expert inputs is not supported (transformers fuses the experts into "
-                         "one module); pass --input-amax with a measured table instead")
+        raise ValueError(
+            "calibrating routed-expert inputs is not supported (transformers fuses the experts into "
+            "one module); pass --input-amax with a measured table instead"
+        )
     model = _hf_model(hf_sd, hf_config)
     amax = {m: torch.zeros((), dtype=torch.float32) for m in modules}
     hooks = []
     for m in modules:
+
         def pre(_mod, args, m=m):
             x = args[0].detach().float().abs()
             amax[m] = torch.maximum(amax[m], torch.nan_to_num(x, nan=0.0).amax())
+
         hooks.append(model.get_submodule(m).register_forward_pre_hook(pre))
     try:
         with torch.no_grad():
@@ -114,4 +123,3 @@ def calibrate_input_amax(hf_sd: Mapping[str, torch.Tensor], hf_config: dict, pro
     if zero:
         raise ValueError(f"calibration saw no non-zero input for {zero[:4]}; use more or longer prompts")
     return {m: float(v) for m, v in amax.items()}
-

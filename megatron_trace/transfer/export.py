@@ -24,6 +24,7 @@ included) when the source has them. The quantization is
 `transfer.quantize`, the same code the live transfer uses, so an exported checkpoint and a live
 update hold the same bits. `--dtype auto` keeps the source dtype for high-precision tensors.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,18 @@ from .quantize import rollout_tensors
 
 # The tokenizer and its chat template (transformers 5 writes chat_template.jinja; older ones keep it in
 # tokenizer_config.json; processors use chat_template.json).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json", "generation_config.json", "tokenizer.model", "chat_template.jinja",
-                   "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 _DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -67,8 +77,9 @@ def load_hf_dir(path: str | Path) -> tuple[ModelArch, dict[str, torch.Tensor], d
     return ModelArch.from_hf_config(cfg), unfuse_hf_experts(sd), cfg
 
 
-def load_megatron_checkpoint(root: str | Path, hf_config: str | Path | None = None
-                             ) -> tuple[ModelArch, dict[str, torch.Tensor], dict]:
+def load_megatron_checkpoint(
+    root: str | Path, hf_config: str | Path | None = None
+) -> tuple[ModelArch, dict[str, torch.Tensor], dict]:
     """An `Actor` checkpoint of a single-rank run -> (arch, HF state dict, config)."""
     root = Path(root)
     ckpt = root / (root / "latest").read_text().strip()
@@ -77,7 +88,8 @@ def load_megatron_checkpoint(root: str | Path, hf_config: str | Path | None = No
         raise ValueError(
             f"{ckpt} was saved by {meta['world_size']} ranks; each holds its own TP/PP shard, so it must be "
             "loaded by the same world (Actor.load_checkpoint) and exported from there (push_weights with a "
-            "DiskTransport, or gpt.export_hf_state_dict). This CLI reads single-rank checkpoints only.")
+            "DiskTransport, or gpt.export_hf_state_dict). This CLI reads single-rank checkpoints only."
+        )
     cfg_path = Path(hf_config) if hf_config else root
     cfg_file = cfg_path / "config.json" if cfg_path.is_dir() else cfg_path
     if not cfg_file.exists():
@@ -87,8 +99,10 @@ def load_megatron_checkpoint(root: str | Path, hf_config: str | Path | None = No
         state = torch.load(ckpt / "rank_00000.pt", map_location="cpu", weights_only=True)
     except Exception:  # optimizer state may hold plain Python objects; this is our own local file
         state = torch.load(ckpt / "rank_00000.pt", map_location="cpu", weights_only=False)
-    te = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-          "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+    te = {
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    }
     sd = {}
     for k, v in state["model"].items():
         if k.endswith("_extra_state"):
@@ -104,13 +118,13 @@ def load_megatron_checkpoint(root: str | Path, hf_config: str | Path | None = No
 CALIBRATION_NEEDED = (
     "a W4A4 NVFP4 export must carry calibrated activation scales (input_scale), which stock SGLang/vLLM "
     "quantize activations with: pass --calib-prompts PROMPTS.jsonl (a calibration pass over prompts) or "
-    "--input-amax AMAX.json ({module: amax}); export_checkpoint(input_amax=calibrate_input_amax(...))")
+    "--input-amax AMAX.json ({module: amax}); export_checkpoint(input_amax=calibrate_input_amax(...))"
+)
 MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the format we write; loaders check the name
 EXPORTER = {"name": "megatron_trace", "version": "0.1"}
 
 
-def quant_configs(arch: ModelArch, policy: QuantPolicy, *, kv_cache_quant_algo: str | None = None
-                  ) -> tuple[dict, dict]:
+def quant_configs(arch: ModelArch, policy: QuantPolicy, *, kv_cache_quant_algo: str | None = None) -> tuple[dict, dict]:
     """(config.json's quantization_config, hf_quant_config.json) in the forms ModelOpt 0.47 writes.
 
     hf_quant_config.json: {"producer", "quantization": {quant_algo, kv_cache_quant_algo, group_size,
@@ -130,25 +144,43 @@ def quant_configs(arch: ModelArch, policy: QuantPolicy, *, kv_cache_quant_algo: 
     targets = sorted(fp4) if banded else list(policy.targets)
     w4a4 = policy.activations == "fp4"
     algo = "NVFP4" if w4a4 else "W4A16_NVFP4"
-    hq = {"producer": dict(MODELOPT_PRODUCER), "exporter": dict(EXPORTER),
-          "quantization": {"quant_algo": algo, "kv_cache_quant_algo": kv_cache_quant_algo, "group_size": 16,
-                           "exclude_modules": exclude, "trace_targets": targets,
-                           "activation_scale": policy.activation_scale}}
+    hq = {
+        "producer": dict(MODELOPT_PRODUCER),
+        "exporter": dict(EXPORTER),
+        "quantization": {
+            "quant_algo": algo,
+            "kv_cache_quant_algo": kv_cache_quant_algo,
+            "group_size": 16,
+            "exclude_modules": exclude,
+            "trace_targets": targets,
+            "activation_scale": policy.activation_scale,
+        },
+    }
     fmt = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
     group = {"input_activations": dict(fmt), "weights": dict(fmt)} if w4a4 else {"weights": dict(fmt)}
     qc = {"config_groups": {"group_0": {**group, "targets": ["Linear"]}}, "ignore": list(exclude), "quant_algo": algo}
     if kv_cache_quant_algo:
-        qc["kv_cache_scheme"] = ({"dynamic": False, "num_bits": 8, "type": "float"}
-                                 if kv_cache_quant_algo == "FP8" else kv_cache_quant_algo)
+        qc["kv_cache_scheme"] = (
+            {"dynamic": False, "num_bits": 8, "type": "float"} if kv_cache_quant_algo == "FP8" else kv_cache_quant_algo
+        )
     qc["producer"] = dict(MODELOPT_PRODUCER)
     qc["quant_method"] = "modelopt"
     return qc, hq
 
 
-def export_checkpoint(hf_sd: Mapping[str, torch.Tensor], arch: ModelArch, out: str | Path, *,
-                      fmt: str = "nvfp4", policy: QuantPolicy | None = None, dtype: torch.dtype | None = None,
-                      max_shard_mb: float = 4096.0, input_amax: Mapping[str, float] | None = None,
-                      hf_config: dict | None = None, tokenizer_from: str | Path | None = None) -> Path:
+def export_checkpoint(
+    hf_sd: Mapping[str, torch.Tensor],
+    arch: ModelArch,
+    out: str | Path,
+    *,
+    fmt: str = "nvfp4",
+    policy: QuantPolicy | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_mb: float = 4096.0,
+    input_amax: Mapping[str, float] | None = None,
+    hf_config: dict | None = None,
+    tokenizer_from: str | Path | None = None,
+) -> Path:
     """Write the checkpoint directory `out` (replaced if it exists); returns it."""
     from safetensors.torch import save_file
 
@@ -160,8 +192,10 @@ def export_checkpoint(hf_sd: Mapping[str, torch.Tensor], arch: ModelArch, out: s
     elif policy.format != "nvfp4" or not policy.enabled:
         raise ValueError(f"--format nvfp4 needs an nvfp4 policy with FP4 weights; got {policy.to_dict()}")
     elif policy.activations != "fp4":
-        raise ValueError("W4A16 NVFP4 exports are not supported (the engines here would serve them W4A4); "
-                         "export W4A4 with calibrated activation scales")
+        raise ValueError(
+            "W4A16 NVFP4 exports are not supported (the engines here would serve them W4A4); "
+            "export W4A4 with calibrated activation scales"
+        )
     elif input_amax is None:
         raise ValueError(CALIBRATION_NEEDED)
     else:  # stock engines quantize activations with the checkpoint's static input_scale
@@ -199,7 +233,8 @@ def export_checkpoint(hf_sd: Mapping[str, torch.Tensor], arch: ModelArch, out: s
             (tmp / f"part-{i:05d}.safetensors").rename(tmp / fname)
             weight_map.update({n: fname for n in names})
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     cfg = dict(hf_config or arch.to_hf_config())
     cfg.pop("quantization_config", None)
     if dtype is not None:
@@ -228,9 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16-layers-end", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="auto")
     p.add_argument("--max-shard-mb", type=float, default=4096.0)
-    p.add_argument("--calib-prompts", default=None,
-                   help="JSON lines of prompts (token ids, text or chat messages) for the activation-scale "
-                        "calibration pass that a W4A4 export needs")
+    p.add_argument(
+        "--calib-prompts",
+        default=None,
+        help="JSON lines of prompts (token ids, text or chat messages) for the activation-scale "
+        "calibration pass that a W4A4 export needs",
+    )
     p.add_argument("--input-amax", default=None, help="JSON {module: amax}: measured activation amax instead")
     p.add_argument("--hf-config", default=None, help="config.json (or its dir) for a Megatron checkpoint")
     args = p.parse_args(argv)
@@ -245,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.calib_prompts and args.input_amax:
             raise ValueError("pass --calib-prompts or --input-amax, not both")
         amax = json.loads(Path(args.input_amax).read_text()) if args.input_amax else None
-        kw = dict(bf16_layers_start=args.bf16_layers_start, bf16_layers_end=args.bf16_layers_end,
-                  activation_scale="static" if amax or args.calib_prompts else "per_token")
+        kw = dict(
+            bf16_layers_start=args.bf16_layers_start,
+            bf16_layers_end=args.bf16_layers_end,
+            activation_scale="static" if amax or args.calib_prompts else "per_token",
+        )
         if args.quant_targets:
             kw["targets"] = tuple(args.quant_targets)
         policy = QuantPolicy(**kw)
@@ -254,8 +295,18 @@ def main(argv: list[str] | None = None) -> int:
             from .calibrate import calibrate_input_amax, load_prompts
 
             amax = calibrate_input_amax(sd, cfg, load_prompts(args.calib_prompts, tok), policy.quantized_linears(arch))
-        out = export_checkpoint(sd, arch, args.out, fmt=args.format, policy=policy, dtype=_DTYPES[args.dtype],
-                                max_shard_mb=args.max_shard_mb, input_amax=amax, hf_config=cfg, tokenizer_from=tok)
+        out = export_checkpoint(
+            sd,
+            arch,
+            args.out,
+            fmt=args.format,
+            policy=policy,
+            dtype=_DTYPES[args.dtype],
+            max_shard_mb=args.max_shard_mb,
+            input_amax=amax,
+            hf_config=cfg,
+            tokenizer_from=tok,
+        )
     except (ValueError, KeyError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ After step 3 every rank holds the full tensor, so EVERY rank yields the same str
 sender (global rank 0) needs it, the others just have to keep iterating so the collectives pair
 up. Peak extra memory is about two copies of the largest parameter (shards list + gathered).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -59,8 +60,17 @@ def plan(arch: ModelArch, par: Parallel, padded_vocab: int) -> list[PlannedParam
     out: list[PlannedParam] = []
     for stage in range(par.pp):
         start, _ = pp_layer_range(arch.num_layers, par.pp, stage)
-        local = hf_to_megatron(meta, arch, tp_size=par.tp, tp_rank=0, pp_size=par.pp, pp_rank=stage,
-                               ep_size=par.ep, ep_rank=0, padded_vocab_size=padded_vocab)
+        local = hf_to_megatron(
+            meta,
+            arch,
+            tp_size=par.tp,
+            tp_rank=0,
+            pp_size=par.pp,
+            pp_rank=stage,
+            ep_size=par.ep,
+            ep_rank=0,
+            padded_vocab_size=padded_vocab,
+        )
         experts: list[tuple[str, torch.Tensor]] = []
 
         def flush() -> None:
@@ -109,8 +119,9 @@ def hf_order(arch: ModelArch, par: Parallel, padded_vocab: int) -> list[tuple[st
     out = []
     for p in plan(arch, par, padded_vocab):
         t = torch.empty(p.full_shape, device="meta")
-        pairs = megatron_param_to_hf(p.name, t, arch, p.layer_offset, expert_offset=p.expert_offset,
-                                     tp_size=1 if p.split_dim is None else par.tp)
+        pairs = megatron_param_to_hf(
+            p.name, t, arch, p.layer_offset, expert_offset=p.expert_offset, tp_size=1 if p.split_dim is None else par.tp
+        )
         out += [(n, tuple(x.shape)) for n, x in pairs]
     return out
 
@@ -118,15 +129,19 @@ def hf_order(arch: ModelArch, par: Parallel, padded_vocab: int) -> list[tuple[st
 def model_parallel(model_chunks: list) -> tuple[Parallel, int]:
     """(the parallel sizes, the model's padded vocab) of an initialized Megatron run."""
     ps = _groups()
-    par = Parallel(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                   ps.get_expert_model_parallel_world_size())
+    par = Parallel(
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+    )
     (chunk,) = model_chunks
     return par, int(_unwrap(chunk).vocab_size)
 
 
 @torch.no_grad()
-def iter_hf_params(model_chunks: list, arch: ModelArch, *, out_device: str | torch.device = "cpu"
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_params(
+    model_chunks: list, arch: ModelArch, *, out_device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model, streaming; collective over all ranks.
 
     Every rank must consume the generator to the end in lockstep (it issues TP all-gathers and
@@ -157,8 +172,14 @@ def iter_hf_params(model_chunks: list, arch: ModelArch, *, out_device: str | tor
             if full is None:
                 full = torch.empty(p.full_shape, dtype=dtype, device=device)
             dist.broadcast(full, src=dist.get_global_rank(group, p.stage), group=group)
-        pairs = megatron_param_to_hf(p.name, full, arch, p.layer_offset, expert_offset=p.expert_offset,
-                                     tp_size=1 if p.split_dim is None else par.tp)
+        pairs = megatron_param_to_hf(
+            p.name,
+            full,
+            arch,
+            p.layer_offset,
+            expert_offset=p.expert_offset,
+            tp_size=1 if p.split_dim is None else par.tp,
+        )
         for hf_name, t in pairs:
             yield hf_name, t.to(out_device).contiguous()
         del full, pairs  # keep only one parameter alive at a time

@@ -1,11 +1,12 @@
 """One weight sync, end to end: gather -> quantize -> bucket -> transport.
 
-    # every trainer rank (collective); only global rank 0 passes a transport
-    stats = push_weights(chunks, arch, policy, transport if rank == 0 else None, version=step)
+# every trainer rank (collective); only global rank 0 passes a transport
+stats = push_weights(chunks, arch, policy, transport if rank == 0 else None, version=step)
 
-    # single process, from an HF state dict (export, benchmarks, tests)
-    stats = push_hf_state_dict(hf_sd, arch, policy, transport, version=1)
+# single process, from an HF state dict (export, benchmarks, tests)
+stats = push_hf_state_dict(hf_sd, arch, policy, transport, version=1)
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,8 +29,19 @@ def hf_state_dict_stream(hf_sd: Mapping[str, torch.Tensor], arch: ModelArch) -> 
         yield name, hf_sd[name]
 
 
-def _send(stream: Iterable[tuple[str, torch.Tensor]], arch: ModelArch, policy: QuantPolicy, transport: Transport,
-          version: int, *, bucket_mb: float, input_amax, dtype, plan, bucket_stats) -> TransferStats:
+def _send(
+    stream: Iterable[tuple[str, torch.Tensor]],
+    arch: ModelArch,
+    policy: QuantPolicy,
+    transport: Transport,
+    version: int,
+    *,
+    bucket_mb: float,
+    input_amax,
+    dtype,
+    plan,
+    bucket_stats,
+) -> TransferStats:
     units = rollout_tensors(stream, arch, policy, input_amax=input_amax, dtype=dtype)
     buckets = pack_buckets(units, version, bucket_mb, stats=bucket_stats)
     return transport.send(_with_fault_point(buckets, version), version, manifest=plan)
@@ -43,21 +55,48 @@ def _with_fault_point(buckets: Iterable, version: int) -> Iterator:
         yield b
 
 
-def push_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], arch: ModelArch, policy: QuantPolicy,
-                       transport: Transport, version: int, *, bucket_mb: float = 512.0,
-                       input_amax: Mapping[str, float] | None = None, dtype: torch.dtype | None = None,
-                       bucket_stats: BucketStats | None = None) -> TransferStats:
+def push_hf_state_dict(
+    hf_sd: Mapping[str, torch.Tensor],
+    arch: ModelArch,
+    policy: QuantPolicy,
+    transport: Transport,
+    version: int,
+    *,
+    bucket_mb: float = 512.0,
+    input_amax: Mapping[str, float] | None = None,
+    dtype: torch.dtype | None = None,
+    bucket_stats: BucketStats | None = None,
+) -> TransferStats:
     """Quantize + bucket + send a full HF state dict (one process)."""
     shapes = arch.hf_param_shapes()
     model_dtype = next(iter(hf_sd.values())).dtype
     plan = manifest(shapes.items(), arch, policy, model_dtype=model_dtype, dtype=dtype)
-    return _send(hf_state_dict_stream(hf_sd, arch), arch, policy, transport, version, bucket_mb=bucket_mb,
-                 input_amax=input_amax, dtype=dtype, plan=plan, bucket_stats=bucket_stats)
+    return _send(
+        hf_state_dict_stream(hf_sd, arch),
+        arch,
+        policy,
+        transport,
+        version,
+        bucket_mb=bucket_mb,
+        input_amax=input_amax,
+        dtype=dtype,
+        plan=plan,
+        bucket_stats=bucket_stats,
+    )
 
 
-def push_weights(model_chunks: list, arch: ModelArch, policy: QuantPolicy, transport: Transport | None,
-                 version: int, *, bucket_mb: float = 512.0, input_amax: Mapping[str, float] | None = None,
-                 dtype: torch.dtype | None = None, bucket_stats: BucketStats | None = None) -> TransferStats | None:
+def push_weights(
+    model_chunks: list,
+    arch: ModelArch,
+    policy: QuantPolicy,
+    transport: Transport | None,
+    version: int,
+    *,
+    bucket_mb: float = 512.0,
+    input_amax: Mapping[str, float] | None = None,
+    dtype: torch.dtype | None = None,
+    bucket_stats: BucketStats | None = None,
+) -> TransferStats | None:
     """Collective over all trainer ranks: rank(s) with `transport=None` only take part in the
     gather's collectives; the sender (global rank 0) quantizes, buckets and sends. Returns the
     sender's stats (None elsewhere). If sending fails the sender raises AFTER draining the gather,
@@ -71,8 +110,18 @@ def push_weights(model_chunks: list, arch: ModelArch, policy: QuantPolicy, trans
     model_dtype = next(p for p in model_chunks[0].parameters()).dtype
     plan = manifest(hf_order(arch, par, vocab), arch, policy, model_dtype=model_dtype, dtype=dtype)
     try:
-        return _send(stream, arch, policy, transport, version, bucket_mb=bucket_mb, input_amax=input_amax,
-                     dtype=dtype, plan=plan, bucket_stats=bucket_stats)
+        return _send(
+            stream,
+            arch,
+            policy,
+            transport,
+            version,
+            bucket_mb=bucket_mb,
+            input_amax=input_amax,
+            dtype=dtype,
+            plan=plan,
+            bucket_stats=bucket_stats,
+        )
     finally:
         for _ in stream:  # keep the collectives paired if the send stopped early
             pass

@@ -14,6 +14,7 @@ weights are bit-identical to quantizing the exported HF checkpoint.
 MXFP4 policies send the weights unquantized (the model dtype): ModelOpt has no MXFP4 layout
 and the engine quantizes MXFP4 from high-precision weights itself, with the same fp4/ code.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
@@ -26,8 +27,13 @@ from ..models import ModelArch, QuantPolicy
 Unit = list[tuple[str, torch.Tensor]]
 
 # Leaf -> fused group leaf, and each group's members in the engine's shard order.
-_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 _MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 MODELOPT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
@@ -81,14 +87,18 @@ def group_units(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Unit]:
 def _amax_for(modules: list[str], group: str, input_amax: Mapping[str, float] | None) -> torch.Tensor:
     """One activation amax for a fused group: the max over its members (loaders take the max too)."""
     if input_amax is None:
-        raise KeyError("the policy uses static activation scales (activation_scale='static') but no "
-                       "calibrated input_amax was passed to the transfer")
+        raise KeyError(
+            "the policy uses static activation scales (activation_scale='static') but no "
+            "calibrated input_amax was passed to the transfer"
+        )
     vals = [input_amax[m] for m in modules if m in input_amax]
     if not vals and group in input_amax:
         vals = [input_amax[group]]
     if not vals:
-        raise KeyError(f"no calibrated input amax for {group} (modules {modules}); static activation "
-                       "scales need one per FP4 linear")
+        raise KeyError(
+            f"no calibrated input amax for {group} (modules {modules}); static activation "
+            "scales need one per FP4 linear"
+        )
     return torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in vals]).amax()
 
 
@@ -96,16 +106,24 @@ def _modelopt_shapes(w: torch.Tensor, with_input: bool) -> dict[str, torch.Tenso
     n, k = w.shape
     if k % 16:
         raise ValueError(f"NVFP4 needs in_features divisible by 16; got {k}")
-    out = {"weight": torch.empty(n, k // 2, dtype=torch.uint8, device="meta"),
-           "weight_scale": torch.empty(n, k // 16, dtype=torch.float8_e4m3fn, device="meta"),
-           "weight_scale_2": torch.empty((), dtype=torch.float32, device="meta")}
+    out = {
+        "weight": torch.empty(n, k // 2, dtype=torch.uint8, device="meta"),
+        "weight_scale": torch.empty(n, k // 16, dtype=torch.float8_e4m3fn, device="meta"),
+        "weight_scale_2": torch.empty((), dtype=torch.float32, device="meta"),
+    }
     if with_input:
         out["input_scale"] = torch.empty((), dtype=torch.float32, device="meta")
     return out
 
 
-def quantize_unit(unit: Unit, arch: ModelArch, policy: QuantPolicy, *,
-                  input_amax: Mapping[str, float] | None = None, dtype: torch.dtype | None = None) -> Unit:
+def quantize_unit(
+    unit: Unit,
+    arch: ModelArch,
+    policy: QuantPolicy,
+    *,
+    input_amax: Mapping[str, float] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Unit:
     """One unit's rollout tensors (meta tensors in, meta tensors out: the shapes/dtypes only)."""
     for name, t in unit:
         check_finite(name, t)  # before quantizing: FP4 codes cannot show a NaN any more
@@ -137,24 +155,40 @@ def quantize_unit(unit: Unit, arch: ModelArch, policy: QuantPolicy, *,
     return result
 
 
-def quantize_units(units: Iterable[Unit], arch: ModelArch, policy: QuantPolicy, *,
-                   input_amax: Mapping[str, float] | None = None, dtype: torch.dtype | None = None
-                   ) -> Iterator[Unit]:
+def quantize_units(
+    units: Iterable[Unit],
+    arch: ModelArch,
+    policy: QuantPolicy,
+    *,
+    input_amax: Mapping[str, float] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Iterator[Unit]:
     """Streaming `quantize_unit` over units (one unit alive at a time)."""
     for unit in units:
         yield quantize_unit(unit, arch, policy, input_amax=input_amax, dtype=dtype)
 
 
-def rollout_tensors(stream: Iterable[tuple[str, torch.Tensor]], arch: ModelArch, policy: QuantPolicy, *,
-                    input_amax: Mapping[str, float] | None = None, dtype: torch.dtype | None = None
-                    ) -> Iterator[Unit]:
+def rollout_tensors(
+    stream: Iterable[tuple[str, torch.Tensor]],
+    arch: ModelArch,
+    policy: QuantPolicy,
+    *,
+    input_amax: Mapping[str, float] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Iterator[Unit]:
     """HF (name, tensor) stream -> units of rollout tensors."""
     return quantize_units(group_units(stream), arch, policy, input_amax=input_amax, dtype=dtype)
 
 
-def manifest(hf_shapes: Iterable[tuple[str, tuple[int, ...]]], arch: ModelArch, policy: QuantPolicy, *,
-             model_dtype: torch.dtype, static: bool | None = None, dtype: torch.dtype | None = None
-             ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def manifest(
+    hf_shapes: Iterable[tuple[str, tuple[int, ...]]],
+    arch: ModelArch,
+    policy: QuantPolicy,
+    *,
+    model_dtype: torch.dtype,
+    static: bool | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(name, dtype, shape) of every rollout tensor, in send order, without any data: the
     distributed transport must announce all names/dtypes/shapes before the first broadcast."""
     meta = ((n, torch.empty(s, dtype=model_dtype, device="meta")) for n, s in hf_shapes)

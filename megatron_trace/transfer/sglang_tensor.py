@@ -6,7 +6,8 @@
 A real SGLang 0.5.23 server takes JSON `UpdateWeightsFromTensorReqInput`: `serialized_named_tensors`
 holds one payload per TP rank, each `MultiprocessingSerializer.serialize([(name, tensor), ...],
 output_str=True)`: torch's ForkingPickler, base64. The tensors are NOT in the payload: ForkingPickler
-shares them (CPU: named shared-memory files, see `_serialize`; GPU: CUDA IPC handles), so the server must run on the same node, while this process keeps the tensors alive
+shares them (CPU: named shared-memory files, see `_serialize`; GPU: CUDA IPC handles), so the server
+must run on the same node, while this process keeps the tensors alive
 (until the POST returns, which `send` does). Across nodes use DistributedTransport or
 DiskTransport. The payload is made by SGLang's own serializer (imported from the sglang package,
 which a colocated trainer has) and read by SGLang's restricted unpickler: this is the one place a
@@ -18,6 +19,7 @@ safetensors bytes are refused (HTTP 400) by SGLang. Like DistributedTransport, t
 SGLang's weight-update session (`/begin_weight_update` ... `/end_weight_update`, which rebuilds the
 quant methods' derived state: the ModelOpt scales are refreshed in place).
 """
+
 from __future__ import annotations
 
 import time
@@ -42,8 +44,11 @@ def begin_sessions(urls: list[str], api_key: str | None, timeout_s: float) -> li
 
 
 def end_sessions(urls: list[str], api_key: str | None, timeout_s: float) -> None:
-    bad = {u: r.get("message") for u in urls
-           if not (r := _post(u, "/end_weight_update", {}, api_key, timeout_s)).get("success")}
+    bad = {
+        u: r.get("message")
+        for u in urls
+        if not (r := _post(u, "/end_weight_update", {}, api_key, timeout_s)).get("success")
+    }
     if bad:
         raise TransferError(f"end_weight_update failed: {bad}")
 
@@ -51,15 +56,16 @@ def end_sessions(urls: list[str], api_key: str | None, timeout_s: float) -> None
 class SGLangTensorTransport(Transport):
     """Every bucket of one version in ONE SGLang `/update_weights_from_tensor` call per server."""
 
-    def __init__(self, urls: list[str] | str, api_key: str | None = None, tp_size: int = 1,
-                 timeout_s: float = 300.0):
+    def __init__(self, urls: list[str] | str, api_key: str | None = None, tp_size: int = 1, timeout_s: float = 300.0):
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         self.api_key, self.tp_size, self.timeout_s = api_key, int(tp_size), timeout_s
         try:
             from sglang.srt.utils import MultiprocessingSerializer
         except ImportError as e:
-            raise TransferError("SGLangTensorTransport needs the sglang package (a colocated trainer shares "
-                                f"tensors with the server through SGLang's serializer): {e}") from e
+            raise TransferError(
+                "SGLangTensorTransport needs the sglang package (a colocated trainer shares "
+                f"tensors with the server through SGLang's serializer): {e}"
+            ) from e
         self._serializer = MultiprocessingSerializer
 
     def _serialize(self, named) -> str:
@@ -81,13 +87,18 @@ class SGLangTensorTransport(Transport):
         merged = _merge(buckets, version, stats)  # raises (NaN, duplicates) before anything is sent
         named = [(n, t.detach().contiguous()) for n, t in merged.tensors.items()]
         payload = self._serialize(named)
-        body = {"serialized_named_tensors": [payload] * self.tp_size, "flush_cache": True,
-                "weight_version": str(version)}
+        body = {
+            "serialized_named_tensors": [payload] * self.tp_size,
+            "flush_cache": True,
+            "weight_version": str(version),
+        }
         opened = begin_sessions(self.urls, self.api_key, self.timeout_s)
         try:
-            bad = {u: r.get("message") for u in self.urls
-                   if not (r := _post(u, "/update_weights_from_tensor", body, self.api_key, self.timeout_s)
-                           ).get("success")}
+            bad = {
+                u: r.get("message")
+                for u in self.urls
+                if not (r := _post(u, "/update_weights_from_tensor", body, self.api_key, self.timeout_s)).get("success")
+            }
         finally:
             end_sessions(opened, self.api_key, self.timeout_s)
         del named  # the servers have loaded: the shared tensors may go

@@ -18,6 +18,7 @@ Routed experts: `transfer.calibrate` cannot hook them (transformers fuses the ex
 module), so `check_calibratable` refuses an MoE run with FP4 experts and static scales, by name,
 on every rank before the first step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -31,8 +32,9 @@ def static_amax_modules(arch: ModelArch, policy: QuantPolicy) -> list[str]:
     return [m for m in policy.quantized_linears(arch) if policy.activation_is_fp4(m, arch.num_layers)]
 
 
-def calibrate_static_amax(model_path: str | Path, arch: ModelArch, policy: QuantPolicy,
-                          prompts: Sequence[Sequence[int]]) -> dict[str, float]:
+def calibrate_static_amax(
+    model_path: str | Path, arch: ModelArch, policy: QuantPolicy, prompts: Sequence[Sequence[int]]
+) -> dict[str, float]:
     """{HF module: max |input|} of every FP4-activation linear over `prompts` (token ids), from the
     fp32 forward of the checkpoint at `model_path`. Raises when the policy is not static or a site
     saw nothing (calibrate_input_amax names zero-amax modules)."""
@@ -52,17 +54,22 @@ def check_calibratable(arch: ModelArch, policy: QuantPolicy) -> list[str]:
     """The modules to calibrate, or a ValueError saying why this policy/model cannot be (cheap: every
     rank of a run calls it, so none is left waiting for a rank 0 that refused)."""
     if policy.activation_scale != "static":
-        raise ValueError(f"calibrating static activation scales for a policy with activation_scale="
-                         f"{policy.activation_scale!r}")
+        raise ValueError(
+            f"calibrating static activation scales for a policy with activation_scale={policy.activation_scale!r}"
+        )
     modules = static_amax_modules(arch, policy)
     if not modules:
-        raise ValueError("activation_scale='static' but the policy quantizes no linear's input to FP4 "
-                         f"(format {policy.format}, activations {policy.activations}): nothing to calibrate")
+        raise ValueError(
+            "activation_scale='static' but the policy quantizes no linear's input to FP4 "
+            f"(format {policy.format}, activations {policy.activations}): nothing to calibrate"
+        )
     if policy.format != "nvfp4":
         raise ValueError(f"static activation scales are NVFP4's input_scale; format {policy.format} has none")
     experts = [m for m in modules if ".experts." in m]
     if experts:
-        raise ValueError(f"static activation scales for routed experts ({experts[0]}, ...): calibrating routed-expert "
-                         "inputs is not supported (transformers fuses the experts into one module); use "
-                         "quant.activation_scale=per_token, or keep the experts out of quant.targets")
+        raise ValueError(
+            f"static activation scales for routed experts ({experts[0]}, ...): calibrating routed-expert "
+            "inputs is not supported (transformers fuses the experts into one module); use "
+            "quant.activation_scale=per_token, or keep the experts out of quant.targets"
+        )
     return modules

@@ -25,10 +25,10 @@ Staging buckets on the receiver and committing on the last one would let HTTP st
 needs an engine change (a `stage` flag on update_weights_from_tensor), so it is not used here.
 After every send the rollout must report `version`, else `TransferError`.
 """
+
 from __future__ import annotations
 
 import abc
-
 import gc
 import json
 import shutil
@@ -67,10 +67,11 @@ class Transport(abc.ABC):
     """Sends all buckets of one version so that the rollout commits them as one update."""
 
     @abc.abstractmethod
-    def send(self, buckets: Iterable[WeightBucket], version: int, *, manifest: Manifest | None = None
-             ) -> TransferStats: ...
+    def send(
+        self, buckets: Iterable[WeightBucket], version: int, *, manifest: Manifest | None = None
+    ) -> TransferStats: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most transports hold nothing to release
         pass
 
 
@@ -117,8 +118,10 @@ class HttpTransport(Transport):
         raw = _merge(buckets, version, stats).to_bytes()
         limit = self.client.model_info().get("max_body_bytes")
         if limit is not None and len(raw) > int(limit):
-            raise TransferError(f"version {version} is {len(raw)} bytes, over the server's body limit {limit}; "
-                                "raise --max-body-mb or use DistributedTransport / DiskTransport")
+            raise TransferError(
+                f"version {version} is {len(raw)} bytes, over the server's body limit {limit}; "
+                "raise --max-body-mb or use DistributedTransport / DiskTransport"
+            )
         self.client.update_weights(_RawBucket(raw, version))  # then RolloutClient checks every version
         stats.bytes, stats.seconds = len(raw), time.perf_counter() - t0
         return stats
@@ -176,9 +179,16 @@ class _Call(threading.Thread):
 class DistributedTransport(Transport):
     """SGLang's `/init_weights_update_group` + `/update_weights_from_distributed`; trainer = rank 0."""
 
-    def __init__(self, urls: list[str] | str, api_key: str | None = None, master_address: str = "127.0.0.1",
-                 master_port: int = 29600, group_name: str = "weight_update_group", timeout_s: float = 300.0,
-                 backend: str = "gloo"):
+    def __init__(
+        self,
+        urls: list[str] | str,
+        api_key: str | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int = 29600,
+        group_name: str = "weight_update_group",
+        timeout_s: float = 300.0,
+        backend: str = "gloo",
+    ):
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         self.api_key, self.address, self.port = api_key, master_address, int(master_port)
         self.group_name, self.timeout_s, self.backend = group_name, timeout_s, backend
@@ -189,10 +199,24 @@ class DistributedTransport(Transport):
         from sglang_backend.weight_group import WeightSender
 
         world = len(self.urls) + 1
-        calls = [_Call(_post, u, "/init_weights_update_group",
-                       {"master_address": self.address, "master_port": self.port, "rank_offset": i + 1,
-                        "world_size": world, "group_name": self.group_name, "backend": self.backend},
-                       self.api_key, self.timeout_s) for i, u in enumerate(self.urls)]
+        calls = [
+            _Call(
+                _post,
+                u,
+                "/init_weights_update_group",
+                {
+                    "master_address": self.address,
+                    "master_port": self.port,
+                    "rank_offset": i + 1,
+                    "world_size": world,
+                    "group_name": self.group_name,
+                    "backend": self.backend,
+                },
+                self.api_key,
+                self.timeout_s,
+            )
+            for i, u in enumerate(self.urls)
+        ]
         for c in calls:
             c.start()
         try:
@@ -204,8 +228,11 @@ class DistributedTransport(Transport):
 
     def _raise_if_failed(self, calls: list, what: str) -> None:
         """A server that errored or answered success=false drops the group: the next send rebuilds it."""
-        bad = [(u, c.error or c.result.get("message")) for u, c in zip(self.urls, calls)
-               if c.error or not c.result.get("success")]
+        bad = [
+            (u, c.error or c.result.get("message"))
+            for u, c in zip(self.urls, calls)
+            if c.error or not c.result.get("success")
+        ]
         if bad:
             self._drop(remote=True)
             raise TransferError(f"{what}: {bad}")
@@ -243,22 +270,35 @@ class DistributedTransport(Transport):
         # over gloo 1-byte floats (E4M3 weight_scale) are announced and sent as uint8: the receiver's
         # weight loader reinterprets the bytes (gloo cannot broadcast float8, on either side)
         dtypes = [str(wire_dtype(m[1], self.backend)).removeprefix("torch.") for m in manifest]
-        payload = {"names": [m[0] for m in manifest], "dtypes": dtypes,
-                   "shapes": [list(m[2]) for m in manifest], "group_name": self.group_name,
-                   "weight_version": str(version), "flush_cache": True}
-        calls = [_Call(_post, u, "/update_weights_from_distributed", payload, self.api_key, self.timeout_s)
-                 for u in self.urls]
+        payload = {
+            "names": [m[0] for m in manifest],
+            "dtypes": dtypes,
+            "shapes": [list(m[2]) for m in manifest],
+            "group_name": self.group_name,
+            "weight_version": str(version),
+            "flush_cache": True,
+        }
+        calls = [
+            _Call(_post, u, "/update_weights_from_distributed", payload, self.api_key, self.timeout_s)
+            for u in self.urls
+        ]
         for c in calls:
             c.start()
         i = 0
         try:
             for b in buckets:
                 for name, t in b.tensors.items():  # the server allocates from the manifest: must agree
-                    if i >= len(manifest) or manifest[i][0] != name or manifest[i][1] != t.dtype \
-                            or tuple(t.shape) != manifest[i][2]:
+                    if (
+                        i >= len(manifest)
+                        or manifest[i][0] != name
+                        or manifest[i][1] != t.dtype
+                        or tuple(t.shape) != manifest[i][2]
+                    ):
                         want = manifest[i] if i < len(manifest) else "end of manifest"
-                        raise TransferError(f"stream diverged from the manifest at #{i}: got {name} "
-                                            f"{t.dtype} {tuple(t.shape)}, announced {want}")
+                        raise TransferError(
+                            f"stream diverged from the manifest at #{i}: got {name} "
+                            f"{t.dtype} {tuple(t.shape)}, announced {want}"
+                        )
                     i += 1
                 self.sender.send(b.tensors)
                 stats.buckets += 1
@@ -315,7 +355,8 @@ class DiskTransport(Transport):
             stats.bytes += b.nbytes()
         weight_map = {n: f for f, names in files for n in names}
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": stats.bytes}, "weight_map": weight_map}))
+            json.dumps({"metadata": {"total_size": stats.bytes}, "weight_map": weight_map})
+        )
         (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

@@ -1,4 +1,5 @@
 """The embedded rollout engine (sglang.Engine's API, our FP4 numerics) and its HTTP server."""
+
 from .engine import Engine
 from .inprocess import InProcessBackend
 

@@ -5,6 +5,7 @@ quantized) and attend in torch; on CUDA tensors decode over FP4 pages goes throu
 kernel (kernels.dispatch). `k_add(positions, dtype)` adds back what a de-biased K cache
 (quant.kv_k_debias) left out of K.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 def warn_debias_gathered() -> None:
     logging.getLogger(__name__).warning(
         "quant.kv_k_debias: attention reads K back through a dequantized gather plus RoPE_pos(k bias) (the "
-        "in-register page kernels take no K offset): same numbers, slower than plain FP4 pages")
+        "in-register page kernels take no K offset): same numbers, slower than plain FP4 pages"
+    )
 
 
 def attend(q, k, v, mask, num_kv_heads) -> torch.Tensor:
@@ -32,7 +34,7 @@ def attend(q, k, v, mask, num_kv_heads) -> torch.Tensor:
     b, n, h, d = q.shape
     g = h // num_kv_heads
     qg = q.reshape(b, n, num_kv_heads, g, d)
-    scores = torch.einsum("bnkgd,blkd->bkgnl", qg, k) * (d ** -0.5)
+    scores = torch.einsum("bnkgd,blkd->bkgnl", qg, k) * (d**-0.5)
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.einsum("bkgnl,blkd->bnkgd", probs, v).reshape(b, n, h, d)
@@ -83,5 +85,6 @@ def decode_attention_paged(q, batch: ForwardBatch, kv: PagedKVCache, layer: int,
     lens = mask.sum(1).to(device=q.device, dtype=torch.int32)
     k_codes, k_scales, v_codes, v_scales = kv.layer_pages[layer]
     k_gs, v_gs = kv.global_scale[layer]
-    return paged_decode_attention(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, table, lens, kv.fmt,
-                                  backend=backend)
+    return paged_decode_attention(
+        q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, table, lens, kv.fmt, backend=backend
+    )

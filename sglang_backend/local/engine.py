@@ -6,6 +6,7 @@
 A worker thread runs the scheduler; any number of callers (the HTTP server's handlers) submit
 requests, which join the running batch between decode steps.
 """
+
 from __future__ import annotations
 
 import gc
@@ -20,7 +21,6 @@ import torch
 
 from megatron_trace.guidance import resolve_guided_layers
 from megatron_trace.models import ModelArch, QuantPolicy
-
 from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
 
 from .kv_cache import PagedKVCache
@@ -38,10 +38,13 @@ def policy_for(quantization: str | None, kv_cache_dtype: str, model_path: Path) 
     """SGLang-style flags -> our QuantPolicy (an explicit quant_policy overrides this)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
-    kv = {"auto": "bf16", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "fp8": "fp8",
-          "fp8_e4m3": "fp8"}.get(kv_cache_dtype)
+    kv = {"auto": "bf16", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "fp8": "fp8", "fp8_e4m3": "fp8"}.get(
+        kv_cache_dtype
+    )
     if kv is None:
-        raise ValueError(f"kv_cache_dtype must be one of auto, bf16, nvfp4, mxfp4, fp8, fp8_e4m3; got {kv_cache_dtype!r}")
+        raise ValueError(
+            f"kv_cache_dtype must be one of auto, bf16, nvfp4, mxfp4, fp8, fp8_e4m3; got {kv_cache_dtype!r}"
+        )
     if quantization is None and (model_path / "hf_quant_config.json").exists():
         quantization = "modelopt_fp4"
     if quantization is None:
@@ -64,11 +67,24 @@ def _checkpoint_targets(model_path: Path):
 
 
 class Engine:
-    def __init__(self, model_path: str, *, dtype: str = "float32", quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", quant_policy: QuantPolicy | dict | None = None,
-                 guidance_mode: str = "mantissa", guided_layers: Any = "last_half",
-                 max_running_requests: int = 64, page_size: int = 16, max_total_tokens: int = 65536,
-                 context_length: int | None = None, random_seed: int = 0, device: str = "cpu", **_ignored):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        quant_policy: QuantPolicy | dict | None = None,
+        guidance_mode: str = "mantissa",
+        guided_layers: Any = "last_half",
+        max_running_requests: int = 64,
+        page_size: int = 16,
+        max_total_tokens: int = 65536,
+        context_length: int | None = None,
+        random_seed: int = 0,
+        device: str = "cpu",
+        **_ignored,
+    ):
         self.model_path = Path(model_path)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
@@ -79,18 +95,30 @@ class Engine:
         self.model = QwenEngineModel(self.arch, self.policy, _DTYPES[dtype])
         load_checkpoint(self.model, self.model_path)
         self._check_static_scales()
-        self.kv = PagedKVCache(num_layers=self.arch.num_layers, kv_heads=self.arch.num_kv_heads,
-                               head_dim=self.arch.head_dim, num_pages=max(max_total_tokens // page_size, 1),
-                               page_size=page_size, kv_dtype="auto", k_dtype=self.policy.k_format,
-                               v_dtype=self.policy.v_format, dtype=_DTYPES[dtype])
+        self.kv = PagedKVCache(
+            num_layers=self.arch.num_layers,
+            kv_heads=self.arch.num_kv_heads,
+            head_dim=self.arch.head_dim,
+            num_pages=max(max_total_tokens // page_size, 1),
+            page_size=page_size,
+            kv_dtype="auto",
+            k_dtype=self.policy.k_format,
+            v_dtype=self.policy.v_format,
+            dtype=_DTYPES[dtype],
+        )
         eos = self.arch.eos_token_id
         self.guidance_mode = guidance_mode
         self.guided = resolve_guided_layers(self.arch.num_layers, guided_layers)
         self.scheduler = Scheduler(
-            self.model, self.kv, max_running=max_running_requests,
+            self.model,
+            self.kv,
+            max_running=max_running_requests,
             context_length=context_length or self.arch.max_position_embeddings,
             eos_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
-            guided_layers=self.guided, guidance_mode=guidance_mode, seed=random_seed)
+            guided_layers=self.guided,
+            guidance_mode=guidance_mode,
+            seed=random_seed,
+        )
         self.weight_version = "0"  # a string, as SGLang's (our launcher starts SGLang with --weight-version 0 too)
         self._guidance: dict[str, bytes] = {}
         self._results: dict[str, dict] = {}
@@ -167,8 +195,10 @@ class Engine:
         with self._cv:
             if not self._cv.wait_for(lambda: all(r in self._results for r in rids) or self._closed, timeout):
                 raise TimeoutError(f"requests {rids[:3]} did not finish in {timeout} s")
-            return [self._results.pop(r) if r in self._results else _aborted(r, 0, self.weight_version, "shutdown")
-                    for r in rids]
+            return [
+                self._results.pop(r) if r in self._results else _aborted(r, 0, self.weight_version, "shutdown")
+                for r in rids
+            ]
 
     def _validate(self, req: GenerateRequest) -> None:
         ids = req.input_ids
@@ -181,8 +211,10 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.scheduler.context_length}")
         if req.return_guidance and not self._fp4_sites():
             p = self.policy
-            raise ValueError(f"guidance records FP4 sites, and this engine has none (format {p.format}, activations "
-                             f"{p.activations}, K {p.k_format}, V {p.v_format}): serve FP4 activations or KV")
+            raise ValueError(
+                f"guidance records FP4 sites, and this engine has none (format {p.format}, activations "
+                f"{p.activations}, K {p.k_format}, V {p.v_format}): serve FP4 activations or KV"
+            )
         if req.return_routed_experts and not self.arch.is_moe:
             raise ValueError(f"return_routed_experts needs an MoE model; {self.model_path} is {self.arch.family}")
 
@@ -191,8 +223,17 @@ class Engine:
         fp4 = {"nvfp4", "mxfp4"}
         return (p.format in fp4 and p.activations == "fp4") or bool(fp4 & {p.k_format, p.v_format})
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
-                 rid=None, return_guidance: bool = False, return_routed_experts: bool = False, **_ignored):
+    def generate(
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        return_logprob: bool = False,
+        rid=None,
+        return_guidance: bool = False,
+        return_routed_experts: bool = False,
+        **_ignored,
+    ):
         """sglang.Engine.generate: a dict for one input, a list for a batch (n>1: n per prompt)."""
         if prompt is not None:
             raise ValueError("the embedded engine has no tokenizer: pass input_ids")
@@ -204,9 +245,17 @@ class Engine:
         rids = rid if isinstance(rid, list) else [rid] * len(batch)
         if len(params) != len(batch) or len(rids) != len(batch):
             raise ValueError("sampling_params and rid lists must match the number of prompts")
-        reqs = [GenerateRequest(list(ids), p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p),
-                                r, return_logprob, return_guidance, return_routed_experts)
-                for ids, p, r in zip(batch, params, rids)]
+        reqs = [
+            GenerateRequest(
+                list(ids),
+                p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p),
+                r,
+                return_logprob,
+                return_guidance,
+                return_routed_experts,
+            )
+            for ids, p, r in zip(batch, params, rids)
+        ]
         all_rids = self.submit_all(reqs)
         out = self.wait([r for rs in all_rids for r in rs])
         if not return_logprob:
@@ -238,8 +287,9 @@ class Engine:
             self.kv.free_pages = list(range(self.kv.num_pages - 1, -1, -1))
             return True
 
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache: bool = True,
-                                   weight_version: str | int | None = None) -> tuple[bool, str]:
+    def update_weights_from_tensor(
+        self, named_tensors, load_format=None, flush_cache: bool = True, weight_version: str | int | None = None
+    ) -> tuple[bool, str]:
         """Load HF-named tensors (BF16 or ModelOpt NVFP4) between decode steps; all or nothing."""
         named = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
         for name, t in named:
@@ -274,22 +324,37 @@ class Engine:
         loudly, and keep the list in get_model_info()["static_scales_missing"]."""
         missing = []
         if self.policy.activation_scale == "static":
-            missing = [m.site for m in self.model.modules()
-                       if isinstance(m, EngineLinear) and m.act_fmt == "nvfp4" and m.input_global_scale is None]
+            missing = [
+                m.site
+                for m in self.model.modules()
+                if isinstance(m, EngineLinear) and m.act_fmt == "nvfp4" and m.input_global_scale is None
+            ]
         if missing and missing != getattr(self, "static_scales_missing", None):
-            log.warning("quant.activation_scale=static, but %d FP4-activation linears have no input_scale yet (%s%s): "
-                        "they quantize their inputs per token until a weight update brings one", len(missing),
-                        ", ".join(missing[:3]), ", ..." if len(missing) > 3 else "")
+            log.warning(
+                "quant.activation_scale=static, but %d FP4-activation linears have no input_scale yet (%s%s): "
+                "they quantize their inputs per token until a weight update brings one",
+                len(missing),
+                ", ".join(missing[:3]),
+                ", ..." if len(missing) > 3 else "",
+            )
         self.static_scales_missing = missing
 
     def get_model_info(self) -> dict[str, Any]:
-        return {"model_path": str(self.model_path), "weight_version": str(self.weight_version),
-                "is_generation": True, "architectures": [self.arch.family],
-                "quant_policy": self.policy.to_dict(), "kv_cache_dtype": self.kv.fmt, "kv_formats": list(self.kv.side_fmt),
-                "kv_bytes_per_token": self.kv.bytes_per_token(), "guided_layers": self.guided,
-                "guidance_mode": self.guidance_mode, "static_scales_missing": list(self.static_scales_missing),
-                # what CPU decode linears run on: cpu_gemv/<isa>, or torch (why the kernels are missing)
-                "cpu_linear": streaming_status() if self.model.embed.device.type == "cpu" else None}
+        return {
+            "model_path": str(self.model_path),
+            "weight_version": str(self.weight_version),
+            "is_generation": True,
+            "architectures": [self.arch.family],
+            "quant_policy": self.policy.to_dict(),
+            "kv_cache_dtype": self.kv.fmt,
+            "kv_formats": list(self.kv.side_fmt),
+            "kv_bytes_per_token": self.kv.bytes_per_token(),
+            "guided_layers": self.guided,
+            "guidance_mode": self.guidance_mode,
+            "static_scales_missing": list(self.static_scales_missing),
+            # what CPU decode linears run on: cpu_gemv/<isa>, or torch (why the kernels are missing)
+            "cpu_linear": streaming_status() if self.model.embed.device.type == "cpu" else None,
+        }
 
     def is_alive(self) -> bool:
         return not self._closed and self._worker.is_alive()
@@ -325,6 +390,14 @@ _GC_LOCK = threading.Lock()
 
 
 def _aborted(rid: str, prompt_tokens: int, version: str, message: str) -> dict:
-    return {"output_ids": [], "meta_info": {"id": rid, "finish_reason": {"type": "abort", "message": message},
-                                            "prompt_tokens": prompt_tokens, "completion_tokens": 0,
-                                            "weight_version": str(version), "output_token_logprobs": []}}
+    return {
+        "output_ids": [],
+        "meta_info": {
+            "id": rid,
+            "finish_reason": {"type": "abort", "message": message},
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "weight_version": str(version),
+            "output_token_logprobs": [],
+        },
+    }

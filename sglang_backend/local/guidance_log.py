@@ -7,6 +7,7 @@
 Each site owns three growing arrays (codes, scales, S_enc per row; or one 0-d S_enc when static).
 Rows no live sample needs are dropped from the front once they are the larger part of the arrays.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -80,8 +81,9 @@ class GuidanceLog:
         self.rows += num_rows
         return first
 
-    def _site(self, site: str, data_row, scale_row, gs_row, static_gs: torch.Tensor | None,
-              static_value: float | None = None) -> _SiteRows:
+    def _site(
+        self, site: str, data_row, scale_row, gs_row, static_gs: torch.Tensor | None, static_value: float | None = None
+    ) -> _SiteRows:
         """The site's arrays, made on first use; a static S_enc is copied then (one value for every
         row). A later different static value (a re-sync) switches the site to one S_enc per row."""
         s = self.sites.get(site)
@@ -89,14 +91,16 @@ class GuidanceLog:
             static = None if static_gs is None else static_gs.detach().clone()
             s = self.sites[site] = _SiteRows(tuple(data_row), tuple(scale_row), tuple(gs_row), static, self.capacity)
             self.layout = next(_LAYOUTS)
-        elif s.gs is None and (static_gs is None or
-                               (static_value if static_value is not None else static_gs.item()) != s.static_value):
+        elif s.gs is None and (
+            static_gs is None or (static_value if static_value is not None else static_gs.item()) != s.static_value
+        ):
             s.to_per_row()  # rows already written keep the S_enc they were quantized with
             self.layout = next(_LAYOUTS)
         return s
 
-    def buffers(self, site: str, first: int, num_rows: int, data_row, scale_row, gs_row,
-                static_gs: torch.Tensor | None = None):
+    def buffers(
+        self, site: str, first: int, num_rows: int, data_row, scale_row, gs_row, static_gs: torch.Tensor | None = None
+    ):
         """(codes, scales, S_enc or None when static) views of rows [first, first + num_rows) to write."""
         s = self._site(site, data_row, scale_row, gs_row, static_gs)
         a, b = first - self.base, first - self.base + num_rows
@@ -104,8 +108,15 @@ class GuidanceLog:
             return s.data[a:b], s.scale[a:b], s.gs[a:b].fill_(static_gs)
         return s.data[a:b], s.scale[a:b], (None if s.gs is None else s.gs[a:b])
 
-    def pointers(self, site: str, data_row, scale_row, gs_row, static_gs: torch.Tensor | None = None,
-                 static_value: float | None = None):
+    def pointers(
+        self,
+        site: str,
+        data_row,
+        scale_row,
+        gs_row,
+        static_gs: torch.Tensor | None = None,
+        static_value: float | None = None,
+    ):
         """Row-0 addresses (codes, scales, S_enc or None while one static value stands for all rows)
         of a site's arrays, for a C kernel that writes a step's rows from array row `first - base`
         on and, given an S_enc address under a static scale, fills it with that scale. Valid while
@@ -118,8 +129,9 @@ class GuidanceLog:
         global scale: its record carries a static 1.0 next to the E8M0 block scales."""
         global_scale = _NO_GLOBAL_SCALE if isinstance(q, MXFP4Tensor) else q.global_scale
         static = global_scale if global_scale.dim() == 0 else None
-        d, sc, gs = self.buffers(site, first, q.data.shape[0], q.data.shape[1:], q.scale.shape[1:],
-                                 global_scale.shape[1:], static)
+        d, sc, gs = self.buffers(
+            site, first, q.data.shape[0], q.data.shape[1:], q.scale.shape[1:], global_scale.shape[1:], static
+        )
         d.copy_(q.data)
         sc.copy_(q.scale)
         if gs is not None:
@@ -130,12 +142,19 @@ class GuidanceLog:
         """The finished samples' rows of every site, one sample after another, and each one's row
         count; their row lists are emptied, and front rows no alive sample needs are dropped."""
         lens = [len(s.guidance_rows) for s in finished]
-        idx = torch.tensor(list(itertools.chain.from_iterable(s.guidance_rows for s in finished)),
-                           dtype=torch.long) - self.base
-        sites = {site: make_site(s.scale.index_select(0, idx),
-                                 s.static_gs if s.gs is None else s.gs.index_select(0, idx),
-                                 s.data.index_select(0, idx), self.mode)
-                 for site, s in self.sites.items()}
+        idx = (
+            torch.tensor(list(itertools.chain.from_iterable(s.guidance_rows for s in finished)), dtype=torch.long)
+            - self.base
+        )
+        sites = {
+            site: make_site(
+                s.scale.index_select(0, idx),
+                s.static_gs if s.gs is None else s.gs.index_select(0, idx),
+                s.data.index_select(0, idx),
+                self.mode,
+            )
+            for site, s in self.sites.items()
+        }
         for s in finished:
             s.guidance_rows = []
         keep_from = min([s.guidance_rows[0] for s in alive if s.guidance_rows] or [self.rows])

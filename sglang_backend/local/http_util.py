@@ -7,6 +7,7 @@ SGLang's JSON error shapes, and a uvicorn protocol that answers a sender who han
 Every failure becomes an `HTTPError` (or a Starlette 404/405), which the handlers turn into a
 response; nothing a client sends may kill the server.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -103,8 +104,10 @@ class RequestGuard:
         await self.app(scope, counted_receive, send)
 
     def _too_big(self, n: int, prefix: str = "") -> str:
-        return (f"request body is {prefix}{n} bytes; the limit is {self.limit} bytes "
-                f"({self.limit / 2**20:g} MiB, --max-body-mb)")
+        return (
+            f"request body is {prefix}{n} bytes; the limit is {self.limit} bytes "
+            f"({self.limit / 2**20:g} MiB, --max-body-mb)"
+        )
 
 
 async def drain(receive) -> None:

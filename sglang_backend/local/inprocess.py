@@ -1,4 +1,5 @@
 """The embedded engine behind the RolloutBackend contract, in the trainer's own process."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -11,6 +11,7 @@ When K and V share a BF16, NVFP4 or MXFP4 format, both live in one [layers, 2, s
 (`values`, or `codes` + `scales`), the layout the one-call C layer reads; otherwise (`fmt` is
 "fp8" or "mixed") each side has its own arrays, `side_data[which]` and `side_scale[which]`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,9 +36,20 @@ def _side_format(kv_dtype: str, name: str) -> str:
 
 
 class PagedKVCache:
-    def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, num_pages: int, page_size: int,
-                 kv_dtype: str, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 k_dtype: str | None = None, v_dtype: str | None = None):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        kv_dtype: str,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        k_dtype: str | None = None,
+        v_dtype: str | None = None,
+    ):
         """kv_dtype sets both sides; k_dtype / v_dtype (when given) override one side."""
         both = _side_format(kv_dtype, "kv_cache_dtype")
         self.k_fmt = _side_format(k_dtype, "k_dtype") if k_dtype else both
@@ -64,9 +76,12 @@ class PagedKVCache:
             self.side_data, self.side_scale = [m[0] for m in made], [m[1] for m in made]
         # Each layer's pages as views, made once: (K values, V values) for BF16, else
         # (K data, K scales, V data, V scales) with None for the scales of a BF16 side.
-        self.layer_pages = [(self.side_data[0][i], self.side_data[1][i]) if self.fmt == "bf16" else
-                            tuple(t if t is None else t[i] for w in (0, 1) for t in (self.side_data[w], self.side_scale[w]))
-                            for i in range(num_layers)]
+        self.layer_pages = [
+            (self.side_data[0][i], self.side_data[1][i])
+            if self.fmt == "bf16"
+            else tuple(t if t is None else t[i] for w in (0, 1) for t in (self.side_data[w], self.side_scale[w]))
+            for i in range(num_layers)
+        ]
         # Per-layer S_enc for NVFP4 K and V (1.0 unless a checkpoint or the trainer sets it).
         self.global_scale = torch.ones(num_layers, 2, dtype=torch.float32, device=device)
         self.free_pages = list(range(num_pages - 1, -1, -1))
@@ -77,10 +92,14 @@ class PagedKVCache:
         if fmt == "bf16":
             return torch.zeros(*shape, d, dtype=self.dtype, device=device), None
         if fmt == "fp8":
-            return (torch.zeros(*shape, d, dtype=torch.uint8, device=device),
-                    torch.ones(self.num_layers, slots, dtype=torch.float32, device=device))
-        return (torch.zeros(*shape, d // 2, dtype=torch.uint8, device=device),
-                torch.zeros(*shape, d // 16, dtype=torch.uint8, device=device))
+            return (
+                torch.zeros(*shape, d, dtype=torch.uint8, device=device),
+                torch.ones(self.num_layers, slots, dtype=torch.float32, device=device),
+            )
+        return (
+            torch.zeros(*shape, d // 2, dtype=torch.uint8, device=device),
+            torch.zeros(*shape, d // 16, dtype=torch.uint8, device=device),
+        )
 
     # -- accounting --------------------------------------------------------------------------
     def bits_per_element(self, which: int) -> float:
@@ -125,15 +144,20 @@ class PagedKVCache:
             return fp8.quantize(x, dims=2)
         return None
 
-    def write(self, layer: int, which: int, slots: torch.Tensor, x: torch.Tensor, q=None,
-              return_values: bool = True) -> torch.Tensor | None:
+    def write(
+        self, layer: int, which: int, slots: torch.Tensor, x: torch.Tensor, q=None, return_values: bool = True
+    ) -> torch.Tensor | None:
         """Store x at slots; returns the values attention will read back (dequantized if quantized)."""
         fmt, data, scale = self.side_fmt[which], self.side_data[which][layer], self.side_scale[which]
         if fmt == "bf16":
             data.index_copy_(0, slots, x.to(self.dtype))  # index_* beat x[idx] on CPU
             return x.to(self.dtype) if return_values else None
-        if q is None and fmt == "nvfp4" and not return_values and dispatch.nvfp4_quantize_to_slots(
-                x, self.global_scale[layer, which], data, scale[layer], slots):
+        if (
+            q is None
+            and fmt == "nvfp4"
+            and not return_values
+            and dispatch.nvfp4_quantize_to_slots(x, self.global_scale[layer, which], data, scale[layer], slots)
+        ):
             return None  # quantized straight into the pages
         q = self.quantize(layer, which, x) if q is None else q
         data.index_copy_(0, slots, q.data)
@@ -145,8 +169,9 @@ class PagedKVCache:
         if fmt == "bf16":
             return data.index_select(0, slots)
         if fmt == "nvfp4":  # gather + dequantize in one pass over the read slots only
-            return dispatch.nvfp4_dequantize_rows(data, scale[layer], slots, self.global_scale[layer, which],
-                                                  self.dtype)
+            return dispatch.nvfp4_dequantize_rows(
+                data, scale[layer], slots, self.global_scale[layer, which], self.dtype
+            )
         return self._dequant(layer, which, data[slots], scale[layer][slots])
 
     def _dequant(self, layer: int, which: int, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -166,8 +191,11 @@ class PagedKVCache:
             version = None
         cached = self.__dict__.get("_scale_floats")
         if version is None or cached is None or cached[0] != version:
-            cached = self._scale_floats = (version, nvfp4.decode_scale(self.global_scale).tolist(),
-                                           [tuple(r) for r in self.global_scale.tolist()])
+            cached = self._scale_floats = (
+                version,
+                nvfp4.decode_scale(self.global_scale).tolist(),
+                [tuple(r) for r in self.global_scale.tolist()],
+            )
         return cached[1], cached[2]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ step, which the quantizers write into. `supports` is False for what the kernel d
 then runs the per-kernel path (`cpu_fused`), whose linears stream their weights at decode widths
 through kernels/cpu_gemv.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,7 +42,7 @@ def _static_args(layer, kv):
     a, args = layer.arch, cpu_layer.new_args()
     args.hidden, args.heads, args.kv_heads, args.head_dim = a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim
     args.inter, args.qkv_n = layer.gate_up.out_features // 2, layer.qkv.out_features
-    args.eps, args.attn_scale, args.kv_fmt = a.rms_norm_eps, a.head_dim ** -0.5, int(kv.fmt == "nvfp4")
+    args.eps, args.attn_scale, args.kv_fmt = a.rms_norm_eps, a.head_dim**-0.5, int(kv.fmt == "nvfp4")
     args.num_slots = kv.num_pages * kv.page_size
     pages = kv.layer_pages[layer.idx]
     args.kc, args.vc = pages[0].data_ptr(), pages[-2 if kv.fmt == "nvfp4" else 1].data_ptr()
@@ -75,15 +76,18 @@ class _Plan:
         args.qkv_b = qkv.bias.data_ptr() if qkv.bias is not None else None
         args.o_b = o.bias.data_ptr() if o.bias is not None else None
         statics = [lin.input_global_scale for lin in self.linears]
-        args.act_mode = [0 if lin.act_fmt is None else (1 if gs is None else 2)
-                         for lin, gs in zip(self.linears, statics)]
+        args.act_mode = [
+            0 if lin.act_fmt is None else (1 if gs is None else 2) for lin, gs in zip(self.linears, statics)
+        ]
         args.act_gs = [None if gs is None else gs.data_ptr() for gs in statics]
         keep.extend(statics)
         values = [None if lin.input_global_scale is None else float(lin.input_global_scale) for lin in self.linears]
         # guidance: (index, site, row shapes, static S_enc, its value) of each NVFP4-activation linear
-        self.act_sites = [(i, lin.site, ((lin.in_features // 2,), (lin.in_features // 16,), ()),
-                           lin.input_global_scale, values[i])
-                          for i, lin in enumerate(self.linears) if lin.act_fmt == "nvfp4"]
+        self.act_sites = [
+            (i, lin.site, ((lin.in_features // 2,), (lin.in_features // 16,), ()), lin.input_global_scale, values[i])
+            for i, lin in enumerate(self.linears)
+            if lin.act_fmt == "nvfp4"
+        ]
         a = layer.arch
         self.kv_rows = ((a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16), ())
         self.key, self.keep, self.cap_token = key, keep, None
@@ -106,8 +110,12 @@ def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, 
     args.T, args.x, args.res_out = t, x.data_ptr(), out.data_ptr()
     args.res_in = None if residual is None else residual.data_ptr()
     args.cos, args.sin, args.pos = rot[0].data_ptr(), rot[1].data_ptr(), batch.positions.data_ptr()
-    args.table, args.ldt, args.row_seq, args.row_len = table.data_ptr(), table.stride(0), row_seq.data_ptr(), \
-        row_len.data_ptr()
+    args.table, args.ldt, args.row_seq, args.row_len = (
+        table.data_ptr(),
+        table.stride(0),
+        row_seq.data_ptr(),
+        row_len.data_ptr(),
+    )
     args.write_slots = batch.write_slots.data_ptr()
     cpu_layer.run(args, x.dtype)
     return out
@@ -140,6 +148,9 @@ def _point_at_log(plan: _Plan, args, log, kv_scales) -> None:
         layer, kv, kv_gs = plan.layer, list(args.cap_kv), list(args.cap_kv_gs)
         for which in (0, 1):
             kv[2 * which], kv[2 * which + 1], kv_gs[which] = log.pointers(
-                layer.kv_sites[which], *plan.kv_rows, static_gs=plan.kv.global_scale[layer.idx, which],
-                static_value=kv_scales[which])
+                layer.kv_sites[which],
+                *plan.kv_rows,
+                static_gs=plan.kv.global_scale[layer.idx, which],
+                static_value=kv_scales[which],
+            )
         args.cap_kv, args.cap_kv_gs = kv, kv_gs

@@ -4,19 +4,18 @@ Numerics follow HF transformers' Qwen modules (RMSNorm in fp32, RoPE cos/sin in 
 BF16/fp32 engine reproduces HF's logits; FP4 goes only through `megatron_trace.fp4` and the
 `kernels` dispatcher.
 """
-from __future__ import annotations
 
-from typing import Callable
+from __future__ import annotations
 
 import functools
 import logging
+from typing import Callable
 
 import torch
 from torch import nn
 
 from kernels import cpu_gemv
-from kernels.dispatch import fp4_linear, fp4_linear_w4a4
-from kernels.dispatch import nvfp4_quantize, nvfp4_quantize_dequantize
+from kernels.dispatch import fp4_linear, fp4_linear_w4a4, nvfp4_quantize, nvfp4_quantize_dequantize
 from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 
@@ -38,8 +37,13 @@ def streaming_status() -> str:
 def lm_head_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 logits of h [T, hidden] (CPU): a bf16 head at decode widths streams through cpu_gemv
     (fp32 accumulation rounded to bf16, as torch's bf16 linear), everything else F.linear."""
-    if (h.device.type == "cpu" and weight.dtype == torch.bfloat16 and h.dtype == torch.bfloat16
-            and h.shape[0] <= STREAM_MAX_ROWS and _streaming()):
+    if (
+        h.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and h.dtype == torch.bfloat16
+        and h.shape[0] <= STREAM_MAX_ROWS
+        and _streaming()
+    ):
         return cpu_gemv.bf16_linear(h, weight).float()
     return nn.functional.linear(h, weight).float()
 
@@ -50,8 +54,9 @@ def _streaming() -> bool:
         return True
     if not _WARNED:
         _WARNED.append(True)
-        logging.getLogger(__name__).warning("CPU decode runs torch matmuls over dequantized weights: %s",
-                                            streaming_status())
+        logging.getLogger(__name__).warning(
+            "CPU decode runs torch matmuls over dequantized weights: %s", streaming_status()
+        )
     return False
 
 
@@ -69,7 +74,9 @@ class Rope:
     """Non-interleaved rotary embedding (rotate_half), cos/sin computed in fp32 like HF."""
 
     def __init__(self, head_dim: int, theta: float, device: torch.device | str = "cpu"):
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        self.inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+        )
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +122,18 @@ class EngineLinear(nn.Module):
     # them); "reference" always takes F.linear.
     gemm_backend = "auto"
 
-    def __init__(self, shards: dict[str, int], in_features: int, *, bias: bool, weight_fmt: str | None,
-                 act_fmt: str | None, dtype: torch.dtype, site: str | None = None, mx_rule: str = "floor"):
+    def __init__(
+        self,
+        shards: dict[str, int],
+        in_features: int,
+        *,
+        bias: bool,
+        weight_fmt: str | None,
+        act_fmt: str | None,
+        dtype: torch.dtype,
+        site: str | None = None,
+        mx_rule: str = "floor",
+    ):
         super().__init__()
         self.shards = dict(shards)
         self.offsets, off = {}, 0
@@ -174,7 +191,9 @@ class EngineLinear(nn.Module):
         self.weight.data = nvfp4.dequantize(self.qweight, self.weight.dtype)
         scales = [t["input_scale"] for t in self._modelopt_rows.values() if "input_scale" in t]
         if scales:  # loaders take the max across fused shards
-            self.input_global_scale = encode_scale_from_decode(torch.stack([s.float().reshape(()) for s in scales]).max())
+            self.input_global_scale = encode_scale_from_decode(
+                torch.stack([s.float().reshape(()) for s in scales]).max()
+            )
         self._modelopt_rows = {}
 
     def _nvfp4_weight(self) -> nvfp4.NVFP4Tensor:
@@ -245,10 +264,19 @@ class EngineLinear(nn.Module):
                 q, _ = nvfp4_quantize_dequantize(x, per_row_global=gs is None, global_scale=gs)
                 if capture is not None:
                     capture(site or self.site, q)
-                return cpu_gemv.w4a4_linear(q.data, q.scale, nvfp4.decode_scale(q.global_scale), w.data, w.scale,
-                                            self._global_decode(), self.bias, out_dtype=x.dtype)
-            return cpu_gemv.nvfp4_linear(self._matmul_input(x, capture, site), w.data, w.scale,
-                                         self._global_decode(), self.bias)
+                return cpu_gemv.w4a4_linear(
+                    q.data,
+                    q.scale,
+                    nvfp4.decode_scale(q.global_scale),
+                    w.data,
+                    w.scale,
+                    self._global_decode(),
+                    self.bias,
+                    out_dtype=x.dtype,
+                )
+            return cpu_gemv.nvfp4_linear(
+                self._matmul_input(x, capture, site), w.data, w.scale, self._global_decode(), self.bias
+            )
         if self.weight_fmt is None and self.weight.dtype == torch.bfloat16 and _streaming():
             return cpu_gemv.bf16_linear(self._matmul_input(x, capture, site), self.weight, self.bias)
         return self.forward(x, capture, site)
@@ -265,8 +293,7 @@ class EngineLinear(nn.Module):
         if self.act_fmt is not None:
             if self.act_fmt == "nvfp4" and x.device.type == "cpu":  # fused quantize + dequantize, same bits
                 gs = self.input_global_scale
-                q, xq = nvfp4_quantize_dequantize(x, per_row_global=gs is None, global_scale=gs,
-                                                  dequant_dtype=x.dtype)
+                q, xq = nvfp4_quantize_dequantize(x, per_row_global=gs is None, global_scale=gs, dequant_dtype=x.dtype)
             else:
                 q = self.quantize_input(x)
                 xq = mxfp4.dequantize(q, x.dtype) if self.act_fmt == "mxfp4" else nvfp4.dequantize(q, x.dtype)
@@ -291,8 +318,9 @@ class EngineLinear(nn.Module):
 
 @functools.lru_cache(maxsize=None)
 def _warn_no_packed_gemm(kind: str) -> None:
-    logging.getLogger(__name__).warning("no Triton FP4 GEMM for %s: these linears run F.linear over dequantized "
-                                        "weights on CUDA", kind)
+    logging.getLogger(__name__).warning(
+        "no Triton FP4 GEMM for %s: these linears run F.linear over dequantized weights on CUDA", kind
+    )
 
 
 def _check_shape(dst, src: torch.Tensor, name: str) -> None:

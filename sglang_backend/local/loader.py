@@ -1,10 +1,11 @@
 """Per-parameter weight loaders: HF names (BF16 or ModelOpt NVFP4 tensors) -> engine parameters.
 
-    model.layers.{i}.self_attn.{q,k,v}_proj.*   -> qkv shard q/k/v        (fused, one global scale)
-    model.layers.{i}.mlp.{gate,up}_proj.*       -> gate_up shard gate/up  (fused, one global scale)
-    ...experts.{e}.{gate,up,down}_proj.*        -> that expert's linears
-    *.weight (uint8) + weight_scale + weight_scale_2 [+ input_scale]: ModelOpt NVFP4
+model.layers.{i}.self_attn.{q,k,v}_proj.*   -> qkv shard q/k/v        (fused, one global scale)
+model.layers.{i}.mlp.{gate,up}_proj.*       -> gate_up shard gate/up  (fused, one global scale)
+...experts.{e}.{gate,up,down}_proj.*        -> that expert's linears
+*.weight (uint8) + weight_scale + weight_scale_2 [+ input_scale]: ModelOpt NVFP4
 """
+
 from __future__ import annotations
 
 import json
@@ -20,13 +21,22 @@ from .model import QwenEngineModel
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MODELOPT_KINDS = ("weight_scale_2", "weight_scale", "input_scale")
 _LINEARS = {
-    "self_attn.q_proj": ("qkv", "q"), "self_attn.k_proj": ("qkv", "k"), "self_attn.v_proj": ("qkv", "v"),
-    "self_attn.o_proj": ("o_proj", "o"), "mlp.gate_proj": ("gate_up", "gate"), "mlp.up_proj": ("gate_up", "up"),
+    "self_attn.q_proj": ("qkv", "q"),
+    "self_attn.k_proj": ("qkv", "k"),
+    "self_attn.v_proj": ("qkv", "v"),
+    "self_attn.o_proj": ("o_proj", "o"),
+    "mlp.gate_proj": ("gate_up", "gate"),
+    "mlp.up_proj": ("gate_up", "up"),
     "mlp.down_proj": ("down", "down"),
 }
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
-_NORMS = {"input_layernorm.weight": "input_norm", "post_attention_layernorm.weight": "post_norm",
-          "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm", "mlp.gate.weight": "router"}
+_NORMS = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_norm",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate.weight": "router",
+}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "k_scale", "v_scale")
 
 
@@ -115,7 +125,9 @@ def load_checkpoint(model: QwenEngineModel, path: str | Path) -> int:
                 try:
                     tensor = handle.get_tensor(name)
                 except Exception as e:
-                    raise ValueError(f"{f}: tensor {name!r} is unreadable ({e}); the file is corrupt or truncated") from None
+                    raise ValueError(
+                        f"{f}: tensor {name!r} is unreadable ({e}); the file is corrupt or truncated"
+                    ) from None
                 linear = load_tensor(model, name, tensor)
                 if linear is not None:
                     touched[id(linear)] = linear

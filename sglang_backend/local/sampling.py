@@ -7,6 +7,7 @@ uniform from its request's own generator per token and inverts the CDF of its fi
 distribution, so a sample's tokens depend only on its seed and logits, never on which other
 requests share the batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,9 @@ from sglang_backend.api import SamplingParams
 from sglang_backend.sampling_support import keep_mask, needs_filter, support_logprob
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
-                 gens: list[torch.Generator]) -> tuple[list[int], list[float]]:
+def sample_batch(
+    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]
+) -> tuple[list[int], list[float]]:
     """logits fp32 [B, V] -> (tokens, logprobs), row i sampled with params[i] and gens[i]."""
     vocab = logits.shape[-1]
     greedy = [p.temperature == 0 for p in params]

@@ -5,6 +5,7 @@
 A group is one prompt with its n samples; their prefill is shared. Reserving the worst case at
 admission means a running sequence never runs out of KV pages: under load requests queue, never drop.
 """
+
 from __future__ import annotations
 
 import array
@@ -16,7 +17,6 @@ import torch
 
 from megatron_trace import faults
 from megatron_trace.guidance import encode_records, encode_routed_experts
-
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams
 
 from .guidance_log import GuidanceLog
@@ -57,8 +57,18 @@ class Group:
 
 
 class Scheduler:
-    def __init__(self, model: QwenEngineModel, kv: PagedKVCache, *, max_running: int, context_length: int,
-                 eos_ids: list[int], guided_layers: list[int], guidance_mode: str, seed: int):
+    def __init__(
+        self,
+        model: QwenEngineModel,
+        kv: PagedKVCache,
+        *,
+        max_running: int,
+        context_length: int,
+        eos_ids: list[int],
+        guided_layers: list[int],
+        guidance_mode: str,
+        seed: int,
+    ):
         self.model, self.kv = model, kv
         self.max_running, self.context_length = max_running, context_length
         self.eos_ids, self.guidance_mode = set(eos_ids), guidance_mode
@@ -108,9 +118,17 @@ class Scheduler:
             self.waiting.pop(0)
             admitted.append(g)
             total = min(len(g.request.input_ids) + g.request.sampling_params.max_new_tokens, self.context_length)
-            g.seqs = [Sequence(rid, list(g.request.input_ids), g.request.sampling_params,
-                               self._generator(g.request.sampling_params, i), [], g.request.return_guidance)
-                      for i, rid in enumerate(g.rids)]
+            g.seqs = [
+                Sequence(
+                    rid,
+                    list(g.request.input_ids),
+                    g.request.sampling_params,
+                    self._generator(g.request.sampling_params, i),
+                    [],
+                    g.request.return_guidance,
+                )
+                for i, rid in enumerate(g.rids)
+            ]
             self.in_flight += g.seqs  # from here on a failure still answers every rid of the group
             for s in g.seqs:
                 s.want_routing = g.request.return_routed_experts
@@ -222,13 +240,24 @@ class Scheduler:
         cached = self._table_cache
         if cached is None or len(cached[0]) != len(seqs) or not all(map(operator.is_, cached[0], seqs)):
             # the batch changed: re-pad its slot tables (kept while the same sequences decode)
-            self._table_cache = (list(seqs), torch.nn.utils.rnn.pad_sequence([s.slot_table for s in seqs], batch_first=True),
-                                 [(i, i + 1) for i in range(len(seqs))])
+            self._table_cache = (
+                list(seqs),
+                torch.nn.utils.rnn.pad_sequence([s.slot_table for s in seqs], batch_first=True),
+                [(i, i + 1) for i in range(len(seqs))],
+            )
         _, table, spans = self._table_cache
         pos_t = long_tensor(pos)
         write = table.gather(1, pos_t[:, None])[:, 0]
-        batch = ForwardBatch(long_tensor([s.output_ids[-1] for s in seqs]), pos_t, spans, write, [],
-                             read_index=table, read_lens=pos_t + 1, decode=True)
+        batch = ForwardBatch(
+            long_tensor([s.output_ids[-1] for s in seqs]),
+            pos_t,
+            spans,
+            write,
+            [],
+            read_index=table,
+            read_lens=pos_t + 1,
+            decode=True,
+        )
         batch.routed_experts = self._routing_buffer(seqs, len(seqs))
         capture = commit = None
         if any(s.want_guidance for s in seqs):
@@ -314,5 +343,6 @@ def _routed_experts(s: Sequence) -> str:
 
 
 def to_result(s: Sequence, version: str, guidance_handle: str | None) -> GenerateResult:
-    return GenerateResult(s.rid, s.output_ids, s.logprobs, s.finish_reason, len(s.prompt), version, guidance_handle,
-                          s.routed_experts)
+    return GenerateResult(
+        s.rid, s.output_ids, s.logprobs, s.finish_reason, len(s.prompt), version, guidance_handle, s.routed_experts
+    )

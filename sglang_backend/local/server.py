@@ -29,6 +29,7 @@ server's own, sized like the thread-per-connection server this replaces: a wait 
 generation is paused holds a pool thread, never the loop, and never starves /continue_generation
 (which Starlette's default 40-thread pool could, with 40 parked waits).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,20 @@ from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, SamplingParams, We
 from sglang_backend.weight_group import WeightGroup, dtype_from_name
 
 from .engine import Engine
-from .http_util import (HalfCloseH11Protocol, HTTPError, ReadyUvicorn, RequestGuard, as_version, install_error_handlers,
-                        is_loopback, json_response, listen, read_body, read_json, want)
+from .http_util import (
+    HalfCloseH11Protocol,
+    HTTPError,
+    ReadyUvicorn,
+    RequestGuard,
+    as_version,
+    install_error_handlers,
+    is_loopback,
+    json_response,
+    listen,
+    read_body,
+    read_json,
+    want,
+)
 from .loader import checkpoint_files
 
 log = logging.getLogger(__name__)
@@ -64,11 +77,21 @@ _BLOCKING_THREADS = 1024  # requests that may wait on the engine at once (more q
 class RolloutServer:
     """Routes + state (pause flag, weight groups); uvicorn serves them from one background thread."""
 
-    def __init__(self, engine: Engine, host: str, port: int, api_key: str | None, max_body_bytes: int,
-                 request_timeout_s: float | None = None, dist_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        engine: Engine,
+        host: str,
+        port: int,
+        api_key: str | None,
+        max_body_bytes: int,
+        request_timeout_s: float | None = None,
+        dist_timeout_s: float = 300.0,
+    ):
         if not is_loopback(host) and not api_key:
-            raise ValueError(f"refusing to serve on non-loopback host {host!r} without an API key: "
-                             "pass --api-key (anyone who can reach the port could replace the weights)")
+            raise ValueError(
+                f"refusing to serve on non-loopback host {host!r} without an API key: "
+                "pass --api-key (anyone who can reach the port could replace the weights)"
+            )
         self.engine, self.api_key, self.max_body_bytes = engine, api_key, int(max_body_bytes)
         self.request_timeout_s, self.dist_timeout_s = request_timeout_s, dist_timeout_s
         self.paused = False
@@ -76,11 +99,14 @@ class RolloutServer:
         self.groups: dict[str, WeightGroup] = {}
         self._lock = threading.Lock()
         self.routes: dict[str, tuple[set[str], Callable]] = {
-            "/generate": ({"POST"}, self.generate), "/health": ({"GET", "POST"}, self.health),
+            "/generate": ({"POST"}, self.generate),
+            "/health": ({"GET", "POST"}, self.health),
             "/health_generate": ({"GET", "POST"}, self.health_generate),
-            "/model_info": ({"GET"}, self.model_info), "/get_model_info": ({"GET"}, self.model_info),
+            "/model_info": ({"GET"}, self.model_info),
+            "/get_model_info": ({"GET"}, self.model_info),
             "/flush_cache": ({"GET", "POST"}, self.flush_cache),
-            "/pause_generation": ({"POST"}, self.pause), "/continue_generation": ({"POST"}, self.resume),
+            "/pause_generation": ({"POST"}, self.pause),
+            "/continue_generation": ({"POST"}, self.resume),
             "/update_weights_from_disk": ({"POST"}, self.update_from_disk),
             "/update_weights_from_tensor": ({"POST"}, self.update_from_tensor),
             "/init_weights_update_group": ({"POST"}, self.init_group),
@@ -92,8 +118,9 @@ class RolloutServer:
         self.app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the routes above, nothing else
         for path, (methods, endpoint) in self.routes.items():
             self.app.add_api_route(path, endpoint, methods=sorted(methods))
-        self.app.add_middleware(RequestGuard, api_key=api_key, open_paths=OPEN_PATHS,
-                                max_body_bytes=self.max_body_bytes)
+        self.app.add_middleware(
+            RequestGuard, api_key=api_key, open_paths=OPEN_PATHS, max_body_bytes=self.max_body_bytes
+        )
         install_error_handlers(self.app)
         self._pool = ThreadPoolExecutor(_BLOCKING_THREADS, thread_name_prefix="rollout-http-engine")
         self.socket = listen(host, port)
@@ -101,11 +128,20 @@ class RolloutServer:
         # log_config=None: leave the host process's logging alone (uvicorn's warnings reach its root).
         # timeout_keep_alive 30 s: longer than the client's pool keeps an idle connection (2 s), so
         # the client always drops one first and never races the server closing it.
-        config = uvicorn.Config(self.app, lifespan="off", log_config=None, log_level="warning", access_log=False,
-                                http=HalfCloseH11Protocol, timeout_keep_alive=30, timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            http=HalfCloseH11Protocol,
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=2,
+        )
         self._uvicorn = ReadyUvicorn(config)
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self.socket]},
-                                        name="rollout-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._uvicorn.run, kwargs={"sockets": [self.socket]}, name="rollout-http", daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -175,8 +211,9 @@ class RolloutServer:
             s = dict(s or {})
             custom = s.pop("custom_params", None) or {}  # SGLang's pass-through to its scheduler
             if not isinstance(custom, dict):
-                raise HTTPError(400, f"sampling_params.custom_params must be an object; got {type(custom).__name__}",
-                                "text")
+                raise HTTPError(
+                    400, f"sampling_params.custom_params must be an object; got {type(custom).__name__}", "text"
+                )
             try:
                 params = SamplingParams.from_dict(s)
             except (ValueError, TypeError) as e:
@@ -286,14 +323,21 @@ class RolloutServer:
         named: dict[str, torch.Tensor] = {}
         for i, p in enumerate(payloads):
             if not isinstance(p, str):
-                raise HTTPError(400, f"serialized_named_tensors[{i}] must be a base64 safetensors string "
-                                     "(this server accepts no pickle)")
+                raise HTTPError(
+                    400,
+                    f"serialized_named_tensors[{i}] must be a base64 safetensors string "
+                    "(this server accepts no pickle)",
+                )
             try:
                 named.update(WeightBucket.from_bytes(base64.b64decode(p, validate=True)).tensors)
             except (ValueError, binascii.Error) as e:
                 raise HTTPError(400, f"serialized_named_tensors[{i}]: {e}") from None
-        return self._apply(named, bool(want(d, "flush_cache", bool, True)), as_version(d.get("weight_version")),
-                           f"{len(payloads)} safetensors payloads")
+        return self._apply(
+            named,
+            bool(want(d, "flush_cache", bool, True)),
+            as_version(d.get("weight_version")),
+            f"{len(payloads)} safetensors payloads",
+        )
 
     async def update_from_disk(self, request: Request) -> Response:
         return await self._blocking(self._update_from_disk, await read_json(request, required=True))
@@ -329,8 +373,11 @@ class RolloutServer:
         backend = want(d, "backend", str, "gloo")
         # tp = 1: this server is exactly one rank, `rank_offset`; rank 0 is the trainer.
         if not (1 <= offset < world):
-            raise HTTPError(400, f"rank_offset {offset} / world_size {world} do not fit this server: it is one "
-                                 "rank (tp=1) and rank 0 is the trainer, so need 1 <= rank_offset < world_size")
+            raise HTTPError(
+                400,
+                f"rank_offset {offset} / world_size {world} do not fit this server: it is one "
+                "rank (tp=1) and rank 0 is the trainer, so need 1 <= rank_offset < world_size",
+            )
         if backend != "gloo":
             raise HTTPError(400, f"backend {backend!r} is not supported by the embedded server; use 'gloo'")
         with self._lock:
@@ -370,10 +417,12 @@ class RolloutServer:
                 self.groups.pop(name, None)
             group.close()
             still = f"still serving version {self.engine.weight_version}"
-            return json_response(400, {"success": False,
-                                       "message": f"transfer failed ({e}); group {name!r} dropped; {still}"})
-        return self._apply(named, bool(want(d, "flush_cache", bool, True)), version,
-                           f"{len(named)} tensors from {name!r}")
+            return json_response(
+                400, {"success": False, "message": f"transfer failed ({e}); group {name!r} dropped; {still}"}
+            )
+        return self._apply(
+            named, bool(want(d, "flush_cache", bool, True)), version, f"{len(named)} tensors from {name!r}"
+        )
 
     async def destroy_group(self, request: Request) -> Response:
         name = want(await read_json(request), "group_name", str, "weight_update_group")
@@ -390,7 +439,13 @@ class RolloutServer:
         return json_response(200, {"success": True, "message": f"weight version is {v}"})
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-          max_body_bytes: int = 64 << 20, **kwargs: Any) -> RolloutServer:
+def serve(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    max_body_bytes: int = 64 << 20,
+    **kwargs: Any,
+) -> RolloutServer:
     """Start serving `engine` in a background thread; returns the server (`.url`, `.shutdown()`)."""
     return RolloutServer(engine, host, port, api_key, max_body_bytes, **kwargs).start()

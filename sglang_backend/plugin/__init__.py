@@ -2,6 +2,7 @@
 `sglang.srt.plugins` entry point (`register.register`). Importable without SGLang: every SGLang
 import is guarded, and the layer methods are plain torch usable on CPU.
 """
+
 from .capture import GuidanceCaptureBuffer, capture_batch, load_published, set_capture_buffer
 from .kv_capture import KVCaptureBuffer, TraceNVFP4KVMethod, quantize_kv
 from .quant_method import (
@@ -13,7 +14,16 @@ from .quant_method import (
 )
 
 __all__ = [
-    "HAVE_SGLANG", "GuidanceCaptureBuffer", "KVCaptureBuffer", "TraceFP4Config", "TraceFP4LinearMethod",
-    "TraceMXFP4Config", "TraceMXFP4LinearMethod", "TraceNVFP4KVMethod", "capture_batch", "load_published",
-    "quantize_kv", "set_capture_buffer",
+    "HAVE_SGLANG",
+    "GuidanceCaptureBuffer",
+    "KVCaptureBuffer",
+    "TraceFP4Config",
+    "TraceFP4LinearMethod",
+    "TraceMXFP4Config",
+    "TraceMXFP4LinearMethod",
+    "TraceNVFP4KVMethod",
+    "capture_batch",
+    "load_published",
+    "quantize_kv",
+    "set_capture_buffer",
 ]

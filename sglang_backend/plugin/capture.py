@@ -12,6 +12,7 @@ The HTTP route lives in the server process and the buffers in the model worker p
 the worker `publish`es a finished request's guidance to a directory (shared memory by
 default) and the route reads it back (`load_published`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,7 @@ _SAFE_RID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 class GuidanceCaptureBuffer:
     """codes/scales/global_scale per site, [max_slots + 1, max_tokens, ...]; the last slot is the dump."""
 
-    def __init__(self, sites: dict[str, int], *, max_slots: int, max_tokens: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, sites: dict[str, int], *, max_slots: int, max_tokens: int, device: torch.device | str = "cpu"):
         if max_slots < 1 or max_tokens < 1:
             raise ValueError(f"max_slots and max_tokens must be >= 1; got {max_slots}, {max_tokens}")
         bad = {s: k for s, k in sites.items() if k % nvfp4.BLOCK}
@@ -51,7 +51,9 @@ class GuidanceCaptureBuffer:
     def _rows(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots, positions = slots.to(torch.long), positions.to(torch.long)
         ok = (slots >= 0) & (slots < self.max_slots) & (positions >= 0) & (positions < self.max_tokens)
-        return torch.where(ok, slots, torch.full_like(slots, self.dump)), torch.where(ok, positions, torch.zeros_like(positions))
+        return torch.where(ok, slots, torch.full_like(slots, self.dump)), torch.where(
+            ok, positions, torch.zeros_like(positions)
+        )
 
     def write(self, site: str, slots: torch.Tensor, positions: torch.Tensor, q: nvfp4.NVFP4Tensor) -> None:
         """q: the [T, K] quantized input of `site`; row t goes to (slots[t], positions[t])."""
@@ -68,8 +70,11 @@ class GuidanceCaptureBuffer:
 
     def read(self, slot: int, site: str, length: int | None = None) -> nvfp4.NVFP4Tensor:
         n = int(self.lengths[slot]) if length is None else length
-        return nvfp4.NVFP4Tensor(self.codes[site][slot, :n].clone(), self.scales[site][slot, :n].clone(),
-                                 self.global_scale[site][slot, :n].clone())
+        return nvfp4.NVFP4Tensor(
+            self.codes[site][slot, :n].clone(),
+            self.scales[site][slot, :n].clone(),
+            self.global_scale[site][slot, :n].clone(),
+        )
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -91,7 +96,11 @@ class GuidanceCaptureBuffer:
 def guidance_dir(directory: str | Path | None = None) -> Path:
     if directory is not None:
         return Path(directory)
-    default = "/dev/shm/trace_guidance" if Path("/dev/shm").is_dir() else os.path.join(tempfile.gettempdir(), "trace_guidance")
+    default = (
+        "/dev/shm/trace_guidance"
+        if Path("/dev/shm").is_dir()
+        else os.path.join(tempfile.gettempdir(), "trace_guidance")
+    )
     return Path(settings.current().guidance_dir or default)
 
 

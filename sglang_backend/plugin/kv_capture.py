@@ -13,6 +13,7 @@ E4M3 per 16 along head_dim).
 the same write path into SGLang's own NVFP4 method so its buffers, dequant and attention-access
 rules stay SGLang's.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,8 +27,10 @@ from megatron_trace.fp4.modelopt import encode_scale_from_decode
 from .capture import get_capture_buffer
 from .slot_capture import SlotCapture
 
-KV_METHOD_MODULES = ("sglang.srt.layers.quantization.fp4_kv_cache_quant_method",
-                     "sglang.srt.layers.quantization.kv_cache_quant_method")
+KV_METHOD_MODULES = (
+    "sglang.srt.layers.quantization.fp4_kv_cache_quant_method",
+    "sglang.srt.layers.quantization.kv_cache_quant_method",
+)
 
 
 def quantize_kv(x: torch.Tensor, global_scale_dec) -> nvfp4.NVFP4Tensor:
@@ -69,7 +72,9 @@ class KVCaptureBuffer:
         self.global_scale[layer, which] = q.global_scale.reshape(())
 
     def read(self, layer: int, which: int, loc: torch.Tensor) -> nvfp4.NVFP4Tensor:
-        return nvfp4.NVFP4Tensor(self.codes[layer, which, loc], self.scales[layer, which, loc], self.global_scale[layer, which])
+        return nvfp4.NVFP4Tensor(
+            self.codes[layer, which, loc], self.scales[layer, which, loc], self.global_scale[layer, which]
+        )
 
 
 class TraceKVQuantMixin:
@@ -91,8 +96,20 @@ class TraceKVQuantMixin:
         self.bind_layers(bufs["k_buffer"], bufs["v_buffer"])
         return bufs
 
-    def quantize_and_store(self, k_buffer, v_buffer, k_scale_buffer, v_scale_buffer, loc, cache_k, cache_v,
-                           k_scale=None, v_scale=None, native_k_scale_buffer=None, native_v_scale_buffer=None) -> None:
+    def quantize_and_store(
+        self,
+        k_buffer,
+        v_buffer,
+        k_scale_buffer,
+        v_scale_buffer,
+        loc,
+        cache_k,
+        cache_v,
+        k_scale=None,
+        v_scale=None,
+        native_k_scale_buffer=None,
+        native_v_scale_buffer=None,
+    ) -> None:
         """SGLang 0.5.23's signature. Scales go to the linear [slots, heads, D/16] buffers and/or, on SM100's
         trtllm_mha layout, the native [pages, heads, page_size, D/16] ones (V with TRT-LLM's four-token
         interleave, as sglang/srt/layers/quantization/nvfp4_kv_cache.py stores them); the linear ones are
@@ -149,13 +166,22 @@ class _PlainNVFP4KVBase:
     def create_buffers(self, size, head_num, head_dim, layer_num, device) -> dict:
         def mk(d):
             return [torch.zeros(size, head_num, d, dtype=torch.uint8, device=device) for _ in range(layer_num)]
-        return {"k_buffer": mk(head_dim // 2), "v_buffer": mk(head_dim // 2), "k_scale_buffer": mk(head_dim // 16),
-                "v_scale_buffer": mk(head_dim // 16), "dq_k_buffer": None, "dq_v_buffer": None, "store_dtype": torch.uint8}
+
+        return {
+            "k_buffer": mk(head_dim // 2),
+            "v_buffer": mk(head_dim // 2),
+            "k_scale_buffer": mk(head_dim // 16),
+            "v_scale_buffer": mk(head_dim // 16),
+            "dq_k_buffer": None,
+            "dq_v_buffer": None,
+            "store_dtype": torch.uint8,
+        }
 
     def dequantize_prev_kv(self, k_fp4, k_scales, v_fp4, v_scales, layer_id: int, dtype=torch.bfloat16):
         def dq(data, scale, s_dec):
             s_enc = encode_scale_from_decode(s_dec.cpu()).to(data.device)
             return nvfp4.dequantize(nvfp4.NVFP4Tensor(data.view(torch.uint8), scale.view(torch.uint8), s_enc), dtype)
+
         return dq(k_fp4, k_scales, self.k_scales_gpu[layer_id]), dq(v_fp4, v_scales, self.v_scales_gpu[layer_id])
 
     def compute_cell_size(self, head_num: int, head_dim: int, num_layers: int, kv_size: int) -> int:

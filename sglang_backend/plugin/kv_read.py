@@ -9,6 +9,7 @@ for `PLAIN_BACKENDS`, keeps linear [slots, heads, D/16] scales for it, and dequa
 project's NVFP4 (`megatron_trace.fp4.nvfp4`: the same bits as the embedded engine's pages).
 `allow_plain_backends` is the AROUND hook that lets the server-argument check pass for them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,10 @@ from .kv_capture import sglang_kv_method_class, sglang_nvfp4_base
 
 PLAIN_BACKENDS = frozenset({"torch_native"})
 # SGLang's server-argument checks that refuse NVFP4 KV off Blackwell / off CUDA
-ARGS_HOOK_TARGETS = ("sglang.srt.arg_groups.kv_cache_hook.handle_nvfp4_prefill_kv_dequant_dtype",
-                     "sglang.srt.arg_groups.kv_cache_hook.handle_kv4_compatibility")
+ARGS_HOOK_TARGETS = (
+    "sglang.srt.arg_groups.kv_cache_hook.handle_nvfp4_prefill_kv_dequant_dtype",
+    "sglang.srt.arg_groups.kv_cache_hook.handle_kv4_compatibility",
+)
 
 
 # SGLang treats torch.float4_e2m1fn_x2 as an FP4 KV dtype only under CUDA (utils/common.py)
@@ -48,10 +51,16 @@ def plain_read_method_class():
     _, mod = sglang_nvfp4_base()
     if base is None or not hasattr(mod, "KVCacheAttentionAccess"):
         return None
-    plain = [mod.KVCacheAttentionAccess(phase, mod.KVCacheAttentionAccessKind.PLAIN,
-                                        mod.KVCacheBackendMatcher(exact=PLAIN_BACKENDS), storage_dtype=torch.uint8,
-                                        scale_recipe="nvfp4")
-             for phase in (mod.KVCacheAttentionPhase.PREFILL, mod.KVCacheAttentionPhase.DECODE)]
+    plain = [
+        mod.KVCacheAttentionAccess(
+            phase,
+            mod.KVCacheAttentionAccessKind.PLAIN,
+            mod.KVCacheBackendMatcher(exact=PLAIN_BACKENDS),
+            storage_dtype=torch.uint8,
+            scale_recipe="nvfp4",
+        )
+        for phase in (mod.KVCacheAttentionPhase.PREFILL, mod.KVCacheAttentionPhase.DECODE)
+    ]
 
     def attention_accesses(self):
         return tuple(super(cls, self).attention_accesses()) + tuple(plain)
@@ -69,7 +78,14 @@ def plain_read_method_class():
         q = nvfp4.NVFP4Tensor(fp4_tensor.view(torch.uint8), scales.view(torch.uint8), s_enc)
         return nvfp4.dequantize(q, dtype or getattr(torch, settings.current().kv_read_dtype))
 
-    cls = type("TracePlainReadNVFP4KVCacheMethod", (base,), {
-        "name": base.name, "attention_accesses": attention_accesses, "needs_linear_scale_buffer":
-        needs_linear_scale_buffer, "dequantize_kv_tensor": dequantize_kv_tensor})
+    cls = type(
+        "TracePlainReadNVFP4KVCacheMethod",
+        (base,),
+        {
+            "name": base.name,
+            "attention_accesses": attention_accesses,
+            "needs_linear_scale_buffer": needs_linear_scale_buffer,
+            "dequantize_kv_tensor": dequantize_kv_tensor,
+        },
+    )
     return cls

@@ -23,6 +23,7 @@ PLAIN backends of kv_read (torch_native) only and refuses others by name. NVFP4 
 captured for guidance (site `model.layers.{i}.self_attn.k_cache` / `v_cache`), as the embedded
 engine captures them; FP8 and BF16 sides record nothing there either (docs/quality.md).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,8 @@ from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 
 from .. import plugin_settings as settings
 from . import capture, kv_read
-from .slot_capture import SlotCapture
 from .kv_capture import quantize_kv, quantize_kv_fp8, sglang_nvfp4_base
+from .slot_capture import SlotCapture
 
 SIDES_ENV = settings.env_name("kv_sides")
 SIDE_FORMATS = settings.SIDE_FORMATS
@@ -59,8 +60,11 @@ def quantize_side(fmt: str, x: torch.Tensor, s_dec, dtype: torch.dtype, all_max=
     """x [T, heads, D] -> (data, scale) uint8 rows as stored, and the NVFP4Tensor for guidance (else None).
     `all_max`: MAX over the TP ranks that split the KV heads (FP8's per-token amax spans all heads)."""
     if fmt == "bf16":
-        return x.to(dtype).contiguous().view(torch.uint8).reshape(x.shape[0], x.shape[1], -1), \
-            torch.zeros(x.shape[0], 1, dtype=torch.uint8, device=x.device), None
+        return (
+            x.to(dtype).contiguous().view(torch.uint8).reshape(x.shape[0], x.shape[1], -1),
+            torch.zeros(x.shape[0], 1, dtype=torch.uint8, device=x.device),
+            None,
+        )
     if fmt == "fp8":
         q = quantize_kv_fp8(x, all_max)
         return q.data, q.scale.reshape(-1, 1).view(torch.uint8), None
@@ -138,9 +142,11 @@ def per_side_method_class(sides: tuple[str, str]):
         def configure_attention_backends(self, prefill_backend: str, decode_backend: str) -> None:
             other = sorted({prefill_backend, decode_backend} - kv_read.PLAIN_BACKENDS)
             if other:
-                raise ValueError(f"K cache {k_fmt} + V cache {v_fmt} ({SIDES_ENV}) is read through the plugin's plain "
-                                 f"dequantized path, which serves attention backends {sorted(kv_read.PLAIN_BACKENDS)}; "
-                                 f"this server uses {other}: pass --attention-backend torch_native")
+                raise ValueError(
+                    f"K cache {k_fmt} + V cache {v_fmt} ({SIDES_ENV}) is read through the plugin's plain "
+                    f"dequantized path, which serves attention backends {sorted(kv_read.PLAIN_BACKENDS)}; "
+                    f"this server uses {other}: pass --attention-backend torch_native"
+                )
             super().configure_attention_backends(prefill_backend, decode_backend)
 
         def needs_linear_scale_buffer(self) -> bool:
@@ -159,29 +165,49 @@ def per_side_method_class(sides: tuple[str, str]):
             bufs = {}
             for side, fmt in zip("kv", self.side_formats):
                 data, scale = side_shapes(fmt, head_num, head_dim, itemsize)
-                bufs[f"{side}_buffer"] = [torch.zeros(size, *data, dtype=torch.uint8, device=device)
-                                          for _ in range(layer_num)]
-                bufs[f"{side}_scale_buffer"] = [torch.zeros(size, *scale, dtype=torch.uint8, device=device)
-                                                for _ in range(layer_num)]
+                bufs[f"{side}_buffer"] = [
+                    torch.zeros(size, *data, dtype=torch.uint8, device=device) for _ in range(layer_num)
+                ]
+                bufs[f"{side}_scale_buffer"] = [
+                    torch.zeros(size, *scale, dtype=torch.uint8, device=device) for _ in range(layer_num)
+                ]
             self._layer_of = {t.data_ptr(): i for i, t in enumerate(bufs["k_buffer"])}
             self._layer_of_v = {t.data_ptr(): i for i, t in enumerate(bufs["v_buffer"])}
-            return {**bufs, "native_k_scale_buffer": None, "native_v_scale_buffer": None, "dq_k_buffer": None,
-                    "dq_v_buffer": None, "store_dtype": torch.uint8}
+            return {
+                **bufs,
+                "native_k_scale_buffer": None,
+                "native_v_scale_buffer": None,
+                "dq_k_buffer": None,
+                "dq_v_buffer": None,
+                "store_dtype": torch.uint8,
+            }
 
-        def quantize_and_store(self, k_buffer, v_buffer, k_scale_buffer, v_scale_buffer, loc, cache_k, cache_v,
-                               k_scale=None, v_scale=None, native_k_scale_buffer=None,
-                               native_v_scale_buffer=None) -> None:
+        def quantize_and_store(
+            self,
+            k_buffer,
+            v_buffer,
+            k_scale_buffer,
+            v_scale_buffer,
+            loc,
+            cache_k,
+            cache_v,
+            k_scale=None,
+            v_scale=None,
+            native_k_scale_buffer=None,
+            native_v_scale_buffer=None,
+        ) -> None:
             if native_k_scale_buffer is not None or native_v_scale_buffer is not None:
                 raise ValueError("per-side KV stores linear scales only; the pool passed native FP4 scale buffers")
             loc = loc.to(torch.long)
             layer = self._layer_of.get(k_buffer.data_ptr())
             shape = (loc.shape[0], self._heads, self._head_dim)
-            for side, fmt, buf, sbuf, x, s_dec in (("k_cache", self.side_formats[0], k_buffer, k_scale_buffer, cache_k,
-                                                    k_scale),
-                                                   ("v_cache", self.side_formats[1], v_buffer, v_scale_buffer, cache_v,
-                                                    v_scale)):
-                data, scale, q = quantize_side(fmt, x.reshape(shape), s_dec, self._read_dtype(),
-                                               getattr(self, "_all_max", None))
+            for side, fmt, buf, sbuf, x, s_dec in (
+                ("k_cache", self.side_formats[0], k_buffer, k_scale_buffer, cache_k, k_scale),
+                ("v_cache", self.side_formats[1], v_buffer, v_scale_buffer, cache_v, v_scale),
+            ):
+                data, scale, q = quantize_side(
+                    fmt, x.reshape(shape), s_dec, self._read_dtype(), getattr(self, "_all_max", None)
+                )
                 buf.index_copy_(0, loc, data.reshape(loc.shape[0], *buf.shape[1:]))
                 sbuf.index_copy_(0, loc, scale.reshape(loc.shape[0], *sbuf.shape[1:]))
                 cap = capture.get_capture_buffer()
@@ -203,14 +229,17 @@ def per_side_method_class(sides: tuple[str, str]):
 
         def dequantize_prev_kv(self, k_fp4, k_scales, v_fp4, v_scales, layer_id, dtype=None):
             dt = dtype or self._read_dtype()
-            return (dequantize_side(self.side_formats[0], k_fp4, k_scales, self.k_scales_gpu[layer_id], dt),
-                    dequantize_side(self.side_formats[1], v_fp4, v_scales, self.v_scales_gpu[layer_id], dt))
+            return (
+                dequantize_side(self.side_formats[0], k_fp4, k_scales, self.k_scales_gpu[layer_id], dt),
+                dequantize_side(self.side_formats[1], v_fp4, v_scales, self.v_scales_gpu[layer_id], dt),
+            )
 
         def compute_cell_size(self, head_num, head_dim, num_layers, kv_size) -> int:
             itemsize = torch.tensor([], dtype=self._read_dtype()).element_size()
             per_layer = sum(side_bytes(f, head_num, head_dim, itemsize) for f in self.side_formats)
             return per_layer * num_layers * kv_size
 
-    TracePerSideKVCacheMethod.__name__ = TracePerSideKVCacheMethod.__qualname__ = \
+    TracePerSideKVCacheMethod.__name__ = TracePerSideKVCacheMethod.__qualname__ = (
         f"TracePerSideKVCacheMethod_{k_fmt}_{v_fmt}"
+    )
     return TracePerSideKVCacheMethod

@@ -3,6 +3,7 @@ this rank's slice of a full checkpoint tensor, the all-reduce MAX a row-parallel
 its per-token scale, and derived buffers written in place (so CUDA graphs keep their addresses).
 Shared by `quant_method` (checkpoint FP4) and `online_quant` (BF16 checkpoints quantized at load).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -42,8 +43,9 @@ def narrow_tp(t: torch.Tensor, dim: int, want: int, layer, what: str, shard_id=N
         return t
     rank, size = tp_rank_size(layer, shard_id)
     if want == 0 or full % want or full // want > size:
-        raise ValueError(f"{what}: checkpoint size {full} along dim {dim} does not split into {want} per rank "
-                         f"(tp={size})")
+        raise ValueError(
+            f"{what}: checkpoint size {full} along dim {dim} does not split into {want} per rank (tp={size})"
+        )
     chunk = rank * (full // want) // size
     return t.narrow(dim, chunk * want, want)
 
@@ -132,8 +134,9 @@ def kv_heads_all_gather(group, rank: int, size: int, total_heads: int):
         torch.distributed.all_gather(parts, t, group=_process_group(group, t))
         full = torch.cat([parts[r] for r in first], dim=1)
         if full.shape[1] != total_heads:
-            raise RuntimeError(f"K/V capture on rank {rank}: assembled {full.shape[1]} heads, the model has "
-                               f"{total_heads}")
+            raise RuntimeError(
+                f"K/V capture on rank {rank}: assembled {full.shape[1]} heads, the model has {total_heads}"
+            )
         return full
 
     return all_gather

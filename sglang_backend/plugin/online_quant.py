@@ -14,6 +14,7 @@ SGLang builds a config without arguments when a method names no config file
 comes from the environment the launcher sets: TRACE_QUANT_POLICY = JSON
 `{"policy": QuantPolicy.to_dict(), "num_layers": N}` (without it: the default policy).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,9 @@ def policy_from_env(fmt: str) -> tuple[QuantPolicy, int | None]:
         d = json.loads(raw)
         policy, num_layers = QuantPolicy.from_dict(d["policy"]), d.get("num_layers")
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{POLICY_ENV} must be JSON {{'policy': {{...}}, 'num_layers': N}}; "
-                         f"got {raw!r}: {e}") from None
+        raise ValueError(
+            f"{POLICY_ENV} must be JSON {{'policy': {{...}}, 'num_layers': N}}; got {raw!r}: {e}"
+        ) from None
     if policy.format != fmt:
         raise ValueError(f"{POLICY_ENV} says format {policy.format!r} but the server quantizes to {fmt!r}")
     return policy, num_layers
@@ -84,8 +86,16 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
     to `weight_scale` / `weight_scale_2` / `input_scale` (0 = per-token), and the layer then serves
     those bits (as an NVFP4 export would) until a BF16 weight is loaded again."""
 
-    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
         k, parts = input_size_per_partition, len(output_partition_sizes)
         self._common(layer, k, output_partition_sizes, input_size, params_dtype)
         rows = sum(output_partition_sizes)
@@ -139,15 +149,20 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
         weight_scale_2, input_scale 0 = per-token activations)."""
         s2, si = layer.weight_scale_2.data, layer.input_scale.data
         if not bool((s2 > 0).all()):
-            raise ValueError(f"{layer.trace_site}: a packed FP4 weight update without weight_scale_2 for partitions "
-                             f"{(s2 <= 0).nonzero().flatten().tolist()}")
+            raise ValueError(
+                f"{layer.trace_site}: a packed FP4 weight update without weight_scale_2 for partitions "
+                f"{(s2 <= 0).nonzero().flatten().tolist()}"
+            )
         gs = torch.cat([encode_scale_from_decode(s2[i].cpu()).expand(w) for i, w in enumerate(layer.logical_widths)])
         set_derived(layer, "trace_weight_codes", layer.trace_packed_weight.clone())
         set_derived(layer, "trace_weight_scales", layer.weight_scale.data.view(torch.uint8).clone())
         set_derived(layer, "trace_weight_global_scale", gs.to(s2.device))
         static = bool((si > 0).all())
-        set_derived(layer, "trace_input_global_scale",
-                     encode_scale_from_decode(si.max().cpu()).to(si.device) if static else None)
+        set_derived(
+            layer,
+            "trace_input_global_scale",
+            encode_scale_from_decode(si.max().cpu()).to(si.device) if static else None,
+        )
         set_derived(layer, "trace_weight_dequant", nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype))
         layer._trace_dirty = False
 

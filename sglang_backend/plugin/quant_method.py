@@ -16,6 +16,7 @@ else `kernels.dispatch.fp4_linear_w4a4` (Triton: the activation's codes times th
 stored, as EngineLinear on CUDA) on CUDA, else dequantize + F.linear (bit-identical to
 EngineLinear on CPU).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 try:  # SGLang's bases when it is installed; plain objects otherwise (CPU tests, trainer nodes)
     from sglang.srt.layers.quantization.base_config import LinearMethodBase as _LinearBase
     from sglang.srt.layers.quantization.base_config import QuantizationConfig as _ConfigBase
+
     HAVE_SGLANG = True
 except Exception:  # noqa: BLE001 - a broken SGLang install must not break the import
     _LinearBase = _ConfigBase = object
@@ -66,9 +68,17 @@ def is_modelopt_nvfp4(cfg) -> bool:
 class TraceFP4Config(_ConfigBase):
     NAME, FMT = "trace_fp4", "nvfp4"
 
-    def __init__(self, *, group_size: int | None = None, exclude_modules=(), trace_targets=(), activation_scale: str = "per_token",
-                 kv_cache_quant_algo: str | None = None, packed_modules_mapping: dict | None = None,
-                 mx_rule: str = "floor"):
+    def __init__(
+        self,
+        *,
+        group_size: int | None = None,
+        exclude_modules=(),
+        trace_targets=(),
+        activation_scale: str = "per_token",
+        kv_cache_quant_algo: str | None = None,
+        packed_modules_mapping: dict | None = None,
+        mx_rule: str = "floor",
+    ):
         if _ConfigBase is not object:
             super().__init__()
         block = 16 if self.FMT == "nvfp4" else mxfp4.BLOCK
@@ -102,11 +112,15 @@ class TraceFP4Config(_ConfigBase):
         q = config.get("quantization") if isinstance(config.get("quantization"), dict) else config
         if cls.FMT == "nvfp4" and q.get("quant_algo") is not None and "FP4" not in str(q["quant_algo"]).upper():
             raise ValueError(f"{cls.NAME} loads NVFP4 checkpoints; quant_algo is {q['quant_algo']!r}")
-        return cls(group_size=int(q.get("group_size", 16 if cls.FMT == "nvfp4" else mxfp4.BLOCK)),
-                   exclude_modules=q.get("exclude_modules") or q.get("ignore") or [],
-                   trace_targets=q.get("trace_targets") or [], activation_scale=q.get("activation_scale", "per_token"),
-                   kv_cache_quant_algo=q.get("kv_cache_quant_algo"),
-                   packed_modules_mapping=config.get("packed_modules_mapping"), mx_rule=q.get("mx_rule", "floor"))
+        return cls(
+            group_size=int(q.get("group_size", 16 if cls.FMT == "nvfp4" else mxfp4.BLOCK)),
+            exclude_modules=q.get("exclude_modules") or q.get("ignore") or [],
+            trace_targets=q.get("trace_targets") or [],
+            activation_scale=q.get("activation_scale", "per_token"),
+            kv_cache_quant_algo=q.get("kv_cache_quant_algo"),
+            packed_modules_mapping=config.get("packed_modules_mapping"),
+            mx_rule=q.get("mx_rule", "floor"),
+        )
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, *_, **__) -> str | None:
@@ -124,8 +138,10 @@ class TraceFP4Config(_ConfigBase):
         head, _, last = prefix.rpartition(".")
         members = self.packed_modules_mapping.get(last, [last])
         names = [f"{head}.{m}" if head else m for m in members]
+
         def cands(n):
             return (n, n.removeprefix("language_model."), n.removeprefix("model."))
+
         hits = [any(fnmatch.fnmatchcase(c, p) for c in cands(n) for p in self.exclude_modules) for n in names]
         if any(hits) and not all(hits):
             raise ValueError(f"{prefix}: fused shards {members} are partly excluded from FP4; quantize all or none")
@@ -146,6 +162,7 @@ class TraceFP4Config(_ConfigBase):
 
 class TraceMXFP4Config(TraceFP4Config):
     """W4A4 MXFP4 (OCP blocks of 32) quantized at load time from a BF16 checkpoint."""
+
     NAME, FMT = "trace_mxfp4", "mxfp4"
 
     @staticmethod
@@ -163,7 +180,9 @@ class _TraceLinearBase(_LinearBase):
 
     def _common(self, layer, k, output_partition_sizes, input_size, params_dtype):
         if k % self.quant_config.group_size:
-            raise ValueError(f"{self.site}: in_features per partition {k} is not a multiple of {self.quant_config.group_size}")
+            raise ValueError(
+                f"{self.site}: in_features per partition {k} is not a multiple of {self.quant_config.group_size}"
+            )
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition, layer.output_size_per_partition = k, sum(output_partition_sizes)
         layer.params_dtype, layer.trace_site, layer.trace_input_size = params_dtype, self.site, input_size
@@ -194,7 +213,7 @@ class _TraceLinearBase(_LinearBase):
         t = narrow_tp(t, 1, param.shape[1], layer, what)  # row-parallel: this rank's K slice
         if tuple(t.shape) != (rows, param.shape[1]):
             raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != model shape {(rows, param.shape[1])}")
-        param.data[off:off + rows].copy_(t.to(param.device))
+        param.data[off : off + rows].copy_(t.to(param.device))
         layer._trace_dirty = True
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -204,8 +223,16 @@ class _TraceLinearBase(_LinearBase):
 class TraceFP4LinearMethod(_TraceLinearBase):
     FMT = "nvfp4"
 
-    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
         k, n, parts = input_size_per_partition, sum(output_partition_sizes), len(output_partition_sizes)
         self._common(layer, k, output_partition_sizes, input_size, params_dtype)
         self._param(layer, "weight", torch.zeros(n, k // 2, dtype=torch.uint8))
@@ -220,11 +247,15 @@ class TraceFP4LinearMethod(_TraceLinearBase):
             v = loaded.detach().reshape(-1).to(torch.float32)
             _, _, idx = self._shard(layer, shard_id)
             if v.numel() == 1:
-                (param.data if idx is None else param.data[idx:idx + 1]).copy_(v.expand(param.numel() if idx is None else 1))
+                (param.data if idx is None else param.data[idx : idx + 1]).copy_(
+                    v.expand(param.numel() if idx is None else 1)
+                )
             elif idx is None and v.numel() == param.numel():
                 param.data.copy_(v)
             else:
-                raise ValueError(f"{layer.trace_site}:{shard_id}.{name}: expected a scalar, got shape {tuple(loaded.shape)}")
+                raise ValueError(
+                    f"{layer.trace_site}:{shard_id}.{name}: expected a scalar, got shape {tuple(loaded.shape)}"
+                )
             layer._trace_dirty = True
             return
         if name == "weight" and loaded.dtype != torch.uint8:
@@ -240,13 +271,18 @@ class TraceFP4LinearMethod(_TraceLinearBase):
         """Recompute every derived buffer from the (in-place) ModelOpt tensors."""
         s2, si = layer.weight_scale_2.data, layer.input_scale.data
         if not bool((s2 > 0).all()):  # `not >` also catches NaN
-            raise ValueError(f"{layer.trace_site}: weight_scale_2 missing for partitions {(s2 <= 0).nonzero().flatten().tolist()}")
+            raise ValueError(
+                f"{layer.trace_site}: weight_scale_2 missing for partitions {(s2 <= 0).nonzero().flatten().tolist()}"
+            )
         static = si > 0
         if bool(static.any()) and not bool(static.all()):
             raise ValueError(f"{layer.trace_site}: input_scale given for some fused shards only")
         if not bool((s2 == s2[0]).all()):
-            log.warning("%s: fused shards carry different weight_scale_2 %s; the native GEMM uses their max",
-                        layer.trace_site, s2.tolist())
+            log.warning(
+                "%s: fused shards carry different weight_scale_2 %s; the native GEMM uses their max",
+                layer.trace_site,
+                s2.tolist(),
+            )
         gs = torch.cat([encode_scale_from_decode(s2[i].cpu()).expand(w) for i, w in enumerate(layer.logical_widths)])
         set_derived(layer, "trace_weight_global_scale", gs.to(s2.device))
         in_gs = encode_scale_from_decode(si.max().cpu()).to(si.device) if bool(static.all()) else None
@@ -255,12 +291,18 @@ class TraceFP4LinearMethod(_TraceLinearBase):
         set_derived(layer, "trace_alpha", alpha.to(torch.float32).reshape(()))
         set_derived(layer, "trace_weight_scale_swizzled", swizzle_scales(layer.weight_scale.data.view(torch.uint8)))
         kernel = self._packed_gemm(layer.weight)
-        wdeq = None if self._native(layer) or kernel else nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype)
+        wdeq = (
+            None
+            if self._native(layer) or kernel
+            else nvfp4.dequantize(self.quantized_weight(layer), layer.params_dtype)
+        )
         set_derived(layer, "trace_weight_dequant", wdeq)
         layer._trace_dirty = False
 
     def quantized_weight(self, layer) -> nvfp4.NVFP4Tensor:
-        return nvfp4.NVFP4Tensor(layer.weight.data, layer.weight_scale.data.view(torch.uint8), layer.trace_weight_global_scale)
+        return nvfp4.NVFP4Tensor(
+            layer.weight.data, layer.weight_scale.data.view(torch.uint8), layer.trace_weight_global_scale
+        )
 
     # Off SM100: "auto" runs the Triton W4A4 GEMM for CUDA inputs; "triton" also for CPU inputs (under
     # TRITON_INTERPRET=1, how the tests reach it); "reference" keeps dequantize + F.linear.
@@ -275,8 +317,10 @@ class TraceFP4LinearMethod(_TraceLinearBase):
     def _native(layer) -> bool:
         if settings.current().fp4_native == "0" or not layer.weight.is_cuda or not HAVE_SGLANG:
             return False
-        ok = torch.cuda.get_device_capability(layer.weight.device)[0] >= 10 and sglang_attr(
-            "sglang.srt.layers.quantization.modelopt_quant", "fp4_gemm") is not None
+        ok = (
+            torch.cuda.get_device_capability(layer.weight.device)[0] >= 10
+            and sglang_attr("sglang.srt.layers.quantization.modelopt_quant", "fp4_gemm") is not None
+        )
         aligned = layer.weight.shape[0] % 32 == 0 and layer.weight.shape[1] % 16 == 0
         return ok and aligned
 
@@ -295,6 +339,7 @@ class TraceFP4LinearMethod(_TraceLinearBase):
         if x.device.type == "cpu":
             return nvfp4_quantize_dequantize(x, per_row_global=gs is None, global_scale=gs, dequant_dtype=x.dtype)
         from kernels.dispatch import nvfp4_quantize
+
         q = nvfp4_quantize(x, global_scale=gs) if gs is not None else nvfp4_quantize(x, per_row_global=True)
         return q, (nvfp4.dequantize(q, x.dtype) if want_dequant else None)
 
@@ -335,12 +380,23 @@ def _w4a4_kernel():
 
 class TraceMXFP4LinearMethod(_TraceLinearBase):
     """W4A4 MXFP4: BF16 weights quantized at load (rule from the config), activations per block of 32."""
+
     FMT = "mxfp4"
 
-    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
         self._common(layer, input_size_per_partition, output_partition_sizes, input_size, params_dtype)
-        self._param(layer, "weight", torch.zeros(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype))
+        self._param(
+            layer, "weight", torch.zeros(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype)
+        )
 
     def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         self._load_rows(layer, param, loaded.to(param.dtype), shard_id)

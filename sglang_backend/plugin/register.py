@@ -25,6 +25,7 @@ SGLang lacks the hook:
 7. Routed experts on the CPU engine: host buffers unpinned where CUDA is absent
    (routed_experts_cpu.py), so --enable-return-routed-experts starts there.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -33,7 +34,7 @@ import multiprocessing
 import sys
 
 from .. import plugin_settings as settings
-from . import capture, kv_read, kv_sides, routed_experts_cpu, slot_capture, weight_check
+from . import kv_read, kv_sides, routed_experts_cpu, slot_capture, weight_check
 from .kv_capture import sglang_nvfp4_base
 from .online_quant import TraceMXFP4OnlineConfig, TraceNVFP4OnlineConfig
 from .quant_method import TraceFP4Config, set_active
@@ -41,12 +42,17 @@ from .quant_method import TraceFP4Config, set_active
 log = logging.getLogger(__name__)
 
 TARGET_SGLANG_VERSION = "0.5.23"
-CONFIGS = {TraceFP4Config.NAME: TraceFP4Config, TraceNVFP4OnlineConfig.NAME: TraceNVFP4OnlineConfig,
-           TraceMXFP4OnlineConfig.NAME: TraceMXFP4OnlineConfig}
+CONFIGS = {
+    TraceFP4Config.NAME: TraceFP4Config,
+    TraceNVFP4OnlineConfig.NAME: TraceNVFP4OnlineConfig,
+    TraceMXFP4OnlineConfig.NAME: TraceMXFP4OnlineConfig,
+}
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 # called for every finishing request before its KV is released (routed experts are collected there)
-FINISH_TARGET = ("sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
-                 "_maybe_collect_routed_experts")
+FINISH_TARGET = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
+    "_maybe_collect_routed_experts"
+)
 
 
 def _import(name: str):
@@ -61,8 +67,11 @@ def register_quantization() -> bool:
     mod = _import("sglang.srt.layers.quantization")
     methods = getattr(mod, "QUANTIZATION_METHODS", None) if mod else None
     if not isinstance(methods, dict):
-        log.warning("trace_fp4: this SGLang has no QUANTIZATION_METHODS dict (targeted %s); quantization "
-                    "'trace_fp4' is NOT registered", TARGET_SGLANG_VERSION)
+        log.warning(
+            "trace_fp4: this SGLang has no QUANTIZATION_METHODS dict (targeted %s); quantization "
+            "'trace_fp4' is NOT registered",
+            TARGET_SGLANG_VERSION,
+        )
         return False
     rest = [(k, v) for k, v in methods.items() if k not in CONFIGS]
     methods.clear()  # same dict object, ours first: see the module docstring
@@ -85,16 +94,20 @@ def register_cli_choices() -> bool:
     if isinstance(choices, list):
         choices.extend(missing)
         return True
-    log.warning("trace_fp4: server_args has neither add_quantization_method_choices nor QUANTIZATION_CHOICES; "
-                "--quantization trace_fp4 may be rejected by the CLI")
+    log.warning(
+        "trace_fp4: server_args has neither add_quantization_method_choices nor QUANTIZATION_CHOICES; "
+        "--quantization trace_fp4 may be rejected by the CLI"
+    )
     return False
 
 
 def _refusing_kv_method(message: str):
     """A registry entry that stops the server when it builds its KV pool: K/V formats that were asked
     for and cannot be served must not turn into SGLang's NVFP4 for both sides."""
+
     def refuse(*_args, **_kwargs):
         raise RuntimeError(f"trace_fp4 KV cache: {message}")
+
     return refuse
 
 
@@ -111,16 +124,19 @@ def register_kv_method() -> bool:
         if per_side and mod is not None:
             mod.KV_CACHE_QUANT_REGISTRY["nvfp4"] = _refusing_kv_method(
                 f"{settings.env_name('fp4_kv')}=0 keeps SGLang's nvfp4 method, which stores K and V alike; "
-                f"{kv_sides.SIDES_ENV}={','.join(sides)} needs the plugin's")
+                f"{kv_sides.SIDES_ENV}={','.join(sides)} needs the plugin's"
+            )
             return False
         log.info("trace_fp4: %s=0, SGLang's nvfp4 KV method is kept", settings.env_name("fp4_kv"))
         return False
     # + plain dequantized reads for torch_native (kv_read.py); per-side formats: kv_sides.py
     cls = kv_sides.per_side_method_class(sides) if per_side else kv_read.plain_read_method_class()
     if mod is None or cls is None:
-        log.warning("trace_fp4: no KV_CACHE_QUANT_REGISTRY with an NVFP4 method in this SGLang; nvfp4 KV writes "
-                    "use SGLang's quantizer and are not captured%s",
-                    f", and {kv_sides.SIDES_ENV}={','.join(sides)} is NOT served" if per_side else "")
+        log.warning(
+            "trace_fp4: no KV_CACHE_QUANT_REGISTRY with an NVFP4 method in this SGLang; nvfp4 KV writes "
+            "use SGLang's quantizer and are not captured%s",
+            f", and {kv_sides.SIDES_ENV}={','.join(sides)} is NOT served" if per_side else "",
+        )
         return False
     mod.KV_CACHE_QUANT_REGISTRY["nvfp4"] = cls
     return True
@@ -131,7 +147,7 @@ def guidance_answer(body) -> tuple[int, bytes | dict]:
     body and answer as the embedded server's. A record is handed out once."""
     rid = body.get("rid") if isinstance(body, dict) else None
     if not isinstance(rid, str):
-        return 400, {"error": "body must be {\"rid\": \"<request id>\"}"}
+        return 400, {"error": 'body must be {"rid": "<request id>"}'}
     try:
         return 200, slot_capture.take(rid)
     except KeyError as e:
@@ -149,8 +165,9 @@ def register_http_route(app=None) -> bool:
         mod = _import("sglang.srt.entrypoints.http_server")
         app = getattr(mod, "app", None) if mod else None
     if app is None or not hasattr(app, "post"):
-        log.warning("trace_fp4: no FastAPI app at sglang.srt.entrypoints.http_server.app; POST /get_guidance "
-                    "is not served")
+        log.warning(
+            "trace_fp4: no FastAPI app at sglang.srt.entrypoints.http_server.app; POST /get_guidance is not served"
+        )
         return False
     if any(getattr(r, "path", None) == "/get_guidance" for r in getattr(getattr(app, "router", None), "routes", [])):
         return True
@@ -204,10 +221,15 @@ def register_weight_check() -> bool:
 def register() -> dict[str, bool]:
     """Run every registration step; returns which succeeded (each failure is logged)."""
     done = {}
-    for name, step in (("quantization", register_quantization), ("cli_choices", register_cli_choices),
-                       ("kv_cache", register_kv_method), ("http_route", register_http_route),
-                       ("capture_hook", register_capture_hook), ("weight_check", register_weight_check),
-                       ("cpu_routed_experts", routed_experts_cpu.allow_unpinned_cpu_host_buffers)):
+    for name, step in (
+        ("quantization", register_quantization),
+        ("cli_choices", register_cli_choices),
+        ("kv_cache", register_kv_method),
+        ("http_route", register_http_route),
+        ("capture_hook", register_capture_hook),
+        ("weight_check", register_weight_check),
+        ("cpu_routed_experts", routed_experts_cpu.allow_unpinned_cpu_host_buffers),
+    ):
         try:
             done[name] = bool(step())
         except Exception:  # noqa: BLE001 - a plugin must not take the server down with it

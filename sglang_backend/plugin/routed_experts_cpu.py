@@ -7,6 +7,7 @@ starts. Pinning only speeds device-to-host copies, and a CPU engine has no devic
 machine without CUDA the "cpu" entry allocates the same buffer unpinned (SGLang's own
 HostTensorAllocator). GPU servers keep SGLang's path untouched.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -18,8 +19,14 @@ log = logging.getLogger(__name__)
 ALLOC_MODULE = "sglang.srt.mem_cache.pool_host.common"
 
 
-def _alloc_unpinned(dims: tuple, dtype: torch.dtype, device: str, pin_memory: bool, allocator=None,
-                    registration_granularity_bytes: int | None = None) -> torch.Tensor:
+def _alloc_unpinned(
+    dims: tuple,
+    dtype: torch.dtype,
+    device: str,
+    pin_memory: bool,
+    allocator=None,
+    registration_granularity_bytes: int | None = None,
+) -> torch.Tensor:
     """SGLang's host-buffer allocation signature, without the pinning a CPU-only torch cannot do."""
     if allocator is not None:
         return allocator.allocate(dims, dtype=dtype, device=device)
@@ -33,13 +40,16 @@ def allow_unpinned_cpu_host_buffers() -> bool:
     try:
         mod = importlib.import_module(ALLOC_MODULE)
     except Exception as e:  # noqa: BLE001 - any failure means "this SGLang lacks it"
-        log.warning("trace_fp4: cannot import %s (%s); --enable-return-routed-experts fails on the CPU engine",
-                    ALLOC_MODULE, e)
+        log.warning(
+            "trace_fp4: cannot import %s (%s); --enable-return-routed-experts fails on the CPU engine", ALLOC_MODULE, e
+        )
         return False
     funcs = getattr(mod, "ALLOC_MEMORY_FUNCS", None)
     if funcs is None or not hasattr(funcs, "__setitem__"):
-        log.warning("trace_fp4: %s has no ALLOC_MEMORY_FUNCS; --enable-return-routed-experts fails on the CPU "
-                    "engine", ALLOC_MODULE)
+        log.warning(
+            "trace_fp4: %s has no ALLOC_MEMORY_FUNCS; --enable-return-routed-experts fails on the CPU engine",
+            ALLOC_MODULE,
+        )
         return False
     funcs["cpu"] = _alloc_unpinned
     return True

@@ -24,6 +24,7 @@ same body and answer as the embedded server's) pops them. Requests opt in with
 `sampling_params.custom_params = {"trace_return_guidance": true}` (SGLang's own private
 transport to the scheduler; unknown top-level keys of /generate are dropped).
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,8 +71,10 @@ class SlotCapture:
         if layer_of(site) not in self.guided:
             return
         if q.data.dim() < 2 or slots.shape[0] != q.data.shape[0]:
-            self.error = (f"{site}: {q.data.shape[0]} quantized rows but {slots.shape[0]} token slots in the "
-                          "batch (padded or split batches are not captured)")
+            self.error = (
+                f"{site}: {q.data.shape[0]} quantized rows but {slots.shape[0]} token slots in the "
+                "batch (padded or split batches are not captured)"
+            )
             return
         gather = self.gathers.get(site)
         if gather is not None:  # a collective: every TP rank reaches it for the same site and batch
@@ -82,7 +85,8 @@ class SlotCapture:
             s = self.sites[site] = {
                 "codes": torch.zeros(rows, *q.data.shape[1:], dtype=torch.uint8, device=self.device),
                 "scales": torch.zeros(rows, *q.scale.shape[1:], dtype=torch.uint8, device=self.device),
-                "gs": torch.zeros(rows, dtype=torch.float32, device=self.device)}
+                "gs": torch.zeros(rows, dtype=torch.float32, device=self.device),
+            }
             self.static[site] = float(q.global_scale) if q.global_scale.dim() == 0 else None
         loc = slots.to(device=self.device, dtype=torch.long)
         loc = torch.where((loc >= 0) & (loc < self.capacity), loc, torch.full_like(loc, self.capacity))
@@ -100,8 +104,10 @@ class SlotCapture:
         if self.error is not None:
             raise RuntimeError(f"guidance capture failed: {self.error}")
         if not self.sites:
-            raise RuntimeError("no guided FP4 site ran in this server (guided layers "
-                               f"{sorted(self.guided)}; are they FP4 under the server's quantization?)")
+            raise RuntimeError(
+                "no guided FP4 site ran in this server (guided layers "
+                f"{sorted(self.guided)}; are they FP4 under the server's quantization?)"
+            )
         idx = slots.to(device=self.device, dtype=torch.long)
         if bool(((idx < 0) | (idx >= self.capacity)).any()):
             raise RuntimeError(f"request {rid}: KV slots outside the capture's {self.capacity} rows")
@@ -109,8 +115,9 @@ class SlotCapture:
         for name, s in sorted(self.sites.items(), key=_record_order):
             static = self.static[name]
             gs = torch.tensor(static, dtype=torch.float32) if static is not None else s["gs"].index_select(0, idx)
-            sites[name] = make_site(s["scales"].index_select(0, idx).cpu(), gs.cpu(),
-                                    s["codes"].index_select(0, idx).cpu(), self.mode)
+            sites[name] = make_site(
+                s["scales"].index_select(0, idx).cpu(), gs.cpu(), s["codes"].index_select(0, idx).cpu(), self.mode
+            )
         return encode_records([rid], self.mode, [int(idx.shape[0])], sites)[0]
 
 
@@ -178,10 +185,15 @@ def ensure_capture(runner) -> SlotCapture | None:
     if int(get_parallel().tp_size) > 1:
         assemble_at_tp(cap, runner.model, get_parallel(), runner.model_config.get_total_num_kv_heads())
     method = getattr(pool, "quant_method", None)
-    if getattr(pool, "is_quantized_kv_cache", False) and not getattr(method, "records_guidance", False) \
-            and cap.error is None:
-        cap.error = (f"the KV cache method {type(method).__name__} does not record guidance of the FP4 K/V sites "
-                     "(k_cache/v_cache); the plugin's KV methods do (TRACE_FP4_KV=0 keeps SGLang's, which does not)")
+    if (
+        getattr(pool, "is_quantized_kv_cache", False)
+        and not getattr(method, "records_guidance", False)
+        and cap.error is None
+    ):
+        cap.error = (
+            f"the KV cache method {type(method).__name__} does not record guidance of the FP4 K/V sites "
+            "(k_cache/v_cache); the plugin's KV methods do (TRACE_FP4_KV=0 keeps SGLang's, which does not)"
+        )
     capture.set_capture_buffer(cap)
     log.info("trace_fp4: guidance capture for layers %s, %d KV slots, mode %s", layers, capacity, cap.mode)
     return cap
@@ -197,8 +209,10 @@ def assemble_at_tp(cap: SlotCapture, model, parallel, total_kv_heads: int) -> No
     (fewer KV heads than ranks) taken once. Raises for layouts where that is not the whole story."""
     tp, attn_tp = int(parallel.tp_size), int(getattr(parallel, "attn_tp_size", parallel.tp_size))
     if attn_tp != tp:
-        raise NotImplementedError(f"guidance capture with attention TP {attn_tp} != TP {tp} (DP attention): "
-                                  "the K/V heads of a request are not split over the TP group; run without it")
+        raise NotImplementedError(
+            f"guidance capture with attention TP {attn_tp} != TP {tp} (DP attention): "
+            "the K/V heads of a request are not split over the TP group; run without it"
+        )
     cap.tp_rank = int(parallel.tp_rank)
     for _, module in model.named_modules():
         site = getattr(module, "trace_site", None)
@@ -209,8 +223,12 @@ def assemble_at_tp(cap: SlotCapture, model, parallel, total_kv_heads: int) -> No
     for layer in cap.guided:
         for side in KV_SITES:
             cap.gathers[f"model.layers.{layer}.self_attn.{side}"] = heads
-    log.info("trace_fp4: guidance at TP=%d: rank %d gathers %d guided row-parallel sites and the K/V heads",
-             tp, cap.tp_rank, len(cap.gathers) - 2 * len(cap.guided))
+    log.info(
+        "trace_fp4: guidance at TP=%d: rank %d gathers %d guided row-parallel sites and the K/V heads",
+        tp,
+        cap.tp_rank,
+        len(cap.gathers) - 2 * len(cap.guided),
+    )
 
 
 def forward_with_capture(original, self, forward_batch, *args, **kwargs):
@@ -237,8 +255,9 @@ def on_request_finished(result, self, req, *args, **kwargs):
     try:
         if not isinstance(cap, SlotCapture):
             layers = f"{settings.env_name('guided_layers')}={settings.current().guided_layers!r}"
-            raise RuntimeError(f"guidance asked for, but this server captures none ({layers}; start it with "
-                               "sglang_backend.launch)")
+            raise RuntimeError(
+                f"guidance asked for, but this server captures none ({layers}; start it with sglang_backend.launch)"
+            )
         seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)
         slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : seqlen - 1]
         publish(rid, cap.record(rid, slots))

@@ -17,6 +17,7 @@ Dtypes: BF16/FP16/FP32 stand for each other (SGLang's loaders cast floating weig
 bytes may travel as uint8 (gloo cannot broadcast float8; the plugin's loader reinterprets them),
 every other dtype (packed FP4 codes: uint8) must be the checkpoint's.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,15 +32,27 @@ log = logging.getLogger(__name__)
 SPEC_ATTR = "_trace_weight_spec"
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
 LOAD_TARGET = "sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_only"
-HOOK_TARGETS = {UPDATER + "update_weights_from_tensor": "check_tensor_update",
-                UPDATER + "load_weights_from_distributed": "check_distributed_update",
-                UPDATER + "update_weights_from_disk": "check_disk_update"}
+HOOK_TARGETS = {
+    UPDATER + "update_weights_from_tensor": "check_tensor_update",
+    UPDATER + "load_weights_from_distributed": "check_distributed_update",
+    UPDATER + "update_weights_from_disk": "check_disk_update",
+}
 _FLOATS = frozenset({torch.float32, torch.bfloat16, torch.float16})
 _E4M3 = frozenset({torch.uint8, torch.float8_e4m3fn})  # E4M3 bytes, also as uint8 (not the other way round)
-SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8,
-                      "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
-                      "F64": torch.float64}
+SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool,
+    "F64": torch.float64,
+}
 MAX_LISTED = 5
 
 
@@ -71,8 +84,10 @@ def _allowed(want: torch.dtype) -> frozenset:
 def problems(spec: dict | None, items) -> list[str]:
     """What is wrong with an update of (name, shape, dtype) items against the recorded first load."""
     if spec is None:
-        return ["this server recorded no first load of its checkpoint (the plugin's hook on "
-                f"{LOAD_TARGET} did not run), so the update cannot be checked"]
+        return [
+            "this server recorded no first load of its checkpoint (the plugin's hook on "
+            f"{LOAD_TARGET} did not run), so the update cannot be checked"
+        ]
     out, seen = [], set()
     for name, shape, dtype in items:
         dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."), dtype)
@@ -82,11 +97,14 @@ def problems(spec: dict | None, items) -> list[str]:
         if name in seen:
             out.append(f"{name!r}: given twice")
         elif forms is None:
-            out.append(f"{name!r}: no such tensor in the served checkpoint ({len(spec)} tensors, e.g. "
-                       f"{next(iter(spec), '-')!r})")
+            out.append(
+                f"{name!r}: no such tensor in the served checkpoint ({len(spec)} tensors, e.g. "
+                f"{next(iter(spec), '-')!r})"
+            )
         elif not fits:
-            out.append(f"{name!r}: shape {list(shape)}, the served model takes "
-                       + " or ".join(str(list(s)) for s, _ in forms))
+            out.append(
+                f"{name!r}: shape {list(shape)}, the served model takes " + " or ".join(str(list(s)) for s, _ in forms)
+            )
         elif dtype not in allowed:
             names = ", ".join(sorted(str(d).removeprefix("torch.") for d in allowed))
             out.append(f"{name!r}: dtype {str(dtype).removeprefix('torch.')}, the served model takes {names}")
@@ -96,8 +114,11 @@ def problems(spec: dict | None, items) -> list[str]:
 
 def refusal(found: list[str]) -> tuple[bool, str]:
     more = f" (and {len(found) - MAX_LISTED} more)" if len(found) > MAX_LISTED else ""
-    msg = ("weight update refused before loading, the served weights and version are unchanged: "
-           + "; ".join(found[:MAX_LISTED]) + more)
+    msg = (
+        "weight update refused before loading, the served weights and version are unchanged: "
+        + "; ".join(found[:MAX_LISTED])
+        + more
+    )
     log.error("trace_fp4: %s", msg)
     return False, msg
 
@@ -140,8 +161,11 @@ def safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dty
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
-    return {k: (tuple(v["shape"]), SAFETENSORS_DTYPES.get(v["dtype"], v["dtype"]))
-            for k, v in header.items() if k != "__metadata__"}
+    return {
+        k: (tuple(v["shape"]), SAFETENSORS_DTYPES.get(v["dtype"], v["dtype"]))
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
 
 
 def check_disk_update(original, self, model_path, load_format, *args, **kwargs):

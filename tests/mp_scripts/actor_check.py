@@ -5,6 +5,7 @@ Writes out/<tag>.json on rank 0: per-sample logprobs (before the step), the step
 loss, and the logprobs after the step; then saves a checkpoint, perturbs nothing, reloads it and
 checks the reloaded model gives the same logprobs.
 """
+
 import argparse
 import json
 import sys
@@ -14,10 +15,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from megatron_trace.fp4 import nvfp4  # noqa: E402
-from megatron_trace.guidance import GuidanceRecord, make_site  # noqa: E402
-from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
 from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
+from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
 from megatron_trace.trainer.actor import Actor, Sample  # noqa: E402
 from megatron_trace.trainer.parallel import destroy, init_distributed  # noqa: E402
 
@@ -62,9 +61,14 @@ def run_layout(args, tp: int, pp: int) -> None:
     actor.load_checkpoint(root)
     reloaded = actor.compute_logprobs(batch)
     if dist.get_rank() == 0:
-        res = {"before": [t.tolist() for t in before], "step": [t.tolist() for t in step_lp],
-               "after": [t.tolist() for t in after], "reloaded": [t.tolist() for t in reloaded],
-               "grad_norm": metrics["grad_norm"], "loss": metrics["loss"]}
+        res = {
+            "before": [t.tolist() for t in before],
+            "step": [t.tolist() for t in step_lp],
+            "after": [t.tolist() for t in after],
+            "reloaded": [t.tolist() for t in reloaded],
+            "grad_norm": metrics["grad_norm"],
+            "loss": metrics["loss"],
+        }
         (Path(args.out) / f"{tag}.json").write_text(json.dumps(res))
 
 

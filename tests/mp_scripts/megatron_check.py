@@ -10,6 +10,7 @@ to --out/logits_<family>_<cfg>.safetensors; --export also writes the HF round tr
 the losses / grad norms to --out/train_<cfg>.json. Re-initializing the model-parallel groups
 between configs keeps this to one launch (imports dominate the cost on CPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,12 +44,11 @@ def _train(chunks, arch: ModelArch, ids: torch.Tensor, steps: int = 3) -> dict:
     # As Megatron-LM's training loop does: DP grad all-reduce + the TP all-reduce of the
     # replicated qk-layernorm grads (each TP rank only sees its own heads' contribution).
     model.config.finalize_model_grads_func = finalize_model_grads
-    ddp = DistributedDataParallel(
-        model.config, DistributedDataParallelConfig(use_distributed_optimizer=False), model
-    )
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=False), model)
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.5, bf16=False, fp16=False,
-                        use_distributed_optimizer=False),
+        OptimizerConfig(
+            optimizer="adam", lr=1e-2, clip_grad=0.5, bf16=False, fp16=False, use_distributed_optimizer=False
+        ),
         [ddp],
     )
     b, s = ids.shape
@@ -70,8 +70,13 @@ def _train(chunks, arch: ModelArch, ids: torch.Tensor, steps: int = 3) -> dict:
             return logits, loss_fn
 
         store = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([None]), model=[ddp], num_microbatches=1,
-            seq_length=s - 1, micro_batch_size=b, forward_only=False,
+            forward_step_func=step,
+            data_iterator=iter([None]),
+            model=[ddp],
+            num_microbatches=1,
+            seq_length=s - 1,
+            micro_batch_size=b,
+            forward_only=False,
         )
         ok, grad_norm, _ = opt.step()
         assert ok, "optimizer step skipped"
@@ -110,14 +115,19 @@ def main() -> None:
             if cfg_s in args.export.split(","):
                 hf = gpt.export_hf_state_dict(chunks, arch)
                 if dist.get_rank() == 0:
-                    save_file({k: v.contiguous() for k, v in hf.items()}, str(out / f"export_{fam}_{cfg_s}.safetensors"))
+                    save_file(
+                        {k: v.contiguous() for k, v in hf.items()}, str(out / f"export_{fam}_{cfg_s}.safetensors")
+                    )
             if cfg_s in args.train.split(",") and fam == "qwen3":
                 res = _train(chunks, arch, ids)
                 # The last stage holds the loss; its TP/DP rank 0 reports.
                 from megatron.core import parallel_state as ps
 
-                if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
-                        and ps.get_data_parallel_rank() == 0:
+                if (
+                    ps.is_pipeline_last_stage()
+                    and ps.get_tensor_model_parallel_rank() == 0
+                    and ps.get_data_parallel_rank() == 0
+                ):
                     (out / f"train_{cfg_s}.json").write_text(json.dumps(res))
     dist.barrier()
     parallel.destroy()
@@ -125,8 +135,11 @@ def main() -> None:
         from megatron.core import jit
 
         compiled = jit.jit_fuser(_cfg)  # cpu_compat item 7: a pass-through, torch.compile itself restored
-        (out / "jit.json").write_text(json.dumps({"fuser_passthrough": compiled is _cfg,
-                                                  "torch_compile_restored": torch.compile.__module__ == "torch"}))
+        (out / "jit.json").write_text(
+            json.dumps(
+                {"fuser_passthrough": compiled is _cfg, "torch_compile_restored": torch.compile.__module__ == "torch"}
+            )
+        )
         (out / "done").write_text("ok")
 
 

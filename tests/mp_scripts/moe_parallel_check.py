@@ -3,21 +3,21 @@ under each given TPxEP layout (one launch; the groups are re-initialized per lay
 
 Reads the rollout's samples (JSON + guidance record bytes, written by the test); writes
 out/tp<T>_ep<E>[_sp].json on rank 0: logprobs before the step, and at TP1 or with sequence
-parallelism (layout suffix "sp") the step's own forward, the logprobs after it, grad norm and loss; every rank's codeword agreement per site, unguided rows and
-routing agreement.
+parallelism (layout suffix "sp") the step's own forward, the logprobs after it, grad norm and loss;
+every rank's codeword agreement per site, unguided rows and routing agreement.
 """
+
 import argparse
 import json
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
 from megatron_trace.guidance import GuidanceRecord, decode_routed_experts  # noqa: E402
 from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
-from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
 from megatron_trace.trainer.actor import Actor, Sample  # noqa: E402
 from megatron_trace.trainer.comm import all_gather_json  # noqa: E402
 from megatron_trace.trainer.parallel import destroy, init_distributed  # noqa: E402
@@ -29,7 +29,9 @@ def load_samples(root: Path, arch: ModelArch) -> list[Sample]:
     out = []
     for i, s in enumerate(json.loads((root / "samples.json").read_text())):
         t = len(s["prompt"]) + len(s["response"]) - 1
-        routed = decode_routed_experts(s["routed_experts"], t, arch.num_layers, arch.num_experts_per_tok, arch.num_experts)
+        routed = decode_routed_experts(
+            s["routed_experts"], t, arch.num_layers, arch.num_experts_per_tok, arch.num_experts
+        )
         rec = GuidanceRecord.from_bytes((root / f"guidance_{i}.bin").read_bytes())
         out.append(Sample(f"s{i}", s["prompt"], s["response"], s["logprobs"], (-1.0) ** i, rec, routed))
     return out
@@ -53,8 +55,12 @@ def main():
 def run_layout(args, tp: int, ep: int, sp: bool) -> None:
     init_distributed(tp=tp, ep=ep, seed=0)
     arch = ModelArch.from_hf_config(args.ckpt)
-    actor = Actor(arch, POLICY, TrainerConfig(qat_mode="guided", routing_replay="on", lr=1e-3, micro_batch_size=2,
-                                              sequence_parallel=sp), hf_path=args.ckpt)
+    actor = Actor(
+        arch,
+        POLICY,
+        TrainerConfig(qat_mode="guided", routing_replay="on", lr=1e-3, micro_batch_size=2, sequence_parallel=sp),
+        hf_path=args.ckpt,
+    )
     batch = load_samples(Path(args.samples), arch)
     actor.qat.clear_counters()
     actor.routing.clear_counters()
@@ -65,8 +71,14 @@ def run_layout(args, tp: int, ep: int, sp: bool) -> None:
     if tp == 1 or sp:
         metrics, step_lp = actor.train_step(batch, AlgoConfig())
         after = actor.compute_logprobs(batch)
-        res.update({"step": [t.tolist() for t in step_lp], "after": [t.tolist() for t in after],
-                    "grad_norm": metrics["grad_norm"], "loss": metrics["loss"]})
+        res.update(
+            {
+                "step": [t.tolist() for t in step_lp],
+                "after": [t.tolist() for t in after],
+                "grad_norm": metrics["grad_norm"],
+                "loss": metrics["loss"],
+            }
+        )
     ranks = all_gather_json({"agreement": agreement, "unguided": unguided, "routing": routing})
     if dist.get_rank() == 0:
         res["ranks"] = ranks

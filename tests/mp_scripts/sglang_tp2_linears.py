@@ -10,6 +10,7 @@ the TP (rank, size) the plugin reads, the max |TP=2 - TP=1| output difference pe
 this rank's input codes/scales/global scales equal the TP=1 ones on its slice, and for the
 row-parallel layers how many tokens a slice-local global scale would have changed.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,7 @@ def setup(rank: int, world: int) -> None:
 
     init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo")
     reset_context()
-    publish(ServerArgs(model_path="dummy", tp_size=world, device="cpu"), role="test",
-            ranks=SpawnRanks(world_rank=rank))
+    publish(ServerArgs(model_path="dummy", tp_size=world, device="cpu"), role="test", ranks=SpawnRanks(world_rank=rank))
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
 
@@ -48,22 +48,50 @@ def build(kind: str, cfg, replicated: bool):
 
     g = {"parallel_group": "replicated"} if replicated else {}
     if kind == "qkv":
-        return QKVParallelLinear(H, HEAD, NQ, NKV, bias=True, params_dtype=torch.float32, quant_config=cfg,
-                                 prefix="model.layers.0.self_attn.qkv_proj", **g)
+        return QKVParallelLinear(
+            H,
+            HEAD,
+            NQ,
+            NKV,
+            bias=True,
+            params_dtype=torch.float32,
+            quant_config=cfg,
+            prefix="model.layers.0.self_attn.qkv_proj",
+            **g,
+        )
     if kind == "o":
-        return RowParallelLinear(NQ * HEAD, H, bias=False, params_dtype=torch.float32, quant_config=cfg,
-                                 prefix="model.layers.0.self_attn.o_proj", **g)
+        return RowParallelLinear(
+            NQ * HEAD,
+            H,
+            bias=False,
+            params_dtype=torch.float32,
+            quant_config=cfg,
+            prefix="model.layers.0.self_attn.o_proj",
+            **g,
+        )
     if kind == "gate_up":
-        return MergedColumnParallelLinear(H, [INTER, INTER], bias=False, params_dtype=torch.float32, quant_config=cfg,
-                                          prefix="model.layers.0.mlp.gate_up_proj", **g)
-    return RowParallelLinear(INTER, H, bias=False, params_dtype=torch.float32, quant_config=cfg,
-                             prefix="model.layers.0.mlp.down_proj", **g)
+        return MergedColumnParallelLinear(
+            H,
+            [INTER, INTER],
+            bias=False,
+            params_dtype=torch.float32,
+            quant_config=cfg,
+            prefix="model.layers.0.mlp.gate_up_proj",
+            **g,
+        )
+    return RowParallelLinear(
+        INTER, H, bias=False, params_dtype=torch.float32, quant_config=cfg, prefix="model.layers.0.mlp.down_proj", **g
+    )
 
 
 def weights(kind: str, gen: torch.Generator) -> list[tuple[object, torch.Tensor]]:
     """(shard id, full HF weight) per shard, the same on every rank."""
-    shapes = {"qkv": [("q", NQ * HEAD), ("k", NKV * HEAD), ("v", NKV * HEAD)], "o": [(None, H)],
-              "gate_up": [(0, INTER), (1, INTER)], "down": [(None, H)]}[kind]
+    shapes = {
+        "qkv": [("q", NQ * HEAD), ("k", NKV * HEAD), ("v", NKV * HEAD)],
+        "o": [(None, H)],
+        "gate_up": [(0, INTER), (1, INTER)],
+        "down": [(None, H)],
+    }[kind]
     k = {"o": NQ * HEAD, "down": INTER}.get(kind, H)
     return [(sid, torch.randn(n, k, generator=gen) * 0.2) for sid, n in shapes]
 
@@ -89,7 +117,7 @@ def main(out: Path) -> None:
     cfg = TraceFP4Config()
     gen = torch.Generator().manual_seed(0)
     x_h = torch.randn(T, H, generator=gen) * 3
-    x_h[:, :H // 2] *= 10  # the rank-0 half holds each token's amax: rank 1's slice-local scale differs
+    x_h[:, : H // 2] *= 10  # the rank-0 half holds each token's amax: rank 1's slice-local scale differs
     x_a, x_i = torch.randn(T, NQ * HEAD, generator=gen), torch.randn(T, INTER, generator=gen)
     x_a[:, : NQ * HEAD // 2] *= 10
     x_i[:, : INTER // 2] *= 10
@@ -103,13 +131,13 @@ def main(out: Path) -> None:
         r = {"tp": list(tp_rank_size(tp2)), "tp_ref": list(tp_rank_size(tp1))}
         row = kind in ("o", "down")
         k_loc = x.shape[1] // world
-        x_loc = x[:, rank * k_loc:(rank + 1) * k_loc] if row else x
+        x_loc = x[:, rank * k_loc : (rank + 1) * k_loc] if row else x
         with torch.no_grad():
             y2, y1 = tp2(x_loc), tp1(x)
         y2, y1 = (y2[0] if isinstance(y2, tuple) else y2), (y1[0] if isinstance(y1, tuple) else y1)
         if not row:  # column-parallel: this rank's output columns of each shard
             cols, off = [], 0
-            for (sid, w) in shards:
+            for _sid, w in shards:
                 n = w.shape[0]
                 per = tp2.logical_widths[len(cols)]
                 chunk = rank * (n // per) // world  # replicated KV heads share a chunk
@@ -121,8 +149,11 @@ def main(out: Path) -> None:
         q2, _ = tp2.quant_method.quantize_input(tp2, x_loc)
         q1, _ = tp1.quant_method.quantize_input(tp1, x)
         if row:
-            q1 = nvfp4.NVFP4Tensor(q1.data[:, rank * k_loc // 2:(rank + 1) * k_loc // 2],
-                                   q1.scale[:, rank * k_loc // 16:(rank + 1) * k_loc // 16], q1.global_scale)
+            q1 = nvfp4.NVFP4Tensor(
+                q1.data[:, rank * k_loc // 2 : (rank + 1) * k_loc // 2],
+                q1.scale[:, rank * k_loc // 16 : (rank + 1) * k_loc // 16],
+                q1.global_scale,
+            )
             local = nvfp4.quantize(x_loc, per_row_global=True)  # what a slice-local scale would give
             r["tokens_local_scale_differs"] = int((local.global_scale != q1.global_scale).sum())
         r["codes_equal"] = bool(torch.equal(q2.data, q1.data))
@@ -148,15 +179,25 @@ def kv_fp8_check(rank: int) -> dict:
     m.configure_attention_backends("torch_native", "torch_native")
     bufs = m.create_buffers(16, 1, 32, 1, "cpu")
     loc = torch.arange(T)
-    m.quantize_and_store(bufs["k_buffer"][0], bufs["v_buffer"][0], bufs["k_scale_buffer"][0],
-                         bufs["v_scale_buffer"][0], loc, k[:, rank:rank + 1], v[:, rank:rank + 1],
-                         m.k_scales_gpu[0:1], m.v_scales_gpu[0:1])
+    m.quantize_and_store(
+        bufs["k_buffer"][0],
+        bufs["v_buffer"][0],
+        bufs["k_scale_buffer"][0],
+        bufs["v_scale_buffer"][0],
+        loc,
+        k[:, rank : rank + 1],
+        v[:, rank : rank + 1],
+        m.k_scales_gpu[0:1],
+        m.v_scales_gpu[0:1],
+    )
     ref = fp8.quantize(k, dims=2)  # TP=1: both heads
     got_scale = bufs["k_scale_buffer"][0][loc].contiguous().view(torch.float32).reshape(-1)
-    local = fp8.quantize(k[:, rank:rank + 1], dims=2)
-    return {"bytes_equal": bool(torch.equal(bufs["k_buffer"][0][loc], ref.data[:, rank:rank + 1])),
-            "scales_equal": bool(torch.equal(got_scale, ref.scale)),
-            "tokens_local_scale_differs": int((local.scale != ref.scale).sum())}
+    local = fp8.quantize(k[:, rank : rank + 1], dims=2)
+    return {
+        "bytes_equal": bool(torch.equal(bufs["k_buffer"][0][loc], ref.data[:, rank : rank + 1])),
+        "scales_equal": bool(torch.equal(got_scale, ref.scale)),
+        "tokens_local_scale_differs": int((local.scale != ref.scale).sum()),
+    }
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ slice; the output differences to both. Then guidance: the four layers and the pl
 the record's bytes are compared with TP=1's record of the same inputs; a capture without the assembly
 is the negative control.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,11 +39,11 @@ def shrink_rank1_part(kind: str, sid, w: torch.Tensor) -> torch.Tensor:
     lies on rank 0 only: a rank-local amax would give rank 1 another S_enc and other codes."""
     w = w.clone()
     if kind in ("o", "down"):
-        w[:, w.shape[1] // 2:] /= 10
+        w[:, w.shape[1] // 2 :] /= 10
     elif sid in ("k", "v"):
         w /= 10
     else:
-        w[w.shape[0] // 2:] /= 10
+        w[w.shape[0] // 2 :] /= 10
     return w
 
 
@@ -80,8 +81,9 @@ def column_slice(y1: torch.Tensor, tp2, shards, rank: int, world: int) -> torch.
 
 def main(out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    os.environ["TRACE_QUANT_POLICY"] = json.dumps({"policy": QuantPolicy(targets=ALL_LINEARS).to_dict(),
-                                                  "num_layers": 1})
+    os.environ["TRACE_QUANT_POLICY"] = json.dumps(
+        {"policy": QuantPolicy(targets=ALL_LINEARS).to_dict(), "num_layers": 1}
+    )
     base.setup(rank, world)
     from sglang_backend.plugin.online_quant import TraceNVFP4OnlineConfig, TraceNVFP4OnlineLinearMethod
     from sglang_backend.plugin.quant_method import TraceFP4Config
@@ -96,8 +98,10 @@ def main(out: Path) -> None:
     report: dict = {"rank": rank}
     layers2, layers1 = {}, {}
     for kind in KINDS:
-        shards = [(sid, shrink_rank1_part(kind, sid, w).to(torch.bfloat16).float())  # BF16 values
-                  for sid, w in base.weights(kind, gen)]
+        shards = [
+            (sid, shrink_rank1_part(kind, sid, w).to(torch.bfloat16).float())  # BF16 values
+            for sid, w in base.weights(kind, gen)
+        ]
         biases = {s: torch.randn(w.shape[0], generator=gen) for s, w in shards} if kind == "qkv" else None
         tp2, tp1 = base.build(kind, online, False), base.build(kind, online, True)
         exp2 = base.build(kind, export_cfg, False)
@@ -112,11 +116,18 @@ def main(out: Path) -> None:
         row = kind in ("o", "down")
         if row:  # this rank's K chunk of every row
             k = tp2.input_size_per_partition
-            full = (full[0][:, rank * k // 2:(rank + 1) * k // 2], full[1][:, rank * k // 16:(rank + 1) * k // 16],
-                    full[2])
+            full = (
+                full[0][:, rank * k // 2 : (rank + 1) * k // 2],
+                full[1][:, rank * k // 16 : (rank + 1) * k // 16],
+                full[2],
+            )
         else:
-            full = tuple(column_slice(t.T, tp2, shards, rank, world).T if t.dim() == 2 else
-                         column_slice(t.unsqueeze(0), tp2, shards, rank, world)[0] for t in full)
+            full = tuple(
+                column_slice(t.T, tp2, shards, rank, world).T
+                if t.dim() == 2
+                else column_slice(t.unsqueeze(0), tp2, shards, rank, world)[0]
+                for t in full
+            )
         r["vs_tp1"] = [bool(torch.equal(a, b)) for a, b in zip(got, full)]
         full_amax = torch.stack([w.abs().amax() for _, w in shards]).amax()
         r["local_amax_differs"] = bool(tp2.weight.data.abs().amax() != full_amax)
@@ -149,9 +160,17 @@ def run_sites(cap, layers, inputs, kv_k, kv_v, rank: int | None, world: int) -> 
             layers[kind](x.chunk(world, dim=1)[rank] if row else x)
             if kind == "qkv":
                 hs = slice(None) if rank is None else slice(rank * heads, (rank + 1) * heads)
-                kv.quantize_and_store(bufs["k_buffer"][0], bufs["v_buffer"][0], bufs["k_scale_buffer"][0],
-                                      bufs["v_scale_buffer"][0], SLOTS, kv_k[:, hs], kv_v[:, hs],
-                                      kv.k_scales_gpu[0], kv.v_scales_gpu[0])
+                kv.quantize_and_store(
+                    bufs["k_buffer"][0],
+                    bufs["v_buffer"][0],
+                    bufs["k_scale_buffer"][0],
+                    bufs["v_scale_buffer"][0],
+                    SLOTS,
+                    kv_k[:, hs],
+                    kv_v[:, hs],
+                    kv.k_scales_gpu[0],
+                    kv.v_scales_gpu[0],
+                )
 
 
 def guidance_check(rank: int, world: int, layers2, layers1, inputs) -> dict:
@@ -169,8 +188,14 @@ def guidance_check(rank: int, world: int, layers2, layers1, inputs) -> dict:
     run_sites(raw2, layers2, inputs, kv_k, kv_v, rank, world)
     run_sites(cap1, layers1, inputs, kv_k, kv_v, None, world)
     rec2, raw, rec1 = cap2.record("r0", SLOTS), raw2.record("r0", SLOTS), cap1.record("r0", SLOTS)
-    return {"tp_rank": cap2.tp_rank, "gathered_sites": sorted(cap2.gathers), "sites": list(cap1.sites),
-            "record_equal": rec2 == rec1, "record_bytes": len(rec1), "unassembled_record_equal": raw == rec1}
+    return {
+        "tp_rank": cap2.tp_rank,
+        "gathered_sites": sorted(cap2.gathers),
+        "sites": list(cap1.sites),
+        "record_equal": rec2 == rec1,
+        "record_bytes": len(rec1),
+        "unassembled_record_equal": raw == rec1,
+    }
 
 
 if __name__ == "__main__":

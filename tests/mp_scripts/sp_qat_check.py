@@ -7,6 +7,7 @@ For TP1 (DP2), TP2 and TP2 with sequence parallelism, the actor recomputes the s
 in QAT modes off / rtn / guided (full records), then takes one guided training step and recomputes
 them again; rank 0 writes --out/<config>.json (logprobs, agreement, unguided rows, step metrics).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, when run as a script
 
+from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
 from megatron_trace.guidance import GuidanceRecord  # noqa: E402
 from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
-from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
 from megatron_trace.trainer.actor import Actor, Sample  # noqa: E402
 from megatron_trace.trainer.parallel import destroy, init_distributed  # noqa: E402
 
@@ -38,13 +39,18 @@ def main() -> None:
     arch = ModelArch.from_hf_config(args.ckpt)
     raw = json.loads(Path(args.samples).read_text())
     recs = [GuidanceRecord.from_bytes((Path(args.records) / f"{i}.bin").read_bytes()) for i in range(len(raw))]
-    samples = [Sample(f"s{i}", s["prompt"], s["response"], s["logprobs"], s["advantage"], recs[i])
-               for i, s in enumerate(raw)]
+    samples = [
+        Sample(f"s{i}", s["prompt"], s["response"], s["logprobs"], s["advantage"], recs[i]) for i, s in enumerate(raw)
+    ]
     try:
         for name, (tp, sp) in CONFIGS.items():
             init_distributed(tp=tp, pp=1, seed=0)  # re-initializes the model-parallel groups
-            actor = Actor(arch, POLICY, TrainerConfig(qat_mode="off", micro_batch_size=2, sequence_parallel=sp, lr=1e-3),
-                          hf_path=args.ckpt)
+            actor = Actor(
+                arch,
+                POLICY,
+                TrainerConfig(qat_mode="off", micro_batch_size=2, sequence_parallel=sp, lr=1e-3),
+                hf_path=args.ckpt,
+            )
             res = {}
             for mode in ("off", "rtn", "guided"):
                 actor.qat.set_mode(mode)
@@ -58,6 +64,7 @@ def main() -> None:
                 Path(args.out, f"{name}.json").write_text(json.dumps(res))
     finally:
         destroy()
+
 
 if __name__ == "__main__":
     main()

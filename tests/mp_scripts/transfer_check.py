@@ -9,6 +9,7 @@ saves) to --out/rt_<family>_<cfg>.safetensors. With --url, the TP2xPP2 qwen3 mod
 --send is pushed to that rollout server over the distributed (broadcast) transport as version 7
 (rank 0 is the sender; the other ranks only join the gather) and rank 0 writes the stats.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,7 @@ def main() -> None:
                 transport = DistributedTransport(args.url, args.api_key, "127.0.0.1", args.master_port)
             bstats = BucketStats()
             # A small budget forces many buckets into the one version.
-            stats = push_weights(chunks, arch, QuantPolicy(), transport, version=7, bucket_mb=0.05,
-                                 bucket_stats=bstats)
+            stats = push_weights(chunks, arch, QuantPolicy(), transport, version=7, bucket_mb=0.05, bucket_stats=bstats)
             if transport is not None:
                 transport.close()
                 (out / "send_stats.json").write_text(json.dumps({**stats.__dict__, **bstats.__dict__}))

@@ -5,6 +5,7 @@
 Pushes the HF checkpoint over the distributed transport with a tiny bucket budget; after the
 first bucket is on the wire it prints SENT_ONE and stalls, so the test can SIGKILL it mid-version.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ class _StallAfterOne(DistributedTransport):
             print("SENT_ONE", flush=True)  # the first bucket has been broadcast by now
             time.sleep(600)
             yield from it
+
         return super().send(stalled(), version, manifest=manifest)
 
 

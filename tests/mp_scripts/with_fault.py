@@ -4,6 +4,7 @@ Each --kill-at SIGKILLs the process when the module reaches that named point
 (`megatron_trace.faults`); the arming happens here, in the process that will die, so no test
 needs a clock to decide when to kill.
 """
+
 import argparse
 import runpy
 import sys

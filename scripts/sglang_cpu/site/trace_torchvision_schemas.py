@@ -7,11 +7,14 @@ by a .pth at interpreter start, waits for the first `import torchvision` and def
 two op schemas (no kernels: calling them raises torch's "no kernel" error) right before it.
 Torch is not imported until torchvision is.
 """
+
 import importlib.abc
 import sys
 
-SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-           "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+SCHEMAS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
 
 
 class _Hook(importlib.abc.MetaPathFinder):
