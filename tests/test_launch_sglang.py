@@ -179,7 +179,8 @@ def test_cpu_mem_fraction_covers_weights_and_kv(bf16_ckpt):
     from safetensors.torch import load_file
 
     from megatron_trace.models import ModelArch
-    from sglang_backend.launch import cpu_mem_fraction, parser
+    from sglang_backend.cpu_engine_sizing import cpu_mem_fraction
+    from sglang_backend.launch import parser
 
     weights = sum(t.numel() for f in Path(bf16_ckpt).glob("*.safetensors") for t in load_file(f).values())
     arch = ModelArch.from_hf_config(Path(bf16_ckpt))
@@ -198,7 +199,7 @@ def test_cpu_mem_fraction_covers_weights_and_kv(bf16_ckpt):
 def test_cpu_tp_ranks_get_their_own_cores(capsys, bf16_ckpt, monkeypatch):
     """SGLang's CPU engine wants one NUMA node per TP rank unless SGLANG_CPU_OMP_THREADS_BIND says
     which cores each rank takes: the launcher splits this process's CPUs; a user's own value wins."""
-    from sglang_backend.launch import cpu_thread_binding
+    from sglang_backend.cpu_engine_sizing import cpu_thread_binding
 
     assert cpu_thread_binding(2, [0, 1]) == "0|1"
     assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0-1|2-3"
