@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_rollout import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
+from engine_vs_hf import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
 
 QWEN25_05B = dict(
     hidden_size=896,
@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args(argv)
-    args.dtype, args.sampling = "bfloat16", "greedy"  # what bench_rollout.hf_generate_fn reads
+    args.dtype, args.sampling = "bfloat16", "greedy"  # what engine_vs_hf.hf_generate_fn reads
     if args.quick:
         args.new_tokens, args.batch, args.runs, args.prompt_len = 4, 4, 1, 4
     return args
