@@ -158,7 +158,8 @@ static void F(mxfp4_values)(const float* grid, float* tab) {
 }
 
 /* Row (slot, KV head kh) of one side, D values, decoded into fp32 exactly as the cache's torch read
-   in the model dtype: NVFP4 and MXFP4 from their value tables (F(nvfp4_values), F(mxfp4_values)), dtype(e4m3[byte] * s) for FP8,
+   in the model dtype: NVFP4 and MXFP4 from their value tables (F(nvfp4_values), F(mxfp4_values)),
+   dtype(e4m3[byte] * s) for FP8,
    the stored element otherwise. */
 PREFETCH_FN void F(head_row)(const kv_side* p, const float* tab, int64_t slot, int64_t Hkv, int64_t kh, int64_t D,
                              const float* lut, float* out) {
