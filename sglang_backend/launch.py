@@ -123,7 +123,7 @@ def _is_fp4_export(model_path: str) -> bool:
         return False
     if cfg is None:
         return False
-    from sglang_backend.plugin.quant_method import is_modelopt_nvfp4  # imports SGLang: only for a quantized checkpoint
+    from sglang_backend.plugin.quant_config import is_modelopt_nvfp4  # imports SGLang: only for a quantized checkpoint
 
     return is_modelopt_nvfp4(cfg)
 
@@ -140,7 +140,7 @@ def _online_policy(args: argparse.Namespace) -> str:
 def _policy(args: argparse.Namespace):
     """The engine's QuantPolicy for these flags, with --kv-k / --kv-v applied."""
     from megatron_trace.models import QuantPolicy
-    from sglang_backend.local.engine import policy_for
+    from sglang_backend.local.quant_flags import policy_for
 
     policy = policy_for(args.quantization, args.kv_cache_dtype, Path(args.model_path))
     if args.kv_k is None and args.kv_v is None and not args.kv_k_debias:

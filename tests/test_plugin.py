@@ -18,14 +18,10 @@ from megatron_trace.fp4 import nvfp4, swizzle_scales, to_modelopt_fused
 from megatron_trace.fp4.nvfp4 import decode_scale, encode_scale_from_amax
 from sglang_backend.local.kv_cache import PagedKVCache
 from sglang_backend.local.layers import EngineLinear
-from sglang_backend.plugin import capture, quant_method, register
+from sglang_backend.plugin import capture, quant_config, register
 from sglang_backend.plugin.kv_capture import KVCaptureBuffer, TraceNVFP4KVMethod
-from sglang_backend.plugin.quant_method import (
-    TraceFP4Config,
-    TraceFP4LinearMethod,
-    TraceMXFP4Config,
-    TraceMXFP4LinearMethod,
-)
+from sglang_backend.plugin.quant_config import TraceFP4Config, TraceMXFP4Config
+from sglang_backend.plugin.quant_method import TraceFP4LinearMethod, TraceMXFP4LinearMethod
 
 TENSORS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 QKV = {"q": 32, "k": 16, "v": 16}
@@ -199,7 +195,7 @@ def test_register_mutates_fake_sglang(monkeypatch):
         "sglang.srt.server_args": args_mod,
     }.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setitem(quant_method._ACTIVE, "on", False)
+    monkeypatch.setitem(quant_config._ACTIVE, "on", False)
     # This fake SGLang has no KV registry; without this, a real SGLang module that an earlier test
     # of the session imported would be found (and mutated) instead.
     monkeypatch.setattr(register, "sglang_nvfp4_base", lambda: (None, None))
@@ -215,8 +211,8 @@ def test_register_mutates_fake_sglang(monkeypatch):
 
 
 def test_config_from_exported_checkpoint_and_exclusion(monkeypatch):
-    monkeypatch.setitem(quant_method._ACTIVE, "on", False)
-    monkeypatch.setattr(quant_method, "sglang_attr", lambda *_: None)  # bare nn.Modules stand in for SGLang's layers
+    monkeypatch.setitem(quant_config._ACTIVE, "on", False)
+    monkeypatch.setattr(quant_config, "sglang_attr", lambda *_: None)  # bare nn.Modules stand in for SGLang's layers
     hq = {
         "producer": {"name": "megatron_trace"},
         "quantization": {

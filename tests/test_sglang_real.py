@@ -265,7 +265,7 @@ def test_trainer_update_in_modelopt_layout_into_the_online_server(clients, sglan
     from megatron_trace.transfer.export import load_hf_dir
     from megatron_trace.transfer.pipeline import push_hf_state_dict
     from megatron_trace.transfer.transports import DistributedTransport, HttpTransport
-    from sglang_backend.local.engine import policy_for
+    from sglang_backend.local.quant_flags import policy_for
     from tests.ports import free_port
 
     sg, emb = clients

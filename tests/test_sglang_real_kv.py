@@ -18,7 +18,7 @@ from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
 from sglang_backend.api import GenerateRequest, SamplingParams
 from sglang_backend.client import RolloutClient
 from sglang_backend.local import Engine
-from sglang_backend.local.engine import policy_for
+from sglang_backend.local.quant_flags import policy_for
 from tests.test_sglang_real import PROMPTS, _agreement, _check, start_sglang
 
 # (launcher KV flags, K format, V format)

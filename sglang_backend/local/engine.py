@@ -27,43 +27,11 @@ from .kv_cache import PagedKVCache
 from .layers import EngineLinear, streaming_status
 from .loader import load_checkpoint, load_tensor
 from .model import QwenEngineModel
+from .quant_flags import policy_for
 from .scheduler import Group, Scheduler, guidance_bytes, to_result
 
-QUANTIZATIONS = (None, "nvfp4", "w4a16_nvfp4", "mxfp4", "w4a16_mxfp4", "modelopt_fp4")
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def policy_for(quantization: str | None, kv_cache_dtype: str, model_path: Path) -> QuantPolicy:
-    """SGLang-style flags -> our QuantPolicy (an explicit quant_policy overrides this)."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
-    kv = {"auto": "bf16", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "fp8": "fp8", "fp8_e4m3": "fp8"}.get(
-        kv_cache_dtype
-    )
-    if kv is None:
-        raise ValueError(
-            f"kv_cache_dtype must be one of auto, bf16, nvfp4, mxfp4, fp8, fp8_e4m3; got {kv_cache_dtype!r}"
-        )
-    if quantization is None and (model_path / "hf_quant_config.json").exists():
-        quantization = "modelopt_fp4"
-    if quantization is None:
-        return QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv=kv)
-    fmt = "mxfp4" if "mxfp4" in quantization else "nvfp4"
-    acts = "bf16" if quantization.startswith("w4a16") else "fp4"
-    return QuantPolicy(format=fmt, weights="fp4", activations=acts, kv=kv, targets=_checkpoint_targets(model_path))
-
-
-def _checkpoint_targets(model_path: Path):
-    """An exported NVFP4 checkpoint names what it quantized; otherwise the policy's defaults."""
-    import json
-
-    f = model_path / "hf_quant_config.json"
-    if f.exists():
-        targets = json.loads(f.read_text()).get("quantization", {}).get("trace_targets")
-        if targets:
-            return tuple(targets)
-    return QuantPolicy().targets
 
 
 class Engine:

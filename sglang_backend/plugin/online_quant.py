@@ -28,7 +28,8 @@ from megatron_trace.models.quant_policy import QuantPolicy
 
 from .. import plugin_settings as settings
 from .layer_tp import set_derived, sglang_attr, tp_all_max
-from .quant_method import PACKED_MODULES, TraceFP4Config, TraceFP4LinearMethod, TraceMXFP4Config
+from .quant_config import PACKED_MODULES, TraceFP4Config, TraceMXFP4Config
+from .quant_method import TraceFP4LinearMethod
 
 POLICY_ENV = settings.env_name("quant_policy")
 

@@ -37,7 +37,7 @@ from .. import plugin_settings as settings
 from . import kv_read, kv_sides, routed_experts_cpu, slot_capture, weight_check
 from .kv_capture import sglang_nvfp4_base
 from .online_quant import TraceMXFP4OnlineConfig, TraceNVFP4OnlineConfig
-from .quant_method import TraceFP4Config, set_active
+from .quant_config import TraceFP4Config, set_active
 
 log = logging.getLogger(__name__)
 

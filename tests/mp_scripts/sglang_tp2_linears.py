@@ -112,7 +112,7 @@ def main(out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup(rank, world)
     from sglang_backend.plugin.layer_tp import tp_rank_size
-    from sglang_backend.plugin.quant_method import TraceFP4Config
+    from sglang_backend.plugin.quant_config import TraceFP4Config
 
     cfg = TraceFP4Config()
     gen = torch.Generator().manual_seed(0)

@@ -86,7 +86,7 @@ def main(out: Path) -> None:
     )
     base.setup(rank, world)
     from sglang_backend.plugin.online_quant import TraceNVFP4OnlineConfig, TraceNVFP4OnlineLinearMethod
-    from sglang_backend.plugin.quant_method import TraceFP4Config
+    from sglang_backend.plugin.quant_config import TraceFP4Config
 
     online, export_cfg = TraceNVFP4OnlineConfig(), TraceFP4Config()
     gen = torch.Generator().manual_seed(1)
