@@ -14,12 +14,8 @@ Transport: one `httpx.Client` per server (a pooled keep-alive connection per con
 at once (a server restarting on its port); the retry policy above it (`retries` more attempts,
 `backoff` x 2^k s apart, 5xx and connection failures only) is tenacity's.
 
-Dead servers: a connection failure (refused, reset, timed out) marks the server dead; it gets no
-traffic and weight updates skip it. A background thread probes its `/health` every
-`probe_interval` s; once it answers, the server is brought to the current weight version (the
-client replays the last update it pushed: the serialized bucket, or the disk path; or a
-`readmit_hook(url, version)` pushes them, e.g. for a transport that bypasses this client) and is
-re-admitted only after its `/model_info` reports that version. `dead()` lists them.
+Dead servers (a connection failure) get no traffic until a probe finds them up and caught up
+with the current weights: `client_readmit.DeadServerReadmission`. `dead()` lists them.
 """
 
 from __future__ import annotations
@@ -36,10 +32,11 @@ import httpx
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, GenerateResult, WeightBucket
+from sglang_backend.client_readmit import DeadServerReadmission
 from sglang_backend.http_errors import Retryable, RolloutError, error_message
 
 
-class RolloutClient:
+class RolloutClient(DeadServerReadmission):
     def __init__(
         self,
         urls: list[str] | str,
@@ -346,66 +343,7 @@ class RolloutClient:
             if self._version is None or str(version) != str(self._version):
                 self._version, self._last_push = version, None
 
-    # -- dead servers ----------------------------------------------------------------------------
-    def dead(self) -> list[str]:
-        with self._lock:
-            return [u for u in self.urls if u in self._dead]
-
-    def _mark_dead(self, url: str, why: str) -> None:
-        with self._lock:
-            if url in self._dead:
-                return
-            self._dead.add(url)
-            self.events.append((time.monotonic(), url, f"dead: {why}"))
-            if self._prober is None:
-                self._prober = threading.Thread(target=self._probe_loop, name="rollout-prober", daemon=True)
-                self._prober.start()
-
-    def _probe_loop(self) -> None:
-        while not self._closed.wait(self.probe_interval):
-            with self._lock:
-                dead = [u for u in self.urls if u in self._dead]
-                if not dead:  # under the lock: a server marked dead from now on starts a new prober
-                    self._prober = None
-                    return
-            for url in dead:
-                try:
-                    self._try_readmit(url)
-                except Exception as e:  # still down or not yet loadable: try again next round
-                    with self._lock:
-                        self.events.append((time.monotonic(), url, f"probe failed: {e}"))
-
-    def _try_readmit(self, url: str) -> bool:
-        """Health, then the current weights, then the version check; only then traffic."""
-        try:
-            if self._http(url, "/health", timeout=min(self.timeout, 10))[0] != 200:
-                return False
-        except Retryable:
-            return False
-        with self._weights_lock:
-            version, push = self._version, self._last_push
-            if version is not None:
-                got = self._served_version(url)
-                if got != str(version):
-                    if self.readmit_hook is not None:
-                        self.readmit_hook(url, version)
-                    elif push is not None:
-                        kind, (path, body) = push
-                        self._push_one(url, path, body if kind == "disk" else None, body if kind == "tensor" else None)
-                    else:
-                        raise RolloutError(
-                            f"server reports version {got}, current is {version}, and there are "
-                            "no weights to replay (keep_last_weights=False and no readmit_hook)"
-                        )
-                    got = self._served_version(url)
-                    if got != str(version):
-                        raise RolloutError(f"after catch-up the server reports version {got}, expected {version}")
-            with self._lock:
-                self._dead.discard(url)
-                self._down_until[url] = 0.0
-                self.events.append((time.monotonic(), url, f"readmitted at version {version}"))
-        return True
-
+    # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop probing dead servers and close the connection pools."""
         self._closed.set()
