@@ -12,6 +12,7 @@ reports it in `model_info()["cpu_linear"]` (sglang_backend/local/layers.streamin
 Every source is compiled with -ffp-contract=off and without fast-math: the quantizers' fp32 steps
 then round exactly as the torch reference's, so results stay bit-identical.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,10 +24,25 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).resolve().parent
-SOURCES = ("cpu_quant.c", "cpu_fused.c", "cpu_gemv.c", "cpu_gemv_w4a4.c", "cpu_gemv_parallel.cpp",
-           "cpu_attention_parallel.cpp", "cpu_ops.cpp")
-HEADERS = ("cpu_fp4.h", "cpu_quant.h", "cpu_fused.h", "cpu_layer.h", "cpu_gemv.h", "cpu_fused_typed.h",
-           "cpu_attention_typed.h", "cpu_layer_typed.h")
+SOURCES = (
+    "cpu_quant.c",
+    "cpu_fused.c",
+    "cpu_gemv.c",
+    "cpu_gemv_w4a4.c",
+    "cpu_gemv_parallel.cpp",
+    "cpu_attention_parallel.cpp",
+    "cpu_ops.cpp",
+)
+HEADERS = (
+    "cpu_fp4.h",
+    "cpu_quant.h",
+    "cpu_fused.h",
+    "cpu_layer.h",
+    "cpu_gemv.h",
+    "cpu_fused_typed.h",
+    "cpu_attention_typed.h",
+    "cpu_layer_typed.h",
+)
 # -fopenmp: at::parallel_for (cpu_*_parallel.cpp) is an OpenMP pragma in ATen's headers; without it
 # the loop runs on the calling thread only. The extension's libgomp.so.1 resolves to the one torch
 # already loaded (same soname), so torch.set_num_threads sizes one shared pool.
@@ -66,9 +82,12 @@ class KernelBuild:
             except Exception as e:  # no compiler / ninja / a compile error: say so, the references serve
                 self._reason = f"build failed ({type(e).__name__}: {_last_line(e)})"
         if self._module is None:
-            _log.warning("CPU kernels (%s) unavailable: %s. The engine runs the torch references instead "
-                         "(same numbers, slower). The build needs a C++ compiler and ninja (pip install ninja).",
-                         self.target, self._reason)
+            _log.warning(
+                "CPU kernels (%s) unavailable: %s. The engine runs the torch references instead "
+                "(same numbers, slower). The build needs a C++ compiler and ninja (pip install ninja).",
+                self.target,
+                self._reason,
+            )
         self._tried = True  # last: a thread past the unlocked check sees the finished state
 
     def reason(self) -> str | None:
@@ -88,9 +107,15 @@ class KernelBuild:
         name = f"megatron_trace_cpu_kernels_{self.target}"
         build = CACHE_DIR / f"{self.target}-torch{torch.__version__.replace('+', '_')}-{self._stamp(flags)}"
         build.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name, [str(_HERE / s) for s in SOURCES], extra_cflags=flags,
-                                  extra_include_paths=[str(_HERE)], extra_ldflags=["-fopenmp"],
-                                  build_directory=str(build), verbose=False)
+        return cpp_extension.load(
+            name,
+            [str(_HERE / s) for s in SOURCES],
+            extra_cflags=flags,
+            extra_include_paths=[str(_HERE)],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
+        )
 
     def _stamp(self, flags: list[str]) -> str:
         h = hashlib.sha256(" ".join(flags).encode())

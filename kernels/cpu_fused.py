@@ -14,6 +14,7 @@ Built with the other CPU kernels by kernels/cpu_build.py; `available()` is False
 failed (logged there, reported in the engine's model_info) or for dtypes other than
 float32/bfloat16, and the engine then runs its torch reference path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,16 +35,29 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return out
 
 
-def qkv_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-             positions: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-             k_dst: torch.Tensor, v_dst: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+def qkv_rope(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    k_dst: torch.Tensor,
+    v_dst: torch.Tensor,
+    slots: torch.Tensor | None,
+) -> torch.Tensor:
     """qkv [T, (H+2Hkv)D] contiguous; cos/sin fp32 tables [P, D] read at row positions[t] (int64
     [T], each < P; row t when None); K/V rows into k_dst/v_dst [*, Hkv, D] at `slots` (int64 [T],
     or row t when None). Returns q [T, H, D] after (q-norm and) RoPE."""
     q = torch.empty(qkv.shape[0], heads, head_dim, dtype=qkv.dtype)
     slots = None if slots is None else slots.to(torch.int64).contiguous()
-    cpu_build.native().qkv_rope(qkv, heads, kv_heads, head_dim, cos, sin, positions, q_norm, k_norm, eps, q, k_dst,
-                                v_dst, slots)
+    cpu_build.native().qkv_rope(
+        qkv, heads, kv_heads, head_dim, cos, sin, positions, q_norm, k_norm, eps, q, k_dst, v_dst, slots
+    )
     return q
 
 

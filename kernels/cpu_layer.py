@@ -11,6 +11,7 @@ MXFP4 run the per-kernel path (`cpu_fused`). The arguments are one `LayerArgs` (
 in `cpu_layer.h`, from which the C struct and this class are both generated); sglang_backend/local
 /layer_c.py fills them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,9 @@ def run(args, dtype: torch.dtype) -> None:
         raise _ERRORS[rc][0](f"decode_layer: {_ERRORS[rc][1]}")
 
 
-_ERRORS = {1: (FloatingPointError, "an FP4 quantizer met NaN (the activations diverged)"),
-           2: (MemoryError, "out of memory for its scratch buffers"),
-           3: (IndexError, "a KV slot lies outside the cache"),
-           4: (ValueError, "a KV global scale is not finite and positive")}
+_ERRORS = {
+    1: (FloatingPointError, "an FP4 quantizer met NaN (the activations diverged)"),
+    2: (MemoryError, "out of memory for its scratch buffers"),
+    3: (IndexError, "a KV slot lies outside the cache"),
+    4: (ValueError, "a KV global scale is not finite and positive"),
+}

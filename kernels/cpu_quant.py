@@ -6,6 +6,7 @@ nvfp4_dequantize_rows, mantissa_bits_packed), which picks these on CPU when the 
 Each function here returns None (or False) for what it does not take, e.g. a NaN input, whose
 bytes the reference decides; the dispatcher then runs the reference.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,15 +16,27 @@ from megatron_trace.fp4 import nvfp4
 from . import cpu_build
 
 
-def quantize_dequantize(x: torch.Tensor, *, per_row_global: bool = False, global_scale: torch.Tensor | None = None,
-                        dequant_dtype: torch.dtype | None = None, lib=None):
+def quantize_dequantize(
+    x: torch.Tensor,
+    *,
+    per_row_global: bool = False,
+    global_scale: torch.Tensor | None = None,
+    dequant_dtype: torch.dtype | None = None,
+    lib=None,
+):
     """(nvfp4.quantize(x, per_row_global=..., global_scale=...), its nvfp4.dequantize(., dequant_dtype)
     or None when dequant_dtype is None), bit for bit, in one pass; None when this cannot take x."""
     lib = lib or cpu_build.native()
     gs_t = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32)
-    ok = (lib is not None and x.device.type == "cpu" and x.is_floating_point() and x.dim() > 0
-          and x.shape[-1] % nvfp4.BLOCK == 0 and per_row_global != (gs_t is not None)
-          and (gs_t is None or (gs_t.dim() == 0 and gs_t.device.type == "cpu")))
+    ok = (
+        lib is not None
+        and x.device.type == "cpu"
+        and x.is_floating_point()
+        and x.dim() > 0
+        and x.shape[-1] % nvfp4.BLOCK == 0
+        and per_row_global != (gs_t is not None)
+        and (gs_t is None or (gs_t.dim() == 0 and gs_t.device.type == "cpu"))
+    )
     if ok and gs_t is not None:
         g = float(gs_t)
         ok = g > 0 and g != float("inf")
@@ -43,17 +56,33 @@ def quantize_dequantize(x: torch.Tensor, *, per_row_global: bool = False, global
     return nvfp4.NVFP4Tensor(data, scale, gs_out), xhat
 
 
-def quantize_to_slots(x: torch.Tensor, global_scale: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                      slots: torch.Tensor, lib=None) -> bool:
+def quantize_to_slots(
+    x: torch.Tensor,
+    global_scale: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    slots: torch.Tensor,
+    lib=None,
+) -> bool:
     """codes[slots], scales[slots] = nvfp4.quantize(x, global_scale=global_scale) (data, scale), bit
     for bit, without temporaries: x [T, ..., K], codes [S, ..., K/2] and scales [S, ..., K/16]
     contiguous, a finite positive 0-d fp32 global scale, int64 slots. False (nothing written) when
     this cannot take it (other devices or layouts, NaN input, an unusable S_enc)."""
     lib = lib or cpu_build.native()
-    if (lib is None or x.device.type != "cpu" or not codes.is_contiguous() or not scales.is_contiguous()
-            or global_scale.dim() != 0 or global_scale.dtype is not torch.float32 or slots.dtype is not torch.int64
-            or x.shape[1:-1] != codes.shape[1:-1] or x.shape[-1] != 2 * codes.shape[-1]
-            or x.shape[-1] % nvfp4.BLOCK or slots.numel() != x.shape[0] or not slots.is_contiguous()):
+    if (
+        lib is None
+        or x.device.type != "cpu"
+        or not codes.is_contiguous()
+        or not scales.is_contiguous()
+        or global_scale.dim() != 0
+        or global_scale.dtype is not torch.float32
+        or slots.dtype is not torch.int64
+        or x.shape[1:-1] != codes.shape[1:-1]
+        or x.shape[-1] != 2 * codes.shape[-1]
+        or x.shape[-1] % nvfp4.BLOCK
+        or slots.numel() != x.shape[0]
+        or not slots.is_contiguous()
+    ):
         return False
     xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
     n = xf[0].numel() if xf.shape[0] else 0
@@ -63,14 +92,25 @@ def quantize_to_slots(x: torch.Tensor, global_scale: torch.Tensor, codes: torch.
     return rc == 0  # NaN (1) or an unusable S_enc (3): the reference decides what to write
 
 
-def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, global_scale: torch.Tensor,
-                    dtype: torch.dtype, lib=None) -> torch.Tensor | None:
+def dequantize_rows(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    idx: torch.Tensor,
+    global_scale: torch.Tensor,
+    dtype: torch.dtype,
+    lib=None,
+) -> torch.Tensor | None:
     """nvfp4.dequantize(NVFP4Tensor(codes[idx], scales[idx], global_scale), dtype) for a 0-d global
     scale and contiguous codes [S, ..., K/2] / scales [S, ..., K/16]: the gather and dequantize fused.
     None when this cannot take them."""
     lib = lib or cpu_build.native()
-    if (lib is None or codes.device.type != "cpu" or not codes.is_contiguous() or not scales.is_contiguous()
-            or global_scale.dim() != 0):
+    if (
+        lib is None
+        or codes.device.type != "cpu"
+        or not codes.is_contiguous()
+        or not scales.is_contiguous()
+        or global_scale.dim() != 0
+    ):
         return None
     idx = idx.to(torch.int64).contiguous()
     row = codes[0].numel() * 2
@@ -85,8 +125,13 @@ def mantissa_bits_packed(packed: torch.Tensor, lib=None) -> torch.Tensor | None:
     """fp4.guided.mantissa_bits_packed of a CPU uint8 [..., K/2] tensor (K % 8 == 0) in one C pass;
     None when this cannot take it."""
     lib = lib or cpu_build.native()
-    if (lib is None or packed.device.type != "cpu" or packed.dtype != torch.uint8 or packed.dim() == 0
-            or packed.shape[-1] % 4):
+    if (
+        lib is None
+        or packed.device.type != "cpu"
+        or packed.dtype != torch.uint8
+        or packed.dim() == 0
+        or packed.shape[-1] % 4
+    ):
         return None
     src = packed.contiguous()
     out = torch.empty((*src.shape[:-1], src.shape[-1] // 4), dtype=torch.uint8)

@@ -4,6 +4,7 @@ the one place that picks among them.
 
 triton is imported lazily (first `triton_available()` or kernel call), never at import time.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,7 +39,9 @@ def _warn_cuda_without_triton(what: str) -> None:
     """Once per operation: a CUDA tensor took the torch reference because triton is missing."""
     logging.getLogger(__name__).warning(
         "%s on CUDA runs the torch reference: triton is not importable here (the Triton kernel would be "
-        "bit-identical, and faster)", what)
+        "bit-identical, and faster)",
+        what,
+    )
 
 
 def _cuda_kernel_wanted(x, what: str, kernel_ok: bool = True) -> bool:
@@ -93,7 +96,10 @@ def nvfp4_quantize(
         backend = "triton" if _cuda_kernel_wanted(x, "NVFP4 quantize", not four_over_six) else "reference"
     if backend == "reference":
         return nvfp4.quantize(
-            x, global_amax=global_amax, per_row_global=per_row_global, four_over_six=four_over_six,
+            x,
+            global_amax=global_amax,
+            per_row_global=per_row_global,
+            four_over_six=four_over_six,
             global_scale=global_scale,
         )
     if four_over_six:
@@ -110,21 +116,29 @@ def nvfp4_quantize(
 # decline what they do not take (NaN inputs, whose bytes the reference decides; other layouts),
 # which then runs the reference, bit for bit the same as the C result would be.
 
-def nvfp4_quantize_dequantize(x: torch.Tensor, *, per_row_global: bool = False,
-                              global_scale: torch.Tensor | None = None, dequant_dtype: torch.dtype | None = None):
+
+def nvfp4_quantize_dequantize(
+    x: torch.Tensor,
+    *,
+    per_row_global: bool = False,
+    global_scale: torch.Tensor | None = None,
+    dequant_dtype: torch.dtype | None = None,
+):
     """(nvfp4.quantize(x, per_row_global=..., global_scale=...), nvfp4.dequantize(q, dequant_dtype),
     or None for it when dequant_dtype is None), bit for bit, in one pass on CPU."""
     if x.device.type == "cpu":
-        out = cpu_quant.quantize_dequantize(x, per_row_global=per_row_global, global_scale=global_scale,
-                                            dequant_dtype=dequant_dtype)
+        out = cpu_quant.quantize_dequantize(
+            x, per_row_global=per_row_global, global_scale=global_scale, dequant_dtype=dequant_dtype
+        )
         if out is not None:
             return out
     q = nvfp4_quantize(x, per_row_global=per_row_global, global_scale=global_scale)
     return q, (None if dequant_dtype is None else nvfp4.dequantize(q, dequant_dtype))
 
 
-def nvfp4_quantize_to_slots(x: torch.Tensor, global_scale: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                            slots: torch.Tensor) -> bool:
+def nvfp4_quantize_to_slots(
+    x: torch.Tensor, global_scale: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
+) -> bool:
     """codes[slots], scales[slots] = nvfp4.quantize(x, global_scale=global_scale) (data, scale)
     without temporaries (kernels/cpu_quant.py); False, nothing written, where no kernel takes it:
     the caller then writes the reference's result."""
@@ -133,8 +147,9 @@ def nvfp4_quantize_to_slots(x: torch.Tensor, global_scale: torch.Tensor, codes: 
     return cpu_quant.quantize_to_slots(x, global_scale, codes, scales, slots)
 
 
-def nvfp4_dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, global_scale: torch.Tensor,
-                          dtype: torch.dtype) -> torch.Tensor:
+def nvfp4_dequantize_rows(
+    codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """nvfp4.dequantize(NVFP4Tensor(codes[idx], scales[idx], global_scale), dtype): the gather and
     dequantize fused on CPU."""
     if codes.device.type == "cpu":
@@ -157,6 +172,7 @@ def mantissa_bits_packed(packed: torch.Tensor) -> torch.Tensor:
 # Torch references live here (importable without triton); the kernels in kernels/fp4_gemm.py,
 # kernels/fp4_attention.py and kernels/nvfp4_quantize.py (guidance option) reproduce them.
 
+
 def _kernel_module(name: str):
     if not triton_available():
         raise RuntimeError("backend='triton' needs the triton package; it is not importable here")
@@ -176,8 +192,9 @@ def _pick(backend: str, x, name: str, kernel_ok: bool = True):
 def fp4_linear_reference(x, w, bias=None, *, out_dtype=None):
     """F.linear(x, dequantize(w), bias) computed in fp32, cast to out_dtype (default x.dtype)."""
     deq = nvfp4.dequantize(w) if isinstance(w, nvfp4.NVFP4Tensor) else mxfp4.dequantize(w)
-    y = torch.nn.functional.linear(x.to(torch.float32), deq.to(x.device),
-                                   None if bias is None else bias.to(torch.float32))
+    y = torch.nn.functional.linear(
+        x.to(torch.float32), deq.to(x.device), None if bias is None else bias.to(torch.float32)
+    )
     return y.to(out_dtype or x.dtype)
 
 
@@ -230,8 +247,9 @@ def _dequant_pages(codes, scales, gs, fmt):
     return codes.to(torch.float32)  # "bf16": codes holds the values [slots, kv_heads, D]
 
 
-def paged_decode_attention_reference(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, slot_table, lens,
-                                     fmt="nvfp4", sm_scale=None):
+def paged_decode_attention_reference(
+    q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, slot_table, lens, fmt="nvfp4", sm_scale=None
+):
     """Gather each sequence's slots, dequantize with the fp4 reference, fp32 softmax attention.
     q [B, H, D]; pages [slots, kv_heads, D/2] codes + [slots, kv_heads, D/16] scales (fmt "bf16":
     k_codes/v_codes are [slots, kv_heads, D] values, scales unused); H % kv_heads == 0, head h
@@ -239,7 +257,7 @@ def paged_decode_attention_reference(q, k_codes, k_scales, v_codes, v_scales, k_
     if fmt not in ATTN_FORMATS:
         raise ValueError(f"fmt must be one of {ATTN_FORMATS}; got {fmt!r}")
     b_, h_, d = q.shape
-    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
     out = torch.zeros(b_, h_, d, dtype=torch.float32, device=q.device)
     for b in range(b_):
         n = int(lens[b])
@@ -255,29 +273,47 @@ def paged_decode_attention_reference(q, k_codes, k_scales, v_codes, v_scales, k_
     return out.to(q.dtype)
 
 
-def paged_decode_attention(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, slot_table, lens,
-                           fmt="nvfp4", sm_scale=None, *, backend: str = "auto", **cfg):
+def paged_decode_attention(
+    q,
+    k_codes,
+    k_scales,
+    v_codes,
+    v_scales,
+    k_gs,
+    v_gs,
+    slot_table,
+    lens,
+    fmt="nvfp4",
+    sm_scale=None,
+    *,
+    backend: str = "auto",
+    **cfg,
+):
     """Decode attention over paged FP4 K/V, dequantized inside the kernel (arguments as
     `paged_decode_attention_reference`; k_gs/v_gs are the per-layer NVFP4 S_enc, ignored for
     MXFP4). Sequences with lens 0 give zeros."""
     mod = _pick(backend, q, "fp4_attention")
     if mod is None:
-        return paged_decode_attention_reference(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs,
-                                                slot_table, lens, fmt, sm_scale)
-    return mod.paged_decode_attention_triton(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs,
-                                             slot_table, lens, fmt, sm_scale, **cfg)
+        return paged_decode_attention_reference(
+            q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, slot_table, lens, fmt, sm_scale
+        )
+    return mod.paged_decode_attention_triton(
+        q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, slot_table, lens, fmt, sm_scale, **cfg
+    )
 
 
-def nvfp4_quantize_with_guidance_reference(x, *, mode="full", global_amax=None, per_row_global=False,
-                                           global_scale=None):
+def nvfp4_quantize_with_guidance_reference(
+    x, *, mode="full", global_amax=None, per_row_global=False, global_scale=None
+):
     if mode not in GUIDANCE_MODES:
         raise ValueError(f"guidance mode must be one of {GUIDANCE_MODES}; got {mode!r}")
     q = nvfp4.quantize(x, global_amax=global_amax, per_row_global=per_row_global, global_scale=global_scale)
     return q, (q.data if mode == "full" else mantissa_bits(unpack_fp4(q.data)))
 
 
-def nvfp4_quantize_with_guidance(x, *, mode="full", global_amax=None, per_row_global=False,
-                                 global_scale=None, backend: str = "auto"):
+def nvfp4_quantize_with_guidance(
+    x, *, mode="full", global_amax=None, per_row_global=False, global_scale=None, backend: str = "auto"
+):
     """NVFP4-quantize x and capture TRACE guidance in the same pass: returns (NVFP4Tensor,
     guidance), guidance = the packed codes [..., K/2] (mode "full", the same tensor as q.data) or
     the packed mantissa bits [..., K/8] (mode "mantissa", `megatron_trace.fp4.mantissa_bits`

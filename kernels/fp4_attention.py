@@ -26,6 +26,7 @@ FP4 against 4 * D for BF16, a 3.56x ceiling):
 Under TRITON_INTERPRET=1 the bf16 dots are widened to IEEE fp32 dots (the interpreter's bf16
 tl.dot is broken); the operands are the same bf16-exact values.
 """
+
 from __future__ import annotations
 
 import torch
@@ -65,13 +66,45 @@ def _kv_tile(c_ptr, s_ptr, row, srow, ok, D: tl.constexpr, BLOCK_T: tl.constexpr
 
 @triton.jit
 def _decode_attn_kernel(
-    q_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, kgs_ptr, vgs_ptr, table_ptr, lens_ptr,
-    out_ptr, m_ptr, l_ptr, acc_ptr,
-    sm_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
-    stride_kcs, stride_kch, stride_kss, stride_ksh, stride_vcs, stride_vch, stride_vss, stride_vsh,
-    KVH, tokens_per_split, n_splits,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, FMT: tl.constexpr,
-    Q_PIECES: tl.constexpr, P_PIECES: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
+    q_ptr,
+    kc_ptr,
+    ks_ptr,
+    vc_ptr,
+    vs_ptr,
+    kgs_ptr,
+    vgs_ptr,
+    table_ptr,
+    lens_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_tb,
+    stride_kcs,
+    stride_kch,
+    stride_kss,
+    stride_ksh,
+    stride_vcs,
+    stride_vch,
+    stride_vss,
+    stride_vsh,
+    KVH,
+    tokens_per_split,
+    n_splits,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    FMT: tl.constexpr,
+    Q_PIECES: tl.constexpr,
+    P_PIECES: tl.constexpr,
+    DIRECT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -84,8 +117,9 @@ def _decode_attn_kernel(
     g_ok = g < G
     d = tl.arange(0, D)
     heads = h * G + g
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0
+    ).to(tl.float32)
     if FMT == 0:  # S_dec = fp32(1 / fp64(S_enc)), as nvfp4.decode_scale
         k_sdec = (1.0 / tl.load(kgs_ptr).to(tl.float64)).to(tl.float32)
         v_sdec = (1.0 / tl.load(vgs_ptr).to(tl.float64)).to(tl.float32)
@@ -101,22 +135,41 @@ def _decode_attn_kernel(
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < t_hi
         slot = tl.load(table_row + t, mask=t_ok, other=0).to(tl.int64)
-        k = _kv_tile(kc_ptr, ks_ptr, slot * stride_kcs + h * stride_kch, slot * stride_kss + h * stride_ksh,
-                     t_ok, D, BLOCK_T, FMT)
+        k = _kv_tile(
+            kc_ptr,
+            ks_ptr,
+            slot * stride_kcs + h * stride_kch,
+            slot * stride_kss + h * stride_ksh,
+            t_ok,
+            D,
+            BLOCK_T,
+            FMT,
+        )
         s = _split_mma(q, tl.trans(k), tl.zeros([G_PAD, BLOCK_T], tl.float32), Q_PIECES, DOT_FP32)
         s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid token
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _kv_tile(vc_ptr, vs_ptr, slot * stride_vcs + h * stride_vch, slot * stride_vss + h * stride_vsh,
-                     t_ok, D, BLOCK_T, FMT)
+        v = _kv_tile(
+            vc_ptr,
+            vs_ptr,
+            slot * stride_vcs + h * stride_vch,
+            slot * stride_vss + h * stride_vsh,
+            t_ok,
+            D,
+            BLOCK_T,
+            FMT,
+        )
         acc = _split_mma(p, v, acc * alpha[:, None], P_PIECES, DOT_FP32)
         m_i = m_new
     if DIRECT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_sdec
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(
+            out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None],
+        )
     else:
         row = (pid.to(tl.int64) * n_splits + pid_s) * G + g  # [B * KVH, splits, G] partials
         tl.store(m_ptr + row, m_i, mask=g_ok)
@@ -125,8 +178,19 @@ def _decode_attn_kernel(
 
 
 @triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, H, n_splits,
-                  G: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr):
+def _merge_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    H,
+    n_splits,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
     pid = tl.program_id(0)  # b * H + head
     b = pid // H
     hq = pid % H
@@ -149,8 +213,23 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, H, n_spl
 _Q_PIECES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
-def paged_decode_attention_triton(q, k_codes, k_scales, v_codes, v_scales, k_gs, v_gs, slot_table, lens,
-                                  fmt="nvfp4", sm_scale=None, *, block_t=None, splits=None, num_warps=4):
+def paged_decode_attention_triton(
+    q,
+    k_codes,
+    k_scales,
+    v_codes,
+    v_scales,
+    k_gs,
+    v_gs,
+    slot_table,
+    lens,
+    fmt="nvfp4",
+    sm_scale=None,
+    *,
+    block_t=None,
+    splits=None,
+    num_warps=4,
+):
     """See `kernels.dispatch.paged_decode_attention`; block_t / splits override the heuristics."""
     if fmt not in _FMT:
         raise ValueError(f"fmt must be one of {tuple(_FMT)}; got {fmt!r}")
@@ -172,7 +251,7 @@ def paged_decode_attention_triton(q, k_codes, k_scales, v_codes, v_scales, k_gs,
         q = q.to(torch.float32)
     q = q if q.stride(2) == 1 else q.contiguous()
     dev = q.device
-    sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    sm_scale = d**-0.5 if sm_scale is None else float(sm_scale)
     g = h // kvh
     g_pad = max(16, triton.next_power_of_2(g))
     max_len = slot_table.shape[1]
@@ -194,17 +273,63 @@ def paged_decode_attention_triton(q, k_codes, k_scales, v_codes, v_scales, k_gs,
         acc_p = torch.empty(bsz * kvh * splits * g, d, dtype=torch.float32, device=dev)
     p_pieces = 3 if q.dtype == torch.float32 else 2
     _decode_attn_kernel[(bsz * kvh, splits)](
-        q, k_codes, k_scales, v_codes, v_scales, gs[0], gs[1], slot_table, lens,
-        out, m_p, l_p, acc_p,
-        sm_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), slot_table.stride(0),
-        k_codes.stride(0), k_codes.stride(1), k_scales.stride(0), k_scales.stride(1),
-        v_codes.stride(0), v_codes.stride(1), v_scales.stride(0), v_scales.stride(1),
-        kvh, per_split, splits,
-        G=g, G_PAD=g_pad, D=d, BLOCK_T=block_t, FMT=_FMT[fmt], Q_PIECES=_Q_PIECES[q.dtype], P_PIECES=p_pieces,
-        DIRECT=direct, DOT_FP32=INTERPRETED, num_warps=num_warps, num_stages=2, enable_fp_fusion=False,
+        q,
+        k_codes,
+        k_scales,
+        v_codes,
+        v_scales,
+        gs[0],
+        gs[1],
+        slot_table,
+        lens,
+        out,
+        m_p,
+        l_p,
+        acc_p,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        slot_table.stride(0),
+        k_codes.stride(0),
+        k_codes.stride(1),
+        k_scales.stride(0),
+        k_scales.stride(1),
+        v_codes.stride(0),
+        v_codes.stride(1),
+        v_scales.stride(0),
+        v_scales.stride(1),
+        kvh,
+        per_split,
+        splits,
+        G=g,
+        G_PAD=g_pad,
+        D=d,
+        BLOCK_T=block_t,
+        FMT=_FMT[fmt],
+        Q_PIECES=_Q_PIECES[q.dtype],
+        P_PIECES=p_pieces,
+        DIRECT=direct,
+        DOT_FP32=INTERPRETED,
+        num_warps=num_warps,
+        num_stages=2,
+        enable_fp_fusion=False,
     )
     if not direct:
-        _merge_kernel[(bsz * h,)](m_p, l_p, acc_p, out, out.stride(0), out.stride(1), h, splits,
-                                  G=g, D=d, S_PAD=triton.next_power_of_2(splits), num_warps=4,
-                                  enable_fp_fusion=False)
+        _merge_kernel[(bsz * h,)](
+            m_p,
+            l_p,
+            acc_p,
+            out,
+            out.stride(0),
+            out.stride(1),
+            h,
+            splits,
+            G=g,
+            D=d,
+            S_PAD=triton.next_power_of_2(splits),
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
     return out

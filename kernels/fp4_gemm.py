@@ -36,6 +36,7 @@ Under TRITON_INTERPRET=1 the interpreter's bf16 tl.dot multiplies raw uint16 bit
 bf16 operands are widened to fp32 (exactly) for an IEEE fp32 dot: the same products and fp32
 accumulation the tensor cores perform.
 """
+
 from __future__ import annotations
 
 import torch
@@ -91,11 +92,34 @@ def _split_mma(a, b, acc, PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _fp4_gemm_kernel(
-    a_ptr, as_ptr, asenc_ptr, w_ptr, ws_ptr, wsenc_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_om, stride_os,
-    asenc_stride, wsenc_stride, k_per_split,
-    A_FP4: tl.constexpr, A_PIECES: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    as_ptr,
+    asenc_ptr,
+    w_ptr,
+    ws_ptr,
+    wsenc_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    stride_os,
+    asenc_stride,
+    wsenc_stride,
+    k_per_split,
+    A_FP4: tl.constexpr,
+    A_PIECES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     HK: tl.constexpr = BLOCK_K // 2
     pid_n = tl.program_id(0)
@@ -124,13 +148,15 @@ def _fp4_gemm_kernel(
         if A_FP4:
             am = m_ok[:, None] & kb_ok
             ab = tl.load(a_ptr + rm64[:, None] * stride_am + kb[None, :], mask=am, other=0).to(tl.int32)
-            asf = _e4m3_decode(tl.load(as_ptr + rm64[:, None] * stride_asm + kb[None, :] // 8,
-                                       mask=am, other=0).to(tl.int32))
+            asf = _e4m3_decode(
+                tl.load(as_ptr + rm64[:, None] * stride_asm + kb[None, :] // 8, mask=am, other=0).to(tl.int32)
+            )
             a = _nibble_tile(ab, asf, BLOCK_M, BLOCK_K)
         else:
             kk = k0 + jk
-            a = tl.load(a_ptr + rm64[:, None] * stride_am + kk[None, :],
-                        mask=m_ok[:, None] & (kk[None, :] < k_hi), other=0.0)
+            a = tl.load(
+                a_ptr + rm64[:, None] * stride_am + kk[None, :], mask=m_ok[:, None] & (kk[None, :] < k_hi), other=0.0
+            )
         acc = _split_mma(a, tl.trans(w), acc, A_PIECES, DOT_FP32)
 
     w_senc = tl.load(wsenc_ptr + rn64 * wsenc_stride, mask=n_ok, other=1.0)
@@ -144,8 +170,7 @@ def _fp4_gemm_kernel(
     else:
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + rn64, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm64[:, None] * stride_om + rn64[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + rm64[:, None] * stride_om + rn64[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_weight(w: nvfp4.NVFP4Tensor, k: int) -> int:
@@ -169,8 +194,7 @@ def launch_config(m: int, n: int, k: int) -> dict:
     block_k = max(16, min(256, triton.next_power_of_2(k)))
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1 if INTERPRETED else max(1, min(triton.cdiv(4 * NUM_SMS, tiles), k // 1024))
-    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split,
-                num_warps=4 if block_m <= 32 else 8)
+    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4 if block_m <= 32 else 8)
 
 
 def _gemm(a2, a_scale, a_senc, w, bias, out_dtype, a_pieces, cfg) -> torch.Tensor:
@@ -192,13 +216,37 @@ def _gemm(a2, a_scale, a_senc, w, bias, out_dtype, a_pieces, cfg) -> torch.Tenso
     bias_t = bias.contiguous() if bias is not None else w_senc
     grid = (triton.cdiv(n, bn), split, triton.cdiv(m, bm))
     _fp4_gemm_kernel[grid](
-        a2, a_scale, a_senc, w_data, w_scale, w_senc, bias_t, out,
-        m, n, k, a2.stride(0), a_scale.stride(0), w_data.stride(0), w_scale.stride(0),
-        out.stride(-2), out.stride(0) if partial else 0,
-        int(a_senc.numel() > 1), int(w_senc.numel() > 1), k_per_split,
-        A_FP4=a_fp4, A_PIECES=a_pieces, HAS_BIAS=bias is not None, PARTIAL=partial,
-        DOT_FP32=INTERPRETED, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=cfg["num_warps"], num_stages=3, enable_fp_fusion=False,
+        a2,
+        a_scale,
+        a_senc,
+        w_data,
+        w_scale,
+        w_senc,
+        bias_t,
+        out,
+        m,
+        n,
+        k,
+        a2.stride(0),
+        a_scale.stride(0),
+        w_data.stride(0),
+        w_scale.stride(0),
+        out.stride(-2),
+        out.stride(0) if partial else 0,
+        int(a_senc.numel() > 1),
+        int(w_senc.numel() > 1),
+        k_per_split,
+        A_FP4=a_fp4,
+        A_PIECES=a_pieces,
+        HAS_BIAS=bias is not None,
+        PARTIAL=partial,
+        DOT_FP32=INTERPRETED,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=cfg["num_warps"],
+        num_stages=3,
+        enable_fp_fusion=False,
     )
     if partial:
         out = out.sum(0)
@@ -211,8 +259,14 @@ def _gemm(a2, a_scale, a_senc, w, bias, out_dtype, a_pieces, cfg) -> torch.Tenso
 _PIECES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
-def fp4_linear_triton(x: torch.Tensor, w: nvfp4.NVFP4Tensor, bias: torch.Tensor | None = None, *,
-                      out_dtype: torch.dtype | None = None, **cfg) -> torch.Tensor:
+def fp4_linear_triton(
+    x: torch.Tensor,
+    w: nvfp4.NVFP4Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    **cfg,
+) -> torch.Tensor:
     """W4A16: x [..., K] (bf16/fp16/fp32) @ dequantize(w)^T + bias -> [..., N] in out_dtype
     (default x.dtype). cfg may override block_m/block_n/block_k/split_k/num_warps."""
     k = x.shape[-1]
@@ -226,9 +280,15 @@ def fp4_linear_triton(x: torch.Tensor, w: nvfp4.NVFP4Tensor, bias: torch.Tensor 
     return out.reshape(*x.shape[:-1], n)
 
 
-def fp4_linear_w4a4_triton(x: torch.Tensor, w: nvfp4.NVFP4Tensor, bias: torch.Tensor | None = None, *,
-                           input_global_scale: torch.Tensor | float | None = None,
-                           out_dtype: torch.dtype | None = None, **cfg) -> torch.Tensor:
+def fp4_linear_w4a4_triton(
+    x: torch.Tensor,
+    w: nvfp4.NVFP4Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    input_global_scale: torch.Tensor | float | None = None,
+    out_dtype: torch.dtype | None = None,
+    **cfg,
+) -> torch.Tensor:
     """W4A4: x is NVFP4-quantized per token (or with the static S_enc `input_global_scale`) by the
     bit-exact quantize kernel, then multiplied in FP4 form. Same result as
     F.linear(dequantize(quantize(x)), dequantize(w)) up to fp32 summation order. x may also be

@@ -19,6 +19,7 @@ bit `megatron_trace.fp4.guided_quantize`. Exactness rules: kernels/triton_fp4_co
 Importing this module imports triton; callers go through `kernels.dispatch`, which imports it
 lazily.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,6 @@ from megatron_trace.fp4.guided import GUIDANCE_MODES, check_guidance
 
 from .triton_fp4_codecs import (
     FLT_MAX,
-    INTERPRETED as INTERPRETED,  # the dispatcher's runnability check reads it from this module
     ONE_SIXTH,
     SENC_NUM,
     _clean_abs,
@@ -38,6 +38,9 @@ from .triton_fp4_codecs import (
     _e4m3_decode,
     _e4m3_rn_satfinite,
     _guided_e2m1,
+)
+from .triton_fp4_codecs import (
+    INTERPRETED as INTERPRETED,  # the dispatcher's runnability check reads it from this module
 )
 
 # Host-side scale modes: one S_enc for the tensor, one per row given by the caller, or one per
@@ -47,9 +50,24 @@ _SCALAR, _PER_ROW, _FUSED_ROW = 0, 1, 2
 # rollout's codes / mantissa bits with the rollout's block scales (TRACE guided rounding).
 _RTN, _GUIDED_FULL, _GUIDED_MANTISSA = 0, 1, 2
 
+
 @triton.jit
-def _row_encode_scales(x_row, senc_ptr, sdec_ptr, senc_out_ptr, rows64, row_ok, blk, pair, k_first, K,
-                       k_tiles_per_prog, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row_encode_scales(
+    x_row,
+    senc_ptr,
+    sdec_ptr,
+    senc_out_ptr,
+    rows64,
+    row_ok,
+    blk,
+    pair,
+    k_first,
+    K,
+    k_tiles_per_prog,
+    MODE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """S_enc and S_dec of each row: fused from the row's amax (MODE 2), given per row (1) or per
     tensor (0)."""
     if MODE == 2:
@@ -80,10 +98,23 @@ def _row_encode_scales(x_row, senc_ptr, sdec_ptr, senc_out_ptr, rows64, row_ok, 
 
 @triton.jit
 def _nvfp4_quantize_kernel(
-    x_ptr, data_ptr, scale_ptr, mant_ptr, ref_ptr, senc_ptr, sdec_ptr, senc_out_ptr,
-    M, K, stride_xm, k_tiles_per_prog,
-    MODE: tl.constexpr, GUIDE: tl.constexpr, MANTISSA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    mant_ptr,
+    ref_ptr,
+    senc_ptr,
+    sdec_ptr,
+    senc_out_ptr,
+    M,
+    K,
+    stride_xm,
+    k_tiles_per_prog,
+    MODE: tl.constexpr,
+    GUIDE: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """GUIDE _RTN: codes and block scales from x (scale_ptr written); _GUIDED_FULL/_MANTISSA:
     scale_ptr holds the rollout's block scales (read) and ref_ptr its packed codes / mant_ptr its
@@ -99,8 +130,22 @@ def _nvfp4_quantize_kernel(
     x_row = x_ptr + rows64 * stride_xm
     k_first = pid_k * k_tiles_per_prog * BLOCK_K
 
-    s_enc, s_dec = _row_encode_scales(x_row, senc_ptr, sdec_ptr, senc_out_ptr, rows64, row_ok, blk, pair,
-                                      k_first, K, k_tiles_per_prog, MODE, BLOCK_M, BLOCK_K)
+    s_enc, s_dec = _row_encode_scales(
+        x_row,
+        senc_ptr,
+        sdec_ptr,
+        senc_out_ptr,
+        rows64,
+        row_ok,
+        blk,
+        pair,
+        k_first,
+        K,
+        k_tiles_per_prog,
+        MODE,
+        BLOCK_M,
+        BLOCK_K,
+    )
     s6 = s_enc * ONE_SIXTH
 
     half_k = K // 2
@@ -240,10 +285,25 @@ def _quantize(x, global_amax, per_row_global: bool, global_scale, *, mantissa: b
     block_m, block_k, k_progs, k_tiles = _launch_shape(m, k, mode == _FUSED_ROW)
     grid = (triton.cdiv(m, block_m), k_progs)
     _nvfp4_quantize_kernel[grid](
-        x2, data, scale, mant, data, s_enc, s_dec, s_enc,
-        m, k, x2.stride(0), k_tiles,
-        MODE=mode, GUIDE=_RTN, MANTISSA=mantissa, BLOCK_M=block_m, BLOCK_K=block_k,
-        num_warps=4, enable_fp_fusion=False,
+        x2,
+        data,
+        scale,
+        mant,
+        data,
+        s_enc,
+        s_dec,
+        s_enc,
+        m,
+        k,
+        x2.stride(0),
+        k_tiles,
+        MODE=mode,
+        GUIDE=_RTN,
+        MANTISSA=mantissa,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        num_warps=4,
+        enable_fp_fusion=False,
     )
     g = s_enc.reshape(lead) if per_row_global else s_enc.reshape(())
     q = nvfp4.NVFP4Tensor(data.reshape(*lead, k // 2), scale.reshape(*lead, k // 16), g)
@@ -259,8 +319,11 @@ def guided_quantize_triton(
     mantissa: torch.Tensor | None = None,
 ) -> nvfp4.NVFP4Tensor:
     """`megatron_trace.fp4.guided_quantize` (same arguments, checks and bits) in the kernel."""
-    x = x if isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+    x = (
+        x
+        if isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         else nvfp4.as_float32(x)
+    )
     nvfp4.check_blocks(x, nvfp4.BLOCK, "NVFP4")
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
     check_guidance(x, scale, gs, codes, mantissa)
@@ -279,9 +342,24 @@ def guided_quantize_triton(
     data = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
     block_m, block_k, k_progs, k_tiles = _launch_shape(m, k, False)
     _nvfp4_quantize_kernel[(triton.cdiv(m, block_m), k_progs)](
-        x2, data, scale.reshape(m, -1).contiguous(), ref, ref, s_enc, s_dec, s_enc,
-        m, k, x2.stride(0), k_tiles,
-        MODE=_PER_ROW if gs.dim() else _SCALAR, GUIDE=_GUIDED_FULL if full else _GUIDED_MANTISSA,
-        MANTISSA=False, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4, enable_fp_fusion=False,
+        x2,
+        data,
+        scale.reshape(m, -1).contiguous(),
+        ref,
+        ref,
+        s_enc,
+        s_dec,
+        s_enc,
+        m,
+        k,
+        x2.stride(0),
+        k_tiles,
+        MODE=_PER_ROW if gs.dim() else _SCALAR,
+        GUIDE=_GUIDED_FULL if full else _GUIDED_MANTISSA,
+        MANTISSA=False,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        num_warps=4,
+        enable_fp_fusion=False,
     )
     return nvfp4.NVFP4Tensor(data.reshape(*lead, k // 2), scale, gs)

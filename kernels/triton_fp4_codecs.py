@@ -13,6 +13,7 @@ Exactness notes (the reason for the unusual code below):
 
 Importing this module imports triton; callers go through `kernels.dispatch`.
 """
+
 from __future__ import annotations
 
 import triton

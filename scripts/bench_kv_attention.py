@@ -13,6 +13,7 @@ MXFP4 pages in the engine's KV layout (E8M0 per 16, ceil rule) decoded in regist
 clock also counts time the threads sat descheduled); the page bytes one step reads are K + V of
 batch x context tokens (NVFP4: codes + E4M3 scales; MXFP4: codes + E8M0 scales).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,22 +57,28 @@ def main(argv=None) -> str:
     k, v = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
     table = torch.randperm(slots, generator=g).view(b, n).contiguous()  # scattered pages
     q = torch.randn(b, args.heads, d, generator=g).bfloat16()
-    row_seq, row_len, scale = torch.arange(b), torch.full((b,), n), d ** -0.5
+    row_seq, row_len, scale = torch.arange(b), torch.full((b,), n), d**-0.5
     kb, vb = k.bfloat16(), v.bfloat16()
     qk, qv = nvfp4.quantize(k), nvfp4.quantize(v)
     sk, sv = float(nvfp4.decode_scale(qk.global_scale)), float(nvfp4.decode_scale(qv.global_scale))
     mk, mv = (mxfp4.quantize(x, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK) for x in (k, v))
 
     def mx_pages():
-        return cpu_attention.paged_attention_kv(q, "mxfp4", (mk.data, mk.scale), 1.0, "mxfp4", (mv.data, mv.scale),
-                                                1.0, table, row_seq, row_len, scale)
+        return cpu_attention.paged_attention_kv(
+            q, "mxfp4", (mk.data, mk.scale), 1.0, "mxfp4", (mv.data, mv.scale), 1.0, table, row_seq, row_len, scale
+        )
 
     runs = {
-        "BF16 pages": (lambda: cpu_attention.paged_attention(q, kb, vb, table, row_seq, row_len, scale),
-                       2 * slots * hkv * d * 2),
-        "NVFP4 pages (in registers)": (lambda: cpu_attention.paged_attention_nvfp4(
-            q, qk.data, qk.scale, qv.data, qv.scale, sk, sv, table, row_seq, row_len, scale),
-            2 * slots * hkv * (d // 2 + d // 16)),
+        "BF16 pages": (
+            lambda: cpu_attention.paged_attention(q, kb, vb, table, row_seq, row_len, scale),
+            2 * slots * hkv * d * 2,
+        ),
+        "NVFP4 pages (in registers)": (
+            lambda: cpu_attention.paged_attention_nvfp4(
+                q, qk.data, qk.scale, qv.data, qv.scale, sk, sv, table, row_seq, row_len, scale
+            ),
+            2 * slots * hkv * (d // 2 + d // 16),
+        ),
         "MXFP4 pages (in registers)": (mx_pages, 2 * slots * hkv * (d // 2 + d // mxfp4.KV_BLOCK)),
     }
     times = {name: [] for name in runs}
@@ -85,14 +92,19 @@ def main(argv=None) -> str:
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
     base = statistics.median(times["BF16 pages"])
-    lines = [f"decode attention, batch {b}, context {n}, {args.heads}/{hkv} heads x {d}, threads {args.threads}, "
-             f"median of {args.runs} interleaved rounds", "",
-             "| pages | ms/step | vs BF16 pages | CPU ms/step | page MB read | GB/s |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"decode attention, batch {b}, context {n}, {args.heads}/{hkv} heads x {d}, threads {args.threads}, "
+        f"median of {args.runs} interleaved rounds",
+        "",
+        "| pages | ms/step | vs BF16 pages | CPU ms/step | page MB read | GB/s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, (_, nbytes) in runs.items():
         t, c = statistics.median(times[name]), statistics.median(cpu[name])
-        lines.append(f"| {name} | {t * 1e3:.2f} | {base / t:.2f}x | {c * 1e3:.2f} | {nbytes / 1e6:.3f} | "
-                     f"{nbytes / t / 1e9:.1f} |")
+        lines.append(
+            f"| {name} | {t * 1e3:.2f} | {base / t:.2f}x | {c * 1e3:.2f} | {nbytes / 1e6:.3f} | "
+            f"{nbytes / t / 1e9:.1f} |"
+        )
     lines.append(f"goal: NVFP4 pages >= {GOAL}x BF16 pages at 4K context, batch 8")
     report = "\n".join(lines)
     print(report)

@@ -6,6 +6,7 @@ Dense pages agree with softmax attention in float64 to the tolerances tests/test
 NVFP4 and mixed-format pages are bit-equal to the dense kernel over the pages dequantized in the
 model dtype; and the bits do not depend on how many threads split the work items.
 """
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -48,24 +49,37 @@ LENGTHS = st.sampled_from([1, 7, 8, 9, 31, 32, 33, 40, 65, 100])
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**16), seqs=st.integers(1, 3), kv_heads=st.sampled_from([1, 2, 3]),
-       group=st.sampled_from([1, 2, 7]), d=st.sampled_from([16, 24, 64, 128]), longest=LENGTHS,
-       bf16=st.booleans())
+@given(
+    seed=st.integers(0, 2**16),
+    seqs=st.integers(1, 3),
+    kv_heads=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 2, 7]),
+    d=st.sampled_from([16, 24, 64, 128]),
+    longest=LENGTHS,
+    bf16=st.booleans(),
+)
 def test_dense_pages_match_float64_softmax_attention(seed, seqs, kv_heads, group, d, longest, bf16):
     dtype = torch.bfloat16 if bf16 else torch.float32
     q, k, v, table, row_seq, row_len = _problem(seed, seqs, kv_heads, group, d, longest, dtype)
     kc, vc = k.to(dtype), v.to(dtype)
-    out = cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, d ** -0.5)
-    ref = _reference(q, kc, vc, table, row_seq, row_len, d ** -0.5)
+    out = cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, d**-0.5)
+    ref = _reference(q, kc, vc, table, row_seq, row_len, d**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**16), seqs=st.integers(1, 3), kv_heads=st.sampled_from([1, 2]),
-       group=st.sampled_from([1, 3, 7]), d=st.sampled_from([16, 64, 128]), longest=LENGTHS,
-       bf16=st.booleans())
-def test_nvfp4_and_fp8_pages_equal_dense_attention_over_their_dequantized_pages(seed, seqs, kv_heads, group, d,
-                                                                                 longest, bf16):
+@given(
+    seed=st.integers(0, 2**16),
+    seqs=st.integers(1, 3),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3, 7]),
+    d=st.sampled_from([16, 64, 128]),
+    longest=LENGTHS,
+    bf16=st.booleans(),
+)
+def test_nvfp4_and_fp8_pages_equal_dense_attention_over_their_dequantized_pages(
+    seed, seqs, kv_heads, group, d, longest, bf16
+):
     dtype = torch.bfloat16 if bf16 else torch.float32
     q, k, v, table, row_seq, row_len = _problem(seed, seqs, kv_heads, group, d, longest, dtype)
     gk, gv = torch.tensor(0.37), torch.tensor(2.5)
@@ -73,13 +87,15 @@ def test_nvfp4_and_fp8_pages_equal_dense_attention_over_their_dequantized_pages(
     sk, sv = float(nvfp4.decode_scale(gk)), float(nvfp4.decode_scale(gv))
     kd, vd = nvfp4.dequantize(qk, dtype), nvfp4.dequantize(qv, dtype)
     dense = cpu_attention.paged_attention(q, kd, vd, table, row_seq, row_len, 0.2)
-    paged = cpu_attention.paged_attention_nvfp4(q, qk.data, qk.scale, qv.data, qv.scale, sk, sv, table, row_seq,
-                                                row_len, 0.2)
+    paged = cpu_attention.paged_attention_nvfp4(
+        q, qk.data, qk.scale, qv.data, qv.scale, sk, sv, table, row_seq, row_len, 0.2
+    )
     assert torch.equal(dense, paged)
     k8 = fp8.quantize(k, dims=2)  # FP8 K beside NVFP4 V: the mixed-format use of the same kernel
     k8d = fp8.dequantize(k8, dtype)
-    mixed = cpu_attention.paged_attention_kv(q, "fp8", (k8.data, k8.scale), 0.0, "nvfp4", (qv.data, qv.scale), sv,
-                                             table, row_seq, row_len, 0.2)
+    mixed = cpu_attention.paged_attention_kv(
+        q, "fp8", (k8.data, k8.scale), 0.0, "nvfp4", (qv.data, qv.scale), sv, table, row_seq, row_len, 0.2
+    )
     assert torch.equal(mixed, cpu_attention.paged_attention(q, k8d, vd, table, row_seq, row_len, 0.2))
 
 
@@ -91,13 +107,15 @@ def test_results_do_not_depend_on_the_thread_count(fmt):
         sk, sv = float(nvfp4.decode_scale(qk.global_scale)), float(nvfp4.decode_scale(qv.global_scale))
 
         def run():
-            return cpu_attention.paged_attention_nvfp4(q, qk.data, qk.scale, qv.data, qv.scale, sk, sv, table,
-                                                       row_seq, row_len, 0.125)
+            return cpu_attention.paged_attention_nvfp4(
+                q, qk.data, qk.scale, qv.data, qv.scale, sk, sv, table, row_seq, row_len, 0.125
+            )
     else:
         kc, vc = k.bfloat16(), v.bfloat16()
 
         def run():
             return cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, 0.125)
+
     before = torch.get_num_threads()
     try:
         outs = []

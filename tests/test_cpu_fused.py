@@ -4,6 +4,7 @@ fp32 results agree to a few ulp (other summation order, a polynomial exp); bfloa
 round at the same points as HF, so they agree to one bf16 step. The NVFP4-page attention is
 bit-equal to the dense kernel run on `fp4.nvfp4.dequantize`d pages.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,8 +56,9 @@ def test_qkv_rope_rotates_q_and_stores_k_v_in_their_slots(dtype, qk_norm):
     qn, kn = (torch.randn(d, generator=g).to(dtype) for _ in range(2)) if qk_norm else (None, None)
     kc, vc = (torch.zeros(12, kv_heads, d, dtype=dtype) for _ in range(2))
     slots = torch.tensor([7, 3, 11, 0, 5])
-    q = cpu_fused.qkv_rope(qkv, heads, kv_heads, d, *rope.tables_upto(18, dtype), positions, qn, kn, 1e-6, kc, vc,
-                           slots)
+    q = cpu_fused.qkv_rope(
+        qkv, heads, kv_heads, d, *rope.tables_upto(18, dtype), positions, qn, kn, 1e-6, kc, vc, slots
+    )
     q_ref = qkv[:, : heads * d].reshape(t, heads, d)
     k_ref = qkv[:, heads * d : (heads + kv_heads) * d].reshape(t, kv_heads, d)
     if qk_norm:
@@ -82,9 +84,15 @@ def _attention_ref(q, kc, vc, table, row_seq, row_len):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seqs=st.integers(1, 4), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 4]),
-       d=st.sampled_from([8, 16, 20, 32]), width=st.integers(1, 40), seed=st.integers(0, 2**16),
-       bf16=st.booleans())
+@given(
+    seqs=st.integers(1, 4),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 4]),
+    d=st.sampled_from([8, 16, 20, 32]),
+    width=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+    bf16=st.booleans(),
+)
 def test_paged_attention_matches_softmax_attention(seqs, kv_heads, group, d, width, seed, bf16):
     dtype = torch.bfloat16 if bf16 else torch.float32
     g = torch.Generator().manual_seed(seed)
@@ -95,7 +103,7 @@ def test_paged_attention_matches_softmax_attention(seqs, kv_heads, group, d, wid
     row_seq = torch.randint(0, seqs, (rows,), generator=g)
     row_len = torch.randint(1, width + 1, (rows,), generator=g)
     q = torch.randn(rows, heads, d, generator=g).to(dtype)
-    out = cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, d ** -0.5)
+    out = cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, d**-0.5)
     _close(out, _attention_ref(q, kc, vc, table, row_seq, row_len), dtype)
 
 
@@ -115,10 +123,26 @@ def test_nvfp4_page_attention_equals_attention_over_dequantized_pages(dtype):
     k, v = torch.randn(40, 2, 32, generator=g) * 3, torch.randn(40, 2, 32, generator=g)
     gk, gv = torch.tensor(0.37), torch.tensor(2.5)
     qk, qv = nvfp4.quantize(k, global_scale=gk), nvfp4.quantize(v, global_scale=gv)
-    table, row_seq, row_len = torch.randint(0, 40, (3, 12), generator=g), torch.tensor([0, 2, 2, 1]), torch.tensor([1, 12, 5, 7])
+    table, row_seq, row_len = (
+        torch.randint(0, 40, (3, 12), generator=g),
+        torch.tensor([0, 2, 2, 1]),
+        torch.tensor([1, 12, 5, 7]),
+    )
     q = torch.randn(4, 4, 32, generator=g).to(dtype)
-    dense = cpu_attention.paged_attention(q, nvfp4.dequantize(qk, dtype), nvfp4.dequantize(qv, dtype), table, row_seq,
-                                      row_len, 32 ** -0.5)
-    paged = cpu_attention.paged_attention_nvfp4(q, qk.data, qk.scale, qv.data, qv.scale, float(nvfp4.decode_scale(gk)),
-                                            float(nvfp4.decode_scale(gv)), table, row_seq, row_len, 32 ** -0.5)
+    dense = cpu_attention.paged_attention(
+        q, nvfp4.dequantize(qk, dtype), nvfp4.dequantize(qv, dtype), table, row_seq, row_len, 32**-0.5
+    )
+    paged = cpu_attention.paged_attention_nvfp4(
+        q,
+        qk.data,
+        qk.scale,
+        qv.data,
+        qv.scale,
+        float(nvfp4.decode_scale(gk)),
+        float(nvfp4.decode_scale(gv)),
+        table,
+        row_seq,
+        row_len,
+        32**-0.5,
+    )
     assert torch.equal(dense, paged)

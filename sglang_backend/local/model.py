@@ -6,9 +6,9 @@
 Which linears and KV entries are FP4 comes from the QuantPolicy; every quantized input can be
 reported to a capture function under its guidance site name.
 """
+
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +55,9 @@ class ForwardBatch:
                 table, row_seq = self.read_index, torch.arange(len(self.spans))
             else:
                 table = torch.nn.utils.rnn.pad_sequence(self.read_slots, batch_first=True)
-                row_seq = torch.repeat_interleave(torch.arange(len(self.spans)),
-                                                  torch.tensor([e - s for s, e in self.spans]))
+                row_seq = torch.repeat_interleave(
+                    torch.arange(len(self.spans)), torch.tensor([e - s for s, e in self.spans])
+                )
             row_len = self.positions + 1
             self._layout = (table.contiguous(), row_seq, row_len, int(row_len.max()))
         return self._layout
@@ -89,8 +90,13 @@ class _Layer(nn.Module):
             afmt = policy.format if fp4 and policy.activations == "fp4" else None
             return EngineLinear(shards, k, bias=bias, weight_fmt=wfmt, act_fmt=afmt, dtype=dtype, site=p + site)
 
-        self.qkv = linear("self_attn.q_proj", "self_attn.qkv_proj",
-                          {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size}, h, arch.qkv_bias)
+        self.qkv = linear(
+            "self_attn.q_proj",
+            "self_attn.qkv_proj",
+            {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size},
+            h,
+            arch.qkv_bias,
+        )
         # quant.kv_k_debias: this layer's K cache holds K - RoPE_pos(k_proj bias) (models/rope.py)
         self.k_debias = policy.kv_k_debias and policy.kv_format(idx, arch.num_layers, "k") != "bf16"
         if self.k_debias and not arch.qkv_bias:
@@ -107,9 +113,11 @@ class _Layer(nn.Module):
             self.router = nn.Parameter(torch.zeros(n, h, dtype=dtype), requires_grad=False)
             self.experts_gate_up = nn.ModuleList(
                 linear(f"mlp.experts.{e}.gate_proj", "mlp.experts.gate_up_proj", {"gate": ffn, "up": ffn}, h)
-                for e in range(n))
+                for e in range(n)
+            )
             self.experts_down = nn.ModuleList(
-                linear(f"mlp.experts.{e}.down_proj", "mlp.experts.down_proj", {"down": h}, ffn) for e in range(n))
+                linear(f"mlp.experts.{e}.down_proj", "mlp.experts.down_proj", {"down": h}, ffn) for e in range(n)
+            )
         else:
             ffn = arch.intermediate_size
             self.gate_up = linear("mlp.gate_proj", "mlp.gate_up_proj", {"gate": ffn, "up": ffn}, h)
@@ -131,8 +139,11 @@ class _Layer(nn.Module):
             k = k.float() - self.k_bias_at(batch.positions, torch.float32)
         self._store_kv(k, v, batch, kv, capture)
         k_add = self.k_bias_at if self.k_debias else None
-        out = (attention.decode_attention(q, batch, kv, self.idx, k_add) if batch.is_decode
-               else attention.prefill_attention(q, batch, kv, self.idx, k_add))
+        out = (
+            attention.decode_attention(q, batch, kv, self.idx, k_add)
+            if batch.is_decode
+            else attention.prefill_attention(q, batch, kv, self.idx, k_add)
+        )
         return self.o_proj(out.reshape(-1, a.q_size), capture)
 
     def k_bias_at(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -215,16 +226,28 @@ class _Layer(nn.Module):
         table, row_seq, row_len, width = batch.attention_layout()
         if kv.fmt == "bf16":  # K and V go straight into their cache slots
             kc, vc = kv.layer_pages[self.idx]
-            q = cpu_fused.qkv_rope(qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, batch.positions, *norms,
-                                   a.rms_norm_eps, kc, vc, batch.write_slots)
+            q = cpu_fused.qkv_rope(
+                qkv,
+                a.num_heads,
+                a.num_kv_heads,
+                a.head_dim,
+                *rot,
+                batch.positions,
+                *norms,
+                a.rms_norm_eps,
+                kc,
+                vc,
+                batch.write_slots,
+            )
         else:  # FP4 pages: quantize (and capture) the new K/V first
             k, v = (torch.empty(qkv.shape[0], a.num_kv_heads, a.head_dim, dtype=qkv.dtype) for _ in range(2))
-            q = cpu_fused.qkv_rope(qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, batch.positions, *norms,
-                                   a.rms_norm_eps, k, v, None)
+            q = cpu_fused.qkv_rope(
+                qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, batch.positions, *norms, a.rms_norm_eps, k, v, None
+            )
             if self.k_debias:
                 k = k.float() - self.k_bias_at(batch.positions, torch.float32)
             self._store_kv(k, v, batch, kv, capture)
-        scale = a.head_dim ** -0.5
+        scale = a.head_dim**-0.5
         if self.k_debias:  # the page kernels know no K offset: attend over rows read back with RoPE_pos(b)
             attention.warn_debias_gathered()
             flat = table[:, :width].reshape(-1)
@@ -232,39 +255,24 @@ class _Layer(nn.Module):
             kc = (kc + self.k_bias_at(torch.arange(width), torch.float32)[None]).to(qkv.dtype)
             kc = kc.view(flat.numel(), a.num_kv_heads, a.head_dim)
             vc = kv.read(self.idx, 1, flat)
-            out = cpu_attention.paged_attention(q, kc, vc, torch.arange(flat.numel()).view(-1, width), row_seq,
-                                                row_len, scale)
+            out = cpu_attention.paged_attention(
+                q, kc, vc, torch.arange(flat.numel()).view(-1, width), row_seq, row_len, scale
+            )
         elif kv.fmt == "nvfp4":  # attention decodes the pages itself
             sdec_k, sdec_v = batch.kv_decode_scales[self.idx]
             kd, ks, vd, vs = kv.layer_pages[self.idx]
             out = cpu_attention.paged_attention_nvfp4(q, kd, ks, vd, vs, sdec_k, sdec_v, table, row_seq, row_len, scale)
-        elif all(f in cpu_attention.KV_ROW_FORMATS for f in kv.side_fmt) and kv.fmt != "bf16":
-            # FP8 and/or mixed pages (e.g. FP8 K + NVFP4 V): each side decoded in registers
+        elif kv.fmt != "bf16":
+            # FP8, MXFP4 and mixed pages (e.g. FP8 K + NVFP4 V): each side decoded in registers; a side
+            # format the kernel does not know is refused there by name
             sdec_k, sdec_v = batch.kv_decode_scales[self.idx] if batch.kv_decode_scales else (1.0, 1.0)
             pages = kv.layer_pages[self.idx]
-            out = cpu_attention.paged_attention_kv(q, kv.k_fmt, pages[:2], sdec_k, kv.v_fmt, pages[2:], sdec_v,
-                                                   table, row_seq, row_len, scale)
+            out = cpu_attention.paged_attention_kv(
+                q, kv.k_fmt, pages[:2], sdec_k, kv.v_fmt, pages[2:], sdec_v, table, row_seq, row_len, scale
+            )
         else:
-            if kv.fmt != "bf16":  # MXFP4 (either side): attend over a dequantized gather of the rows in use
-                if kv.fmt != "mxfp4":
-                    _warn_gathered(kv.side_fmt)
-                flat = table[:, :width].reshape(-1)
-                kc, vc = kv.read(self.idx, 0, flat), kv.read(self.idx, 1, flat)
-                table = torch.arange(flat.numel()).view(-1, width)
             out = cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, scale)
         return self.o_proj.forward_cpu(out.view(qkv.shape[0], a.q_size), capture)
-
-
-_WARNED_GATHER: set = set()
-
-
-def _warn_gathered(side_fmt: tuple) -> None:
-    """Mixed pages with an MXFP4 side have no in-register kernel: say so once per combination."""
-    if side_fmt not in _WARNED_GATHER:
-        _WARNED_GATHER.add(side_fmt)
-        logging.getLogger(__name__).warning(
-            "KV pages K=%s V=%s: no in-register attention kernel for this mix; attending over a dequantized "
-            "gather of the rows in use (same numbers, slower)", *side_fmt)
 
 
 def _slot_sink(parts: list | None, tok: torch.Tensor, slot: torch.Tensor):
@@ -305,8 +313,11 @@ class QwenEngineModel(nn.Module):
         self.embed = nn.Parameter(torch.zeros(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(_Layer(arch, policy, i, dtype) for i in range(arch.num_layers))
         self.final_norm = nn.Parameter(torch.ones(arch.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head = (self.embed if arch.tie_word_embeddings else
-                        nn.Parameter(torch.zeros(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False))
+        self.lm_head = (
+            self.embed
+            if arch.tie_word_embeddings
+            else nn.Parameter(torch.zeros(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
+        )
         self.rope = Rope(arch.head_dim, arch.rope_theta)
 
     def linears(self):
@@ -317,21 +328,30 @@ class QwenEngineModel(nn.Module):
         cached = self.__dict__.get("_one_call_for")
         if cached is None or cached[0] is not kv:
             cached = self.__dict__["_one_call_for"] = (
-                kv, [layer_c.supports(layer, kv) and not layer.k_debias for layer in self.layers])
+                kv,
+                [layer_c.supports(layer, kv) and not layer.k_debias for layer in self.layers],
+            )
         return cached[1]
 
     def uses_fused(self, kv: PagedKVCache) -> bool:
         """The C kernels serve CPU float32/bfloat16 runs whose KV pages share the model's dtype."""
-        return (self.embed.device.type == "cpu" and cpu_fused.available(self.dtype)
-                and (kv.fmt != "bf16" or kv.values.dtype == self.dtype) and kv.dtype == self.dtype)
+        return (
+            self.embed.device.type == "cpu"
+            and cpu_fused.available(self.dtype)
+            and (kv.fmt != "bf16" or kv.values.dtype == self.dtype)
+            and kv.dtype == self.dtype
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, capture: CaptureFn | None = None) -> torch.Tensor:
         """Returns fp32 logits [len(logits_rows), vocab] (default: each sequence's last token)."""
         x = F.embedding(batch.input_ids, self.embed)
         all_rows = batch.is_decode and batch.logits_rows is None  # every row's logits, in order
-        rows = None if all_rows else (batch.logits_rows if batch.logits_rows is not None
-                                      else [e - 1 for _, e in batch.spans])
+        rows = (
+            None
+            if all_rows
+            else (batch.logits_rows if batch.logits_rows is not None else [e - 1 for _, e in batch.spans])
+        )
         eps = self.arch.rms_norm_eps
         # A capture fn may name the layers it records (`.layers`); the others skip capture work.
         wanted = getattr(capture, "layers", None)
@@ -350,8 +370,9 @@ class QwenEngineModel(nn.Module):
                 h = cpu_fused.add_rmsnorm(x, residual, self.final_norm, eps)
             else:
                 rows_t = torch.tensor(rows)
-                h = cpu_fused.add_rmsnorm(x.index_select(0, rows_t), residual.index_select(0, rows_t),
-                                          self.final_norm, eps)
+                h = cpu_fused.add_rmsnorm(
+                    x.index_select(0, rows_t), residual.index_select(0, rows_t), self.final_norm, eps
+                )
         else:
             rot = self.rope.tables(batch.positions, x.dtype)  # cos/sin once for every layer's q and k
             for layer, cap in zip(self.layers, caps):
