@@ -29,7 +29,8 @@ from megatron_trace.rl import policy_loss
 from sglang_backend.sampling_support import keep_mask, needs_filter, support_logprob
 
 from .gpt import _unwrap, build_model, load_hf_weights
-from .qat import MicroBatchGuidance, install_qat
+from .micro_batch_guidance import MicroBatchGuidance
+from .qat import install_qat
 from .routing_replay import RoutingReplay, assert_same_micro_batch, replay_enabled
 
 

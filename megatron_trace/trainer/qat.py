@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -41,10 +40,10 @@ from megatron_trace.fp4 import (
     straight_through,
     unpack_fp4,
 )
-from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.rope import rotated_bias
 
+from .micro_batch_guidance import MicroBatchGuidance
 from .routing_replay import expert_rows
 
 log = logging.getLogger(__name__)
@@ -57,57 +56,6 @@ _LINEAR_SITES = {
 }
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_(fc1|fc2)$")
 KV_SCALE = 1.0  # per-layer K/V S_enc, the engine's default (SGLang's k_scale/v_scale = 1.0)
-
-
-@dataclass
-class MicroBatchGuidance:
-    """Rollout records for the samples of one micro-batch ([seq, batch] layout, batch column b)."""
-
-    records: list[GuidanceRecord | None]
-    seq_len: int
-    _cache: dict = field(default_factory=dict)
-
-    def site(self, name: str, k_slice: slice | None, dev) -> tuple[RolloutRounding, torch.Tensor] | None:
-        """Rounding tensors [S*B, ..., K_local/...] and the mask of covered rows, or None."""
-        key = (name, None if k_slice is None else (k_slice.start, k_slice.stop))
-        if key in self._cache:
-            return self._cache[key]
-        present = [r for r in self.records if r is not None and name in r.sites]
-        if not present:
-            self._cache[key] = None
-            return None
-        ref = present[0].sites[name]
-        full = present[0].mode == "full"
-        s, b = self.seq_len, len(self.records)
-        inner = tuple(ref.scale.shape[1:-1])
-        scale = torch.zeros(s, b, *inner, ref.scale.shape[-1], dtype=torch.uint8)
-        payload = torch.zeros(s, b, *inner, ref.payload.shape[-1], dtype=torch.uint8)
-        gs = torch.ones(s, b, *inner, dtype=torch.float32)
-        mask = torch.zeros(s, b, dtype=torch.bool)
-        for j, rec in enumerate(self.records):
-            if rec is None or name not in rec.sites:
-                continue
-            site = rec.sites[name]
-            t = min(site.positions(), s)
-            scale[:t, j], payload[:t, j] = site.scale[:t], site.payload[:t]
-            gs[:t, j] = site.global_scale if site.global_scale.dim() == 0 else site.global_scale[:t]
-            mask[:t, j] = True
-        if k_slice is not None:
-            k0, k1 = k_slice.start, k_slice.stop
-            per = 2 if full else 8  # elements per payload byte
-            block = ref.payload.shape[-1] * per // ref.scale.shape[-1]  # 16 (NVFP4) or 32 (MXFP4)
-            scale = scale[..., k0 // block : k1 // block]
-            payload = payload[..., k0 // per : k1 // per]
-
-        def flat(t):
-            return t.reshape(s * b, *t.shape[2:]).contiguous().to(dev)
-
-        rr = RolloutRounding(
-            flat(scale), flat(gs), codes=flat(payload) if full else None, mantissa=None if full else flat(payload)
-        )
-        out = (rr, mask.reshape(-1).to(dev))
-        self._cache[key] = out
-        return out
 
 
 class QATState:

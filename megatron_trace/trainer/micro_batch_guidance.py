@@ -1,0 +1,67 @@
+"""One micro-batch's rollout guidance in Megatron's [seq, batch] layout, assembled once per site.
+
+Each sample's guidance record covers its positions 0..T-1 in its batch column; positions past a
+record (or samples without one) are left uncovered in the mask, where QAT rounds to nearest. A
+row-parallel linear asks for its TP rank's K slice of the codes and scales. `QATState` (qat.py)
+reads it at every guided site.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_trace.fp4 import RolloutRounding
+from megatron_trace.guidance import GuidanceRecord
+
+
+@dataclass
+class MicroBatchGuidance:
+    """Rollout records for the samples of one micro-batch ([seq, batch] layout, batch column b)."""
+
+    records: list[GuidanceRecord | None]
+    seq_len: int
+    _cache: dict = field(default_factory=dict)
+
+    def site(self, name: str, k_slice: slice | None, dev) -> tuple[RolloutRounding, torch.Tensor] | None:
+        """Rounding tensors [S*B, ..., K_local/...] and the mask of covered rows, or None."""
+        key = (name, None if k_slice is None else (k_slice.start, k_slice.stop))
+        if key in self._cache:
+            return self._cache[key]
+        present = [r for r in self.records if r is not None and name in r.sites]
+        if not present:
+            self._cache[key] = None
+            return None
+        ref = present[0].sites[name]
+        full = present[0].mode == "full"
+        s, b = self.seq_len, len(self.records)
+        inner = tuple(ref.scale.shape[1:-1])
+        scale = torch.zeros(s, b, *inner, ref.scale.shape[-1], dtype=torch.uint8)
+        payload = torch.zeros(s, b, *inner, ref.payload.shape[-1], dtype=torch.uint8)
+        gs = torch.ones(s, b, *inner, dtype=torch.float32)
+        mask = torch.zeros(s, b, dtype=torch.bool)
+        for j, rec in enumerate(self.records):
+            if rec is None or name not in rec.sites:
+                continue
+            site = rec.sites[name]
+            t = min(site.positions(), s)
+            scale[:t, j], payload[:t, j] = site.scale[:t], site.payload[:t]
+            gs[:t, j] = site.global_scale if site.global_scale.dim() == 0 else site.global_scale[:t]
+            mask[:t, j] = True
+        if k_slice is not None:
+            k0, k1 = k_slice.start, k_slice.stop
+            per = 2 if full else 8  # elements per payload byte
+            block = ref.payload.shape[-1] * per // ref.scale.shape[-1]  # 16 (NVFP4) or 32 (MXFP4)
+            scale = scale[..., k0 // block : k1 // block]
+            payload = payload[..., k0 // per : k1 // per]
+
+        def flat(t):
+            return t.reshape(s * b, *t.shape[2:]).contiguous().to(dev)
+
+        rr = RolloutRounding(
+            flat(scale), flat(gs), codes=flat(payload) if full else None, mantissa=None if full else flat(payload)
+        )
+        out = (rr, mask.reshape(-1).to(dev))
+        self._cache[key] = out
+        return out
