@@ -1,5 +1,6 @@
 """megatron_trace.transfer: gather (TP2xPP2, EP2) round trip, quantize, buckets, the four
-transports against the embedded engine/server, atomic versions under failure, and the exporter.
+transports against the embedded engine/server and atomic versions under failure (the exporter's
+CLI: tests/test_transfer_export.py).
 
 One 4-process torchrun launch (tests/mp_scripts/transfer_check.py) covers the Megatron side; the
 rest runs in this process against an in-process engine + HTTP server (imports dominate on CPU).
@@ -21,8 +22,8 @@ import torch
 pytest.importorskip("megatron.core")
 from safetensors.torch import load_file  # noqa: E402
 
-from megatron_trace.fp4.modelopt import encode_scale_from_decode, input_scale_from_amax, to_modelopt_fused  # noqa: E402
-from megatron_trace.models import FAMILIES, ModelArch, QuantPolicy, hf_to_megatron, make_tiny_checkpoint  # noqa: E402
+from megatron_trace.fp4.modelopt import encode_scale_from_decode, input_scale_from_amax  # noqa: E402
+from megatron_trace.models import FAMILIES, ModelArch, QuantPolicy, make_tiny_checkpoint  # noqa: E402
 from megatron_trace.transfer.bucket import BucketStats, pack_buckets  # noqa: E402
 from megatron_trace.transfer.export import export_checkpoint, load_hf_dir  # noqa: E402
 from megatron_trace.transfer.pipeline import hf_state_dict_stream, push_hf_state_dict  # noqa: E402
@@ -37,64 +38,10 @@ from sglang_backend.client import RolloutClient  # noqa: E402
 from sglang_backend.local import Engine, InProcessBackend  # noqa: E402
 from sglang_backend.local.server import serve  # noqa: E402
 from tests.ports import free_port
+from tests.transfer_support import REPO, assert_fp4_equals, fp4_linears, subprocess_env
 
-REPO = Path(__file__).resolve().parents[1]
 KEY = "secret"
 ALL_LINEARS = ("*.self_attn.*_proj", "*.mlp.*_proj", "*.mlp.experts.*")
-IDS = [[5, 7, 9, 11, 3], [1, 2, 3], [100, 200, 300, 17]]
-
-
-def _env() -> dict:
-    return {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": str(REPO),
-    }
-
-
-def _greedy(engine: Engine) -> list[list[int]]:
-    out = engine.generate(input_ids=IDS, sampling_params={"max_new_tokens": 8, "temperature": 0})
-    return [o["output_ids"] for o in out]
-
-
-def _fp4_linears(engine: Engine):
-    for i, layer in enumerate(engine.model.layers):
-        for attr in ("qkv", "o_proj", "gate_up", "down"):
-            lin = getattr(layer, attr, None)
-            if lin is not None and lin.qweight is not None:
-                yield i, attr, lin
-        for kind in ("gate_up", "down"):
-            for e, lin in enumerate(getattr(layer, f"experts_{kind}", None) or []):
-                if lin.qweight is not None:
-                    yield i, f"expert{e}.{kind}", lin
-
-
-def _assert_fp4_equals(engine: Engine, hf: dict, arch: ModelArch):
-    """Every FP4 linear of the engine holds to_modelopt_fused(HF weights) bit for bit."""
-    shards = {
-        "qkv": ("self_attn", "qkv"),
-        "gate_up": ("mlp", ("gate", "up")),
-        "down": ("mlp", ("down",)),
-        "o_proj": ("self_attn", ("o",)),
-    }
-    n = 0
-    for i, attr, lin in _fp4_linears(engine):
-        if attr.startswith("expert"):
-            e, kind = attr[6:].split(".")
-            leaves = ("gate", "up") if kind == "gate_up" else ("down",)
-            names = [f"model.layers.{i}.mlp.experts.{e}.{x}_proj.weight" for x in leaves]
-        else:
-            parent, leaves = shards[attr]
-            names = [f"model.layers.{i}.{parent}.{x}_proj.weight" for x in leaves]
-        want = to_modelopt_fused([hf[x] for x in names])
-        assert torch.equal(lin.qweight.data, torch.cat([w["weight"] for w in want])), (i, attr)
-        assert torch.equal(lin.qweight.scale, torch.cat([w["weight_scale"].view(torch.uint8) for w in want]))
-        gs = encode_scale_from_decode(want[0]["weight_scale_2"])
-        assert torch.equal(lin.qweight.global_scale, gs.expand(lin.out_features)), (i, attr)
-        n += 1
-    assert n > 0
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +83,7 @@ def dist_run(ckpts, tmp_path_factory):
         "--send",
         str(ckpts / "qwen3"),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=400)
     if proc.returncode != 0 or not (out / "done").exists():
         server.shutdown()
         engine.shutdown()
@@ -165,13 +112,13 @@ def test_distributed_transfer_from_tp2_pp2(ckpts, dist_run, tmp_path):
     assert engine.weight_version == "7"
     hf = load_file(str(ckpts / "qwen3" / "model.safetensors"))
     arch = ModelArch.from_hf_config(ckpts / "qwen3")
-    _assert_fp4_equals(engine, hf, arch)
+    assert_fp4_equals(engine, hf, arch)
     amax = dict.fromkeys(QuantPolicy().quantized_linears(arch), 4.0)  # a W4A4 export needs static scales
     exported = Engine(
         str(export_checkpoint(hf, arch, tmp_path / "exp", hf_config=arch.to_hf_config(), input_amax=amax))
     )
     try:  # the export holds the live transfer's FP4 bits
-        _assert_fp4_equals(exported, hf, arch)
+        assert_fp4_equals(exported, hf, arch)
     finally:
         exported.shutdown()
 
@@ -196,7 +143,9 @@ def test_interrupted_transfer_keeps_previous_version(ckpts, tmp_path):
             "--version",
             "5",
         ]
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
             line = proc.stdout.readline()
             assert "SENT_ONE" in line, proc.stderr.read()[-3000:]
@@ -223,7 +172,7 @@ def test_interrupted_transfer_keeps_previous_version(ckpts, tmp_path):
         # The next complete transfer is accepted (the transport re-creates the group).
         stats = push_hf_state_dict(sd, arch, QuantPolicy(), t, 6, bucket_mb=0.02)
         assert stats.buckets > 3 and engine.weight_version == "6"
-        _assert_fp4_equals(engine, sd, arch)
+        assert_fp4_equals(engine, sd, arch)
         t.close()
     finally:
         server.shutdown()
@@ -241,14 +190,14 @@ def test_inprocess_http_disk_transports(ckpts, tmp_path):
             sd_b, arch, QuantPolicy(), InProcessTransport(InProcessBackend(engine)), 1, bucket_mb=0.05
         )
         assert engine.weight_version == "1" and s1.buckets > 1
-        _assert_fp4_equals(engine, sd_b, arch)
+        assert_fp4_equals(engine, sd_b, arch)
         s2 = push_hf_state_dict(sd_a, arch, QuantPolicy(), HttpTransport(client), 2, bucket_mb=0.05)
         assert engine.weight_version == "2" and s2.bytes > 0
-        _assert_fp4_equals(engine, sd_a, arch)
+        assert_fp4_equals(engine, sd_a, arch)
         disk = DiskTransport(client, tmp_path / "versions", arch.to_hf_config())
         push_hf_state_dict(sd_b, arch, QuantPolicy(), disk, 3, bucket_mb=0.05)
         assert engine.weight_version == "3"
-        _assert_fp4_equals(engine, sd_b, arch)
+        assert_fp4_equals(engine, sd_b, arch)
         # NaN: nothing reaches the rollout, the error names the parameter.
         bad = dict(sd_a)
         bad["model.layers.1.mlp.experts.2.up_proj.weight"] = torch.full_like(
@@ -276,7 +225,7 @@ def test_static_input_scales_arrive_every_transfer(ckpts):
             push_hf_state_dict(sd, arch, policy, t, version, input_amax=amax)
             assert engine.weight_version == str(version)
             seen = 0
-            for i, attr, lin in _fp4_linears(engine):
+            for i, attr, lin in fp4_linears(engine):
                 members = [
                     m
                     for m in mods
@@ -321,85 +270,3 @@ def test_buckets_respect_budget_and_keep_groups(ckpts, budget):
     assert stats.tensors == sum(len(u) for u in units) and stats.oversized_units == sum(
         1 for s in sizes.values() if s > budget
     )
-
-
-def test_export_cli_loads_and_matches(ckpts, tmp_path):
-    src = ckpts / "qwen3"
-    (src / "tokenizer_config.json").write_text("{}")
-    arch = ModelArch.from_hf_config(src)
-    amax_file = tmp_path / "amax.json"
-    amax_file.write_text(json.dumps(dict.fromkeys(QuantPolicy().quantized_linears(arch), 3.0)))
-    out = tmp_path / "nvfp4"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_trace.transfer.export",
-            "--load",
-            str(src),
-            "--out",
-            str(out),
-            "--format",
-            "nvfp4",
-            "--max-shard-mb",
-            "0.1",
-            "--input-amax",
-            str(amax_file),
-        ],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    cfg = json.loads((out / "config.json").read_text())
-    qc = cfg["quantization_config"]  # ModelOpt 0.47's form (tests/test_export_forms.py reads it with SGLang)
-    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "NVFP4"
-    assert qc["config_groups"]["group_0"]["weights"]["group_size"] == 16
-    assert "lm_head" in qc["ignore"] and "model.layers.0.self_attn.q_proj" in qc["ignore"]
-    hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
-    assert hq["quant_algo"] == "NVFP4" and hq["trace_targets"] == list(QuantPolicy().targets)
-    assert hq["exclude_modules"] == qc["ignore"] and hq["activation_scale"] == "static"
-    assert (out / "model.safetensors.index.json").exists() and (out / "tokenizer_config.json").exists()
-    ref, got = Engine(str(src), quantization="nvfp4"), Engine(str(out))
-    try:
-        assert got.policy.quantized_linears(got.arch) == ref.policy.quantized_linears(ref.arch)
-        _assert_fp4_equals(got, load_file(str(src / "model.safetensors")), got.arch)
-        want = encode_scale_from_decode(input_scale_from_amax(3.0))
-        assert all(torch.equal(lin.input_global_scale, want) for _, _, lin in _fp4_linears(got))
-        assert len(_greedy(got)[0]) == 8
-    finally:
-        ref.shutdown()
-        got.shutdown()
-
-
-def test_export_single_rank_megatron_checkpoint(ckpts, tmp_path):
-    arch, sd, _ = load_hf_dir(ckpts / "qwen2")
-    root = tmp_path / "actor"
-    (root / "step_3").mkdir(parents=True)
-    meg = hf_to_megatron(sd, arch, padded_vocab_size=384)  # Megatron pads the vocab
-    torch.save({"model": meg}, root / "step_3" / "rank_00000.pt")
-    (root / "step_3" / "meta.json").write_text(json.dumps({"step": 3, "world_size": 1}))
-    (root / "latest").write_text("step_3")
-    from megatron_trace.transfer.export import main
-
-    assert (
-        main(
-            [
-                "--load",
-                str(root),
-                "--out",
-                str(tmp_path / "bf16"),
-                "--format",
-                "bf16",
-                "--hf-config",
-                str(ckpts / "qwen2"),
-            ]
-        )
-        == 0
-    )
-    got = load_file(str(tmp_path / "bf16" / "model.safetensors"))
-    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
-    (root / "step_3" / "meta.json").write_text(json.dumps({"step": 3, "world_size": 4}))
-    assert main(["--load", str(root), "--out", str(tmp_path / "x"), "--hf-config", str(ckpts / "qwen2")]) == 2
