@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The README's test command: sets up .venv on a fresh machine (torch 2.13.0 CPU first, so pip
 # never pulls a CUDA build), installs the project with its test extras and a real SGLang 0.5.23
-# (scripts/sglang_cpu/install.sh; tests/test_sglang_real.py runs it), runs pytest.
-# Extra arguments go to pytest.
+# (scripts/sglang_cpu/install.sh; tests/test_sglang_real.py runs it), lints the tree with ruff
+# (ruff.toml: check and format), runs pytest. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh --sglang
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 exec .venv/bin/python -m pytest -q "$@"
