@@ -169,8 +169,9 @@ class Run:
             from sglang_backend.client import RolloutClient
 
             client = RolloutClient(rc.urls, api_key=rc.api_key or None)
-            if self.cfg.quant.kv_k_debias:
-                check_debiased_server(client.model_info(), rc.urls[0])
+            if self.cfg.quant.kv_k_debias:  # every server: one caching plain K would mismatch its samples
+                for url in client.urls:
+                    check_debiased_server(client.model_info(url), url)
             return client
         from sglang_backend.local import Engine, InProcessBackend
 

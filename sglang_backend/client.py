@@ -370,7 +370,7 @@ class RolloutClient(DeadServerReadmission):
 
         return all(self._each(ok))
 
-    def model_info(self) -> dict[str, Any]:
-        """The first live server's /model_info (all serve one model; see weight_versions for each)."""
+    def model_info(self, url: str | None = None) -> dict[str, Any]:
+        """`url`'s /model_info, or the first live server's (all serve one model; see weight_versions)."""
         live = self._live()
-        return json.loads(self._call((live or self.urls)[0], "/model_info"))
+        return json.loads(self._call(url or (live or self.urls)[0], "/model_info"))
