@@ -39,12 +39,6 @@ def test_refuses_a_policy_with_nothing_static(dense, policy, message):
         calibrate_static_amax(dense, ModelArch.from_hf_config(dense), policy, PROMPTS)
 
 
-def test_moe_experts_are_refused_by_name(tmp_path):
-    ckpt = make_tiny_checkpoint(tmp_path, "qwen3_moe", seed=0)
-    with pytest.raises(ValueError, match="routed-expert inputs is not supported"):
-        calibrate_static_amax(ckpt, ModelArch.from_hf_config(ckpt), STATIC, PROMPTS)
-
-
 def test_engine_says_which_static_linears_still_run_per_token(caplog, tmp_path):
     """A static policy on a BF16 checkpoint (no input_scale yet): the engine warns and lists the
     FP4-activation linears that round per token until a weight update brings their input_scale."""

@@ -11,6 +11,9 @@ recording the largest |input| seen (NaN ignored). The scale itself (and the max 
 or gate/up shards) is `transfer.quantize` + `fp4.modelopt.input_scale_from_amax`, the same code
 the live transfer uses.
 
+Routed experts (Qwen3-MoE) have no per-expert module in transformers 5: their inputs are
+recomputed from the fused experts module's own input and HF's routing (`calibrate_experts`).
+
 Prompts: `load_prompts(file, tokenizer_dir)` reads one prompt per line: a JSON list of token ids,
 `{"input_ids": [...]}`, `{"text": "..."}` or a JSON string (text needs the checkpoint's tokenizer;
 `{"messages": [...]}` goes through its chat template).
@@ -23,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+
+from .calibrate_experts import ExpertInputAmax, fuse_hf_experts, is_expert_module
 
 
 def load_prompts(path: str | Path, tokenizer_dir: str | Path | None = None) -> list[list[int]]:
@@ -79,7 +84,7 @@ def _hf_model(hf_sd: Mapping[str, torch.Tensor], hf_config: dict):
     cfg = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     config = transformers.AutoConfig.for_model(**cfg)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v.to(torch.float32) for k, v in hf_sd.items()}
+    state = fuse_hf_experts({k: v.to(torch.float32) for k, v in hf_sd.items()})  # per-expert names -> HF's fused
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -97,21 +102,18 @@ def calibrate_input_amax(
     """{HF module name: max |input|} of each module in `modules` over the prompts (fp32 forward)."""
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
-    if any(".experts." in m for m in modules):
-        raise ValueError(
-            "calibrating routed-expert inputs is not supported (transformers fuses the experts into "
-            "one module); pass --input-amax with a measured table instead"
-        )
     model = _hf_model(hf_sd, hf_config)
-    amax = {m: torch.zeros((), dtype=torch.float32) for m in modules}
+    experts = [m for m in modules if is_expert_module(m)]
+    amax = {m: torch.zeros((), dtype=torch.float32) for m in modules if m not in experts}
     hooks = []
-    for m in modules:
+    for m in amax:
 
         def pre(_mod, args, m=m):
             x = args[0].detach().float().abs()
             amax[m] = torch.maximum(amax[m], torch.nan_to_num(x, nan=0.0).amax())
 
         hooks.append(model.get_submodule(m).register_forward_pre_hook(pre))
+    expert_amax = ExpertInputAmax(model, experts) if experts else None
     try:
         with torch.no_grad():
             for ids in prompts:
@@ -119,7 +121,12 @@ def calibrate_input_amax(
     finally:
         for h in hooks:
             h.remove()
-    zero = [m for m, v in amax.items() if not float(v) > 0]
+        if expert_amax is not None:
+            expert_amax.remove()
+    found = {m: float(v) for m, v in amax.items()}
+    if expert_amax is not None:
+        found.update(expert_amax.result())  # raises naming the experts no calibration token reached
+    zero = [m for m in modules if not found[m] > 0]
     if zero:
         raise ValueError(f"calibration saw no non-zero input for {zero[:4]}; use more or longer prompts")
-    return {m: float(v) for m, v in amax.items()}
+    return {m: found[m] for m in modules}

@@ -14,9 +14,9 @@ rounding. One definition of amax (ModelOpt's PTQ) on the weights every side star
 the exported, synced and trained scales identical; a resumed run recalibrates the same amax from
 the same checkpoint and prompts.
 
-Routed experts: `transfer.calibrate` cannot hook them (transformers fuses the experts into one
-module), so `check_calibratable` refuses an MoE run with FP4 experts and static scales, by name,
-on every rank before the first step.
+Routed experts: one amax per expert (gate/up shared, down its own), recomputed from the fused
+experts module's input and HF's own routing (`transfer.calibrate_experts`); the trainer and the
+engine use one S_enc per expert. An expert no calibration prompt reaches is refused by name.
 """
 
 from __future__ import annotations
@@ -65,11 +65,4 @@ def check_calibratable(arch: ModelArch, policy: QuantPolicy) -> list[str]:
         )
     if policy.format != "nvfp4":
         raise ValueError(f"static activation scales are NVFP4's input_scale; format {policy.format} has none")
-    experts = [m for m in modules if ".experts." in m]
-    if experts:
-        raise ValueError(
-            f"static activation scales for routed experts ({experts[0]}, ...): calibrating routed-expert "
-            "inputs is not supported (transformers fuses the experts into one module); use "
-            "quant.activation_scale=per_token, or keep the experts out of quant.targets"
-        )
     return modules

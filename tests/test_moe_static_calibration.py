@@ -1,0 +1,93 @@
+"""Static activation calibration of routed experts (tiny Qwen3-MoE): one amax per expert from the
+fp32 HF forward, against a reference that routes and runs every expert itself from the checkpoint."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
+from megatron_trace.transfer.static_calibration import calibrate_static_amax
+
+STATIC = QuantPolicy(format="nvfp4", activation_scale="static")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("moe_calib"), "qwen3_moe", seed=0)
+
+
+def _prompts(arch: ModelArch, n: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, arch.vocab_size, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def _reference(ckpt, prompts) -> tuple[dict[str, float], dict[int, list[int]]]:
+    """{expert module: amax}, {layer: experts no token reached}: transformers' from_pretrained model
+    gives each MoE block's input (the post-attention-normed hidden state); routing (softmax, top-k)
+    and every expert's gate/up/down run here on the checkpoint's own per-expert weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    arch = ModelArch.from_hf_config(ckpt)
+    sd = {k: v.float() for f in sorted(ckpt.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(arch.num_layers)}
+    hooks = [
+        model.model.layers[i].mlp.register_forward_pre_hook(
+            lambda _m, a, i=i: inputs[i].append(a[0].reshape(-1, a[0].shape[-1]))
+        )
+        for i in range(arch.num_layers)
+    ]
+    with torch.no_grad():
+        for ids in prompts:
+            model(input_ids=torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    amax, unreached = {}, {}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}.mlp."
+        reached = torch.zeros(arch.num_experts, dtype=torch.bool)
+        for x in inputs[i]:  # one forward (prompt) at a time, as HF's experts see them
+            probs = F.softmax(x @ sd[p + "gate.weight"].T, dim=-1, dtype=torch.float32)
+            chosen = torch.topk(probs, arch.num_experts_per_tok, dim=-1).indices  # norm_topk_prob rescales only
+            for e in range(arch.num_experts):
+                xe = x[(chosen == e).any(-1)]
+                if not len(xe):
+                    continue
+                reached[e] = True
+                q = f"{p}experts.{e}."
+                h = F.silu(xe @ sd[q + "gate_proj.weight"].T) * (xe @ sd[q + "up_proj.weight"].T)
+                for name, v in ((q + "gate_proj", xe), (q + "up_proj", xe), (q + "down_proj", h)):
+                    amax[name] = max(amax.get(name, 0.0), float(v.abs().amax()))
+        unreached[i] = [e for e in range(arch.num_experts) if not reached[e]]
+    return amax, unreached
+
+
+def test_expert_amax_is_the_per_expert_recompute(moe):
+    """Every routed expert's gate/up amax (shared) and down amax equal the reference's, fp32."""
+    arch = ModelArch.from_hf_config(moe)
+    prompts = _prompts(arch, 6, 16)
+    want, unreached = _reference(moe, prompts)
+    assert not any(unreached.values())  # these prompts reach every expert of every layer
+    got = calibrate_static_amax(moe, arch, STATIC, prompts)
+    assert sorted(got) == sorted(want) and len(got) == arch.num_layers * arch.num_experts * 3
+    for name, v in want.items():
+        assert got[name] == v, (name, got[name], v)
+    per_layer = {
+        i: {got[f"model.layers.{i}.mlp.experts.{e}.down_proj"] for e in range(arch.num_experts)} for i in range(4)
+    }
+    assert all(len(v) > 1 for v in per_layer.values())  # per expert, not one value per layer
+
+
+def test_an_expert_no_prompt_reaches_is_refused_by_name(moe):
+    """Two short prompts leave some experts without a token: calibration names each of them and
+    says what to do, instead of inventing their input_scale."""
+    arch = ModelArch.from_hf_config(moe)
+    prompts = [[1, 5, 9, 2], [7, 3, 3, 8, 4]]
+    _, unreached = _reference(moe, prompts)
+    assert any(unreached.values())
+    with pytest.raises(ValueError, match="quant.calib_prompts") as err:
+        calibrate_static_amax(moe, arch, STATIC, prompts)
+    for i, experts in unreached.items():
+        if experts:
+            assert f"model.layers.{i}.mlp.experts: experts {experts}" in str(err.value)
