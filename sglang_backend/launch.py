@@ -34,6 +34,7 @@ import threading
 from pathlib import Path
 
 from sglang_backend.cpu_engine_sizing import cpu_mem_fraction, cpu_thread_binding
+from sglang_backend.launch_moe import refuse_unserved_fp4_experts
 from sglang_backend.plugin_settings import SIDE_FORMATS, PluginSettings, env_names
 
 QUANTIZATIONS = ["nvfp4", "w4a16_nvfp4", "mxfp4", "w4a16_mxfp4", "modelopt_fp4"]
@@ -235,6 +236,14 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
     if args.enable_return_routed_experts:
         cmd += ["--enable-return-routed-experts"]
     export = args.quantization in (None, "nvfp4", "modelopt_fp4") and _is_fp4_export(args.model_path)
+    online = args.quantization in ("nvfp4", "mxfp4") and not export
+    refuse_unserved_fp4_experts(
+        args.model_path,
+        export=export and args.quantization != "modelopt_fp4",
+        policy=_policy(args) if online else None,
+        tp_size=args.tp_size,
+        quantization=args.quantization,
+    )
     if args.quantization == "modelopt_fp4" or (args.quantization is not None and not export):
         cmd += ["--quantization", SGLANG_QUANT[args.quantization]]
         if args.quantization in ("nvfp4", "mxfp4"):

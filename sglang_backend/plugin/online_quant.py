@@ -28,6 +28,7 @@ from megatron_trace.models.quant_policy import QuantPolicy
 
 from .. import plugin_settings as settings
 from .layer_tp import set_derived, sglang_attr, tp_all_max
+from .moe_method import TraceFP4MoEMethod, expert_linears, experts_are_fp4, is_fused_moe
 from .quant_config import PACKED_MODULES, TraceFP4Config, TraceMXFP4Config
 from .quant_method import TraceFP4LinearMethod
 
@@ -70,6 +71,8 @@ class _PolicyMixin:
         return bool(hits) and all(hits)
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
+        if is_fused_moe(layer):
+            return self.experts_method(layer, prefix)
         linear_base = sglang_attr("sglang.srt.layers.linear", "LinearBase")
         if linear_base is not None and not isinstance(layer, linear_base):
             return None
@@ -77,6 +80,19 @@ class _PolicyMixin:
             unquant = sglang_attr("sglang.srt.layers.quantization.unquant", "UnquantizedLinearMethod")
             return unquant() if unquant is not None else None
         return self.linear_method(site=prefix)
+
+    def experts_method(self, layer: nn.Module, prefix: str):
+        """The routed experts of one FusedMoE: FP4 (plugin/moe_method.py) where the policy says, as the
+        engine runs them; SGLang's BF16 method (None) where it keeps them BF16."""
+        policy, num_layers = self._policy()
+        n = num_layers or 1 << 30
+        if not experts_are_fp4(prefix, layer.num_experts, lambda m: policy.linear_is_fp4(m, n)):
+            return None
+        if policy.activations != "fp4":
+            raise NotImplementedError(f"{prefix}: {self.NAME} serves W4A4 routed experts only; the policy asks W4A16")
+        if any(self.is_layer_excluded(m) for m in expert_linears(prefix, layer.num_experts)):
+            raise ValueError(f"{prefix}: exclude_modules keeps routed experts BF16 that the quant policy makes FP4")
+        return TraceFP4MoEMethod(self.FMT, prefix, mx_rule=self.mx_rule)
 
 
 class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
@@ -178,6 +194,8 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
             module, _, last = name.rpartition(".")
             (shape, dtype) = shapes[0]
             if last != "weight" or len(shape) != 2 or shape[1] % 16 or not policy.linear_is_fp4(module, num_layers):
+                continue
+            if ".mlp.experts." in module:  # FP4 experts quantize BF16 updates (moe_method.py): no packed form
                 continue
             rows, k = shape
             out[name] = [((rows, k // 2), torch.uint8)]

@@ -18,6 +18,7 @@ from torch import nn
 from megatron_trace.fp4 import mxfp4
 
 from .layer_tp import sglang_attr
+from .moe_method import experts_are_fp4, is_fused_moe
 from .quant_method import TraceFP4LinearMethod, TraceMXFP4LinearMethod
 
 try:  # SGLang's base when it is installed; a plain object otherwise (CPU tests, trainer nodes)
@@ -129,6 +130,8 @@ class TraceFP4Config(_ConfigBase):
         return (TraceFP4LinearMethod if self.FMT == "nvfp4" else TraceMXFP4LinearMethod)(self, site=site)
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
+        if is_fused_moe(layer):
+            return self.experts_method(layer, prefix)
         linear_base = sglang_attr("sglang.srt.layers.linear", "LinearBase")
         if linear_base is not None and not isinstance(layer, linear_base):
             return None  # attention/MoE/embeddings keep SGLang's defaults (the KV path is kv_capture)
@@ -136,6 +139,18 @@ class TraceFP4Config(_ConfigBase):
             unquant = sglang_attr("sglang.srt.layers.quantization.unquant", "UnquantizedLinearMethod")
             return unquant() if unquant is not None else None
         return self.linear_method(site=prefix)
+
+    def experts_method(self, layer: nn.Module, prefix: str):
+        """An exported checkpoint's routed experts: BF16 when exclude_modules leaves them out (SGLang's
+        method, None), else refused: no FusedMoE method loads ModelOpt NVFP4 experts here, and SGLang's
+        BF16 one would take their packed bytes for weights."""
+        if not experts_are_fp4(prefix, layer.num_experts, lambda m: not self.is_layer_excluded(m)):
+            return None
+        raise NotImplementedError(
+            f"{self.NAME}: {prefix} holds ModelOpt NVFP4 routed experts, and the plugin has no FusedMoE method "
+            "that loads exported FP4 experts (plugin/moe_method.py quantizes BF16 experts online: serve the BF16 "
+            "checkpoint with --quantization nvfp4, or this export with --backend local)"
+        )
 
 
 class TraceMXFP4Config(TraceFP4Config):

@@ -1,0 +1,157 @@
+"""The plugin's routed experts (plugin/moe_method.py) without a server: which FusedMoE layers each
+quantization config gives FP4 experts, refuses, or leaves BF16; and the experts' arithmetic and
+guidance against the embedded engine's Qwen3-MoE layer on the same checkpoint, bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+from megatron_trace.fp4 import mxfp4, nvfp4
+from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
+from sglang_backend.local.loader import load_checkpoint
+from sglang_backend.local.model import QwenEngineModel
+from sglang_backend.plugin import capture
+from sglang_backend.plugin.moe_method import TraceFP4MoEMethod
+from sglang_backend.plugin.online_quant import TraceMXFP4OnlineConfig, TraceNVFP4OnlineConfig
+from sglang_backend.plugin.quant_config import TraceFP4Config
+
+PREFIX = "model.layers.1.mlp.experts"
+
+
+class _ExpertsProbe(FusedMoE):
+    """What get_quant_method sees of a FusedMoE (its class and expert count), without SGLang's runtime."""
+
+    def __init__(self, num_experts: int):
+        torch.nn.Module.__init__(self)
+        self.num_experts = num_experts
+
+
+def _policy_env(monkeypatch, policy: QuantPolicy, num_layers: int = 2) -> None:
+    monkeypatch.setenv("TRACE_QUANT_POLICY", json.dumps({"policy": policy.to_dict(), "num_layers": num_layers}))
+
+
+@pytest.mark.parametrize("config", [TraceNVFP4OnlineConfig, TraceMXFP4OnlineConfig])
+def test_online_configs_give_fp4_experts_where_the_policy_says(monkeypatch, config):
+    _policy_env(monkeypatch, QuantPolicy(format=config.FMT))
+    method = config().get_quant_method(_ExpertsProbe(4), PREFIX)
+    assert isinstance(method, TraceFP4MoEMethod) and method.fmt == config.FMT and method.site == PREFIX
+    # BF16 experts by the policy: SGLang's own method (None), as the engine keeps them BF16
+    _policy_env(monkeypatch, QuantPolicy(format=config.FMT, targets=("*.mlp.gate_proj",)))
+    assert config().get_quant_method(_ExpertsProbe(4), PREFIX) is None
+    # a layer whose experts are partly FP4 cannot be one FusedMoE
+    _policy_env(monkeypatch, QuantPolicy(format=config.FMT, targets=("*.mlp.experts.0.*",)))
+    with pytest.raises(ValueError, match="only some routed-expert linears FP4"):
+        config().get_quant_method(_ExpertsProbe(4), PREFIX)
+
+
+def test_export_loader_refuses_fp4_experts_and_keeps_excluded_ones_bf16():
+    """trace_fp4 (ModelOpt NVFP4 exports) has no FusedMoE method: FP4 experts refuse by name, never load as BF16."""
+    with pytest.raises(NotImplementedError, match=rf"{PREFIX} holds ModelOpt NVFP4 routed experts"):
+        TraceFP4Config().get_quant_method(_ExpertsProbe(4), PREFIX)
+    excluded = TraceFP4Config(exclude_modules=["model.layers.*.mlp.experts.*"])
+    assert excluded.get_quant_method(_ExpertsProbe(4), PREFIX) is None
+
+
+class _Rows:
+    """A capture buffer that keeps what record() hands it, per site."""
+
+    def __init__(self):
+        self.sites = {}
+
+    def write(self, site, slots, positions, q):
+        self.sites[site] = q
+
+
+def _same_bits(a, b) -> None:
+    assert type(a) is type(b)
+    assert torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale)
+    if isinstance(a, nvfp4.NVFP4Tensor):
+        assert torch.equal(a.global_scale.float(), b.global_scale.float())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_experts_equal_the_engine_layer_bit_for_bit(tmp_path, fmt):
+    """Same checkpoint weights, same router output: the plugin's dequantized expert weights, its MoE
+    output and its two expert guidance sites equal the engine's (QwenEngineModel layer 1, W4A4)."""
+    ckpt = make_tiny_checkpoint(tmp_path, "qwen3_moe", seed=5)
+    arch = ModelArch.from_hf_config(ckpt)
+    model = QwenEngineModel(arch, QuantPolicy(format=fmt), torch.float32)
+    load_checkpoint(model, ckpt)
+    layer = model.layers[1]
+    state = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        state.update(load_file(f))
+    w13 = torch.stack(
+        [torch.cat([state[f"{PREFIX}.{e}.gate_proj.weight"], state[f"{PREFIX}.{e}.up_proj.weight"]]) for e in range(4)]
+    )
+    w2 = torch.stack([state[f"{PREFIX}.{e}.down_proj.weight"] for e in range(4)])
+    method = TraceFP4MoEMethod(fmt, PREFIX)
+    w13_deq = torch.stack([method.quantize_dequantize_weight(w, torch.float32) for w in w13])
+    w2_deq = torch.stack([method.quantize_dequantize_weight(w, torch.float32) for w in w2])
+    for e in range(arch.num_experts):
+        assert torch.equal(w13_deq[e], layer.experts_gate_up[e].weight) and torch.equal(
+            w2_deq[e], layer.experts_down[e].weight
+        )
+
+    x = torch.randn(9, arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    engine_sites = {}
+    want = layer._moe(x, lambda site, q: engine_sites.__setitem__(site, q))
+    probs = F.softmax(F.linear(x, layer.router), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, arch.num_experts_per_tok, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    rows = _Rows()
+    with capture.capture_batch(torch.arange(9), torch.arange(9), buffer=rows):
+        got = method.experts_forward(x, weights, ids.to(torch.int32), w13_deq, w2_deq)
+    assert torch.equal(got, want)
+    assert list(rows.sites) == list(engine_sites) == [f"{PREFIX}.gate_up_proj", f"{PREFIX}.down_proj"]
+    for site in engine_sites:
+        _same_bits(rows.sites[site], engine_sites[site])
+    assert rows.sites[f"{PREFIX}.down_proj"].data.shape == (
+        9,
+        arch.num_experts_per_tok,
+        arch.moe_intermediate_size // 2,
+    )
+    assert isinstance(rows.sites[f"{PREFIX}.gate_up_proj"], mxfp4.MXFP4Tensor if fmt == "mxfp4" else nvfp4.NVFP4Tensor)
+
+
+# -- the launcher refuses before SGLang starts -------------------------------------------------
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("moe"), "qwen3_moe", seed=3)
+
+
+def _as_export(src, dst, policy: QuantPolicy):
+    """src's config with the quant configs the exporter writes for `policy` (a dry run reads no weights)."""
+    from megatron_trace.transfer.export import quant_configs
+
+    dst.mkdir()
+    qc, hq = quant_configs(ModelArch.from_hf_config(src), policy)
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    (dst / "hf_quant_config.json").write_text(json.dumps(hq))
+    return str(dst)
+
+
+def _launch(*argv):
+    from sglang_backend.launch import main
+
+    return main(["--backend", "sglang", "--dry-run", "--device", "cpu", *argv])
+
+
+def test_launcher_refuses_fp4_experts_the_plugin_cannot_serve(moe_ckpt, tmp_path, capsys):
+    export = _as_export(moe_ckpt, tmp_path / "fp4", QuantPolicy(format="nvfp4"))
+    assert _launch("--model-path", export) == 2
+    assert "model.layers.0.mlp.experts holds ModelOpt NVFP4 routed experts" in capsys.readouterr().err
+    dense_only = _as_export(moe_ckpt, tmp_path / "attn", QuantPolicy(format="nvfp4", targets=("*.self_attn.o_proj",)))
+    assert _launch("--model-path", dense_only) == 0  # BF16 experts by the checkpoint: SGLang's method is right
+    capsys.readouterr()
+    assert _launch("--model-path", str(moe_ckpt), "--quantization", "nvfp4", "--tp-size", "2") == 2
+    assert "routed experts of model.layers.0.mlp.experts FP4" in capsys.readouterr().err
+    assert _launch("--model-path", str(moe_ckpt), "--quantization", "nvfp4") == 0
+    assert "--quantization trace_nvfp4" in capsys.readouterr().out
