@@ -22,12 +22,15 @@ Prompts: `load_prompts(file, tokenizer_dir)` reads one prompt per line: a JSON l
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from .calibrate_experts import ExpertInputAmax, fuse_hf_experts, is_expert_module
+
+log = logging.getLogger(__name__)
 
 
 def load_prompts(path: str | Path, tokenizer_dir: str | Path | None = None) -> list[list[int]]:
@@ -96,6 +99,12 @@ def _hf_model(hf_sd: Mapping[str, torch.Tensor], hf_config: dict):
     return model.eval()
 
 
+def _forward(model, prompts: Sequence[Sequence[int]]) -> None:
+    with torch.no_grad():
+        for ids in prompts:
+            model(input_ids=torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+
+
 def calibrate_input_amax(
     hf_sd: Mapping[str, torch.Tensor], hf_config: dict, prompts: Sequence[Sequence[int]], modules: Sequence[str]
 ) -> dict[str, float]:
@@ -115,9 +124,17 @@ def calibrate_input_amax(
         hooks.append(model.get_submodule(m).register_forward_pre_hook(pre))
     expert_amax = ExpertInputAmax(model, experts) if experts else None
     try:
-        with torch.no_grad():
-            for ids in prompts:
-                model(input_ids=torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+        _forward(model, prompts)
+        if expert_amax is not None and expert_amax.unreached():
+            unrouted = expert_amax.begin_unrouted_pass()
+            log.warning(
+                "static activation calibration: no calibration token was routed to %d routed expert(s) (%s); "
+                "their input_scale is calibrated as if every calibration token of their layer were routed to "
+                "them (transfer/calibrate_experts.py). More or other calibration prompts reach them.",
+                sum(map(len, unrouted.values())),
+                "; ".join(f"{p}: experts {es}" for p, es in unrouted.items()),
+            )
+            _forward(model, prompts)
     finally:
         for h in hooks:
             h.remove()
@@ -125,7 +142,7 @@ def calibrate_input_amax(
             expert_amax.remove()
     found = {m: float(v) for m, v in amax.items()}
     if expert_amax is not None:
-        found.update(expert_amax.result())  # raises naming the experts no calibration token reached
+        found.update(expert_amax.result())
     zero = [m for m in modules if not found[m] > 0]
     if zero:
         raise ValueError(f"calibration saw no non-zero input for {zero[:4]}; use more or longer prompts")

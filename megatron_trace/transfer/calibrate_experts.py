@@ -15,10 +15,13 @@ The routing weight scales the down output, not an input, so neither amax contain
 engine and the trainer's QAT quantize the unweighted rows too). gate and up read the same input:
 one amax, and the fused shards share one input_scale per expert.
 
-An expert that no calibration token reaches has no amax to give its input_scale; calibration
-refuses, naming the layer and experts (more or other calibration prompts reach them). A made-up
-scale (the layer's max, say) would quantize that expert's first real tokens with a scale nobody
-measured.
+An expert that no calibration token reaches (dead on the calibration distribution: 16 training
+prompts reach neither of two experts of the warm-started tiny MoE, 4 reach neither) is calibrated as if every
+calibration token of its layer had been routed to it: a second pass over the same prompts
+records its gate_up input (the layer's whole MoE input: its amax is the layer's max over the
+other experts' gate_up amax) and its own act(gate) * up of those tokens for down. Measured with
+its own weights and an upper bound of any routed subset of those tokens; `calibrate_input_amax`
+logs a WARNING naming those experts.
 """
 
 from __future__ import annotations
@@ -69,27 +72,29 @@ def fuse_hf_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 class ExpertInputAmax:
     """Forward pre-hooks on the `mlp.experts` modules of the layers whose expert linears are asked
-    for; `result()` gives {expert module: max |input|} after the forward passes."""
+    for. Pass 1 (the calibration forwards) records each expert's routed tokens; when it leaves
+    experts without a token, `begin_unrouted_pass()` and the same forwards again record those
+    experts on every token of their layer. `result()`: {expert module: max |input|}."""
 
     def __init__(self, model: torch.nn.Module, modules: Sequence[str]):
         self.modules = list(modules)
-        self.layers: dict[str, int] = {}  # experts module -> its number of experts
+        self.wanted: dict[str, set[int]] = {}  # experts module -> the expert ids asked for
         for name in self.modules:
             m = _EXPERT_MODULE_RE.match(name)
             if m is None:
                 raise ValueError(f"{name} is not a routed expert's linear (model.layers.L.mlp.experts.E.*_proj)")
-            self.layers[m.group(1)] = 0
+            self.wanted.setdefault(m.group(1), set()).add(int(m.group(3)))
         self.amax: dict[str, torch.Tensor] = {}  # "<experts module>.<e>.<gate_up|down>" -> amax
         self.tokens: dict[str, torch.Tensor] = {}  # experts module -> [E] tokens routed to each
+        self.unrouted: dict[str, list[int]] | None = None  # pass 2: experts recorded on every token
         self._hooks = []
-        for prefix in self.layers:
+        for prefix in self.wanted:
             mod = model.get_submodule(prefix)
             if not (hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj") and hasattr(mod, "act_fn")):
                 raise ValueError(
                     f"{prefix} ({type(mod).__name__}) is not transformers' fused experts module "
                     "(gate_up_proj, down_proj, act_fn): cannot recompute its experts' inputs"
                 )
-            self.layers[prefix] = mod.gate_up_proj.shape[0]
             self.tokens[prefix] = torch.zeros(mod.gate_up_proj.shape[0], dtype=torch.long)
             self._hooks.append(mod.register_forward_pre_hook(self._hook(prefix), with_kwargs=True))
 
@@ -97,26 +102,37 @@ class ExpertInputAmax:
         def pre(mod, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
             top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
-            self._record(prefix, mod, hidden.detach().float(), top_k_index)
+            hidden = hidden.detach().float().reshape(-1, hidden.shape[-1])
+            if self.unrouted is None:
+                for e in sorted(self.wanted[prefix]):
+                    routed = (top_k_index == e).any(dim=-1)
+                    self.tokens[prefix][e] += int(routed.sum())
+                    if routed.any():
+                        self._record(f"{prefix}.{e}", mod.gate_up_proj[e], mod.act_fn, hidden[routed])
+            else:
+                for e in self.unrouted.get(prefix, ()):
+                    self._record(f"{prefix}.{e}", mod.gate_up_proj[e], mod.act_fn, hidden)
 
         return pre
 
     @torch.no_grad()
-    def _record(self, prefix: str, mod, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        for e in range(self.layers[prefix]):
-            routed = (top_k_index == e).any(dim=-1)
-            n = int(routed.sum())
-            if n == 0:
-                continue
-            self.tokens[prefix][e] += n
-            x = hidden[routed]
-            gate, up = F.linear(x, mod.gate_up_proj[e].float()).chunk(2, dim=-1)
-            h = mod.act_fn(gate) * up
-            for kind, t in (("gate_up", x), ("down", h)):
-                key = f"{prefix}.{e}.{kind}"
-                v = torch.nan_to_num(t.abs(), nan=0.0).amax()
-                self.amax[key] = torch.maximum(self.amax[key], v) if key in self.amax else v
+    def _record(self, expert: str, gate_up: torch.Tensor, act_fn, x: torch.Tensor) -> None:
+        """Expert `expert`'s gate_up input x and down input act(gate) * up, into the running maxima."""
+        gate, up = F.linear(x, gate_up.float()).chunk(2, dim=-1)
+        for kind, t in (("gate_up", x), ("down", act_fn(gate) * up)):
+            key = f"{expert}.{kind}"
+            v = torch.nan_to_num(t.abs(), nan=0.0).amax()
+            self.amax[key] = torch.maximum(self.amax[key], v) if key in self.amax else v
+
+    def unreached(self) -> dict[str, list[int]]:
+        """{experts module: expert ids asked for that no calibration token was routed to}."""
+        out = {p: [e for e in sorted(es) if int(self.tokens[p][e]) == 0] for p, es in self.wanted.items()}
+        return {p: es for p, es in out.items() if es}
+
+    def begin_unrouted_pass(self) -> dict[str, list[int]]:
+        """Switch the hooks to pass 2 (the unreached experts on all tokens); returns those experts."""
+        self.unrouted = self.unreached()
+        return self.unrouted
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -124,19 +140,13 @@ class ExpertInputAmax:
         self._hooks = []
 
     def result(self) -> dict[str, float]:
-        """{expert module: amax}; raises naming the experts no calibration token was routed to."""
-        unreached = {p: [e for e in range(n) if int(self.tokens[p][e]) == 0] for p, n in self.layers.items()}
-        unreached = {p: es for p, es in unreached.items() if es}
-        if unreached:
-            where = "; ".join(f"{p}: experts {es}" for p, es in unreached.items())
-            raise ValueError(
-                f"static activation calibration routed no token to {sum(map(len, unreached.values()))} "
-                f"expert(s) ({where}), so their input_scale has nothing to be calibrated from; use more or "
-                "other calibration prompts (quant.calib_prompts in a run, --calib-prompts for an export)"
-            )
+        """{expert module: amax} of every module asked for; raises when an expert has none (no
+        token reached it and the unrouted pass was not run)."""
         out = {}
         for name in self.modules:
             prefix, _, e, leaf = _EXPERT_MODULE_RE.match(name).groups()
-            kind = "down" if leaf == "down_proj" else "gate_up"
-            out[name] = float(self.amax.get(f"{prefix}.{e}.{kind}", torch.zeros(())))
+            key = f"{prefix}.{e}.{'down' if leaf == 'down_proj' else 'gate_up'}"
+            if key not in self.amax:
+                raise ValueError(f"no calibration token was routed to {prefix}.{e} and it was not recorded unrouted")
+            out[name] = float(self.amax[key])
         return out
