@@ -141,13 +141,30 @@ def test_tensor_parallel_rows():
     assert torch.equal(layer.weight.data[24:], tensors[1]["weight"][24:])
 
 
-def test_mxfp4_apply_matches_engine_linear():
-    shards, k = {0: 32, 1: 32}, 64
+def test_mxfp4_apply_matches_engine_linear_and_records_its_guidance():
+    """Inside a server's capture the MXFP4 method records its input as the engine's guidance log keeps
+    it: the codes, the E8M0 bytes per 32 and a static S_enc of 1.0 (no global scale in MXFP4)."""
+    from megatron_trace.guidance import encode_records, make_site
+    from sglang_backend.plugin import slot_capture
+
+    shards, k, site = {0: 32, 1: 32}, 64, "model.layers.0.mlp.gate_up_proj"
     ws = _weights(shards, k, 5)
     bias = torch.randn(64)
-    layer, method = _plugin(shards, k, ws, TraceMXFP4LinearMethod(TraceMXFP4Config(), site="site"))
+    layer, method = _plugin(shards, k, ws, TraceMXFP4LinearMethod(TraceMXFP4Config(), site=site))
     x = torch.randn(4, k)
-    assert torch.equal(method.apply(layer, x, bias), _engine(shards, k, ws, bias, fmt="mxfp4")(x))
+    seen = []
+    want = _engine(shards, k, ws, bias, fmt="mxfp4")(x, capture=lambda _, q: seen.append(q))
+    cap = slot_capture.SlotCapture(8, "full", guided_layers=[0])
+    with capture.capture_batch(torch.tensor([5, 1, 2, 3]), None, buffer=cap):
+        got = method.apply(layer, x.reshape(2, 2, k), bias)  # a 3-d input is captured per token too
+    assert torch.equal(got.reshape(4, -1), want)
+    (q,) = seen
+    assert q.scale.shape == (4, k // 32)
+    rows = torch.tensor([1, 2, 0])
+    site_rec = make_site(q.scale[rows], torch.tensor(1.0), q.data[rows], "full")
+    assert cap.record("r", torch.tensor([1, 2, 5])) == encode_records(["r"], "full", [3], {site: site_rec})[0]
+    with pytest.raises(TypeError, match="NVFP4 sites only; got MXFP4Tensor"):
+        capture.GuidanceCaptureBuffer({site: k}, max_slots=2, max_tokens=4).write(site, rows, rows, q)
 
 
 def test_kv_method_matches_paged_kv_cache():

@@ -120,3 +120,47 @@ def test_registration_serves_the_asked_sides_or_stops_the_pool(monkeypatch):
     finally:
         mod.KV_CACHE_QUANT_REGISTRY.clear()
         mod.KV_CACHE_QUANT_REGISTRY.update(saved)
+
+
+@pytest.mark.parametrize("pair", [("mxfp4", "mxfp4"), ("fp8", "mxfp4"), ("mxfp4", "nvfp4")])
+def test_fp4_sides_are_recorded_for_guidance_with_the_engine_page_bytes(pair):
+    """Inside a server's capture every FP4 side records its page bytes (MXFP4: codes and E8M0 per 16,
+    ceil rule, S_enc 1.0; NVFP4: codes, E4M3 and the layer's S_enc) as the engine's pages hold them;
+    an FP8 side records nothing, on the engine too."""
+    from megatron_trace.guidance import GuidanceRecord
+    from sglang_backend.plugin import capture, slot_capture
+
+    m, bufs = _method(pair)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(5, HEADS, HEAD_DIM, generator=g) * 7, torch.randn(5, HEADS, HEAD_DIM, generator=g)
+    loc, layer = torch.tensor([9, 2, 40, 7, 11]), 1
+    cap = slot_capture.SlotCapture(SLOTS, "full", guided_layers=[layer])
+    with capture.capture_batch(loc, loc, buffer=cap):
+        m.quantize_and_store(
+            *(bufs[b][layer] for b in ("k_buffer", "v_buffer", "k_scale_buffer", "v_scale_buffer")),
+            loc,
+            k,
+            v,
+            m.k_scales_gpu[layer : layer + 1],
+            m.v_scales_gpu[layer : layer + 1],
+        )
+    rec = GuidanceRecord.from_bytes(cap.record("r", loc[[1, 0, 3]]))
+    kv = PagedKVCache(
+        num_layers=LAYERS,
+        kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        num_pages=SLOTS // 16,
+        page_size=16,
+        kv_dtype="auto",
+        k_dtype=pair[0],
+        v_dtype=pair[1],
+        dtype=torch.float32,
+    )
+    fp4 = [(which, side) for which, side in enumerate(("k_cache", "v_cache")) if pair[which] != "fp8"]
+    assert set(rec.sites) == {f"model.layers.{layer}.self_attn.{side}" for _, side in fp4}
+    for which, side in fp4:
+        want = kv.quantize(layer, which, (k, v)[which][[1, 0, 3]])
+        got = rec.sites[f"model.layers.{layer}.self_attn.{side}"]
+        assert torch.equal(got.payload, want.data) and torch.equal(got.scale, want.scale), (pair, side)
+        want_gs = getattr(want, "global_scale", torch.tensor(1.0))  # MXFP4 pages have no global scale
+        assert got.global_scale.dim() == 0 and float(got.global_scale) == float(want_gs), (pair, side)

@@ -7,7 +7,8 @@ would differ on every token of these inputs.
 
 tests/mp_scripts/sglang_tp2_online_capture.py does the same for online NVFP4 (`trace_nvfp4`, a BF16
 checkpoint quantized at load, the S_enc over the full weight) against the exporter's bytes, and for
-guidance capture: the record assembled at TP=2 equals TP=1's byte for byte.
+guidance capture: the record assembled at TP=2 equals TP=1's byte for byte (NVFP4, and online MXFP4
+with MXFP4 K/V pages).
 
 A whole TP=2 SGLang server (two scheduler ranks over gloo, SGLang's CPU engine, started by our launcher
 with online NVFP4 of a BF16-era fp32 checkpoint and full-code guidance) answers the embedded engine's
@@ -115,7 +116,8 @@ def test_online_nvfp4_tp2_holds_the_exporters_bytes(online_ranks, kind):
 def test_guidance_record_at_tp2_equals_tp1(online_ranks):
     """The record every TP=2 rank assembles (row-parallel K chunks and K/V heads all-gathered, the column-
     parallel sites' replicated inputs as they are) is TP=1's record byte for byte; without the assembly
-    it is not. Rank 0 is the one that publishes."""
+    it is not. Rank 0 is the one that publishes. The same for online MXFP4 with MXFP4 K/V (E8M0 blocks
+    never straddle ranks and carry no per-token scale, so the same all-gathers assemble it)."""
     sites = [
         "model.layers.0.self_attn.qkv_proj",
         "model.layers.0.self_attn.k_cache",
@@ -125,11 +127,12 @@ def test_guidance_record_at_tp2_equals_tp1(online_ranks):
         "model.layers.0.mlp.down_proj",
     ]
     for rank, rep in enumerate(online_ranks):
-        g = rep["guidance"]
-        assert g["tp_rank"] == rank and g["sites"] == sites, g
-        assert g["gathered_sites"] == sorted(sites[1:4] + sites[5:]), g
-        assert g["record_equal"] and not g["unassembled_record_equal"], (rank, g)
-        assert g["record_bytes"] > 0
+        for fmt in ("guidance", "guidance_mxfp4"):  # online NVFP4 + NVFP4 K/V; online MXFP4 + MXFP4 K/V
+            g = rep[fmt]
+            assert g["tp_rank"] == rank and g["sites"] == sites, (fmt, g)
+            assert g["gathered_sites"] == sorted(sites[1:4] + sites[5:]), (fmt, g)
+            assert g["record_equal"] and not g["unassembled_record_equal"], (fmt, rank, g)
+            assert g["record_bytes"] > 0
 
 
 @pytest.fixture(scope="module")

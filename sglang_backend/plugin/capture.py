@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_trace.fp4 import nvfp4
+from megatron_trace.fp4 import mxfp4, nvfp4
 
 from .. import plugin_settings as settings
 
@@ -59,6 +59,11 @@ class GuidanceCaptureBuffer:
         """q: the [T, K] quantized input of `site`; row t goes to (slots[t], positions[t])."""
         if site not in self.codes:
             return
+        if not isinstance(q, nvfp4.NVFP4Tensor):
+            raise TypeError(
+                f"{site}: GuidanceCaptureBuffer holds NVFP4 sites only; got {type(q).__name__} "
+                "(a server captures MXFP4 sites through slot_capture.SlotCapture)"
+            )
         s, p = self._rows(slots, positions)
         t = q.data.shape[0]
         gs = q.global_scale.reshape(-1).to(torch.float32)
@@ -147,8 +152,8 @@ def capture_batch(slots: torch.Tensor, positions: torch.Tensor, buffer: Guidance
         _STATE.update(prev)
 
 
-def record(site: str | None, q: nvfp4.NVFP4Tensor) -> None:
-    """Called by the quant methods with each quantized input; a no-op outside `capture_batch`."""
+def record(site: str | None, q: nvfp4.NVFP4Tensor | mxfp4.MXFP4Tensor) -> None:
+    """Called by the quant methods with each quantized input (NVFP4 or MXFP4); a no-op outside `capture_batch`."""
     buf, slots, pos = _STATE["buffer"], _STATE["slots"], _STATE["positions"]
     if site is None or buf is None or slots is None:
         return

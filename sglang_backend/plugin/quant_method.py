@@ -293,7 +293,13 @@ class TraceMXFP4LinearMethod(_TraceLinearBase):
         layer._trace_dirty = False
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks of 32 along K with no per-token scale: at TP > 1 a row-parallel layer's K chunk (a whole
+        number of blocks, _common checks) quantizes to the full row's bytes there, so slot_capture's
+        all-gather along K assembles TP=1's record as it does for NVFP4."""
         if layer._trace_dirty:
             self.refresh(layer)
-        xq = mxfp4.dequantize(mxfp4.quantize(x, rule=self.quant_config.mx_rule), x.dtype)
-        return nn.functional.linear(xq, layer.trace_weight_dequant, bias)
+        lead, x2 = x.shape[:-1], (x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
+        q = mxfp4.quantize(x2, rule=self.quant_config.mx_rule)
+        capture.record(layer.trace_site, q)
+        y = nn.functional.linear(mxfp4.dequantize(q, x.dtype), layer.trace_weight_dequant, bias)
+        return y if x.dim() == 2 else y.reshape(*lead, y.shape[-1])

@@ -3,9 +3,9 @@
 `sglang/srt/state_capturer/base.py` keeps a host cache indexed by KV slot (`out_cache_loc`),
 writes each forward's rows there and, when a request finishes, reads its rows back through
 `req_to_token[req_pool_idx, :seqlen - 1]`. Guidance does the same: `SlotCapture` holds, per
-guided site, the packed codes, E4M3 scale bytes and S_enc of the token in each KV slot; the
-quant methods write into it (`capture.record` -> `write`) while the AROUND hook on
-`ModelRunner.forward` has the batch's `out_cache_loc` in place; the AFTER hook on
+guided site, the packed codes, block-scale bytes (NVFP4: E4M3 and S_enc; MXFP4: E8M0, S_enc 1.0)
+of the token in each KV slot; the quant methods write into it (`capture.record` -> `write`)
+while the AROUND hook on `ModelRunner.forward` has the batch's `out_cache_loc` in place; the AFTER hook on
 `SchedulerBatchResultProcessor._maybe_collect_routed_experts` (SGLang calls it for every request that
 finishes, before its KV is released) gathers the request's rows and builds the record with the
 project's one record format (`megatron_trace.guidance.encode_records`).
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_trace.fp4 import nvfp4
+from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.guidance import encode_records, make_site
 from megatron_trace.guidance.record import KV_SITES, layer_of
 from sglang_backend.api import GUIDANCE_KEY  # in sampling_params.custom_params
@@ -47,10 +47,12 @@ from .layer_tp import kv_heads_all_gather, row_parallel_all_gather
 log = logging.getLogger(__name__)
 
 _SAFE_RID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+_MXFP4_GLOBAL_SCALE = torch.tensor(1.0)  # the static S_enc an MXFP4 site's record carries (guidance_log.py)
 
 
 class SlotCapture:
-    """Per guided site: codes [capacity + 1, K/2], scales [.., K/16], S_enc [..]; row `capacity` is the dump."""
+    """Per guided site: codes [capacity + 1, K/2], scales [.., K/16] (E4M3; MXFP4 sites: E8M0 [.., K/32],
+    K/V [.., heads, D/16]), S_enc [..]; row `capacity` is the dump."""
 
     def __init__(self, capacity: int, mode: str, guided_layers, device: torch.device | str = "cpu"):
         if capacity < 1:
@@ -65,9 +67,10 @@ class SlotCapture:
         self.gathers: dict[str, object] = {}
         self.tp_rank = 0
 
-    def write(self, site: str, slots: torch.Tensor, positions, q: nvfp4.NVFP4Tensor) -> None:
+    def write(self, site: str, slots: torch.Tensor, positions, q: nvfp4.NVFP4Tensor | mxfp4.MXFP4Tensor) -> None:
         """q: the [T, ..., K] quantized input of `site` (K/V sites are [T, heads, head_dim]); row t belongs
-        to KV slot slots[t]."""
+        to KV slot slots[t]. An MXFP4 site (E8M0 block scales, no global scale) is kept with a static
+        S_enc of 1.0, as the embedded engine's guidance log keeps it, so both stacks write one record."""
         if layer_of(site) not in self.guided:
             return
         if q.data.dim() < 2 or slots.shape[0] != q.data.shape[0]:
@@ -76,28 +79,33 @@ class SlotCapture:
                 "batch (padded or split batches are not captured)"
             )
             return
+        codes, scales = q.data, q.scale
+        gs = _MXFP4_GLOBAL_SCALE if isinstance(q, mxfp4.MXFP4Tensor) else q.global_scale
         gather = self.gathers.get(site)
         if gather is not None:  # a collective: every TP rank reaches it for the same site and batch
-            q = nvfp4.NVFP4Tensor(gather(q.data), gather(q.scale), q.global_scale)
+            # MXFP4 blocks never straddle ranks (K per rank and head_dim are whole blocks) and carry no
+            # per-token scale, so the gathered bytes are TP=1's for either format
+            codes, scales = gather(codes), gather(scales)
         s = self.sites.get(site)
         if s is None:
             rows = self.capacity + 1
             s = self.sites[site] = {
-                "codes": torch.zeros(rows, *q.data.shape[1:], dtype=torch.uint8, device=self.device),
-                "scales": torch.zeros(rows, *q.scale.shape[1:], dtype=torch.uint8, device=self.device),
-                "gs": torch.zeros(rows, dtype=torch.float32, device=self.device),
+                "codes": torch.zeros(rows, *codes.shape[1:], dtype=torch.uint8, device=self.device),
+                "scales": torch.zeros(rows, *scales.shape[1:], dtype=torch.uint8, device=self.device),
+                # per token [rows], or per routed slot [rows, top_k] (the routed experts' down_proj site)
+                "gs": torch.zeros(rows, *gs.shape[1:], dtype=torch.float32, device=self.device),
             }
-            self.static[site] = float(q.global_scale) if q.global_scale.dim() == 0 else None
+            self.static[site] = float(gs) if gs.dim() == 0 else None
         loc = slots.to(device=self.device, dtype=torch.long)
         loc = torch.where((loc >= 0) & (loc < self.capacity), loc, torch.full_like(loc, self.capacity))
-        gs = q.global_scale.to(device=self.device, dtype=torch.float32)
+        gs = gs.to(device=self.device, dtype=torch.float32)
         if gs.dim() == 0 and self.static[site] is not None and float(gs) != self.static[site]:
             self.static[site] = None  # a re-synced static scale: rows keep the S_enc they were quantized with
         elif gs.dim():
             self.static[site] = None
-        s["codes"].index_copy_(0, loc, q.data.to(self.device))
-        s["scales"].index_copy_(0, loc, q.scale.to(self.device))
-        s["gs"].index_copy_(0, loc, gs.expand(loc.shape[0]) if gs.dim() == 0 else gs.reshape(-1))
+        s["codes"].index_copy_(0, loc, codes.to(self.device))
+        s["scales"].index_copy_(0, loc, scales.to(self.device))
+        s["gs"].index_copy_(0, loc, gs.expand(loc.shape[0], *s["gs"].shape[1:]) if gs.dim() == 0 else gs)
 
     def record(self, rid: str, slots: torch.Tensor) -> bytes:
         """The GuidanceRecord bytes of a request whose positions sit in KV slots `slots` (in order)."""

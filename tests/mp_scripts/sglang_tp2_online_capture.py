@@ -11,7 +11,8 @@ loaded into the same TP=2 layer by SGLang's loader and (b) the online TP=1 layer
 slice; the output differences to both. Then guidance: the four layers and the plugin's NVFP4 KV method
 (2 KV heads, one per rank) run under a SlotCapture assembled for TP (slot_capture.assemble_at_tp), and
 the record's bytes are compared with TP=1's record of the same inputs; a capture without the assembly
-is the negative control.
+is the negative control. The same guidance check runs for online MXFP4 (`trace_mxfp4`) linears with
+MXFP4 K/V pages (the plugin's per-side KV method): E8M0 blocks, no global scale.
 """
 
 from __future__ import annotations
@@ -141,16 +142,18 @@ def main(out: Path) -> None:
         r["max_abs_diff_export"] = float((y2 - ye).abs().max())
         report[kind] = r
     report["guidance"] = guidance_check(rank, world, layers2, layers1, inputs)
+    report["guidance_mxfp4"] = mxfp4_guidance_check(rank, world, inputs)
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     torch.distributed.barrier()
 
 
-def run_sites(cap, layers, inputs, kv_k, kv_v, rank: int | None, world: int) -> None:
-    """The four linears and the K/V store of one layer under `cap`, in a decoder layer's order."""
+def run_sites(cap, layers, inputs, kv_k, kv_v, rank: int | None, world: int, kv_method=None) -> None:
+    """The four linears and the K/V store of one layer under `cap`, in a decoder layer's order
+    (K/V through `kv_method`, by default the plugin's NVFP4 KV method)."""
     from sglang_backend.plugin import capture
     from sglang_backend.plugin.kv_capture import TraceNVFP4KVMethod
 
-    kv = TraceNVFP4KVMethod(num_layers=1)
+    kv = kv_method or TraceNVFP4KVMethod(num_layers=1)
     heads = KV_HEADS if rank is None else KV_HEADS // world
     bufs = kv.create_buffers(16, heads, HEAD_DIM, 1, "cpu")
     with capture.capture_batch(SLOTS, SLOTS, buffer=cap), torch.no_grad():
@@ -173,7 +176,7 @@ def run_sites(cap, layers, inputs, kv_k, kv_v, rank: int | None, world: int) -> 
                 )
 
 
-def guidance_check(rank: int, world: int, layers2, layers1, inputs) -> dict:
+def guidance_check(rank: int, world: int, layers2, layers1, inputs, kv_method=None) -> dict:
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_backend.plugin.slot_capture import SlotCapture, assemble_at_tp
@@ -184,9 +187,9 @@ def guidance_check(rank: int, world: int, layers2, layers1, inputs) -> dict:
     model2 = torch.nn.ModuleDict(layers2)
     cap2, raw2, cap1 = (SlotCapture(16, "full", [0]) for _ in range(3))
     assemble_at_tp(cap2, model2, get_parallel(), KV_HEADS)
-    run_sites(cap2, layers2, inputs, kv_k, kv_v, rank, world)
-    run_sites(raw2, layers2, inputs, kv_k, kv_v, rank, world)
-    run_sites(cap1, layers1, inputs, kv_k, kv_v, None, world)
+    run_sites(cap2, layers2, inputs, kv_k, kv_v, rank, world, kv_method)
+    run_sites(raw2, layers2, inputs, kv_k, kv_v, rank, world, kv_method)
+    run_sites(cap1, layers1, inputs, kv_k, kv_v, None, world, kv_method)
     rec2, raw, rec1 = cap2.record("r0", SLOTS), raw2.record("r0", SLOTS), cap1.record("r0", SLOTS)
     return {
         "tp_rank": cap2.tp_rank,
@@ -196,6 +199,29 @@ def guidance_check(rank: int, world: int, layers2, layers1, inputs) -> dict:
         "record_bytes": len(rec1),
         "unassembled_record_equal": raw == rec1,
     }
+
+
+def mxfp4_guidance_check(rank: int, world: int, inputs) -> dict:
+    """guidance_check for online MXFP4 (`trace_mxfp4`: E8M0 per 32, no global scale) with MXFP4 K/V pages
+    (the plugin's per-side KV method, E8M0 per 16): the TP=2 assembly must give TP=1's record here too."""
+    from sglang_backend.plugin import kv_sides
+    from sglang_backend.plugin.online_quant import TraceMXFP4OnlineConfig
+    from sglang_backend.plugin.quant_method import TraceMXFP4LinearMethod
+
+    os.environ["TRACE_QUANT_POLICY"] = json.dumps(
+        {"policy": QuantPolicy(format="mxfp4", targets=ALL_LINEARS).to_dict(), "num_layers": 1}
+    )
+    cfg, gen = TraceMXFP4OnlineConfig(), torch.Generator().manual_seed(2)
+    layers2, layers1 = {}, {}
+    for kind in KINDS:
+        shards = base.weights(kind, gen)
+        biases = {s: torch.randn(w.shape[0], generator=gen) for s, w in shards} if kind == "qkv" else None
+        layers2[kind], layers1[kind] = base.build(kind, cfg, False), base.build(kind, cfg, True)
+        assert isinstance(layers2[kind].quant_method, TraceMXFP4LinearMethod), type(layers2[kind].quant_method)
+        load_bf16(layers2[kind], shards, biases)
+        load_bf16(layers1[kind], shards, biases)
+    kv = kv_sides.per_side_method_class(("mxfp4", "mxfp4"))(num_layers=1, device="cpu", page_size=16)
+    return guidance_check(rank, world, layers2, layers1, inputs, kv)
 
 
 if __name__ == "__main__":
