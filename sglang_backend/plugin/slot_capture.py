@@ -200,7 +200,9 @@ def ensure_capture(runner) -> SlotCapture | None:
     ):
         cap.error = (
             f"the KV cache method {type(method).__name__} does not record guidance of the FP4 K/V sites "
-            "(k_cache/v_cache); the plugin's KV methods do (TRACE_FP4_KV=0 keeps SGLang's, which does not)"
+            "(k_cache/v_cache); the plugin's KV methods do: its nvfp4 method (TRACE_FP4_KV=0 keeps SGLang's, "
+            f"which does not) and the per-side method of {settings.env_name('kv_sides')} (the launcher's "
+            "MXFP4 KV on the CPU engine; on GPUs --kv-cache-dtype mxfp4 is SGLang's fp4_mx_block16, which does not)"
         )
     capture.set_capture_buffer(cap)
     log.info("trace_fp4: guidance capture for layers %s, %d KV slots, mode %s", layers, capacity, cap.mode)
