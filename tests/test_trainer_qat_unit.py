@@ -307,3 +307,23 @@ def test_cuda_route_runs_the_triton_kernels_with_the_reference_bits(monkeypatch,
     assert calls.count("nvfp4_quantize") == 3 and calls.count("nvfp4_guided_quantize") == 2
     # The guidance did move codes: the guided activation is the rollout's, not round-to-nearest's.
     assert torch.equal(got[1].squeeze(1), nvfp4.dequantize(nvfp4.quantize(x_roll, per_row_global=True)))
+
+
+def test_guided_site_missing_from_a_guided_layer_stops_instead_of_rounding_to_nearest():
+    """A record that covers layer 3 but lacks one of its FP4 sites (a rollout that cannot capture a
+    format or the experts) must stop guided QAT by name; layers the rollout does not guide, and rtn
+    mode, are unaffected."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 1, 64, generator=g)
+    recs = MicroBatchGuidance(_records([x[:, 0]], "full"), 6)
+    st = QATState(ARCH, QuantPolicy(), "guided")
+    st.guidance = recs
+    other = "model.layers.3.mlp.gate_up_proj"
+    with pytest.raises(ValueError, match=r"mlp\.gate_up_proj is FP4 in the trainer.*hold no such site.*down_proj"):
+        st.activation(x, other, None)
+    unguided_layer = "model.layers.0.mlp.down_proj"
+    ref = nvfp4.dequantize(nvfp4.quantize(x.reshape(-1, 64), per_row_global=True)).reshape(x.shape)
+    assert torch.equal(st.activation(x, unguided_layer, None), ref)  # layer 0 is not guided: rtn
+    rtn = QATState(ARCH, QuantPolicy(), "rtn")
+    rtn.guidance = recs
+    assert torch.equal(rtn.activation(x, other, None), ref)  # rtn only measures against records

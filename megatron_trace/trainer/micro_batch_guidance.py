@@ -14,6 +14,7 @@ import torch
 
 from megatron_trace.fp4 import RolloutRounding
 from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.guidance.record import layer_of
 
 
 @dataclass
@@ -23,6 +24,28 @@ class MicroBatchGuidance:
     records: list[GuidanceRecord | None]
     seq_len: int
     _cache: dict = field(default_factory=dict)
+
+    def recorded_layers(self) -> set[int]:
+        """Layers the rollout recorded any site of: in guided mode each of their FP4 sites must be
+        there, or that site would silently round to nearest (`missing_site_error`)."""
+        if "layers" not in self._cache:
+            self._cache["layers"] = {layer_of(n) for r in self.records if r is not None for n in r.sites}
+        return self._cache["layers"]
+
+    def missing_site_error(self, name: str) -> ValueError | None:
+        """The error for a guided site that no record of this micro-batch holds although its layer
+        is guided, or None when the layer is not guided (nothing recorded there by design)."""
+        if layer_of(name) not in self.recorded_layers():
+            return None
+        held = sorted({n for r in self.records if r is not None for n in r.sites if layer_of(n) == layer_of(name)})
+        ids = [r.sample_id for r in self.records if r is not None][:3]
+        return ValueError(
+            f"trainer.qat_mode=guided: QAT site {name} is FP4 in the trainer, but the rollout's guidance "
+            f"records (samples {ids}) hold no such site; its layer has {held}. The rollout did not record "
+            "this site (a server or plugin that cannot capture this format or these experts?), so it "
+            "would silently round to nearest: make the rollout record it, or keep the site out of "
+            "quant.targets / use trainer.qat_mode=rtn"
+        )
 
     def site(self, name: str, k_slice: slice | None, dev) -> tuple[RolloutRounding, torch.Tensor] | None:
         """Rounding tensors [S*B, ..., K_local/...] and the mask of covered rows, or None."""

@@ -169,6 +169,10 @@ class QATState:
         deq = dequantize_any(q)
         got = self.guidance.site(site, k_slice, x_rows.device) if self.guidance is not None and site else None
         if got is None:
+            if self.mode == "guided" and self.guidance is not None and site:
+                err = self.guidance.missing_site_error(site)
+                if err is not None:
+                    raise err
             return deq
         if rows is not None:  # sequence parallel: this rank's rows of the micro-batch
             rr, mask = got
