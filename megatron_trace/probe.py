@@ -225,7 +225,7 @@ def probe(args) -> dict:
             "response_lengths": [len(s["response"]) for s in samples],
             "max_new_tokens": args.max_new_tokens,
             "rollout_seconds": t_rollout,
-            "static_scales": _static_scales(actor.qat.static_scales, full) if amax is not None else None,
+            "static_scales": static_scales_by_site(actor.qat.static_scales, full, routed) if amax is not None else None,
             "total_seconds": time.perf_counter() - t0,
             "modes": results,
         }
@@ -233,18 +233,39 @@ def probe(args) -> dict:
         destroy()
 
 
-def _static_scales(trainer: dict[str, torch.Tensor], records: list) -> dict[str, dict[str, list[float]]]:
+def static_scales_by_site(
+    trainer: dict[str, torch.Tensor], records: list, routed: list[torch.Tensor | None]
+) -> dict[str, dict[str, list[float]]]:
     """Static S_enc per linear site as the trainer rounds with it and as each rollout record carries
-    it (one 0-d value per record and site): the two must be the same numbers."""
+    it (one 0-d value per record and site; a per-token scale reads -1): the two must be the same
+    numbers. Routed experts' records hold one S_enc per (token, slot); the rollout's routed expert
+    ids say whose it is, so they are listed per expert site (model.layers.L.mlp.experts.E.*)."""
     rollout: dict[str, set[float]] = {}
-    for r in records:
+    for r, ids in zip(records, routed):
         for site, rec in r.sites.items():
+            gs = rec.global_scale
             if site in trainer:
-                rollout.setdefault(site, set()).add(float(rec.global_scale) if rec.global_scale.dim() == 0 else -1.0)
+                rollout.setdefault(site, set()).add(float(gs) if gs.dim() == 0 else -1.0)
+            elif ".mlp.experts." in site:
+                _expert_scales(rollout, site, gs, ids)
     return {
         "trainer": {k: [float(v)] for k, v in sorted(trainer.items())},
         "rollout": {k: sorted(v) for k, v in sorted(rollout.items())},
     }
+
+
+def _expert_scales(rollout: dict[str, set[float]], site: str, gs: torch.Tensor, ids: torch.Tensor | None) -> None:
+    """One routed-expert site's per-(token, slot) S_enc [T, top_k] -> rollout[expert site] sets."""
+    if ids is None or gs.dim() != 2:  # not per slot: the rollout did not use per-expert static scales
+        rollout.setdefault(site, set()).add(-1.0)
+        return
+    layer = int(site.split(".")[2])
+    experts = ids[:, layer, :].long()
+    if experts.shape != gs.shape:
+        raise ValueError(f"{site}: per-slot scales {tuple(gs.shape)} but routed experts {tuple(experts.shape)}")
+    head, leaf = site.rsplit(".", 1)
+    for e in experts.unique().tolist():
+        rollout.setdefault(f"{head}.{e}.{leaf}", set()).update(gs[experts == e].tolist())
 
 
 def dlogp_by_position(rollout_lp: list[list[float]], train_lp: list[torch.Tensor]) -> list[float]:

@@ -2,6 +2,8 @@
 fp32 HF forward, against a reference that routes and runs every expert itself from the checkpoint,
 and the rule for an expert no calibration token reaches."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
 from megatron_trace.transfer.static_calibration import calibrate_static_amax
 
+ROOT = Path(__file__).resolve().parents[1]
 STATIC = QuantPolicy(format="nvfp4", activation_scale="static")
 
 
@@ -101,3 +104,67 @@ def test_an_expert_no_prompt_reaches_is_calibrated_on_all_its_layers_tokens(moe,
             # gate_up: the layer's whole MoE input, the max over the routed experts' gate_up amax
             gate = [got[f"model.layers.{i}.mlp.experts.{e}.gate_proj"] for e in range(arch.num_experts)]
             assert all(gate[e] == max(gate) for e in experts)
+
+
+def test_probe_with_static_expert_scales_guides_every_expert_site(moe):
+    """--activation-scale static on the MoE: per-expert S_enc calibrated, pushed as each expert's
+    input_scale, used by the trainer's QAT; guided < rtn < off, every expert site >= 99.9%."""
+    from megatron_trace import probe
+
+    args = ["--model-path", str(moe), "--num-prompts", "4", "--max-new-tokens", "16", "--activation-scale", "static"]
+    res = probe.probe(probe.parse_args(args))
+    m = res["modes"]
+    assert res["policy"]["activation_scale"] == "static" and res["guided_skipped"] is None
+    assert m["guided-full"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
+    experts = {k: v for k, v in m["guided-full"]["agreement"].items() if ".mlp.experts." in k}
+    assert len(experts) == 4 * 2 and min(experts.values()) >= 0.999
+    # every (token, slot) of every record carries its expert's S_enc, the one the trainer rounds with
+    scales = res["static_scales"]
+    assert len(scales["trainer"]) == 4 * 4 * 2 and scales["rollout"] == scales["trainer"]
+    assert len({v[0] for k, v in scales["trainer"].items() if k.startswith("model.layers.1.")}) > 1
+
+
+def test_two_rl_steps_with_static_expert_scales(tmp_path):
+    """configs/tiny_moe_cpu.yaml with quant.activation_scale=static and guided QAT: two in-process
+    steps; every rollout record's per-slot S_enc is its expert's, the trainer's, after a sync too."""
+    from megatron_trace.config import Config
+    from megatron_trace.probe import static_scales_by_site
+    from megatron_trace.train import Run
+    from megatron_trace.trainer.parallel import destroy
+
+    overrides = [
+        "trainer.warm_start_steps=0",  # the random tiny MoE: a warm start would cost minutes
+        "rollout.prompts_per_step=2",
+        "rollout.n_samples=2",
+        "rollout.eval_prompts=0",
+        "trainer.micro_batch_size=4",
+        "trainer.steps=2",
+        "trainer.save_every=0",
+        "logging.progress=false",
+        "quant.activation_scale=static",
+        "quant.calib_prompts=4",
+        f"logging.run_dir={tmp_path / 'run'}",
+    ]
+    cfg = Config.load(ROOT / "configs/tiny_moe_cpu.yaml", overrides)
+    assert cfg.trainer.qat_mode == "guided"
+    try:
+        run = Run(cfg, resume=False)
+        trainer = {site: float(v) for site, v in run.actor.qat.static_scales.items()}
+        assert len(run.input_amax) == 4 * 4 * 3 and len(trainer) == 4 * 4 * 2
+        seen, train = [], run.runner.train
+
+        def spy(batch, version):
+            records = [run.runner._record(g) for g in batch.guidance]
+            routed = [run.runner._routed(s) for s in batch.samples]
+            seen.append(static_scales_by_site(run.actor.qat.static_scales, records, routed)["rollout"])
+            return train(batch, version)
+
+        run.runner.train = spy
+        summary = run.run()
+    finally:
+        destroy()
+    assert summary["steps"] == 2 and len(seen) == 2
+    for rollout in seen:
+        assert rollout and all(v == [trainer.get(site)] for site, v in rollout.items()), rollout
+        assert {site.split(".")[2] for site in rollout} == {"0", "1", "2", "3"}  # every layer's experts
+    assert 0 < summary["mean_abs_dlogp"] < 0.02
