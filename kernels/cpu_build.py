@@ -26,6 +26,7 @@ import torch
 _HERE = Path(__file__).resolve().parent
 SOURCES = (
     "cpu_quant.c",
+    "cpu_quant_parallel.cpp",
     "cpu_fused.c",
     "cpu_gemv.c",
     "cpu_gemv_w4a4.c",

@@ -62,19 +62,17 @@ static inline float e4m3_to_f32(uint8_t b) {
     return sign ? -mag : mag;
 }
 
-/* v >= 0, not NaN -> E4M3 byte: clamp to 448, round to nearest even (fp4.fp8's encoder). */
+/* v >= 0, not NaN -> E4M3 byte: clamp to 448, round to nearest even (fp4.fp8's encoder). Bit
+   arithmetic instead of frexpf + nearbyintf (a libm call per block in the quantizers), equal to
+   them on every non-negative float (checked exhaustively): subnormals round in steps of 2^-9 by
+   the 2^23 trick, normals round the fp32 mantissa to 3 bits (a carry bumps the exponent). */
 static inline uint8_t e4m3_enc(float v) {
     if (v > 448.f) v = 448.f;
-    if (v < 0.015625f) return (uint8_t)nearbyintf(v * 512.f); /* subnormals: steps of 2^-9 */
-    int e;
-    float m = frexpf(v, &e);           /* v = m * 2^e, m in [0.5, 1) */
-    float mant = nearbyintf(m * 16.f); /* 3 mantissa bits, 8..16 */
-    int E = e - 1;
-    if (mant >= 16.f) {
-        mant = 8.f;
-        E += 1;
-    }
-    return (uint8_t)(((E + 7) << 3) | ((int)mant - 8));
+    if (v < 0.015625f) return (uint8_t)(int)((v * 512.f + 0x1p23f) - 0x1p23f);
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u += 0x7ffffu + ((u >> 20) & 1u);
+    return (uint8_t)((((u >> 23) - 120u) << 3) | ((u >> 20) & 7u)); /* E4M3 bias 7 = fp32's 127 - 120 */
 }
 
 /* ---- E2M1 (the 4-bit codes) ---------------------------------------------------------------- */

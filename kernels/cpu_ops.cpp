@@ -34,11 +34,14 @@ bool bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
 // An address from Python: an int (tensor.data_ptr(), a guidance-log row), or None for NULL.
 uintptr_t address(const py::object& v) { return v.is_none() ? 0 : v.cast<uintptr_t>(); }
 
+// x fp32 or bf16 [..., K], xhat (optional) fp32 or bf16: both read and written in their own dtype,
+// so a bf16 model's activations need no conversion passes around the kernel.
 int qdq(const at::Tensor& x, const Opt& gs_in, at::Tensor& data, at::Tensor& scale, const Opt& gs_out,
         const Opt& xhat) {
     const int64_t k = x.size(-1);
-    return nvfp4_qdq(at_<float>(x), k ? x.numel() / k : 0, k, at_<const float>(gs_in), at_<uint8_t>(data),
-                     at_<uint8_t>(scale), at_<float>(gs_out), at_<float>(xhat));
+    return nvfp4_qdq_parallel(x.data_ptr(), bf16(x), k ? x.numel() / k : 0, k, at_<const float>(gs_in),
+                              at_<uint8_t>(data), at_<uint8_t>(scale), at_<float>(gs_out),
+                              xhat.has_value() ? xhat->data_ptr() : nullptr, xhat.has_value() && bf16(*xhat));
 }
 
 int quantize_to_slots(const at::Tensor& x, int64_t n, const at::Tensor& gs, const at::Tensor& slots,

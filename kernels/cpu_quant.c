@@ -24,39 +24,123 @@ void nvfp4_tables_init(void) {
 const float* nvfp4_e4m3_lut(void) { return E4M3_LUT; }
 const float* nvfp4_e2m1_grid(void) { return E2M1_GRID; }
 
-/* x [R, K] -> data [R, K/2], scale [R, K/16], gs_out [R] (per-row S_enc; gs_in NULL) and optionally
-   xhat [R, K] (the dequantized values). Returns 1 (outputs undefined) when x holds a NaN.
-   The per-element loops are branch-free so the compiler vectorizes them; every value is computed
-   by the same IEEE operations in the same order as the scalar reference. */
-int nvfp4_qdq(const float* x, int64_t R, int64_t K, const float* gs_in, uint8_t* data, uint8_t* scale, float* gs_out,
-              float* xhat) {
-    const int64_t nb = K / 16;
-    const float* bnd = E2M1_BOUNDS;
-    const float b0 = bnd[0], b1 = bnd[1], b2 = bnd[2], b3 = bnd[3], b4 = bnd[4], b5 = bnd[5], b6 = bnd[6];
-    float bam[nb > 0 ? nb : 1];
-    for (int64_t r = 0; r < R; r++) {
-        const float* xr = x + r * K;
-        float ramax = 0.f;
-        int nan = 0;
-        for (int64_t b = 0; b < nb; b++) {  /* block amax: two 8-lane halves, then 8 lanes */
-            v8u u0, u1;
-            memcpy(&u0, xr + b * 16, sizeof u0);
-            memcpy(&u1, xr + b * 16 + 8, sizeof u1);
-            u0 &= 0x7fffffffu;
-            u1 &= 0x7fffffffu;
-            v8f a0, a1;
-            memcpy(&a0, &u0, sizeof a0);
-            memcpy(&a1, &u1, sizeof a1);
-            const v8u bad = (v8u)(a0 != a0) | (v8u)(a1 != a1), gt = (v8u)(a0 > a1);
-            const v8u mu = (u0 & gt) | (u1 & ~gt);
-            float mv[8];
-            memcpy(mv, &mu, sizeof mv);
-            float m = 0.f;
-            for (int j = 0; j < 8; j++) { m = mv[j] > m ? mv[j] : m; nan |= bad[j] != 0; }
-            bam[b] = m;
-            ramax = m > ramax ? m : ramax;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QDQ_AVX512 1
+#else
+#define QDQ_AVX512 0
+#endif
+
+/* The 16 values of block b of a row as fp32 (bf16 widens exactly). */
+static inline void load16(const void* x, int x_bf16, int64_t b, float* out) {
+    if (x_bf16)
+        for (int j = 0; j < 16; j++) out[j] = bf16_to_f32(((const uint16_t*)x)[b * 16 + j]);
+    else
+        memcpy(out, (const float*)x + b * 16, 16 * sizeof(float));
+}
+
+#if QDQ_AVX512
+static inline __m512 load16_avx512(const void* x, int x_bf16, int64_t b) {
+    if (!x_bf16) return _mm512_loadu_ps((const float*)x + b * 16);
+    const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + b * 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Block amaxes of one row into bam; returns 1 when the row holds a NaN. A max of non-negative
+   floats is the same in any order. */
+static int block_amax(const void* x, int x_bf16, int64_t nb, float* bam) {
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    __mmask16 nan = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 v = load16_avx512(x, x_bf16, b);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        bam[b] = _mm512_reduce_max_ps(_mm512_and_ps(v, abs_mask));
+    }
+    return nan != 0;
+}
+
+/* Block b: codes of x * enc (the compares against E2M1_BOUNDS counted, sign to bit 3) packed low
+   nibble first into db[8], and when xhat is set its dequantized values (e2m1 * sfd) * sdec. */
+static inline void encode_block(const void* x, int x_bf16, int64_t b, float enc, float sfd, float sdec, uint8_t* db,
+                                void* xhat, int xhat_bf16) {
+    const __m512 z = _mm512_mul_ps(load16_avx512(x, x_bf16, b), _mm512_set1_ps(enc));
+    const __m512 m = _mm512_and_ps(z, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff)));
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i code = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(z), 28), _mm512_set1_epi32(8));
+    for (int i = 0; i < 7; i++)
+        code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(m, _mm512_set1_ps(E2M1_BOUNDS[i]), _CMP_GT_OQ), code,
+                                     one);
+    const __m128i c8 = _mm512_cvtepi32_epi8(code);                      /* 16 codes, one per byte */
+    const __m128i pairs = _mm_maddubs_epi16(c8, _mm_set1_epi16(0x1001)); /* lo + 16 * hi per byte pair */
+    _mm_storel_epi64((__m128i*)db, _mm_packus_epi16(pairs, pairs));
+    if (!xhat) return;
+    const __m512 v = _mm512_permutexvar_ps(code, _mm512_loadu_ps(E2M1_GRID));
+    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(sfd)), _mm512_set1_ps(sdec));
+    if (!xhat_bf16) {
+        _mm512_storeu_ps((float*)xhat + b * 16, y);
+        return;
+    }
+    __m512i u = _mm512_castps_si512(y); /* round to nearest even as torch's bf16 cast (y is never NaN) */
+    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+    _mm256_storeu_si256((__m256i*)((uint16_t*)xhat + b * 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+#else
+static int block_amax(const void* x, int x_bf16, int64_t nb, float* bam) {
+    int nan = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        float xb[16], m = 0.f;
+        load16(x, x_bf16, b, xb);
+        for (int j = 0; j < 16; j++) {
+            const float a = fabsf(xb[j]);
+            nan |= a != a;
+            m = a > m ? a : m;
         }
-        if (nan) return 1;
+        bam[b] = m;
+    }
+    return nan;
+}
+
+static inline void encode_block(const void* x, int x_bf16, int64_t b, float enc, float sfd, float sdec, uint8_t* db,
+                                void* xhat, int xhat_bf16) {
+    const float* bnd = E2M1_BOUNDS;
+    float xb[16];
+    int32_t code[16];
+    load16(x, x_bf16, b, xb);
+    for (int j = 0; j < 16; j++) { /* branch-free, so the compiler vectorizes it */
+        const float z = xb[j] * enc, m = fabsf(z);
+        int32_t bits;
+        memcpy(&bits, &z, 4);
+        code[j] = (m > bnd[0]) + (m > bnd[1]) + (m > bnd[2]) + (m > bnd[3]) + (m > bnd[4]) + (m > bnd[5]) +
+                  (m > bnd[6]) + ((bits >> 28) & 8); /* the sign bit (signbit(z)) -> bit 3 */
+    }
+    for (int j = 0; j < 8; j++) db[j] = (uint8_t)(code[2 * j] | (code[2 * j + 1] << 4));
+    if (!xhat) return;
+    for (int j = 0; j < 16; j++) {
+        const float y = (E2M1_GRID[code[j]] * sfd) * sdec;
+        if (xhat_bf16)
+            ((uint16_t*)xhat)[b * 16 + j] = f32_to_bf16(y);
+        else
+            ((float*)xhat)[b * 16 + j] = y;
+    }
+}
+#endif
+
+/* Rows [r0, r1) of x [R, K] (fp32, or bf16 when x_bf16) -> data [R, K/2], scale [R, K/16], gs_out
+   [R] (per-row S_enc; gs_in NULL) and optionally xhat [R, K] (the dequantized values, fp32 or
+   bf16 rounded to nearest even as torch's cast). Returns 1 (outputs undefined) when x holds a NaN.
+   Every value is computed by the same IEEE operations in the same order as the scalar reference;
+   rows are independent, so any split of them over threads gives the same bytes. */
+int nvfp4_qdq_rows(const void* x, int x_bf16, int64_t r0, int64_t r1, int64_t K, const float* gs_in, uint8_t* data,
+                   uint8_t* scale, float* gs_out, void* xhat, int xhat_bf16) {
+    const int64_t nb = K / 16, esize = x_bf16 ? 2 : 4, hsize = xhat_bf16 ? 2 : 4;
+    float bam[nb > 0 ? nb : 1];
+    for (int64_t r = r0; r < r1; r++) {
+        const void* xr = (const char*)x + r * K * esize;
+        void* hr = xhat ? (char*)xhat + r * K * hsize : 0;
+        if (block_amax(xr, x_bf16, nb, bam)) return 1;
+        float ramax = 0.f;
+        for (int64_t b = 0; b < nb; b++) ramax = bam[b] > ramax ? bam[b] : ramax;
         float s;
         if (gs_in == 0) {
             s = 2688.f / ramax;
@@ -69,38 +153,20 @@ int nvfp4_qdq(const float* x, int64_t R, int64_t K, const float* gs_in, uint8_t*
         const float sdec = (float)(1.0 / (double)s);
         const float s6 = s * NVFP4_ONE_SIXTH;
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t sf = e4m3_enc(bam[b] * s6);
+            const uint8_t sf = e4m3_enc(bam[b] * s6);
             scale[r * nb + b] = sf;
             const float sfd = E4M3_LUT[sf];
             float enc = 1.0f / (sfd * sdec);
             if (enc > FLT_MAX) enc = FLT_MAX;
-            const float* xb = xr + b * 16;
-            int32_t code[16];
-            for (int j = 0; j < 16; j++) {
-                const float z = xb[j] * enc, m = fabsf(z);
-                int32_t bits; memcpy(&bits, &z, 4);
-                code[j] = (m > b0) + (m > b1) + (m > b2) + (m > b3) + (m > b4) + (m > b5) + (m > b6)
-                          + ((bits >> 28) & 8);  /* the sign bit (signbit(z)) -> bit 3 */
-            }
-            uint8_t* db = data + r * (K / 2) + b * 8;
-            for (int j = 0; j < 8; j++) db[j] = (uint8_t)(code[2 * j] | (code[2 * j + 1] << 4));
-            if (xhat) {  /* from the codes just written: (e2m1 * sfd) * sdec, as dequantize */
-                v8u c0, c1;
-                memcpy(&c0, code, sizeof c0);
-                memcpy(&c1, code + 8, sizeof c1);
-                c0 = e2m1_bits(c0);
-                c1 = e2m1_bits(c1);
-                v8f lo, hi;
-                memcpy(&lo, &c0, sizeof lo);
-                memcpy(&hi, &c1, sizeof hi);
-                lo = (lo * sfd) * sdec;
-                hi = (hi * sfd) * sdec;
-                memcpy(xhat + r * K + b * 16, &lo, sizeof lo);
-                memcpy(xhat + r * K + b * 16 + 8, &hi, sizeof hi);
-            }
+            encode_block(xr, x_bf16, b, enc, sfd, sdec, data + r * (K / 2) + b * 8, hr, xhat_bf16);
         }
     }
     return 0;
+}
+
+int nvfp4_qdq(const float* x, int64_t R, int64_t K, const float* gs_in, uint8_t* data, uint8_t* scale, float* gs_out,
+              float* xhat) {
+    return nvfp4_qdq_rows(x, 0, 0, R, K, gs_in, data, scale, gs_out, xhat, 0);
 }
 
 /* Row t of x [T, n] (one S_enc) quantized straight into codes[slots[t]] [*, n/2] and

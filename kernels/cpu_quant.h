@@ -22,6 +22,15 @@ const float* nvfp4_e2m1_grid(void);
 int nvfp4_qdq(const float* x, int64_t R, int64_t K, const float* gs_in, uint8_t* data, uint8_t* scale, float* gs_out,
               float* xhat);
 
+/* Rows [r0, r1) of the above, with x fp32 or bf16 (x_bf16) and xhat fp32 or bf16 (xhat_bf16,
+   rounded to nearest even as torch's cast): rows are independent, so a split over threads gives
+   the same bytes. Returns 1 when those rows hold a NaN, else 0. */
+int nvfp4_qdq_rows(const void* x, int x_bf16, int64_t r0, int64_t r1, int64_t K, const float* gs_in, uint8_t* data,
+                   uint8_t* scale, float* gs_out, void* xhat, int xhat_bf16);
+/* All R rows of nvfp4_qdq_rows split over torch's intra-op threads (kernels/cpu_quant_parallel.cpp). */
+int nvfp4_qdq_parallel(const void* x, int x_bf16, int64_t R, int64_t K, const float* gs_in, uint8_t* data,
+                       uint8_t* scale, float* gs_out, void* xhat, int xhat_bf16);
+
 /* Row t of x [T, n] (one S_enc *gs) quantized straight into codes[slots[t]] [*, n/2] and
    scales[slots[t]] [*, n/16] of S slots. Returns 1 on a NaN, 2 for a slot outside [0, S), 3 for
    an S_enc that is not finite and positive; on 2 and 3 nothing was written. */

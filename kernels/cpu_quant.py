@@ -42,16 +42,21 @@ def quantize_dequantize(
         ok = g > 0 and g != float("inf")
     if not ok:
         return None
-    # a decode step calls this dozens of times on tiny tensors: skip every no-op torch call
-    xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    # a decode step calls this dozens of times: skip every no-op torch call; fp32 and bf16 are read
+    # and the dequantized values written in their own dtype (no conversion passes around the kernel)
+    native = x.dtype in (torch.float32, torch.bfloat16)
+    xf = x.contiguous() if native else x.to(torch.float32).contiguous()
     lead, k = xf.shape[:-1], xf.shape[-1]
     data = torch.empty((*lead, k // 2), dtype=torch.uint8)
     scale = torch.empty((*lead, k // nvfp4.BLOCK), dtype=torch.uint8)
     gs_out = torch.empty(lead, dtype=torch.float32) if gs_t is None else gs_t
-    xhat = torch.empty_like(xf) if dequant_dtype is not None else None
+    xhat = None
+    if dequant_dtype is not None:
+        direct = dequant_dtype in (torch.float32, torch.bfloat16)
+        xhat = torch.empty(xf.shape, dtype=dequant_dtype if direct else torch.float32)
     if lib.nvfp4_qdq(xf, gs_t, data, scale, gs_out if gs_t is None else None, xhat):
         return None  # a NaN: the reference decides its bytes
-    if xhat is not None and dequant_dtype is not torch.float32:
+    if xhat is not None and xhat.dtype is not dequant_dtype:
         xhat = xhat.to(dequant_dtype)
     return nvfp4.NVFP4Tensor(data, scale, gs_out), xhat
 

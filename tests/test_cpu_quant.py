@@ -71,6 +71,35 @@ def test_quantize_dequantize_is_the_reference(seed, rows, blocks, spread, static
     assert torch.equal(xhat, nvfp4.dequantize(r, dtype))
 
 
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_dequantize_split_over_threads_is_the_reference(build, dtype, static):
+    """A batch-32 decode's MLP input (64 x 4864 here) is split over torch's threads: the same bytes
+    as the reference, block scales over 18 decades, an fp32-subnormal row (its dequantized values
+    subnormal too) and a NaN in the last row still declined."""
+    x = _inputs(7, 64, 304, 9)
+    x[5] = torch.randn(4864) * 1e-39
+    x = x.to(dtype)
+    kw = dict(global_scale=torch.tensor(1e-3)) if static else dict(per_row_global=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, xhat = cpu_quant.quantize_dequantize(x, dequant_dtype=dtype, lib=_lib(build), **kw)
+        r = nvfp4.quantize(x, **kw)
+        _same(q, r)
+        assert torch.equal(
+            xhat.view(torch.int16 if dtype is torch.bfloat16 else torch.int32),
+            nvfp4.dequantize(r, dtype).view(torch.int16 if dtype is torch.bfloat16 else torch.int32),
+        )
+        if not static:
+            assert (xhat[5] != 0).any() and (xhat[5].abs() < torch.finfo(torch.float32).tiny).any()
+        x[63, 4000] = float("nan")
+        assert cpu_quant.quantize_dequantize(x, dequant_dtype=dtype, lib=_lib(build), **kw) is None
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_nan_and_huge_inputs_fall_back_to_the_reference():
     x = torch.randn(2, 32)
     x[1, 5] = float("nan")
