@@ -155,3 +155,19 @@ def test_launcher_refuses_fp4_experts_the_plugin_cannot_serve(moe_ckpt, tmp_path
     assert "routed experts of model.layers.0.mlp.experts FP4" in capsys.readouterr().err
     assert _launch("--model-path", str(moe_ckpt), "--quantization", "nvfp4") == 0
     assert "--quantization trace_nvfp4" in capsys.readouterr().out
+
+
+def test_slot_capture_keeps_a_per_slot_s_enc(tmp_path):
+    """The down_proj site's S_enc is [T, top_k]: SlotCapture stores and returns it per KV slot and slot."""
+    from megatron_trace.guidance import GuidanceRecord
+    from sglang_backend.plugin.slot_capture import SlotCapture
+
+    cap = SlotCapture(16, "full", [1])
+    h = torch.randn(3, 2, 32, generator=torch.Generator().manual_seed(1))
+    q = nvfp4.quantize(h, per_row_global=True)
+    assert q.global_scale.shape == (3, 2)
+    cap.write(f"{PREFIX}.down_proj", torch.tensor([5, 9, 2]), None, q)
+    site = GuidanceRecord.from_bytes(cap.record("r", torch.tensor([2, 5, 9]))).sites[f"{PREFIX}.down_proj"]
+    order = torch.tensor([2, 0, 1])  # slots 2, 5, 9 hold rows 2, 0, 1
+    assert torch.equal(site.global_scale, q.global_scale[order].float())
+    assert torch.equal(site.payload, q.data[order]) and torch.equal(site.scale, q.scale[order])
