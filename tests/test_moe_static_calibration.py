@@ -33,8 +33,8 @@ def _reference(ckpt, prompts) -> tuple[dict[str, float], dict[int, list[int]]]:
     from transformers import AutoModelForCausalLM
 
     arch = ModelArch.from_hf_config(ckpt)
-    k = arch.num_experts_per_tok  # top-k of the softmax: norm_topk_prob rescales the weights only
-    sd = {k: v.float() for f in sorted(ckpt.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    top_k = arch.num_experts_per_tok  # top-k of the softmax: norm_topk_prob rescales the weights only
+    sd = {name: t.float() for f in sorted(ckpt.glob("*.safetensors")) for name, t in load_file(str(f)).items()}
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(arch.num_layers)}
     hooks = [
@@ -52,7 +52,7 @@ def _reference(ckpt, prompts) -> tuple[dict[str, float], dict[int, list[int]]]:
     for i in range(arch.num_layers):
         p = f"model.layers.{i}.mlp."
         routed = [
-            torch.topk(F.softmax(x @ sd[p + "gate.weight"].T, -1, dtype=torch.float32), k, -1).indices
+            torch.topk(F.softmax(x @ sd[p + "gate.weight"].T, -1, dtype=torch.float32), top_k, -1).indices
             for x in inputs[i]
         ]
         unreached[i] = [e for e in range(arch.num_experts) if not any((c == e).any() for c in routed)]
