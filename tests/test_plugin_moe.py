@@ -44,6 +44,10 @@ def test_online_configs_give_fp4_experts_where_the_policy_says(monkeypatch, conf
     # BF16 experts by the policy: SGLang's own method (None), as the engine keeps them BF16
     _policy_env(monkeypatch, QuantPolicy(format=config.FMT, targets=("*.mlp.gate_proj",)))
     assert config().get_quant_method(_ExpertsProbe(4), PREFIX) is None
+    # static per-expert input scales never reach a FusedMoE: refused, not rounded per token
+    _policy_env(monkeypatch, QuantPolicy(format=config.FMT, activation_scale="static"))
+    with pytest.raises(NotImplementedError, match="activation_scale=static"):
+        config().get_quant_method(_ExpertsProbe(4), PREFIX)
     # a layer whose experts are partly FP4 cannot be one FusedMoE
     _policy_env(monkeypatch, QuantPolicy(format=config.FMT, targets=("*.mlp.experts.0.*",)))
     with pytest.raises(ValueError, match="only some routed-expert linears FP4"):

@@ -90,6 +90,11 @@ class _PolicyMixin:
             return None
         if policy.activations != "fp4":
             raise NotImplementedError(f"{prefix}: {self.NAME} serves W4A4 routed experts only; the policy asks W4A16")
+        if policy.activation_scale != "per_token":  # no input_scale ever reaches a FusedMoE here
+            raise NotImplementedError(
+                f"{prefix}: {self.NAME}'s routed experts quantize their inputs per token; the policy asks "
+                f"activation_scale={policy.activation_scale} (per-expert static scales: --backend local)"
+            )
         if any(self.is_layer_excluded(m) for m in expert_linears(prefix, layer.num_experts)):
             raise ValueError(f"{prefix}: exclude_modules keeps routed experts BF16 that the quant policy makes FP4")
         return TraceFP4MoEMethod(self.FMT, prefix, mx_rule=self.mx_rule)
