@@ -57,9 +57,10 @@ def test_real_sglang_routed_experts_equal_the_engine_and_hf(moe_ckpt, sglang_url
 
 
 def test_rl_steps_through_real_sglang_replay_its_routing(moe_ckpt, sglang_url, tmp_path):
-    """Two RL steps of the tiny MoE config with the real server as the rollout (BF16, QAT off:
-    the plugin does not capture expert guidance) and routing replay on: every sample carries the
-    server's routed experts, the trainer used them, the weights reach the server (disk)."""
+    """Two RL steps of the tiny MoE config with the real server as the rollout (BF16, QAT off: this
+    module's server quantizes nothing; FP4 experts: test_sglang_real_moe_fp4.py) and routing replay
+    on: every sample carries the server's routed experts, the trainer used them, the weights reach
+    the server (disk)."""
     import json
     import subprocess
     import sys
