@@ -121,3 +121,36 @@ def test_expert_weight_update_is_requantized(moe_ckpt, sglang_url, tmp_path):
     worst = max(abs(a - b) for r, o in zip(real, ours) for a, b in zip(r.output_logprobs, o.output_logprobs))
     print("moe fp4 after update worst |dlogprob|", worst)
     assert worst <= 1e-5, worst
+
+
+def test_trainer_push_of_packed_nvfp4_experts(sglang_url, tmp_path):
+    """The trainer's weight sync for an NVFP4 policy (ModelOpt tensors: expert codes, E4M3 scales,
+    weight_scale_2) through the disk transport: the experts serve those bits (moe_packed.py), so the
+    server's greedy tokens and logprobs are the engine's on the same checkpoint (the exporter's codes
+    are the engine's own quantization of it)."""
+    from megatron_trace.models import QuantPolicy
+    from megatron_trace.transfer.export import load_hf_dir
+    from megatron_trace.transfer.pipeline import push_hf_state_dict
+    from megatron_trace.transfer.transports import DiskTransport
+
+    new = make_tiny_checkpoint(tmp_path / "pushed", "qwen3_moe", seed=5)
+    arch, sd, cfg = load_hf_dir(new)
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)) for p in PROMPTS]
+    client = RolloutClient([sglang_url], retries=0)
+    try:
+        before = client.generate(reqs)
+        stats = push_hf_state_dict(sd, arch, QuantPolicy(format="nvfp4"), DiskTransport(client, tmp_path / "w", cfg), 2)
+        assert stats.tensors > len(sd)  # every FP4 expert linear went as codes + scales + weight_scale_2
+        assert client.weight_versions() == {sglang_url: "2"}
+        real = client.generate(reqs)
+    finally:
+        client.close()
+    eng = Engine(str(new), quantization="nvfp4")
+    try:
+        ours = InProcessBackend(eng).generate(reqs)
+    finally:
+        eng.shutdown()
+    assert [r.output_ids for r in real] == [r.output_ids for r in ours] != [r.output_ids for r in before]
+    worst = max(abs(a - b) for r, o in zip(real, ours) for a, b in zip(r.output_logprobs, o.output_logprobs))
+    print("moe fp4 after packed push worst |dlogprob|", worst)
+    assert worst <= 1e-5, worst

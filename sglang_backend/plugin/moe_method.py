@@ -23,8 +23,8 @@ What it changes:
   token's input alike for every expert), `...mlp.experts.down_proj` one row per routed slot
   [T, top_k, I], the engine's record layout (megatron_trace/guidance/record.py).
 
-A weight update writes the BF16 params through FusedMoE's loader, wrapped to mark the layer for
-re-quantization before its next forward; packed FP4 expert tensors are refused there by name.
+Weight updates (BF16 rows, or the trainer's ModelOpt NVFP4 expert tensors) go through FusedMoE's
+loader, wrapped by moe_packed.py, which also marks the layer for re-quantization before its next forward.
 Expert or tensor parallelism over the experts (moe_ep_size / moe_tp_size > 1) is refused at
 create_weights: the per-expert amax and the down input's per-token scale would need the full rows.
 """
@@ -40,7 +40,7 @@ from torch import nn
 from kernels.dispatch import nvfp4_quantize_dequantize
 from megatron_trace.fp4 import mxfp4, nvfp4
 
-from . import capture
+from . import capture, moe_packed
 from .layer_tp import set_derived, sglang_attr
 
 try:  # SGLang's BF16 experts method when it is installed; a plain object otherwise (CPU tests)
@@ -96,23 +96,35 @@ class TraceFP4MoEMethod(_MoEBase):
         check_layer_supported(layer, self.site, hidden_size, intermediate_size_per_partition, self.block)
         loader = extra_weight_attrs.get("weight_loader")
         if loader is not None:
-            extra_weight_attrs["weight_loader"] = functools.partial(_load_and_mark, loader, layer, self.site)
+            loader = extra_weight_attrs["weight_loader"] = functools.partial(
+                moe_packed.load, loader, layer, self.site, self.fmt
+            )
         extra_weight_attrs.pop("with_bias", None)
         super().create_weights(
             layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra_weight_attrs
         )
+        if self.fmt == "nvfp4":  # the trainer's ModelOpt expert tensors (MXFP4 policies send BF16)
+            moe_packed.add_update_params(layer, num_experts, hidden_size, intermediate_size_per_partition, loader)
         layer.trace_site, layer._trace_dirty = self.site, True
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.refresh(layer)
 
     def refresh(self, layer: nn.Module) -> None:
-        """The dequantized FP4 weights of every expert, from the checkpoint values in w13/w2_weight."""
+        """The dequantized FP4 weights of every expert: its update's packed NVFP4 tensors as sent, else
+        its BF16/FP32 rows (w13_weight / w2_weight) quantized."""
         dtype = layer.w13_weight.dtype
-        w13 = torch.stack([self.quantize_dequantize_weight(w, dtype) for w in layer.w13_weight.data])
-        w2 = torch.stack([self.quantize_dequantize_weight(w, dtype) for w in layer.w2_weight.data])
-        set_derived(layer, "trace_w13_dequant", w13)
-        set_derived(layer, "trace_w2_dequant", w2)
+        for weight in ("w13", "w2"):
+            rows = getattr(layer, f"{weight}_weight").data
+            deq = []
+            for e in range(rows.shape[0]):
+                packed = moe_packed.packed_expert_weight(layer, weight, e, self.site) if self.fmt == "nvfp4" else None
+                deq.append(
+                    nvfp4.dequantize(packed, dtype)
+                    if packed is not None
+                    else self.quantize_dequantize_weight(rows[e], dtype)
+                )
+            set_derived(layer, f"trace_{weight}_dequant", torch.stack(deq))
         layer._trace_dirty = False
 
     def quantize_weight(self, w: torch.Tensor) -> nvfp4.NVFP4Tensor | mxfp4.MXFP4Tensor:
@@ -223,15 +235,3 @@ def check_layer_supported(layer: nn.Module, site: str, hidden: int, inter: int, 
             f"{site}: trace FP4 routed experts (plugin/moe_method.py) do not support {'; '.join(problems)}; "
             "serve this model with BF16 experts in the quant policy, or with --backend local"
         )
-
-
-def _load_and_mark(loader, layer: nn.Module, site: str, param, loaded_weight: torch.Tensor, *args, **kwargs):
-    """FusedMoE.weight_loader, then re-quantize before the next forward (a weight update writes the BF16
-    params in place). Packed FP4 expert tensors have nowhere to go in this method: refused by name."""
-    if loaded_weight.dtype == torch.uint8 or "scale" in str(kwargs.get("weight_name", args[0] if args else "")):
-        raise TypeError(
-            f"{site}: trace FP4 experts are quantized from BF16/FP32 weights; got a packed FP4 or scale tensor "
-            f"({loaded_weight.dtype}, {tuple(loaded_weight.shape)}): send the experts' BF16 weights"
-        )
-    loader(param, loaded_weight, *args, **kwargs)
-    layer._trace_dirty = True

@@ -200,12 +200,12 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
             (shape, dtype) = shapes[0]
             if last != "weight" or len(shape) != 2 or shape[1] % 16 or not policy.linear_is_fp4(module, num_layers):
                 continue
-            if ".mlp.experts." in module:  # FP4 experts quantize BF16 updates (moe_method.py): no packed form
-                continue
             rows, k = shape
             out[name] = [((rows, k // 2), torch.uint8)]
             out[module + ".weight_scale"] = [((rows, k // 16), torch.float8_e4m3fn)]
-            for s in ("weight_scale_2", "input_scale"):
+            # routed experts (moe_packed.py) take no input_scale: they quantize per token (SGLang would
+            # skip the tensor without a word, so the check refuses it)
+            for s in ("weight_scale_2",) if ".mlp.experts." in module else ("weight_scale_2", "input_scale"):
                 out[f"{module}.{s}"] = [((), torch.float32), ((1,), torch.float32)]
         return out
 
