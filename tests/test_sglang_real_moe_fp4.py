@@ -3,7 +3,9 @@
 One server for the module, started the way a user starts it (`python -m sglang_backend.launch
 --backend sglang --quantization nvfp4`): the plugin quantizes the tiny fp32 Qwen3-MoE checkpoint
 online, its FusedMoE layers run plugin/moe_method.py (NVFP4 W4A4 experts) and every layer is guided
-with full codes. The embedded engine serves the same checkpoint with the same flags in-process.
+with full codes, routed experts returned. The embedded engine serves the same checkpoint with the same
+flags in-process. Then weight updates (BF16 from disk; the trainer's packed NVFP4 push) and two guided
+RL steps with this server as the rollout.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from tests.sglang_server import start_sglang
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [40, 3, 99], [9, 8, 7, 6, 5, 4, 3, 2, 1, 12, 14]]
 EXPERT_SITES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-FLAGS = ("--quantization", "nvfp4", "--guidance-mode", "full", "--guided-layers", "all")
+FLAGS = (
+    "--quantization",
+    "nvfp4",
+    "--guidance-mode",
+    "full",
+    "--guided-layers",
+    "all",
+    "--enable-return-routed-experts",
+)
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +164,34 @@ def test_trainer_push_of_packed_nvfp4_experts(sglang_url, tmp_path):
     worst = max(abs(a - b) for r, o in zip(real, ours) for a, b in zip(r.output_logprobs, o.output_logprobs))
     print("moe fp4 after packed push worst |dlogprob|", worst)
     assert worst <= 1e-5, worst
+
+
+def test_guided_rl_steps_through_real_sglang_fp4_experts(moe_ckpt, sglang_url, tmp_path):
+    """Two RL steps of the tiny MoE config with this server as the rollout: NVFP4 experts, guided QAT
+    fed by the server's expert guidance, routing replay, weights pushed packed (disk) between steps."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    client = RolloutClient([sglang_url], retries=0)
+    try:  # the tests above updated the server's weights: the run starts from the checkpoint, version 0
+        client.update_weights_from_disk(moe_ckpt, 0)
+    finally:
+        client.close()
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_trace.train", "--config", "configs/tiny_moe_cpu.yaml"]
+    cmd += [f"model.path={moe_ckpt}", "rollout.backend=http", f"rollout.urls=[{sglang_url}]", "rollout.dtype=float32"]
+    cmd += ["quant.kv=bf16", "trainer.qat_mode=guided", "trainer.routing_replay=on", "transfer.transport=disk"]
+    cmd += ["rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.eval_prompts=0", "trainer.micro_batch_size=4"]
+    cmd += ["trainer.steps=2", "trainer.save_every=0", "logging.progress=false", f"logging.run_dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in rows if "rollout/reward_mean" in r}
+    for step, r in steps.items():
+        print("moe fp4 rl step", step, {k: v for k, v in r.items() if k.startswith("mismatch/")})
+    assert sorted(steps) == [0, 1] and steps[1]["rollout/weight_version"] == 1
+    for r in steps.values():  # fp32 on both sides: the trainer's guided QAT reproduces the rollout
+        assert r["mismatch/routing_replayed"] == 1.0 and r["mismatch/guidance_bytes_per_token"] > 0
+        assert r["mismatch/mean_abs_dlogp"] < 1e-4 and r["mismatch/codeword_disagreement/mean"] < 1e-3
