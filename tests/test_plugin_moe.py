@@ -175,3 +175,40 @@ def test_slot_capture_keeps_a_per_slot_s_enc(tmp_path):
     order = torch.tensor([2, 0, 1])  # slots 2, 5, 9 hold rows 2, 0, 1
     assert torch.equal(site.global_scale, q.global_scale[order].float())
     assert torch.equal(site.payload, q.data[order]) and torch.equal(site.scale, q.scale[order])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_expert_loader_routes_each_form_and_marks_the_layer(fmt):
+    """moe_packed.load around FusedMoE's loader: BF16 rows go to w13_weight, an NVFP4 layer's packed codes
+    to its packed buffer (remembered per expert and shard), E4M3 scales as bytes; MXFP4 refuses codes."""
+    from sglang_backend.plugin import moe_packed
+
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter(torch.zeros(2, 64, 32), requires_grad=False)
+    layer.w2_weight = torch.nn.Parameter(torch.zeros(2, 32, 32), requires_grad=False)
+    calls = []
+
+    def loader(param, loaded, name, shard_id, expert_id):
+        calls.append((param, loaded.dtype))
+
+    if fmt == "nvfp4":
+        moe_packed.add_update_params(layer, 2, 32, 32, loader)
+    layer._trace_dirty = False
+    moe_packed.load(loader, layer, PREFIX, fmt, layer.w13_weight, torch.ones(32, 32), "w13", shard_id="w1", expert_id=1)
+    assert calls[-1][0] is layer.w13_weight and layer._trace_dirty
+    codes = torch.zeros(32, 16, dtype=torch.uint8)
+    if fmt == "mxfp4":
+        with pytest.raises(TypeError, match="MXFP4 experts are quantized from BF16"):
+            moe_packed.load(loader, layer, PREFIX, fmt, layer.w13_weight, codes, "w13", shard_id="w3", expert_id=1)
+        return
+    assert not bool(layer.trace_packed["w13"].any())
+    moe_packed.load(loader, layer, PREFIX, fmt, layer.w13_weight, codes, "w13", shard_id="w3", expert_id=1)
+    assert calls[-1][0] is layer.trace_w13_packed and layer.trace_packed["w13"].tolist() == [
+        [False, False],
+        [False, True],
+    ]
+    with pytest.raises(ValueError, match="expert 1's gate and up arrived one packed FP4, one BF16"):
+        moe_packed.packed_expert_weight(layer, "w13", 1, PREFIX)
+    scale = torch.zeros(32, 2, dtype=torch.float8_e4m3fn)
+    moe_packed.load(loader, layer, PREFIX, fmt, layer.w13_weight_scale, scale, "w13_scale", shard_id="w1", expert_id=0)
+    assert calls[-1] == (layer.w13_weight_scale, torch.uint8)

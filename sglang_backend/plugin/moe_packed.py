@@ -60,7 +60,7 @@ def load(loader, layer: nn.Module, site: str, fmt: str, param, loaded: torch.Ten
     elif weight is None and loaded.dtype == torch.float8_e4m3fn:
         loaded = loaded.view(torch.uint8)  # E4M3 bytes kept as uint8 (the FusedMoE copy would convert values)
     loader(param, loaded, *args, **kwargs)
-    if weight is not None:
+    if weight is not None and fmt == "nvfp4":  # MXFP4 layers hold BF16 rows only
         shard, expert = kwargs.get("shard_id", args[1] if len(args) > 1 else None), kwargs.get("expert_id")
         if expert is None or shard not in _SHARD:
             raise ValueError(f"{site}: an expert weight without expert_id/shard_id ({shard!r}, {expert!r})")
