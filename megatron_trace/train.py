@@ -25,6 +25,7 @@ console.quiet_third_party()  # before the imports below pull in Megatron, which 
 from megatron_trace.config import Config, describe, parse_cli  # noqa: E402
 from megatron_trace.loop import Rollout, RolloutBatch, StepRunner, async_executor, share_batch  # noqa: E402
 from megatron_trace.metrics import JsonlLogger, MetricsHub, TensorBoardLogger, mismatch_scalars  # noqa: E402
+from megatron_trace.rollout_checks import check_debiased_server, check_server_versions  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -94,6 +95,8 @@ class Run:
         if resume or self.version or self.input_amax is not None:
             # the rollout serves what the checkpoint holds; static scales: its input_scale before the first rollout
             self.sync_weights()
+        if self.rank0 and cfg.rollout.backend == "http":
+            check_server_versions(self.backend, self.version)
 
     def _model_path(self, tok, prompts) -> Path:
         if self.cfg.model.path:
@@ -378,18 +381,6 @@ def main(argv=None) -> int:
     finally:
         destroy()
     return 0
-
-
-def check_debiased_server(info: dict, url: str) -> None:
-    """quant.kv_k_debias over HTTP: the trainer quantizes K - RoPE(b), so a server caching plain K
-    would leave TRACE guiding the wrong tensor; refuse it before the first step."""
-    served = (info.get("quant_policy") or {}).get("kv_k_debias")
-    if served is not True:
-        raise ValueError(
-            f"quant.kv_k_debias=true, but the rollout server {url} does not serve a de-biased K cache "
-            f"(its model_info quant_policy.kv_k_debias is {served!r}); start it with python -m "
-            "sglang_backend.launch --backend local --kv-k-debias (the SGLang plugin does not implement it)"
-        )
 
 
 if __name__ == "__main__":

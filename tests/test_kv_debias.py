@@ -154,7 +154,7 @@ def test_servers_are_launched_and_checked_for_the_debiased_cache(outlier_ckpt, t
     """The launcher passes --kv-k-debias to the embedded engine and refuses it for SGLang; a trainer
     with quant.kv_k_debias refuses a rollout server whose model_info does not report it (else TRACE
     would guide K - RoPE(b) against a cache of plain K)."""
-    from megatron_trace.train import check_debiased_server
+    from megatron_trace.rollout_checks import check_debiased_server
     from sglang_backend.launch import _policy, parser, sglang_command
 
     args = parser().parse_args(["--model-path", str(outlier_ckpt), "--kv-k", "nvfp4", "--kv-k-debias"])
