@@ -21,6 +21,21 @@ PAIRS = list(itertools.product(kv_sides.SIDE_FORMATS, repeat=2))
 HEADS, HEAD_DIM, SLOTS, LAYERS = 2, 32, 64, 2
 
 
+def _engine_pages(pair):
+    """The embedded engine's paged KV cache with K and V in the pair's formats (the reference bits)."""
+    return PagedKVCache(
+        num_layers=LAYERS,
+        kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        num_pages=SLOTS // 16,
+        page_size=16,
+        kv_dtype="auto",
+        k_dtype=pair[0],
+        v_dtype=pair[1],
+        dtype=torch.float32,
+    )
+
+
 def _method(sides):
     m = kv_sides.per_side_method_class(sides)(num_layers=LAYERS, device="cpu", page_size=16)
     m.configure_attention_backends("torch_native", "torch_native")
@@ -56,17 +71,7 @@ def test_reads_equal_the_engine_pages(pair, seed, k_mag, tokens):
     )
     got_k = m.dequantize_kv_tensor(bufs["k_buffer"][layer], bufs["k_scale_buffer"][layer], layer)
     got_v = m.dequantize_kv_tensor(bufs["v_buffer"][layer], bufs["v_scale_buffer"][layer], layer)
-    kv = PagedKVCache(
-        num_layers=LAYERS,
-        kv_heads=HEADS,
-        head_dim=HEAD_DIM,
-        num_pages=SLOTS // 16,
-        page_size=16,
-        kv_dtype="auto",
-        k_dtype=pair[0],
-        v_dtype=pair[1],
-        dtype=torch.float32,
-    )
+    kv = _engine_pages(pair)
     kv.write(layer, 0, loc, k, return_values=False)
     kv.write(layer, 1, loc, v, return_values=False)
     assert torch.equal(got_k[loc], kv.read(layer, 0, loc)), pair
@@ -145,17 +150,7 @@ def test_fp4_sides_are_recorded_for_guidance_with_the_engine_page_bytes(pair):
             m.v_scales_gpu[layer : layer + 1],
         )
     rec = GuidanceRecord.from_bytes(cap.record("r", loc[[1, 0, 3]]))
-    kv = PagedKVCache(
-        num_layers=LAYERS,
-        kv_heads=HEADS,
-        head_dim=HEAD_DIM,
-        num_pages=SLOTS // 16,
-        page_size=16,
-        kv_dtype="auto",
-        k_dtype=pair[0],
-        v_dtype=pair[1],
-        dtype=torch.float32,
-    )
+    kv = _engine_pages(pair)
     fp4 = [(which, side) for which, side in enumerate(("k_cache", "v_cache")) if pair[which] != "fp8"]
     assert set(rec.sites) == {f"model.layers.{layer}.self_attn.{side}" for _, side in fp4}
     for which, side in fp4:
