@@ -24,7 +24,8 @@ CaptureFn = Callable[[str, nvfp4.NVFP4Tensor], None]
 
 # Up to this many rows (decode batches), the CPU path streams the weights as stored through
 # kernels/cpu_gemv (bytes read bound decode); above it, torch's GEMM over the dequantized copy
-# (prefill, large batches: compute bound, where torch's blocked GEMM is faster).
+# (prefill, large batches: compute bound, where torch's blocked GEMM is faster), except W4A4,
+# whose integer panel GEMM (kernels/cpu_gemm_w4a4.c) is ahead of torch's bf16 one up to batch ~64.
 STREAM_MAX_ROWS = 4
 
 
@@ -254,12 +255,16 @@ class EngineLinear(nn.Module):
         as stored (NVFP4 codes + scales, or BF16) through cpu_gemv, after the same activation
         quantization (and capture) as `forward`; W4A4 multiplies the activation codes themselves
         (fp4's dequantized values exactly, where `forward` rounds them to the model dtype first).
-        Other widths, MXFP4 and fp32 weights: `forward`."""
-        if x.shape[0] > STREAM_MAX_ROWS or x.device.type != "cpu":
+        W4A4 runs the C kernels at every width where the AVX-512 VNNI build is there (wider
+        batches and prefill through the panel GEMM). Other widths, MXFP4 and fp32 weights: `forward`."""
+        if x.device.type != "cpu":
+            return self.forward(x, capture, site)
+        w4a4 = self.weight_fmt == "nvfp4" and self.act_fmt == "nvfp4" and isinstance(self.qweight, nvfp4.NVFP4Tensor)
+        if x.shape[0] > STREAM_MAX_ROWS and not (w4a4 and cpu_gemv.w4a4_gemm_vectorized()):
             return self.forward(x, capture, site)
         if self.weight_fmt == "nvfp4" and isinstance(self.qweight, nvfp4.NVFP4Tensor) and _streaming():
             w = self.qweight
-            if self.act_fmt == "nvfp4":  # W4A4: fp4 codes on both sides, exact integer block products
+            if w4a4:  # fp4 codes on both sides, exact integer block products
                 gs = self.input_global_scale
                 q, _ = nvfp4_quantize_dequantize(x, per_row_global=gs is None, global_scale=gs)
                 if capture is not None:
