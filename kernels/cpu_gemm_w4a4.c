@@ -127,6 +127,18 @@ static void decode_panel(const uint8_t* codes, const uint8_t* scales, int64_t K,
     }
 }
 
+/* The next panel's code and scale rows towards L2 while this one computes: its decode gathers 16
+   rows at a time, a pattern of 48 interleaved streams the hardware prefetchers do not follow. */
+static void prefetch_panel(const uint8_t* codes, const uint8_t* scales, int64_t K, int64_t N, int64_t n0) {
+    const int64_t end = n0 + GEMM_PANEL < N ? n0 + GEMM_PANEL : N;
+    const int64_t rb = K / 2, sb = K / 16;
+    for (int64_t n = n0; n < end; n++) {
+        for (int64_t o = 0; o < rb; o += 64) _mm_prefetch((const char*)(codes + n * rb + o), _MM_HINT_T1);
+        _mm_prefetch((const char*)(codes + n * rb + rb - 1), _MM_HINT_T1);
+        for (int64_t o = 0; o < sb; o += 64) _mm_prefetch((const char*)(scales + n * sb + o), _MM_HINT_T1);
+    }
+}
+
 /* MR prepared activation rows against a decoded panel: out[r * GEMM_PANEL + 16 v + l]. */
 static inline __attribute__((always_inline)) void gemm_tile(const uint8_t* a0, int64_t stride, int64_t K,
                                                             const __m512i* wp, const __m512* sw, float* out,
@@ -173,6 +185,7 @@ int gemm_w4a4_panels(const uint8_t* ap, const float* adec, int64_t M, int64_t K,
     for (int64_t p = p0; p < p1; p++) {
         const int64_t n0 = p * GEMM_PANEL;
         decode_panel(codes, scales, K, N, n0, wp, sw);
+        prefetch_panel(codes, scales, K, N, n0 + GEMM_PANEL);
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
             const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
             float out[TILE_ROWS * GEMM_PANEL];

@@ -24,9 +24,12 @@ CaptureFn = Callable[[str, nvfp4.NVFP4Tensor], None]
 
 # Up to this many rows (decode batches), the CPU path streams the weights as stored through
 # kernels/cpu_gemv (bytes read bound decode); above it, torch's GEMM over the dequantized copy
-# (prefill, large batches: compute bound, where torch's blocked GEMM is faster), except W4A4,
-# whose integer panel GEMM (kernels/cpu_gemm_w4a4.c) is ahead of torch's bf16 one up to batch ~64.
+# (prefill, large batches: compute bound, where torch's blocked GEMM is faster), except W4A4 up
+# to W4A4_GEMM_MAX_ROWS rows (decode batches): its integer panel GEMM (kernels/cpu_gemm_w4a4.c)
+# keeps fp4's exact products there at torch's bf16 GEMM speed or better (0.9-1.3x measured at 8-32
+# rows on the 0.5B widths); at prefill widths torch's GEMM is 10-20% faster.
 STREAM_MAX_ROWS = 4
+W4A4_GEMM_MAX_ROWS = 64
 
 
 def streaming_status() -> str:
@@ -255,12 +258,14 @@ class EngineLinear(nn.Module):
         as stored (NVFP4 codes + scales, or BF16) through cpu_gemv, after the same activation
         quantization (and capture) as `forward`; W4A4 multiplies the activation codes themselves
         (fp4's dequantized values exactly, where `forward` rounds them to the model dtype first).
-        W4A4 runs the C kernels at every width where the AVX-512 VNNI build is there (wider
-        batches and prefill through the panel GEMM). Other widths, MXFP4 and fp32 weights: `forward`."""
+        W4A4 keeps the C kernels up to W4A4_GEMM_MAX_ROWS rows (decode batches, through the
+        panel GEMM) where its AVX-512 VNNI build is there. Other widths, MXFP4 and fp32 weights:
+        `forward`."""
         if x.device.type != "cpu":
             return self.forward(x, capture, site)
         w4a4 = self.weight_fmt == "nvfp4" and self.act_fmt == "nvfp4" and isinstance(self.qweight, nvfp4.NVFP4Tensor)
-        if x.shape[0] > STREAM_MAX_ROWS and not (w4a4 and cpu_gemv.w4a4_gemm_vectorized()):
+        rows = x.shape[0]
+        if rows > STREAM_MAX_ROWS and not (w4a4 and rows <= W4A4_GEMM_MAX_ROWS and cpu_gemv.w4a4_gemm_vectorized()):
             return self.forward(x, capture, site)
         if self.weight_fmt == "nvfp4" and isinstance(self.qweight, nvfp4.NVFP4Tensor) and _streaming():
             w = self.qweight
