@@ -31,6 +31,7 @@
 
 #define GEMM_NV 3                /* 16-row weight vectors per panel */
 #define GEMM_PANEL (16 * GEMM_NV) /* weight rows decoded together */
+#define GEMM_CHUNK_BLOCKS 32      /* blocks (512 columns) decoded at a time: 30 KB of panel, L1-sized */
 
 int64_t gemm_w4a4_panel_rows(void) { return GEMM_PANEL; }
 
@@ -74,13 +75,13 @@ static inline float act_sfa(const uint8_t* a, int64_t K, int64_t b) {
 #if GEMM_VNNI
 const char* gemm_w4a4_isa(void) { return "avx512-vnni"; }
 
-/* Panel rows n0 .. n0 + GEMM_PANEL - 1 (rows >= N decode as zeros): wp[(4 b + q) NV + v] lane l =
-   the 4 codes of row n0 + 16 v + l at columns 16 b + 4 q .. + 3 as 2 ew + 12; sw[b NV + v] lane l =
-   that row's SFw / 4 of block b. Two qword gathers fetch a block's 8 code bytes of 16 rows; one
+/* Blocks b0 .. b1 - 1 of panel rows n0 .. n0 + GEMM_PANEL - 1 (rows >= N decode as zeros), with
+   b relative to b0: wp[(4 b + q) NV + v] lane l = the 4 codes of row n0 + 16 v + l at columns
+   16 b + 4 q .. + 3 as 2 ew + 12; sw[b NV + v] lane l = that row's SFw / 4 of block b. Two qword gathers fetch a block's 8 code bytes of 16 rows; one
    word permute per quad moves each row's 2 bytes into its dword lane and vpmultishiftqb spreads
    the 4 nibbles over the lane's 4 bytes. */
-static void decode_panel(const uint8_t* codes, const uint8_t* scales, int64_t K, int64_t N, int64_t n0, __m512i* wp,
-                         __m512* sw) {
+static void decode_panel(const uint8_t* codes, const uint8_t* scales, int64_t K, int64_t N, int64_t n0, int64_t b0,
+                         int64_t b1, __m512i* wp, __m512* sw) {
     const int64_t blocks = K / 16, rb = K / 2;
     const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
     const __m512i spread = _mm512_set1_epi64(0x2C2824200C080400LL); /* bit offsets 0, 4, 8, 12 of each dword */
@@ -101,53 +102,56 @@ static void decode_panel(const uint8_t* codes, const uint8_t* scales, int64_t K,
         const __m512i off_hi = _mm512_add_epi64(off_lo, _mm512_set1_epi64(8 * rb));
         const __m512i soff = _mm512_mullo_epi32(_mm512_add_epi32(lane32, _mm512_set1_epi32((int)base)),
                                                 _mm512_set1_epi32((int)blocks));
-        for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t b = b0; b < b1; b++) {
             const __m512i blk = _mm512_set1_epi64(8 * b);
             const __m512i g0 = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), live_lo, _mm512_add_epi64(off_lo, blk), codes, 1);
             const __m512i g1 = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), live_hi, _mm512_add_epi64(off_hi, blk), codes, 1);
             for (int q = 0; q < 4; q++) {
                 const __m512i d = _mm512_maskz_permutex2var_epi16(0x55555555u, g0, quad[q], g1);
                 const __m512i nib = _mm512_and_si512(_mm512_multishift_epi64_epi8(spread, d), low4);
-                wp[(4 * b + q) * GEMM_NV + v] = _mm512_shuffle_epi8(lut, nib);
+                wp[(4 * (b - b0) + q) * GEMM_NV + v] = _mm512_shuffle_epi8(lut, nib);
             }
             if (blocks >= 4) {
                 const int64_t at = b < last ? b : last;
                 const __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
                                                                 _mm512_add_epi32(soff, _mm512_set1_epi32((int)at)), scales, 1);
                 const __m512i sd = _mm512_srli_epi32(raw, (unsigned)(8 * (b - at)));
-                sw[b * GEMM_NV + v] = _mm512_mul_ps(
+                sw[(b - b0) * GEMM_NV + v] = _mm512_mul_ps(
                     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(sd, _mm512_set1_epi32(0x7f)), 20)),
                     _mm512_set1_ps(0x1p118f));
             } else {
                 float s[16] = {0};
                 for (int64_t l = 0; l < valid; l++) s[l] = quarter_e4m3(scales[(base + l) * blocks + b]);
-                sw[b * GEMM_NV + v] = _mm512_loadu_ps(s);
+                sw[(b - b0) * GEMM_NV + v] = _mm512_loadu_ps(s);
             }
         }
     }
 }
 
-/* The next panel's code and scale rows towards L2 while this one computes: its decode gathers 16
-   rows at a time, a pattern of 48 interleaved streams the hardware prefetchers do not follow. */
-static void prefetch_panel(const uint8_t* codes, const uint8_t* scales, int64_t K, int64_t N, int64_t n0) {
+/* The next chunk's code and scale bytes (blocks b0 .. b1 - 1 of rows n0 ..) towards L2 while this one
+   computes: its decode gathers 16 rows at a time, 48 interleaved streams the hardware prefetchers
+   do not follow. */
+static void prefetch_chunk(const uint8_t* codes, const uint8_t* scales, int64_t K, int64_t N, int64_t n0, int64_t b0,
+                           int64_t b1) {
     const int64_t end = n0 + GEMM_PANEL < N ? n0 + GEMM_PANEL : N;
     const int64_t rb = K / 2, sb = K / 16;
     for (int64_t n = n0; n < end; n++) {
-        for (int64_t o = 0; o < rb; o += 64) _mm_prefetch((const char*)(codes + n * rb + o), _MM_HINT_T1);
-        _mm_prefetch((const char*)(codes + n * rb + rb - 1), _MM_HINT_T1);
-        for (int64_t o = 0; o < sb; o += 64) _mm_prefetch((const char*)(scales + n * sb + o), _MM_HINT_T1);
+        for (int64_t o = 8 * b0; o < 8 * b1; o += 64) _mm_prefetch((const char*)(codes + n * rb + o), _MM_HINT_T1);
+        _mm_prefetch((const char*)(codes + n * rb + 8 * b1 - 1), _MM_HINT_T1);
+        _mm_prefetch((const char*)(scales + n * sb + b0), _MM_HINT_T1);
     }
 }
 
-/* MR prepared activation rows against a decoded panel: out[r * GEMM_PANEL + 16 v + l]. */
-static inline __attribute__((always_inline)) void gemm_tile(const uint8_t* a0, int64_t stride, int64_t K,
-                                                            const __m512i* wp, const __m512* sw, float* out,
+/* MR prepared activation rows against blocks b0 .. b1 - 1 of a decoded panel, continuing the fp32
+   sums in acc[r * GEMM_PANEL + 16 v + l] (zeros before the first chunk). */
+static inline __attribute__((always_inline)) void gemm_tile(const uint8_t* a0, int64_t stride, int64_t K, int64_t b0,
+                                                            int64_t b1, const __m512i* wp, const __m512* sw, float* acc,
                                                             const int mr) {
-    const int64_t blocks = K / 16;
     __m512 facc[TILE_ROWS][GEMM_NV];
-    for (int r = 0; r < TILE_ROWS; r++)
-        for (int v = 0; v < GEMM_NV; v++) facc[r][v] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < GEMM_NV; v++) facc[r][v] = _mm512_loadu_ps(acc + r * GEMM_PANEL + 16 * v);
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t j = b - b0;
         __m512i iacc[TILE_ROWS][GEMM_NV];
         for (int r = 0; r < mr; r++) {
             const __m512i c = _mm512_set1_epi32(act_corr(a0 + r * stride, K, b));
@@ -155,7 +159,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const uint8_t* a0, i
         }
         for (int q = 0; q < 4; q++) {
             __m512i w[GEMM_NV];
-            for (int v = 0; v < GEMM_NV; v++) w[v] = wp[(4 * b + q) * GEMM_NV + v];
+            for (int v = 0; v < GEMM_NV; v++) w[v] = wp[(4 * j + q) * GEMM_NV + v];
             for (int r = 0; r < mr; r++) {
                 int32_t xq;
                 memcpy(&xq, a0 + r * stride + 16 * b + 4 * q, 4);
@@ -166,37 +170,46 @@ static inline __attribute__((always_inline)) void gemm_tile(const uint8_t* a0, i
         for (int r = 0; r < mr; r++) {
             const __m512 sa = _mm512_set1_ps(act_sfa(a0 + r * stride, K, b));
             for (int v = 0; v < GEMM_NV; v++)
-                facc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][v]), _mm512_mul_ps(sw[b * GEMM_NV + v], sa), facc[r][v]);
+                facc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][v]), _mm512_mul_ps(sw[j * GEMM_NV + v], sa), facc[r][v]);
         }
     }
     for (int r = 0; r < mr; r++)
-        for (int v = 0; v < GEMM_NV; v++) _mm512_storeu_ps(out + r * GEMM_PANEL + 16 * v, facc[r][v]);
+        for (int v = 0; v < GEMM_NV; v++) _mm512_storeu_ps(acc + r * GEMM_PANEL + 16 * v, facc[r][v]);
 }
 
 int gemm_w4a4_panels(const uint8_t* ap, const float* adec, int64_t M, int64_t K, const uint8_t* codes,
                      const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16, int64_t N,
                      int64_t p0, int64_t p1) {
     const int64_t blocks = K / 16, stride = gemm_w4a4_act_bytes(K);
-    const size_t wbytes = (size_t)(4 * blocks * GEMM_NV) * 64, sbytes = (size_t)(blocks * GEMM_NV) * 64;
-    uint8_t* scratch = (uint8_t*)aligned_alloc(64, wbytes + sbytes);
+    const int64_t chunk = blocks < GEMM_CHUNK_BLOCKS ? blocks : GEMM_CHUNK_BLOCKS;
+    const size_t wbytes = (size_t)(4 * chunk * GEMM_NV) * 64, sbytes = (size_t)(chunk * GEMM_NV) * 64;
+    const size_t abytes = (size_t)(M * GEMM_PANEL) * sizeof(float);
+    uint8_t* scratch = (uint8_t*)aligned_alloc(64, wbytes + sbytes + abytes);
     if (!scratch) return 1;
     __m512i* wp = (__m512i*)scratch;
     __m512* sw = (__m512*)(scratch + wbytes);
+    float* acc = (float*)(scratch + wbytes + sbytes); /* [M][GEMM_PANEL] running sums of this panel */
     for (int64_t p = p0; p < p1; p++) {
         const int64_t n0 = p * GEMM_PANEL;
-        decode_panel(codes, scales, K, N, n0, wp, sw);
-        prefetch_panel(codes, scales, K, N, n0 + GEMM_PANEL);
-        for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
-            const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
-            float out[TILE_ROWS * GEMM_PANEL];
-#define GEMM_CALL(R) gemm_tile(ap + m0 * stride, stride, K, wp, sw, out, R)
-            TILE_SWITCH(mr, GEMM_CALL)
+        memset(acc, 0, abytes);
+        for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+            const int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
+            decode_panel(codes, scales, K, N, n0, b0, b1, wp, sw);
+            if (b1 < blocks)
+                prefetch_chunk(codes, scales, K, N, n0, b1, b1 + chunk < blocks ? b1 + chunk : blocks);
+            else if (p + 1 < p1)
+                prefetch_chunk(codes, scales, K, N, n0 + GEMM_PANEL, 0, chunk);
+            for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+                const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
+#define GEMM_CALL(R) gemm_tile(ap + m0 * stride, stride, K, b0, b1, wp, sw, acc + m0 * GEMM_PANEL, R)
+                TILE_SWITCH(mr, GEMM_CALL)
 #undef GEMM_CALL
-            for (int r = 0; r < mr; r++)
-                for (int64_t j = 0; j < GEMM_PANEL && n0 + j < N; j++)
-                    store_out(y, y_bf16, (m0 + r) * N + n0 + j,
-                              out[r * GEMM_PANEL + j] * adec[m0 + r] * wdec[n0 + j] + (bias ? bias[n0 + j] : 0.f));
+            }
         }
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < GEMM_PANEL && n0 + j < N; j++)
+                store_out(y, y_bf16, m * N + n0 + j,
+                          acc[m * GEMM_PANEL + j] * adec[m] * wdec[n0 + j] + (bias ? bias[n0 + j] : 0.f));
     }
     free(scratch);
     return 0;

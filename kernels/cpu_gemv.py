@@ -37,8 +37,9 @@ def portable_library():
 
 
 # W4A4 with more activation rows than this runs cpu_gemm_w4a4.c (weights decoded once per panel of
-# output rows, shared by all rows); up to it, cpu_gemv_w4a4.c's row tiles (decode batches).
-W4A4_GEMV_MAX_ROWS = 4
+# output rows, shared by all rows); up to it, cpu_gemv_w4a4.c's row tiles, faster there on the
+# 0.5B widths (scripts/bench_cpu_linears.py: the two cross between 16 and 32 rows).
+W4A4_GEMV_MAX_ROWS = 16
 
 
 def isa() -> str | None:

@@ -1,0 +1,104 @@
+"""One linear at the real Qwen2.5-0.5B widths, per path the engine may take, across batch rows.
+
+    .venv/bin/python scripts/bench_cpu_linears.py --threads 2            # gate_up, down, qkv
+    .venv/bin/python scripts/bench_cpu_linears.py --rows 32 --shapes 9728x896
+
+Contenders for y = x . W^T (W [N, K]), each on --layers distinct weight copies cycled in turn
+(a decode step meets each layer's weights once, so they come from memory, not cache):
+  torch bf16      F.linear over bf16 weights (the BF16 policy's and, above decode widths, the
+                  W4A16 path's GEMM; W4A4's there too, after the activations' quantize-dequantize)
+  w4a4 tiles      kernels/cpu_gemv_w4a4.c: decode's row tiles, codes x codes in integers
+  w4a4 gemm       kernels/cpu_gemm_w4a4.c: the panel GEMM of decode batches
+Rounds are interleaved (--runs), the median per contender; GMAC/s = rows x N x K / time.
+Activations are quantized once outside the timing: what is timed is the linear alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+SHAPES = ("9728x896", "896x4864", "1152x896")  # gate_up, down, qkv of Qwen2.5-0.5B (N x K)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), help="N x K")
+    p.add_argument("--layers", type=int, default=24, help="distinct weight copies cycled")
+    p.add_argument("--runs", type=int, default=7)
+    return p.parse_args(argv)
+
+
+def contenders(n: int, k: int, rows: int, layers: int):
+    from kernels import cpu_gemv
+    from kernels.dispatch import nvfp4_quantize_dequantize
+    from megatron_trace.fp4 import nvfp4
+
+    lib = cpu_gemv._lib()
+    if lib is None:
+        raise SystemExit(f"the CPU kernels are not built: {cpu_gemv.unavailable_reason()}")
+    g = torch.Generator().manual_seed(0)
+    qw = [nvfp4.quantize(torch.randn(n, k, generator=g).bfloat16() / 30) for _ in range(layers)]
+    wd = [nvfp4.dequantize(q, torch.bfloat16) for q in qw]
+    gdec = [nvfp4.decode_scale(q.global_scale).float().reshape(-1).expand(n).contiguous() for q in qw]
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    qa, xq = nvfp4_quantize_dequantize(x, per_row_global=True, dequant_dtype=torch.bfloat16)
+    adec = nvfp4.decode_scale(qa.global_scale).float().reshape(-1).expand(rows).contiguous()
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+
+    def torch_bf16(i):
+        torch.nn.functional.linear(xq, wd[i])
+
+    def tiles(i):
+        lib.gemv_w4a4(qa.data, qa.scale, adec, qw[i].data, qw[i].scale, gdec[i], None, out)
+
+    def gemm(i):
+        lib.gemm_w4a4(qa.data, qa.scale, adec, qw[i].data, qw[i].scale, gdec[i], None, out)
+
+    return {"torch bf16": torch_bf16, "w4a4 tiles": tiles, "w4a4 gemm": gemm}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from kernels import cpu_gemv
+
+    print(
+        f"threads {args.threads}, {args.layers} weight copies cycled, {args.runs} interleaved rounds, "
+        f"kernels {cpu_gemv.isa()}\n"
+    )
+    print("| N x K | rows | torch bf16 ms | w4a4 tiles ms | w4a4 gemm ms | gemm GMAC/s | gemm vs torch |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for shape in args.shapes:
+        n, k = (int(v) for v in shape.split("x"))
+        for rows in args.rows:
+            fns = contenders(n, k, rows, args.layers)
+            times = {name: [] for name in fns}
+            for f in fns.values():  # warm-up
+                for i in range(args.layers):
+                    f(i)
+            for _ in range(args.runs):
+                for name, f in fns.items():
+                    t0 = time.perf_counter()
+                    for i in range(args.layers):
+                        f(i)
+                    times[name].append((time.perf_counter() - t0) / args.layers)
+            med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+            rate = rows * n * k / (med["w4a4 gemm"] * 1e-3) / 1e9
+            print(
+                f"| {n} x {k} | {rows} | {med['torch bf16']:.3f} | {med['w4a4 tiles']:.3f} | "
+                f"{med['w4a4 gemm']:.3f} | {rate:.0f} | {med['torch bf16'] / med['w4a4 gemm']:.2f}x |"
+            )
+
+
+if __name__ == "__main__":
+    main()
