@@ -30,7 +30,6 @@ SOURCES = (
     "cpu_fused.c",
     "cpu_gemv.c",
     "cpu_gemv_w4a4.c",
-    "cpu_gemm_w4a4.c",
     "cpu_gemv_parallel.cpp",
     "cpu_attention_parallel.cpp",
     "cpu_ops.cpp",

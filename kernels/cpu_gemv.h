@@ -48,18 +48,6 @@ void gemv_w4a4_rows(const uint8_t* ap, const float* adec, int64_t M, int64_t K, 
                     int64_t n0, int64_t n1);
 const char* gemv_w4a4_isa(void);
 
-/* W4A4 GEMM for wider batches (kernels/cpu_gemm_w4a4.c): activations laid out once by
- * gemm_w4a4_prepare into M * gemm_w4a4_act_bytes(K) bytes; the weights decoded per panel of
- * gemm_w4a4_panel_rows() output rows; panels p0 .. p1 - 1 of a thread. Returns 1 when its panel
- * scratch could not be allocated. */
-int64_t gemm_w4a4_act_bytes(int64_t K);
-int64_t gemm_w4a4_panel_rows(void);
-void gemm_w4a4_prepare(const uint8_t* codes, const uint8_t* scales, int64_t M, int64_t K, uint8_t* out);
-int gemm_w4a4_panels(const uint8_t* ap, const float* adec, int64_t M, int64_t K, const uint8_t* codes,
-                     const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16, int64_t N,
-                     int64_t p0, int64_t p1);
-const char* gemm_w4a4_isa(void);
-
 /* The whole linears, output rows split over torch's threads (cpu_gemv_parallel.cpp): 0, or 1 when
  * the scratch buffer for the laid-out activations could not be allocated. */
 int gemv_nvfp4(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
@@ -67,9 +55,6 @@ int gemv_nvfp4(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* c
 int gemv_bf16(const void* x, int x_bf16, int64_t M, int64_t K, const uint16_t* w, const float* bias, void* y,
               int y_bf16, int64_t N);
 int gemv_w4a4(const uint8_t* acodes, const uint8_t* ascales, const float* adec, int64_t M, int64_t K,
-              const uint8_t* codes, const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16,
-              int64_t N);
-int gemm_w4a4(const uint8_t* acodes, const uint8_t* ascales, const float* adec, int64_t M, int64_t K,
               const uint8_t* codes, const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16,
               int64_t N);
 

@@ -36,33 +36,11 @@ def portable_library():
     return cpu_build.portable()
 
 
-# W4A4 with more activation rows than this runs cpu_gemm_w4a4.c (weights decoded once per panel of
-# output rows, shared by all rows); up to it, cpu_gemv_w4a4.c's row tiles, faster there on the
-# 0.5B widths (scripts/bench_cpu_linears.py: the two cross between 16 and 32 rows).
-W4A4_GEMV_MAX_ROWS = 16
-
-
 def isa() -> str | None:
-    """The code paths the build selected ("avx512+bf16,w4a4:avx512-vnni,w4a4-gemm:avx512-vnni" down
-    to all "scalar"), None when not built."""
+    """The code paths the build selected ("avx512+bf16,w4a4:avx512-vnni" down to "scalar,w4a4:scalar"),
+    None when not built."""
     lib = _lib()
-    if lib is None:
-        return None
-    return f"{lib.gemv_isa()},w4a4:{lib.gemv_w4a4_isa()},w4a4-gemm:{lib.gemm_w4a4_isa()}"
-
-
-def w4a4_gemm_vectorized(lib=None) -> bool:
-    """Whether the W4A4 GEMM of wider batches is the AVX-512 VNNI build (the engine uses it above
-    decode widths only then; the scalar build is for tests and for machines without it)."""
-    lib = lib or _lib()
-    if lib is None:
-        return False
-    if lib not in _GEMM_VECTORIZED:  # asked per linear call: one dict lookup, not a binding call
-        _GEMM_VECTORIZED[lib] = lib.gemm_w4a4_isa() == "avx512-vnni"
-    return _GEMM_VECTORIZED[lib]
-
-
-_GEMM_VECTORIZED: dict = {}
+    return None if lib is None else f"{lib.gemv_isa()},w4a4:{lib.gemv_w4a4_isa()}"
 
 
 def _bias(bias: torch.Tensor | None):
@@ -117,9 +95,7 @@ def w4a4_linear(
     lib=None,
 ) -> torch.Tensor:
     """NVFP4 activations (codes uint8 [M, K/2], E4M3 scales [M, K/16], decode global scale [M] or a
-    scalar) times an NVFP4 weight as in nvfp4_linear: dequantize(a) . dequantize(W)^T to fp32 rounding.
-    Up to W4A4_GEMV_MAX_ROWS rows the decode tiles run, above it the panel GEMM (blocks summed in
-    column order, so a row's result there does not depend on M or the thread count)."""
+    scalar) times an NVFP4 weight as in nvfp4_linear: dequantize(a) . dequantize(W)^T to fp32 rounding."""
     n, k2 = codes.shape
     m, k = act_codes.shape[0], 2 * k2
     shapes_ok = (
@@ -141,9 +117,7 @@ def w4a4_linear(
     b = _bias(bias)
     ac, as_ = act_codes.contiguous(), act_scales.contiguous().view(torch.uint8)
     codes, scales = codes.contiguous(), scales.contiguous().view(torch.uint8)
-    lib = lib or _lib()
-    run = lib.gemv_w4a4 if m <= W4A4_GEMV_MAX_ROWS else lib.gemm_w4a4
-    rc = run(ac, as_, adec, codes, scales, gdec, b, out)
+    rc = (lib or _lib()).gemv_w4a4(ac, as_, adec, codes, scales, gdec, b, out)
     if rc:
         raise MemoryError(f"w4a4_linear: no memory for the laid-out activations [{m}, {k}]")
     return out

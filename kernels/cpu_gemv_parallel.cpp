@@ -4,7 +4,6 @@
 // ops, so the two never compete with two spinning thread pools).
 #include <ATen/Parallel.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <vector>
 
@@ -83,26 +82,6 @@ int gemv_w4a4(const uint8_t* acodes, const uint8_t* ascales, const float* adec, 
         gemv_w4a4_rows(app, adec, M, K, codes, scales, wdec, bias, y, y_bf16, N, n0, n1);
     });
     return 0;
-}
-
-// Returns 0, or 1 when the laid-out activations or a thread's panel scratch could not be allocated.
-int gemm_w4a4(const uint8_t* acodes, const uint8_t* ascales, const float* adec, int64_t M, int64_t K,
-              const uint8_t* codes, const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16,
-              int64_t N) {
-    std::vector<uint8_t> ap;
-    try {
-        ap.resize(static_cast<size_t>(M * gemm_w4a4_act_bytes(K)));
-    } catch (...) {
-        return 1;
-    }
-    gemm_w4a4_prepare(acodes, ascales, M, K, ap.data());
-    const uint8_t* app = ap.data();
-    const int64_t rows = gemm_w4a4_panel_rows(), panels = (N + rows - 1) / rows;
-    std::atomic<int> failed{0};
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-        if (gemm_w4a4_panels(app, adec, M, K, codes, scales, wdec, bias, y, y_bf16, N, p0, p1)) failed = 1;
-    });
-    return failed.load();
 }
 
 }  // extern "C"

@@ -156,14 +156,6 @@ int gemv_w4a4_t(const at::Tensor& act_codes, const at::Tensor& act_scales, const
                      at_<const float>(bias), y.data_ptr(), bf16(y), y.size(1));
 }
 
-int gemm_w4a4_t(const at::Tensor& act_codes, const at::Tensor& act_scales, const at::Tensor& adec,
-                const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& wdec, const Opt& bias,
-                at::Tensor& y) {
-    return gemm_w4a4(at_<uint8_t>(act_codes), at_<uint8_t>(act_scales), at_<float>(adec), act_codes.size(0),
-                     2 * codes.size(1), at_<uint8_t>(codes), at_<uint8_t>(scales), at_<float>(wdec),
-                     at_<const float>(bias), y.data_ptr(), bf16(y), y.size(1));
-}
-
 // The layer's arguments as a Python class, generated from the field lists of cpu_layer.h. Array
 // fields read back as tuples, so `args.act_mode[i] = v` fails loudly instead of changing a copy.
 void bind_layer_args(py::module_& m) {
@@ -236,7 +228,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemv_bf16", &gemv_bf16_t, release());
     m.def("gemv_w4a4", &gemv_w4a4_t, release());
     m.def("gemv_isa", []() { return std::string(gemv_isa()); });
-    m.def("gemm_w4a4", &gemm_w4a4_t, release());
-    m.def("gemm_w4a4_isa", []() { return std::string(gemm_w4a4_isa()); });
     m.def("gemv_w4a4_isa", []() { return std::string(gemv_w4a4_isa()); });
 }

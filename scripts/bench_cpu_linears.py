@@ -5,11 +5,14 @@
 
 Contenders for y = x . W^T (W [N, K]), each on --layers distinct weight copies cycled in turn
 (a decode step meets each layer's weights once, so they come from memory, not cache):
-  torch bf16      F.linear over bf16 weights (the BF16 policy's and, above decode widths, the
-                  W4A16 path's GEMM; W4A4's there too, after the activations' quantize-dequantize)
-  w4a4 tiles      kernels/cpu_gemv_w4a4.c: decode's row tiles, codes x codes in integers
-  w4a4 gemm       kernels/cpu_gemm_w4a4.c: the panel GEMM of decode batches
-Rounds are interleaved (--runs), the median per contender; GMAC/s = rows x N x K / time.
+  torch bf16      F.linear over bf16 weights (oneDNN reorders the weight every call)
+  onednn packed   the same GEMM over the weight packed once (kernels/onednn_linear.py): what the
+                  engine's BF16 linears, W4A16 and the LM head run above decode widths
+  w4a4 tiles      kernels/cpu_gemv_w4a4.c: the decode row tiles, codes x codes in integers, weights
+                  read as stored (the engine's W4A4 up to layers.W4A4_STREAM_MAX_ROWS)
+Rounds are interleaved (--runs), the median per contender; GMAC/s = rows x N x K / time. (An
+exact-integer W4A4 panel GEMM for 17-64 rows, rows in the vector lanes, was tried and removed: it
+ran at 0.5-0.7x the packed oneDNN GEMM; see BENCHMARKS.md.)
 Activations are quantized once outside the timing: what is timed is the linear alone.
 """
 
@@ -39,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def contenders(n: int, k: int, rows: int, layers: int):
-    from kernels import cpu_gemv
+    from kernels import cpu_gemv, onednn_linear
     from kernels.dispatch import nvfp4_quantize_dequantize
     from megatron_trace.fp4 import nvfp4
 
@@ -58,13 +61,15 @@ def contenders(n: int, k: int, rows: int, layers: int):
     def torch_bf16(i):
         torch.nn.functional.linear(xq, wd[i])
 
+    packed = [onednn_linear.PackedWeight() for _ in range(layers)]
+
+    def onednn(i):
+        packed[i].linear(xq, wd[i], None, key=0)
+
     def tiles(i):
         lib.gemv_w4a4(qa.data, qa.scale, adec, qw[i].data, qw[i].scale, gdec[i], None, out)
 
-    def gemm(i):
-        lib.gemm_w4a4(qa.data, qa.scale, adec, qw[i].data, qw[i].scale, gdec[i], None, out)
-
-    return {"torch bf16": torch_bf16, "w4a4 tiles": tiles, "w4a4 gemm": gemm}
+    return {"torch bf16": torch_bf16, "onednn packed": onednn, "w4a4 tiles": tiles}
 
 
 def main(argv=None) -> None:
@@ -76,8 +81,11 @@ def main(argv=None) -> None:
         f"threads {args.threads}, {args.layers} weight copies cycled, {args.runs} interleaved rounds, "
         f"kernels {cpu_gemv.isa()}\n"
     )
-    print("| N x K | rows | torch bf16 ms | w4a4 tiles ms | w4a4 gemm ms | gemm GMAC/s | gemm vs torch |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| N x K | rows | torch bf16 ms | onednn packed ms | w4a4 tiles ms | packed GMAC/s "
+        "| packed vs torch | tiles vs packed |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
         for rows in args.rows:
@@ -93,10 +101,11 @@ def main(argv=None) -> None:
                         f(i)
                     times[name].append((time.perf_counter() - t0) / args.layers)
             med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
-            rate = rows * n * k / (med["w4a4 gemm"] * 1e-3) / 1e9
+            rate = rows * n * k / (med["onednn packed"] * 1e-3) / 1e9
             print(
-                f"| {n} x {k} | {rows} | {med['torch bf16']:.3f} | {med['w4a4 tiles']:.3f} | "
-                f"{med['w4a4 gemm']:.3f} | {rate:.0f} | {med['torch bf16'] / med['w4a4 gemm']:.2f}x |"
+                f"| {n} x {k} | {rows} | {med['torch bf16']:.3f} | {med['onednn packed']:.3f} | "
+                f"{med['w4a4 tiles']:.3f} | {rate:.0f} | {med['torch bf16'] / med['onednn packed']:.2f}x | "
+                f"{med['onednn packed'] / med['w4a4 tiles']:.2f}x |"
             )
 
 

@@ -121,8 +121,8 @@ def read_bandwidth(gib: float = 1.0) -> float:
 
 def step_weight_bytes(engine, rows: int) -> int:
     """Weight bytes one decode step of `rows` sequences reads: each linear as the path at that width
-    reads it (layers.EngineLinear.forward_cpu streams packed NVFP4, and W4A4 reads it packed up to
-    layers.W4A4_GEMM_MAX_ROWS through the panel GEMM where that is vectorized; the one-call C layer of small
+    reads it (layers.EngineLinear.forward_cpu streams packed NVFP4, W4A4 up to
+    layers.W4A4_STREAM_MAX_ROWS; the one-call C layer of small
     models and torch's GEMM read the dequantized copy) and the LM head."""
     from kernels import cpu_gemv
     from sglang_backend.local import layer_c, layers
@@ -135,8 +135,8 @@ def step_weight_bytes(engine, rows: int) -> int:
             if not isinstance(lin, layers.EngineLinear):
                 continue
             n, k = lin.out_features, lin.in_features
-            w4a4_gemm = lin.act_fmt == "nvfp4" and rows <= layers.W4A4_GEMM_MAX_ROWS and cpu_gemv.w4a4_gemm_vectorized()
-            packed = (stream or w4a4_gemm) and not one_call
+            w4a4 = lin.act_fmt == "nvfp4" and rows <= layers.W4A4_STREAM_MAX_ROWS and cpu_gemv.available()
+            packed = (stream or w4a4) and not one_call
             total += (
                 n * k // 2 + n * k // 16 + 4 * n
                 if packed and lin.weight_fmt == "nvfp4"

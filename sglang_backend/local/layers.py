@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels import cpu_gemv
+from kernels import cpu_gemv, onednn_linear
 from kernels.dispatch import fp4_linear, fp4_linear_w4a4, nvfp4_quantize, nvfp4_quantize_dequantize
 from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
@@ -23,33 +23,44 @@ from megatron_trace.fp4.modelopt import encode_scale_from_decode
 CaptureFn = Callable[[str, nvfp4.NVFP4Tensor], None]
 
 # Up to this many rows (decode batches), the CPU path streams the weights as stored through
-# kernels/cpu_gemv (bytes read bound decode); above it, torch's GEMM over the dequantized copy
-# (prefill, large batches: compute bound, where torch's blocked GEMM is faster), except W4A4 up
-# to W4A4_GEMM_MAX_ROWS rows (decode batches): its integer panel GEMM (kernels/cpu_gemm_w4a4.c)
-# keeps fp4's exact products there at torch's bf16 GEMM speed or better (0.9-1.3x measured at 8-32
-# rows on the 0.5B widths); at prefill widths torch's GEMM is 10-20% faster.
+# kernels/cpu_gemv (bytes read bound decode); above it, torch's GEMM over the dequantized copy with
+# the weight packed once for oneDNN (prefill, large batches: compute bound, where oneDNN's blocked
+# GEMM is faster), except W4A4 up to W4A4_STREAM_MAX_ROWS: its integer row tiles stay ahead there
+# (scripts/bench_cpu_linears.py on the 0.5B widths: level with the packed GEMM at 8 rows, behind at 16).
 STREAM_MAX_ROWS = 4
-W4A4_GEMM_MAX_ROWS = 64
+W4A4_STREAM_MAX_ROWS = 8
 
 
 def streaming_status() -> str:
-    """What the CPU decode linears run on, for model_info and benchmarks: 'cpu_gemv/<isa>', or
-    'torch (<why the kernels are missing>)'."""
-    return f"cpu_gemv/{cpu_gemv.isa()}" if cpu_gemv.available() else f"torch ({cpu_gemv.unavailable_reason()})"
+    """What the CPU linears run on, for model_info and benchmarks: 'cpu_gemv/<isa>' or 'torch (<why
+    the kernels are missing>)' at decode widths, then how torch's bf16 GEMMs above them run."""
+    decode = f"cpu_gemv/{cpu_gemv.isa()}" if cpu_gemv.available() else f"torch ({cpu_gemv.unavailable_reason()})"
+    why = onednn_linear.unavailable_reason()
+    return f"{decode}; gemm: " + ("onednn-packed" if why is None else f"F.linear ({why})")
 
 
-def lm_head_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, packed: onednn_linear.PackedWeight | None = None):
     """fp32 logits of h [T, hidden] (CPU): a bf16 head at decode widths streams through cpu_gemv
-    (fp32 accumulation rounded to bf16, as torch's bf16 linear), everything else F.linear."""
-    if (
-        h.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and h.dtype == torch.bfloat16
-        and h.shape[0] <= STREAM_MAX_ROWS
-        and _streaming()
-    ):
+    (fp32 accumulation rounded to bf16, as torch's bf16 linear), wider ones through `packed` (the
+    same bits as F.linear), everything else F.linear."""
+    cpu_bf16 = h.device.type == "cpu" and weight.dtype == torch.bfloat16 and h.dtype == torch.bfloat16
+    if cpu_bf16 and h.shape[0] <= STREAM_MAX_ROWS and _streaming():
         return cpu_gemv.bf16_linear(h, weight).float()
+    if packed is not None and onednn_linear.usable(h, weight):
+        return packed.linear(h, weight, None, (weight.data_ptr(), weight._version)).float()
+    _warn_unpacked(h, weight)
     return nn.functional.linear(h, weight).float()
+
+
+def _warn_unpacked(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """A CPU bf16 GEMM that cannot take the packed path says so once (model_info says it too)."""
+    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and not onednn_linear.available():
+        _warn_no_onednn(onednn_linear.unavailable_reason())
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_onednn(why: str) -> None:
+    logging.getLogger(__name__).warning("CPU bf16 GEMMs run F.linear, reordering each weight per call: %s", why)
 
 
 def _streaming() -> bool:
@@ -155,6 +166,7 @@ class EngineLinear(nn.Module):
         self._modelopt_rows: dict[str, dict[str, torch.Tensor]] = {}
         self.input_global_scale: torch.Tensor | None = None  # static activation S_enc
         self._generation, self._wt_key, self._wt = 0, None, None  # weight_t() cache
+        self._packed = onednn_linear.PackedWeight()  # _torch_linear's cache
 
     # -- loading -----------------------------------------------------------------------------
     def _rows(self, shard: str) -> tuple[int, int]:
@@ -230,7 +242,16 @@ class EngineLinear(nn.Module):
     def forward(self, x: torch.Tensor, capture: CaptureFn | None = None, site: str | None = None) -> torch.Tensor:
         if self._packed_gemm(x):
             return self._forward_packed(x, capture, site)
-        return nn.functional.linear(self._matmul_input(x, capture, site), self.weight, self.bias)
+        return self._torch_linear(self._matmul_input(x, capture, site))
+
+    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x . weight^T + bias by torch: bf16 on CPU through the oneDNN-packed weight (same bits)."""
+        w = self.weight
+        if onednn_linear.usable(x, w):
+            key = (w.data_ptr(), w._version, self._generation)  # as weight_t(): loads, load_state_dict
+            return self._packed.linear(x, w, self.bias, key)
+        _warn_unpacked(x, w)
+        return nn.functional.linear(x, w, self.bias)
 
     def _packed_gemm(self, x: torch.Tensor) -> bool:
         """Whether this call runs the Triton FP4 GEMM: NVFP4 weights with NVFP4 or unquantized
@@ -258,14 +279,12 @@ class EngineLinear(nn.Module):
         as stored (NVFP4 codes + scales, or BF16) through cpu_gemv, after the same activation
         quantization (and capture) as `forward`; W4A4 multiplies the activation codes themselves
         (fp4's dequantized values exactly, where `forward` rounds them to the model dtype first).
-        W4A4 keeps the C kernels up to W4A4_GEMM_MAX_ROWS rows (decode batches, through the
-        panel GEMM) where its AVX-512 VNNI build is there. Other widths, MXFP4 and fp32 weights:
-        `forward`."""
+        W4A4 keeps the integer row tiles up to W4A4_STREAM_MAX_ROWS rows. Other widths, MXFP4 and
+        fp32 weights: `forward`."""
         if x.device.type != "cpu":
             return self.forward(x, capture, site)
         w4a4 = self.weight_fmt == "nvfp4" and self.act_fmt == "nvfp4" and isinstance(self.qweight, nvfp4.NVFP4Tensor)
-        rows = x.shape[0]
-        if rows > STREAM_MAX_ROWS and not (w4a4 and rows <= W4A4_GEMM_MAX_ROWS and cpu_gemv.w4a4_gemm_vectorized()):
+        if x.shape[0] > (W4A4_STREAM_MAX_ROWS if w4a4 else STREAM_MAX_ROWS):
             return self.forward(x, capture, site)
         if self.weight_fmt == "nvfp4" and isinstance(self.qweight, nvfp4.NVFP4Tensor) and _streaming():
             w = self.qweight

@@ -94,7 +94,8 @@ def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
     if not torch.isfinite(tensor.float()).all():
         raise ValueError(f"{name}: checkpoint tensor holds NaN or Inf")
-    param.data.copy_(tensor.to(param.dtype))
+    with torch.no_grad():  # in place on the parameter itself: bumps its version, which caches key on
+        param.copy_(tensor.to(param.dtype))
     return None
 
 

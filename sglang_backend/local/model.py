@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_attention, cpu_fused
+from kernels import cpu_attention, cpu_fused, onednn_linear
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.rope import rotated_bias
 
@@ -319,6 +319,7 @@ class QwenEngineModel(nn.Module):
             else nn.Parameter(torch.zeros(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
         )
         self.rope = Rope(arch.head_dim, arch.rope_theta)
+        self._head_packed = onednn_linear.PackedWeight()  # the LM head above decode widths
 
     def linears(self):
         return [m for m in self.modules() if isinstance(m, EngineLinear)]
@@ -379,4 +380,4 @@ class QwenEngineModel(nn.Module):
                 x = layer(x, batch, kv, rot, cap)
             h = rms_norm(x if all_rows else x[rows], self.final_norm, eps)
             return F.linear(h, self.lm_head).float()
-        return lm_head_logits(h, self.lm_head)
+        return lm_head_logits(h, self.lm_head, self._head_packed)
