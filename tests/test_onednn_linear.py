@@ -10,18 +10,9 @@ from safetensors.torch import load_file
 from kernels import onednn_linear
 from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.local import Engine
+from tests.test_engine_streaming import WIDE  # above the one-call C layer: batches run the torch GEMMs
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason=f"{onednn_linear.unavailable_reason()}")
-
-WIDE = dict(  # as test_engine_streaming: above the one-call C layer, so batches run the torch GEMMs
-    hidden_size=512,
-    intermediate_size=4224,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    tie_word_embeddings=False,
-)
 
 
 @settings(max_examples=15, deadline=None)
