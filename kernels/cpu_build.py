@@ -32,6 +32,7 @@ SOURCES = (
     "cpu_gemv_w4a4.c",
     "cpu_gemv_parallel.cpp",
     "cpu_attention_parallel.cpp",
+    "cpu_layer_stream.cpp",
     "cpu_ops.cpp",
 )
 HEADERS = (

@@ -67,6 +67,11 @@ CPU_FUSED_DECLARE(f32, float)
 CPU_FUSED_DECLARE(bf16, uint16_t)
 #undef CPU_FUSED_DECLARE
 
+/* n bf16 layers at decode widths, each streaming its linears (lin_kind 1 or 2) through the decode
+   GEMVs, in one parallel region (kernels/cpu_layer_stream.cpp); layer i + 1's res_in is layer i's
+   res_out. Returns decode_layer's codes. */
+int decode_layers_stream_bf16(const layer_args* const* layers, int64_t n);
+
 #ifdef __cplusplus
 }
 #endif

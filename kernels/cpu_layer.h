@@ -1,4 +1,5 @@
-/* One C call per dense decoder layer (kernels/cpu_layer_typed.h): its arguments.
+/* One C call per dense decoder layer (kernels/cpu_layer_typed.h), or per run of layers at decode
+ * widths (kernels/cpu_layer_stream.cpp): its arguments.
  *
  * The fields are listed once, below, and both the C struct and its Python binding
  * (kernels/cpu_ops.cpp: kernels.cpu_layer.LayerArgs) are generated from these lists, so the two
@@ -27,15 +28,20 @@
     X(const float*, cos) X(const float*, sin) /* RoPE tables [positions, D], read at row pos[t] */  \
     X(const int64_t*, pos) X(void*, x) X(const void*, res_in) X(void*, res_out)
 
-/* X(type, name, n): arrays of numbers */
-#define LAYER_ARGS_NUMBER_ARRAYS(X) \
-    X(int64_t, act_mode, 4) /* per linear (qkv, o, gate_up, down): 0 none, 1 NVFP4 per token, 2 static */
+/* X(type, name, n): arrays of numbers, one per linear (qkv, o, gate_up, down).
+   act_mode: 0 none, 1 NVFP4 per token, 2 static S_enc (act_gs).
+   lin_kind: 0 the GEMM over the transposed copy (*_wt, decode_layer), 1 a BF16 weight streamed as
+   stored (lin_w [N, K]), 2 an NVFP4 weight streamed as stored (lin_w codes [N, K/2], lin_scales
+   E4M3 [N, K/16], lin_gdec S_dec [N]); 1 and 2 are decode_layers_stream's (lin_bias: fp32 [N] or 0). */
+#define LAYER_ARGS_NUMBER_ARRAYS(X) X(int64_t, act_mode, 4) X(int64_t, lin_kind, 4)
 
 /* X(type, name, n): arrays of addresses. Guidance capture: row 0 of the log's arrays (0: not
    captured); an S_enc address under a static scale gets that scale on every row. */
-#define LAYER_ARGS_ADDRESS_ARRAYS(X)                                                   \
-    X(const float*, act_gs, 4) X(void*, cap_data, 4) X(void*, cap_scale, 4) X(void*, cap_gs, 4) \
-    X(void*, cap_kv, 4)   /* NVFP4 KV: K codes, K scales, V codes, V scales */         \
+#define LAYER_ARGS_ADDRESS_ARRAYS(X)                                                              \
+    X(const void*, lin_w, 4) X(const void*, lin_scales, 4) X(const float*, lin_gdec, 4)           \
+    X(const float*, lin_bias, 4) X(const float*, act_gs, 4)                                       \
+    X(void*, cap_data, 4) X(void*, cap_scale, 4) X(void*, cap_gs, 4)                              \
+    X(void*, cap_kv, 4)   /* NVFP4 KV: K codes, K scales, V codes, V scales */                    \
     X(void*, cap_kv_gs, 2) /* NVFP4 KV: S_enc of K, of V (0 while the log keeps one static value) */
 
 #define LAYER_ARGS_FIELD(type, name) type name;

@@ -1,6 +1,8 @@
 """One C call per dense decoder layer for the embedded engine on CPU (`cpu_layer_typed.h`): the
 fused kernels chained with a small GEMM, so a decode step crosses from Python into C once per
-layer instead of ~12 times.
+layer instead of ~12 times. `run_stream` runs several larger bf16 layers at decode widths in one
+call and one parallel region, their linears streaming the weights as stored
+(`cpu_layer_stream.cpp`).
 
     x ─► add+RMSNorm ─► [NVFP4 act quant?] ─► qkv GEMM ─► q/k norm, RoPE ─► K/V into pages
       ─► paged attention ─► [act quant?] ─► o GEMM ─► add+RMSNorm ─► [act quant?] ─► gate_up GEMM
@@ -28,6 +30,15 @@ def run(args, dtype: torch.dtype) -> None:
     rc = cpu_build.native().decode_layer(args, dtype == torch.bfloat16)
     if rc:
         raise _ERRORS[rc][0](f"decode_layer: {_ERRORS[rc][1]}")
+
+
+def run_stream(arg_list: list, dtype: torch.dtype) -> None:
+    """Layers in order (lin_kind 1/2, each res_in the previous res_out), bf16 only."""
+    if dtype != torch.bfloat16:
+        raise TypeError(f"decode_layers_stream serves bfloat16 layers, not {dtype}")
+    rc = cpu_build.native().decode_layers_stream(arg_list)
+    if rc:
+        raise _ERRORS[rc][0](f"decode_layers_stream: {_ERRORS[rc][1]}")
 
 
 _ERRORS = {

@@ -224,6 +224,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("decode_layer", [](const layer_args& a, bool is_bf16) {
         return is_bf16 ? decode_layer_bf16(&a) : decode_layer_f32(&a);
     }, release());
+    m.def("decode_layers_stream", [](const std::vector<const layer_args*>& layers) {
+        py::gil_scoped_release unlocked;
+        return decode_layers_stream_bf16(layers.data(), static_cast<int64_t>(layers.size()));
+    });
     m.def("gemv_nvfp4", &gemv_nvfp4_t, release());
     m.def("gemv_bf16", &gemv_bf16_t, release());
     m.def("gemv_w4a4", &gemv_w4a4_t, release());

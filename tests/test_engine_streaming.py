@@ -1,5 +1,6 @@
-"""Decode at a real layer width: the one-call C layer steps aside, the weight-streaming linears
-(kernels/cpu_gemv) serve decode, and the engine's tokens and logprobs match its torch path."""
+"""Decode at a real layer width: the one-call GEMM layer steps aside, the weight-streaming linears
+(kernels/cpu_gemv) serve decode (bf16: all of a step's layers in one streamed C call, layer_c.run_stream;
+fp32: per linear), and the engine's tokens and logprobs match its torch path."""
 
 import pytest
 import torch
@@ -34,12 +35,13 @@ def wide(request, tmp_path_factory):
 def _run(path, dtype, quant, monkeypatch, fused: bool):
     from sglang_backend.local.model import QwenEngineModel
 
-    calls = {"nvfp4_linear": 0, "w4a4_linear": 0, "bf16_linear": 0}
+    calls = {"nvfp4_linear": 0, "w4a4_linear": 0, "bf16_linear": 0, "run_stream": 0}
     with monkeypatch.context() as m:
         for name in calls:
-            real = getattr(cpu_gemv, name)
+            mod = layer_c if name == "run_stream" else cpu_gemv
+            real = getattr(mod, name)
             m.setattr(
-                cpu_gemv,
+                mod,
                 name,
                 lambda *a, _real=real, _n=name, **k: (calls.__setitem__(_n, calls[_n] + 1), _real(*a, **k))[1],
             )
@@ -62,7 +64,9 @@ def test_wide_decode_streams_weights_and_matches_the_torch_path(wide, quant, mon
     want, torch_calls = _run(path, dtype, quant, monkeypatch, fused=False)
     assert sum(torch_calls.values()) == 0  # the torch path never streams
     expect = {None: "bf16_linear", "nvfp4": "w4a4_linear", "w4a16_nvfp4": "nvfp4_linear"}[quant]
-    if dtype == "bfloat16" or quant is not None:  # fp32 BF16-policy linears keep torch's fp32 GEMV
+    if dtype == "bfloat16":  # the layer streams inside one C call per step (test_engine_stream_layers.py)
+        assert calls["run_stream"] > 0, calls
+    elif quant is not None:  # fp32 BF16-policy linears keep torch's fp32 GEMV
         assert calls[expect] > 0, calls
     # fp32: reassociated fp32 sums. bf16: the kernels round where torch's bf16 linear does; W4A4
     # multiplies fp4's exact activation and weight values where the torch path first rounds both to
@@ -88,8 +92,10 @@ def test_batched_w4a4_decode_streams_and_equals_decoding_one_at_a_time(wide, mon
     dtype, path = wide
     prompts = [[3 + 7 * i] for i in range(6)]  # one token each: prefill is 6 rows too
     rows = set()
-    real = cpu_gemv.w4a4_linear
+    real, real_stream = cpu_gemv.w4a4_linear, layer_c.run_stream
     monkeypatch.setattr(cpu_gemv, "w4a4_linear", lambda *a, **k: (rows.add(a[0].shape[0]), real(*a, **k))[1])
+    # alone, a bf16 layer streams in one C call, whose W4A4 linears run the same row tiles
+    monkeypatch.setattr(layer_c, "run_stream", lambda ls, x, *a: (rows.add(x.shape[0]), real_stream(ls, x, *a))[1])
     eng = Engine(str(path), dtype=dtype, quantization="nvfp4")
     try:
         got = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)

@@ -1,19 +1,29 @@
-"""Runs a whole dense decoder layer as one C call (`kernels/cpu_layer.py`) on CPU.
+"""Runs dense decoder layers as single C calls (`kernels/cpu_layer.py`) on CPU, two ways:
 
-The per-forward work here is filling one argument object per layer (`cpu_layer.new_args()`): pointers to the layer's
-weights (transposed for the GEMM; refreshed only after weight loads), its KV pages, the batch's
+- small layers (`supports`): one call per layer, `decode_layer`, whose single-threaded GEMM reads a
+  transposed dequantized copy of each weight (the engine's tiny test models, any batch);
+- larger bf16 layers at decode widths (`streams`, `stream_rows`): a run of consecutive layers in one
+  call, `decode_layers_stream`, whose linears read the weights as stored through the decode GEMVs
+  (kernels/cpu_gemv) on torch's threads, one parallel region for the whole run. Its results are the
+  per-kernel path's bits (the same C functions on the same inputs); it exists because that path
+  pays a thread wake-up per kernel.
+Everything else (MoE, MXFP4, mixed or FP8 KV pages, the de-biased K, prefill widths of large
+layers, fp32 large layers) runs the per-kernel path (`cpu_fused`, `EngineLinear.forward_cpu`).
+
+The per-forward work here is filling one argument object per layer (`cpu_layer.new_args()`):
+pointers to the layer's weights (refreshed only after weight loads), its KV pages, the batch's
 attention layout, and, for layers whose guidance is captured, the guidance log's rows for this
-step, which the quantizers write into. `supports` is False for what the kernel does not serve
-(MoE, MXFP4 activations or KV, FP4 widths that are not whole blocks, real-size layers); the model
-then runs the per-kernel path (`cpu_fused`), whose linears stream their weights at decode widths
-through kernels/cpu_gemv.
+step, which the quantizers write into.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import cpu_fused, cpu_layer
+from kernels import cpu_fused, cpu_gemv, cpu_layer
+from megatron_trace.fp4 import nvfp4
+
+from .layers import STREAM_MAX_ROWS, W4A4_STREAM_MAX_ROWS
 
 _LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
@@ -25,17 +35,47 @@ _LINEARS = ("qkv", "o_proj", "gate_up", "down")
 ONE_CALL_MAX_WEIGHTS = 1 << 22
 
 
+def _dense(layer, kv) -> bool:
+    """A dense layer over BF16 or NVFP4 pages whose activations are BF16 or NVFP4 in whole blocks."""
+    if layer.moe or layer.k_debias or kv.fmt not in ("bf16", "nvfp4"):
+        return False
+    if not cpu_fused.available(layer.input_norm.dtype):
+        return False
+    return all(lin.act_fmt in (None, "nvfp4") and not (lin.act_fmt and lin.in_features % 16) for lin in _linears(layer))
+
+
+def _linears(layer):
+    return [getattr(layer, n) for n in _LINEARS]
+
+
+def _small(layer) -> bool:
+    return layer.gate_up.in_features * layer.gate_up.out_features <= ONE_CALL_MAX_WEIGHTS
+
+
 def supports(layer, kv) -> bool:
-    """Whether `layer` (a model._Layer) should run as one C call over this KV cache."""
-    if layer.moe or kv.fmt not in ("bf16", "nvfp4") or not cpu_fused.available(layer.input_norm.dtype):
+    """Whether `layer` (a model._Layer) runs as one `decode_layer` call over this KV cache."""
+    return _dense(layer, kv) and _small(layer)
+
+
+def streams(layer, kv) -> bool:
+    """Whether `layer` runs in `decode_layers_stream` at widths up to `stream_rows(layer)`: a larger
+    bf16 layer whose linears hold BF16 or NVFP4 weights (what forward_cpu streams)."""
+    if not _dense(layer, kv) or _small(layer) or layer.input_norm.dtype != torch.bfloat16 or not cpu_gemv.available():
         return False
-    if layer.gate_up.in_features * layer.gate_up.out_features > ONE_CALL_MAX_WEIGHTS:
-        return False
-    for name in _LINEARS:
-        lin = getattr(layer, name)
-        if lin.act_fmt not in (None, "nvfp4") or (lin.act_fmt and lin.in_features % 16):
-            return False
-    return True
+    return all(
+        lin.weight_fmt is None or (lin.weight_fmt == "nvfp4" and isinstance(lin.qweight, nvfp4.NVFP4Tensor))
+        for lin in _linears(layer)
+    )
+
+
+def stream_rows(layer) -> int:
+    """The most rows (tokens) a streamed layer takes: where every one of its linears would stream in
+    EngineLinear.forward_cpu (W4A4 up to W4A4_STREAM_MAX_ROWS, the others up to STREAM_MAX_ROWS)."""
+    return min(W4A4_STREAM_MAX_ROWS if _w4a4(lin) else STREAM_MAX_ROWS for lin in _linears(layer))
+
+
+def _w4a4(lin) -> bool:
+    return lin.weight_fmt == "nvfp4" and lin.act_fmt == "nvfp4"
 
 
 def _static_args(layer, kv):
@@ -53,11 +93,12 @@ def _static_args(layer, kv):
 
 class _Plan:
     """A layer's C arguments and the Python objects they point into, refreshed only when a weight
-    load (finalize) or load_state_dict changed one of its linears."""
+    load (finalize) or load_state_dict changed one of its linears. stream: the streamed linears'
+    fields (lin_*), else the GEMM's transposed copies (*_wt)."""
 
-    def __init__(self, layer, kv):
-        self.kv, self.args = kv, _static_args(layer, kv)
-        self.linears = tuple(getattr(layer, n) for n in _LINEARS)
+    def __init__(self, layer, kv, stream: bool):
+        self.kv, self.stream, self.args = kv, stream, _static_args(layer, kv)
+        self.linears = tuple(_linears(layer))
         self.weights = tuple(lin.weight for lin in self.linears)
         self.layer, self.key, self.keep = layer, None, None
         self.capturing, self.cap_token = False, None  # cap_token: (log layout, KV scales) the addresses are for
@@ -67,14 +108,10 @@ class _Plan:
         if key == self.key:
             return
         layer, args = self.layer, self.args
-        keep = [lin.weight_t() for lin in self.linears]
-        args.qkv_wt, args.o_wt, args.gu_wt, args.down_wt = (w.data_ptr() for w in keep)
+        keep = self._stream_weights() if self.stream else self._gemm_weights()
         args.in_norm, args.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
         if layer.arch.qk_norm:
             args.q_norm, args.k_norm = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
-        qkv, o = self.linears[0], self.linears[1]
-        args.qkv_b = qkv.bias.data_ptr() if qkv.bias is not None else None
-        args.o_b = o.bias.data_ptr() if o.bias is not None else None
         statics = [lin.input_global_scale for lin in self.linears]
         args.act_mode = [
             0 if lin.act_fmt is None else (1 if gs is None else 2) for lin, gs in zip(self.linears, statics)
@@ -92,23 +129,52 @@ class _Plan:
         self.kv_rows = ((a.num_kv_heads, a.head_dim // 2), (a.num_kv_heads, a.head_dim // 16), ())
         self.key, self.keep, self.cap_token = key, keep, None
 
+    def _gemm_weights(self) -> list:
+        args, keep = self.args, [lin.weight_t() for lin in self.linears]
+        args.qkv_wt, args.o_wt, args.gu_wt, args.down_wt = (w.data_ptr() for w in keep)
+        qkv, o = self.linears[0], self.linears[1]
+        args.qkv_b = qkv.bias.data_ptr() if qkv.bias is not None else None
+        args.o_b = o.bias.data_ptr() if o.bias is not None else None
+        return keep
 
-def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, rot, capture) -> torch.Tensor:
-    """x (the residual stream) += residual, then the layer; returns its MLP output (the next residual)."""
+    def _stream_weights(self) -> list:
+        """What forward_cpu hands cpu_gemv: the bf16 weight, or the NVFP4 codes, E4M3 scales and S_dec
+        per row as stored; fp32 biases."""
+        kinds, w, sc, gdec, bias, keep = [], [], [], [], [], []
+        for lin in self.linears:
+            if lin.weight_fmt is None:
+                t = (lin.weight.detach().contiguous(), None, None)
+            else:
+                q = lin.qweight
+                t = (q.data.contiguous(), q.scale.contiguous().view(torch.uint8), lin._global_decode())
+            b = None if lin.bias is None else lin.bias.detach().float().contiguous()
+            kinds.append(1 if lin.weight_fmt is None else 2)
+            for dst, v in zip((w, sc, gdec, bias), (*t, b)):
+                dst.append(None if v is None else v.data_ptr())
+                keep.append(v)
+        args = self.args
+        args.lin_kind, args.lin_w, args.lin_scales, args.lin_gdec, args.lin_bias = kinds, w, sc, gdec, bias
+        return keep
+
+
+def _plan(layer, kv, stream: bool) -> _Plan:
     plan = layer.__dict__.get("_c_plan")
-    if plan is None or plan.kv is not kv:
-        plan = layer.__dict__["_c_plan"] = _Plan(layer, kv)
+    if plan is None or plan.kv is not kv or plan.stream != stream:
+        plan = layer.__dict__["_c_plan"] = _Plan(layer, kv, stream)
     plan.refresh()
-    args, t = plan.args, x.shape[0]
+    return plan
+
+
+def _fill(plan: _Plan, layer, x: torch.Tensor, batch, kv, rot, capture):
+    """The per-forward fields of one layer's arguments (all but the residual in / out)."""
+    args = plan.args
     table, row_seq, row_len, _ = batch.attention_layout()
     _set_capture(plan, args, capture, batch.kv_global_scales[layer.idx] if kv.fmt == "nvfp4" else None)
     if kv.fmt == "nvfp4":
         args.sdec_k, args.sdec_v = batch.kv_decode_scales[layer.idx]
         gs = kv.global_scale.data_ptr() + 8 * layer.idx  # [layers, 2] fp32, contiguous
         args.gs_k, args.gs_v = gs, gs + 4
-    out = torch.empty_like(x)
-    args.T, args.x, args.res_out = t, x.data_ptr(), out.data_ptr()
-    args.res_in = None if residual is None else residual.data_ptr()
+    args.T, args.x = x.shape[0], x.data_ptr()
     args.cos, args.sin, args.pos = rot[0].data_ptr(), rot[1].data_ptr(), batch.positions.data_ptr()
     args.table, args.ldt, args.row_seq, args.row_len = (
         table.data_ptr(),
@@ -117,8 +183,32 @@ def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, 
         row_len.data_ptr(),
     )
     args.write_slots = batch.write_slots.data_ptr()
+    return args
+
+
+def run_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, rot, capture) -> torch.Tensor:
+    """x (the residual stream) += residual, then the layer; returns its MLP output (the next residual)."""
+    args = _fill(_plan(layer, kv, stream=False), layer, x, batch, kv, rot, capture)
+    out = torch.empty_like(x)
+    args.res_in = None if residual is None else residual.data_ptr()
+    args.res_out = out.data_ptr()
     cpu_layer.run(args, x.dtype)
     return out
+
+
+def run_stream(layers, x: torch.Tensor, residual: torch.Tensor | None, batch, kv, rot, captures) -> torch.Tensor:
+    """`run_layer` for a run of consecutive `streams` layers (x.shape[0] <= each one's stream_rows)
+    in one C call; returns the last layer's MLP output."""
+    outs = torch.empty(len(layers), *x.shape, dtype=x.dtype)
+    arg_list = []
+    for layer, capture, out in zip(layers, captures, outs):
+        args = _fill(_plan(layer, kv, stream=True), layer, x, batch, kv, rot, capture)
+        args.res_in = None if residual is None else residual.data_ptr()
+        args.res_out = out.data_ptr()
+        residual = out
+        arg_list.append(args)
+    cpu_layer.run_stream(arg_list, x.dtype)
+    return residual
 
 
 def _set_capture(plan: _Plan, args, capture, kv_scales) -> None:

@@ -1,0 +1,134 @@
+"""Larger bf16 layers at decode widths run as one C call per run of layers (layer_c.run_stream,
+kernels/cpu_layer_stream.cpp) and give the per-kernel path's bits: tokens, logprobs, KV pages and
+every guidance site, for BF16, W4A4 and W4A16 linears over BF16 or NVFP4 pages, per-token or
+static activation scales, batches up to the widest a streamed layer takes."""
+
+import pytest
+import torch
+
+from kernels import cpu_gemv
+from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.models import DEFAULT_TARGETS, QuantPolicy, make_tiny_checkpoint
+from sglang_backend.local import Engine, layer_c
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
+
+# gate_up 512 x (2 x 4224): above layer_c.ONE_CALL_MAX_WEIGHTS; two layers, so a run hands a residual on
+WIDE2 = dict(
+    hidden_size=512,
+    intermediate_size=4224,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    tie_word_embeddings=False,
+)
+GREEDY = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+ALL_LINEARS = (*DEFAULT_TARGETS, "*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj", "*.self_attn.o_proj")
+
+
+@pytest.fixture(scope="module")
+def wide2(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("wide2"), "qwen2", seed=7, dtype="bfloat16", **WIDE2)
+
+
+def _generate(path, policy: dict, prompts, stream: bool, monkeypatch):
+    """(outputs, decoded guidance records, the K/V pages, rows each run_stream call took)."""
+    calls = []
+    with monkeypatch.context() as m:
+        if stream:
+            real = layer_c.run_stream
+
+            def counted(layers, x, *rest):
+                calls.append((len(layers), x.shape[0]))
+                return real(layers, x, *rest)
+
+            m.setattr(layer_c, "run_stream", counted)
+        else:
+            m.setattr(layer_c, "streams", lambda layer, kv: False)
+        eng = Engine(
+            str(path),
+            dtype="bfloat16",
+            quant_policy=QuantPolicy.from_dict(policy),
+            guidance_mode="full",
+            guided_layers="all",
+            max_total_tokens=1024,
+        )
+        try:
+            guided = eng._fp4_sites()
+            outs = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, return_guidance=guided)
+            handles = [o["meta_info"]["guidance_handle"] for o in outs] if guided else []
+            records = [GuidanceRecord.from_bytes(eng.fetch_guidance(h)) for h in handles]
+            pages = [t.clone() for t in eng.kv.layer_pages[1] if t is not None]
+        finally:
+            eng.shutdown()
+    return outs, records, pages, calls
+
+
+POLICIES = {
+    "bf16": dict(format="bf16", weights="bf16", activations="bf16", kv="bf16"),
+    "w4a4+nvfp4kv": dict(format="nvfp4", weights="fp4", activations="fp4", kv="nvfp4"),
+    "w4a16": dict(format="nvfp4", weights="fp4", activations="bf16", kv="bf16"),
+    "w4a4 all linears": dict(format="nvfp4", weights="fp4", activations="fp4", kv="bf16", targets=list(ALL_LINEARS)),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_streamed_layers_equal_the_per_kernel_path(wide2, name, monkeypatch):
+    policy = POLICIES[name]
+    widest = 8 if name == "w4a4 all linears" else 4  # W4A4 tiles serve 8 rows, BF16 and W4A16 4
+    prompts = [[3 + 5 * i, 7, 11 + i] for i in range(widest)]
+    got, rec_got, pages_got, calls = _generate(wide2, policy, prompts, True, monkeypatch)
+    want, rec_want, pages_want, _ = _generate(wide2, policy, prompts, False, monkeypatch)
+    # every decode step of the batch (widest rows, then fewer as none finish early: all) ran both
+    # layers in one call; prefill (3 rows) streams too where it fits
+    assert (2, widest) in calls and all(n == 2 for n, _ in calls), calls
+    for a, b in zip(got, want):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+    for a, b in zip(pages_got, pages_want):
+        assert torch.equal(a, b)
+    fp4_sites = policy["activations"] == "fp4" or policy["kv"] != "bf16"
+    assert len(rec_got) == len(rec_want) == (widest if fp4_sites else 0)
+    for ra, rb in zip(rec_got, rec_want):
+        assert sorted(ra.sites) == sorted(rb.sites) and ra.sites
+        for site, sa in ra.sites.items():
+            sb = rb.sites[site]
+            for field in ("scale", "global_scale", "payload"):
+                assert torch.equal(getattr(sa, field), getattr(sb, field)), (site, field)
+
+
+def test_wider_batches_take_the_per_kernel_path(wide2, monkeypatch):
+    """Five rows: above the BF16 attention linears' streaming width, so no streamed call."""
+    prompts = [[3 + i] for i in range(5)]
+    got, _, _, calls = _generate(wide2, POLICIES["w4a4+nvfp4kv"], prompts, True, monkeypatch)
+    assert calls == [] and all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in got)
+
+
+def test_static_activation_scales_stream_and_log_every_row(wide2, monkeypatch):
+    """A static S_enc (one per linear) quantizes each row with that scale; the log gets it per row."""
+    policy = dict(POLICIES["w4a4+nvfp4kv"], activation_scale="static")
+
+    def with_scales(stream):
+        from sglang_backend.local import engine as engine_mod
+
+        real_init = engine_mod.Engine.__init__
+
+        def init(self, *a, **k):
+            real_init(self, *a, **k)
+            for i, lin in enumerate(self.model.linears()):
+                if lin.act_fmt == "nvfp4":
+                    lin.input_global_scale = torch.tensor(448.0 * 6 / (2.0 + i), dtype=torch.float32)
+
+        with monkeypatch.context() as m:
+            m.setattr(engine_mod.Engine, "__init__", init)
+            return _generate(wide2, policy, [[5, 6, 7], [9, 10]], stream, monkeypatch)
+
+    got, rec_got, _, calls = with_scales(True)
+    want, rec_want, _, _ = with_scales(False)
+    assert calls
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    for ra, rb in zip(rec_got, rec_want):
+        for site, sa in ra.sites.items():
+            for field in ("scale", "global_scale", "payload"):
+                assert torch.equal(getattr(sa, field), getattr(rb.sites[site], field)), (site, field)
