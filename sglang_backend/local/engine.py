@@ -3,8 +3,13 @@
     Engine(model_path=..., quantization="nvfp4", kv_cache_dtype="nvfp4")
         .generate(input_ids=[[...], ...], sampling_params={...}, return_logprob=True)
         -> [{"output_ids": [...], "meta_info": {"output_token_logprobs": [(lp, tok, None), ...], ...}}]
-A worker thread runs the scheduler; any number of callers (the HTTP server's handlers) submit
-requests, which join the running batch between decode steps.
+Requests join the running batch between decode steps. A caller that submits and then waits
+(`generate`, `submit_all(..., drive=True)` + `wait`: the in-process rollout, benchmarks) runs the
+steps on its own thread; a worker thread runs them for requests nobody drives (the HTTP server's
+handlers). Why: torch's OpenMP (libgomp) keeps one thread pool per thread that opens parallel
+regions; with a second pool beside the caller's, libgomp sees more threads than cores and parks
+its workers after ~1000 spins, so every parallel region of the step paid a 30-250 us wake-up
+(a 32-row 1152x896 GEMM: 120 us on the main thread, 250 us on a second one).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import gc
 import itertools
 import logging
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -91,6 +97,7 @@ class Engine:
         self._guidance: dict[str, bytes] = {}
         self._results: dict[str, dict] = {}
         self._cv = threading.Condition()
+        self._driven: dict[str, int] = {}  # rids a waiting caller steps for (the worker leaves them): count of drivers
         self._paused = False
         self._closed = False
         self._rid = itertools.count()
@@ -103,19 +110,26 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and (self._paused or not self.scheduler.has_work()):
+                while not self._closed and (self._driven or not self._may_step()):
                     self._cv.wait()
                 if self._closed:
                     return
-                try:
-                    finished = self.scheduler.step()
-                except Exception as e:  # a bad batch fails its requests, never the server
-                    self._abort_waiting(f"engine error: {e}")  # before abort_all empties `waiting`
-                    finished = self.scheduler.abort_all(f"engine error: {e}")
-                for s in finished:
-                    self._results[s.rid] = self._result(s)
-                if finished:  # waking the waiters every step would make them fight this thread for the GIL
-                    self._cv.notify_all()
+                self._step()
+
+    def _may_step(self) -> bool:
+        return not self._paused and self.scheduler.has_work()
+
+    def _step(self) -> None:
+        """One scheduler step, under the lock, on the worker's or a driving caller's thread."""
+        try:
+            finished = self.scheduler.step()
+        except Exception as e:  # a bad batch fails its requests, never the server
+            self._abort_waiting(f"engine error: {e}")  # before abort_all empties `waiting`
+            finished = self.scheduler.abort_all(f"engine error: {e}")
+        for s in finished:
+            self._results[s.rid] = self._result(s)
+        if finished:  # waking the waiters every step would make them fight this thread for the GIL
+            self._cv.notify_all()
 
     def _result(self, s) -> dict:
         """A finished sequence's result; a failure here aborts that request, never the worker."""
@@ -140,10 +154,10 @@ class Engine:
         """Queue one request (n samples); returns the rids its results will carry."""
         return self.submit_all([req])[0]
 
-    def submit_all(self, reqs: list[GenerateRequest]) -> list[list[str]]:
+    def submit_all(self, reqs: list[GenerateRequest], drive: bool = False) -> list[list[str]]:
         """Queue requests together, so one step admits them all (submitted one by one, the worker
         would start on the first few and the rest would trail a prefill behind). Validates all
-        before queueing any."""
+        before queueing any. drive: this thread will `wait` for them and run the steps itself."""
         groups = []
         for req in reqs:
             self._validate(req)
@@ -156,17 +170,41 @@ class Engine:
                 raise RuntimeError("engine is shut down")
             for g in groups:
                 self.scheduler.add(g)
+                if drive:
+                    for rid in g.rids:
+                        self._driven[rid] = self._driven.get(rid, 0) + 1
             self._cv.notify_all()
         return [g.rids for g in groups]
 
     def wait(self, rids: list[str], timeout: float | None = None) -> list[dict]:
-        with self._cv:
-            if not self._cv.wait_for(lambda: all(r in self._results for r in rids) or self._closed, timeout):
-                raise TimeoutError(f"requests {rids[:3]} did not finish in {timeout} s")
-            return [
-                self._results.pop(r) if r in self._results else _aborted(r, 0, self.weight_version, "shutdown")
-                for r in rids
-            ]
+        """The results of rids (submitted by this thread with drive=True: steps run here meanwhile)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        drive = any(r in self._driven for r in rids)
+        try:
+            while True:
+                with self._cv:  # left between steps, so other callers can submit or update weights
+                    if all(r in self._results for r in rids) or self._closed:
+                        return [
+                            self._results.pop(r)
+                            if r in self._results
+                            else _aborted(r, 0, self.weight_version, "shutdown")
+                            for r in rids
+                        ]
+                    if drive and self._may_step():
+                        self._step()
+                        continue
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"requests {rids[:3]} did not finish in {timeout} s")
+                    self._cv.wait(left)
+        finally:
+            if drive:
+                with self._cv:
+                    for r in rids:
+                        n = self._driven.pop(r, 0) - 1
+                        if n > 0:
+                            self._driven[r] = n
+                    self._cv.notify_all()  # the worker takes over what is left
 
     def _validate(self, req: GenerateRequest) -> None:
         ids = req.input_ids
@@ -224,7 +262,7 @@ class Engine:
             )
             for ids, p, r in zip(batch, params, rids)
         ]
-        all_rids = self.submit_all(reqs)
+        all_rids = self.submit_all(reqs, drive=True)
         out = self.wait([r for rs in all_rids for r in rs])
         if not return_logprob:
             for o in out:

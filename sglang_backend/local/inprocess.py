@@ -14,13 +14,9 @@ class InProcessBackend:
         self.engine = engine
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        # Submit the whole batch while the scheduler is held, so every run admits the same
-        # groups together: batch composition, hence every rounding, is reproducible.
-        self.engine.pause_generation()
-        try:
-            rids = [self.engine.submit(r) for r in requests]
-        finally:
-            self.engine.continue_generation()
+        # One submission, so every run admits the same groups together: batch composition, hence
+        # every rounding, is reproducible. This thread runs the steps (Engine: drive).
+        rids = self.engine.submit_all(requests, drive=True)
         flat = self.engine.wait([r for rs in rids for r in rs])
         return [GenerateResult.from_sglang(d) for d in flat]
 
