@@ -109,6 +109,7 @@ static inline __attribute__((always_inline)) void nvfp4_tile(const float* xp, in
     /* Groups of 8 chunks share one scale load; unrolled, so the accumulator and scale lane picks are constants. */
 #define NVFP4_F32_CHUNK(c, j, a)                                                                   \
     do {                                                                                          \
+        if (((c) & 3) == 0) __builtin_prefetch(cr + 16 * (c) + GEMV_PREFETCH_BYTES);              \
         const __m512i w = decode_chunk(cr, c, full, lut);                                         \
         const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); /* columns 2i */         \
         const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, hi));  /* columns 2i + 1 */     \
@@ -122,6 +123,7 @@ static inline __attribute__((always_inline)) void nvfp4_tile(const float* xp, in
     } while (0)
     int64_t c = 0;
     for (; c + 8 <= chunks; c += 8) {
+        if ((c & 31) == 0) __builtin_prefetch(sr + 2 * c + GEMV_PREFETCH_BYTES / 8);
         const __m512 s16 = load_scales(sr + 2 * c, blocks - 2 * c);
         NVFP4_F32_CHUNK(c, 0, 0); NVFP4_F32_CHUNK(c + 1, 1, 1); NVFP4_F32_CHUNK(c + 2, 2, 0); NVFP4_F32_CHUNK(c + 3, 3, 1);
         NVFP4_F32_CHUNK(c + 4, 4, 0); NVFP4_F32_CHUNK(c + 5, 5, 1); NVFP4_F32_CHUNK(c + 6, 6, 0); NVFP4_F32_CHUNK(c + 7, 7, 1);
@@ -154,6 +156,7 @@ static inline __attribute__((always_inline)) void nvfp4_tile_bf16(const uint16_t
     for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
 #define NVFP4_BF16_CHUNK(c, j, a)                                                                        \
     do {                                                                                               \
+        if (((c) & 3) == 0) __builtin_prefetch(cr + 16 * (c) + GEMV_PREFETCH_BYTES);                   \
         const __m512bh w = (__m512bh)decode_chunk(cr, c, full, lut);                                   \
         const __m512 sv = _mm512_permutexvar_ps(scale_pick(j), s16);                                   \
         for (int r = 0; r < mr; r++) {                                                                 \
@@ -175,6 +178,9 @@ static inline __attribute__((always_inline)) void nvfp4_tile_bf16(const uint16_t
             part[r][a] = _mm512_dpbf16_ps(part[r][a], (__m512bh)_mm512_loadu_si512((const void*)(xg + r * K + 32 * (j))), w); \
     } while (0)
     for (int64_t g = 0; g < K / 256; g++, c += 8) {
+        __builtin_prefetch(cr + 128 * g + GEMV_PREFETCH_BYTES);
+        __builtin_prefetch(cr + 128 * g + 64 + GEMV_PREFETCH_BYTES);
+        if ((g & 3) == 0) __builtin_prefetch(sr + 16 * g + GEMV_PREFETCH_BYTES / 8);
         const __m512i lo = _mm512_loadu_si512((const void*)(cr + 128 * g)), hi = _mm512_loadu_si512((const void*)(cr + 128 * g + 64));
         const uint16_t* xg = x + 256 * g;
         __m512 part[TILE_ROWS][2];
@@ -186,6 +192,7 @@ static inline __attribute__((always_inline)) void nvfp4_tile_bf16(const uint16_t
     }
 #undef NVFP4_GROUP_STEP
     for (; c + 8 <= chunks; c += 8) {
+        if ((c & 31) == 0) __builtin_prefetch(sr + 2 * c + GEMV_PREFETCH_BYTES / 8);
         const __m512 s16 = load_scales(sr + 2 * c, blocks - 2 * c);
         NVFP4_BF16_CHUNK(c, 0, 0); NVFP4_BF16_CHUNK(c + 1, 1, 1); NVFP4_BF16_CHUNK(c + 2, 2, 0); NVFP4_BF16_CHUNK(c + 3, 3, 1);
         NVFP4_BF16_CHUNK(c + 4, 4, 0); NVFP4_BF16_CHUNK(c + 5, 5, 1); NVFP4_BF16_CHUNK(c + 6, 6, 0); NVFP4_BF16_CHUNK(c + 7, 7, 1);
@@ -206,6 +213,8 @@ static inline __attribute__((always_inline)) void bf16_tile_bf16(const uint16_t*
     for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     int64_t c = 0;
     for (; c + 2 <= chunks; c += 2) {
+        __builtin_prefetch(wr + 32 * c + GEMV_PREFETCH_BYTES / 2);
+        __builtin_prefetch(wr + 32 * c + 32 + GEMV_PREFETCH_BYTES / 2);
         const __m512bh w0 = (__m512bh)load_x_bf16(wr, c, K), w1 = (__m512bh)load_x_bf16(wr, c + 1, K);
         for (int r = 0; r < mr; r++) {
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)load_x_bf16(x + r * K, c, K), w0);
@@ -230,6 +239,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const float* xp, int
     __m512 acc[TILE_ROWS][2];
     for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
+        __builtin_prefetch(wr + 32 * c + GEMV_PREFETCH_BYTES / 2);
         /* the tail chunk reads only the row's remaining (K % 32) / 2 dwords */
         const __m512i w = c < full ? _mm512_loadu_si512((const void*)(wr + 32 * c))
                                    : _mm512_maskz_loadu_epi32((__mmask16)((1u << ((K % 32) / 2)) - 1u), wr + 32 * c);

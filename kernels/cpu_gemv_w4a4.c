@@ -65,6 +65,8 @@ static inline __attribute__((always_inline)) void w4a4_tile(const uint8_t* ap, i
     for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t left = bytes - 64 * c, lb = blocks - 8 * c;
+        __builtin_prefetch(cr + 64 * c + GEMV_PREFETCH_BYTES);
+        if ((c & 7) == 0) __builtin_prefetch(sr + 8 * c + GEMV_PREFETCH_BYTES / 8);
         const __m512i raw = left >= 64 ? _mm512_loadu_si512((const void*)(cr + 64 * c))
                                        : _mm512_maskz_loadu_epi8((__mmask64)((1ull << left) - 1ull), cr + 64 * c);
         const __m512i wl = _mm512_shuffle_epi8(lut, _mm512_and_si512(raw, low4));
