@@ -33,6 +33,7 @@ SOURCES = (
     "cpu_gemv_parallel.cpp",
     "cpu_attention_parallel.cpp",
     "cpu_layer_stream.cpp",
+    "cpu_sampling_parallel.cpp",
     "cpu_ops.cpp",
 )
 HEADERS = (

@@ -29,8 +29,10 @@ typedef struct {
     float sdec;
 } kv_side;
 
-/* Row argmax of fp32 logits [B, V] and the log-softmax there; 1 when out of memory. */
+/* Row argmax of fp32 logits [B, V] and the log-softmax there; 1 when out of memory. _parallel: the
+   rows split over torch's threads (cpu_sampling_parallel.cpp), the same bits. */
 int greedy_logprob(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp);
+int greedy_logprob_parallel(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp);
 
 #define CPU_FUSED_DECLARE(SFX, ELEM)                                                                                \
     void add_rmsnorm_##SFX(ELEM* x, const ELEM* res, const ELEM* w, ELEM* out, int64_t T, int64_t N, float eps);  \

@@ -7,6 +7,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "cpu_fp4.h"
 #include "cpu_fused.h"
@@ -196,6 +199,20 @@ void bind_layer_args(py::module_& m) {
 
 }  // namespace
 
+// glibc: serve allocations below mmap_threshold from the heap and keep up to trim_threshold of freed
+// heap, so a large temporary reuses memory instead of being page-faulted in anew (kernels/cpu_alloc.py).
+// Returns "" when set, else why not.
+std::string keep_freed_memory(int64_t mmap_threshold, int64_t trim_threshold) {
+#if defined(__GLIBC__)
+    if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(mmap_threshold)) != 1) return "mallopt(M_MMAP_THRESHOLD) refused";
+    if (mallopt(M_TRIM_THRESHOLD, static_cast<int>(trim_threshold)) != 1) return "mallopt(M_TRIM_THRESHOLD) refused";
+    return "";
+#else
+    (void)mmap_threshold, (void)trim_threshold;
+    return "not glibc";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     nvfp4_tables_init();
     bind_layer_args(m);
@@ -216,7 +233,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("qkv_rope", &qkv_rope, release());
     m.def("silu_mul", &silu_mul, release());
     m.def("greedy_logprob", [](const at::Tensor& x, at::Tensor& tok, at::Tensor& lp) {
-        return greedy_logprob(at_<float>(x), x.size(0), x.size(1), at_<int64_t>(tok), at_<float>(lp));
+        return greedy_logprob_parallel(at_<float>(x), x.size(0), x.size(1), at_<int64_t>(tok), at_<float>(lp));
     }, release());
     m.def("paged_attention", &paged_attention, release());
     m.def("paged_attention_nvfp4", &paged_attention_nvfp4, release());
@@ -231,6 +248,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemv_nvfp4", &gemv_nvfp4_t, release());
     m.def("gemv_bf16", &gemv_bf16_t, release());
     m.def("gemv_w4a4", &gemv_w4a4_t, release());
+    m.def("keep_freed_memory", &keep_freed_memory);
     m.def("gemv_isa", []() { return std::string(gemv_isa()); });
     m.def("gemv_w4a4_isa", []() { return std::string(gemv_w4a4_isa()); });
 }

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kernels import cpu_alloc
 from megatron_trace.guidance import resolve_guided_layers
 from megatron_trace.models import ModelArch, QuantPolicy
 from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
@@ -67,6 +68,7 @@ class Engine:
             quant_policy = QuantPolicy.from_dict(quant_policy)
         self.policy = (quant_policy or policy_for(quantization, kv_cache_dtype, self.model_path)).for_arch(self.arch)
         self.model = QwenEngineModel(self.arch, self.policy, _DTYPES[dtype])
+        self._allocator = cpu_alloc.keep_freed_memory() if self.model.embed.device.type == "cpu" else None
         load_checkpoint(self.model, self.model_path)
         self._check_static_scales()
         self.kv = PagedKVCache(
@@ -360,6 +362,7 @@ class Engine:
             "static_scales_missing": list(self.static_scales_missing),
             # what CPU decode linears run on: cpu_gemv/<isa>, or torch (why the kernels are missing)
             "cpu_linear": streaming_status() if self.model.embed.device.type == "cpu" else None,
+            "cpu_allocator": self._allocator,
         }
 
     def is_alive(self) -> bool:
