@@ -14,7 +14,8 @@
     X(int64_t, T) X(int64_t, hidden) X(int64_t, heads) X(int64_t, kv_heads) X(int64_t, head_dim)    \
     X(int64_t, inter) X(int64_t, qkv_n) X(float, eps) X(float, attn_scale)                          \
     X(int64_t, cap_row)   /* guidance: this step writes its T rows of the log from row cap_row on */ \
-    X(int64_t, kv_fmt)    /* 0: pages in the dtype, 1: NVFP4 codes + scales */                       \
+    X(int64_t, kv_fmt)    /* decode_layer: 0 pages in the dtype, 1 NVFP4 codes + scales */           \
+    X(int64_t, k_fmt) X(int64_t, v_fmt) /* decode_layers_stream, per side: kv_side.fmt 0, 1 or 2 (FP8) */ \
     X(float, sdec_k) X(float, sdec_v) X(int64_t, num_slots) X(int64_t, ldt)
 
 /* X(type, name): addresses (0 / None: absent) */

@@ -120,38 +120,50 @@ void linear_rows(const layer_args* a, int which, const Scratch& s, bf16* y, int6
         gemv_nvfp4_rows(s.x_in, s.direct, T, K, codes, scales, a->lin_gdec[which], bias, y, 1, N, n0, n1);
 }
 
-// K and V of the step into their pages (NVFP4: quantized, and captured when logged), q with RoPE:
-// decode_layer's code for the same two page formats. Its return codes: 1 NaN, 3 slot, 4 S_enc.
+// K and V of the step into their pages, q with RoPE; each side as the per-kernel path's PagedKVCache
+// .write: the dtype's values, NVFP4 (quantized; captured when logged) or FP8 (a scale per token).
+// decode_layer's return codes: 1 NaN, 3 slot, 4 S_enc.
 int store_kv(const layer_args* a, Scratch& s) {
-    const int64_t T = a->T, H = a->heads, Hkv = a->kv_heads, D = a->head_dim;
+    const int64_t T = a->T, H = a->heads, Hkv = a->kv_heads, D = a->head_dim, n = Hkv * D;
     const auto* qn = static_cast<const bf16*>(a->q_norm);
     const auto* kn = static_cast<const bf16*>(a->k_norm);
-    if (a->kv_fmt == 0) {
+    if (a->k_fmt == 0 && a->v_fmt == 0) {
         qkv_rope_bf16(s.qkv.data(), T, H, Hkv, D, a->cos, a->sin, a->pos, qn, kn, a->eps, s.q.data(),
                       static_cast<bf16*>(a->kc), static_cast<bf16*>(a->vc), a->write_slots);
         return 0;
     }
     qkv_rope_bf16(s.qkv.data(), T, H, Hkv, D, a->cos, a->sin, a->pos, qn, kn, a->eps, s.q.data(), s.kn.data(),
                   s.vn.data(), nullptr);
-    const int64_t n = T * Hkv * D;
-    for (int64_t i = 0; i < n; i++) {
-        s.kvf[i] = bf16_to_f32(s.kn[i]);
-        s.kvf[n + i] = bf16_to_f32(s.vn[i]);
-    }
+    for (int64_t t = 0; t < T; t++)
+        if (a->write_slots[t] < 0 || a->write_slots[t] >= a->num_slots) return 3;
     for (int which = 0; which < 2; which++) {
-        auto* pd = static_cast<uint8_t*>(which ? a->vc : a->kc);
-        auto* ps = static_cast<uint8_t*>(which ? a->vs : a->ks);
+        const int64_t fmt = which ? a->v_fmt : a->k_fmt;
+        const bf16* rows = which ? s.vn.data() : s.kn.data();
+        void* pd = which ? a->vc : a->kc;
+        void* ps = which ? a->vs : a->ks;
+        if (fmt == 0) {
+            for (int64_t t = 0; t < T; t++)
+                std::memcpy(static_cast<bf16*>(pd) + a->write_slots[t] * n, rows + t * n, (size_t)n * sizeof(bf16));
+            continue;
+        }
+        float* xf = s.kvf.data() + which * T * n;
+        for (int64_t i = 0; i < T * n; i++) xf[i] = bf16_to_f32(rows[i]);
+        if (fmt == 2) {
+            fp8_quantize_to_slots(xf, T, n, a->write_slots, a->num_slots, static_cast<uint8_t*>(pd),
+                                  static_cast<float*>(ps));
+            continue;
+        }
         const float* gs = which ? a->gs_v : a->gs_k;
-        const int rc = nvfp4_quantize_to_slots(s.kvf.data() + which * n, T, Hkv * D, gs, a->write_slots, a->num_slots,
-                                               pd, ps);
+        auto *cd_pages = static_cast<uint8_t*>(pd), *cs_pages = static_cast<uint8_t*>(ps);
+        const int rc = nvfp4_quantize_to_slots(xf, T, n, gs, a->write_slots, a->num_slots, cd_pages, cs_pages);
         if (rc) return rc == 1 ? 1 : rc + 1;
-        const int64_t nd = Hkv * D / 2, ns = Hkv * D / 16, r = a->cap_row;
+        const int64_t nd = n / 2, ns = n / 16, r = a->cap_row;
         if (a->cap_kv[2 * which]) {  // guidance: the codes and scales just written, row by row
             auto* cd = static_cast<uint8_t*>(a->cap_kv[2 * which]) + r * nd;
             auto* cs = static_cast<uint8_t*>(a->cap_kv[2 * which + 1]) + r * ns;
             for (int64_t t = 0; t < T; t++) {
-                std::memcpy(cd + t * nd, pd + a->write_slots[t] * nd, (size_t)nd);
-                std::memcpy(cs + t * ns, ps + a->write_slots[t] * ns, (size_t)ns);
+                std::memcpy(cd + t * nd, cd_pages + a->write_slots[t] * nd, (size_t)nd);
+                std::memcpy(cs + t * ns, cs_pages + a->write_slots[t] * ns, (size_t)ns);
             }
         }
         if (a->cap_kv_gs[which])  // a per-row S_enc log: the layer's static K/V scale on every row
@@ -179,8 +191,8 @@ int run_item(const StageDesc& d, int64_t item, Scratch& s) {
         case kKv:
             return store_kv(a, s);
         case kAttention: {
-            const kv_side k = {a->kv_fmt ? 1 : 0, a->kc, a->ks, a->sdec_k};
-            const kv_side v = {a->kv_fmt ? 1 : 0, a->vc, a->vs, a->sdec_v};
+            const kv_side k = {(int)a->k_fmt, a->kc, a->ks, a->sdec_k};
+            const kv_side v = {(int)a->v_fmt, a->vc, a->vs, a->sdec_v};
             return paged_attention_items_bf16(s.q.data(), &k, &v, a->table, a->ldt, a->row_seq, a->row_len, a->T,
                                               a->heads, a->kv_heads, a->head_dim, a->attn_scale, s.att.data(), item,
                                               item + 1)

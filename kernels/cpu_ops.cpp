@@ -53,6 +53,11 @@ int quantize_to_slots(const at::Tensor& x, int64_t n, const at::Tensor& gs, cons
                                    at_<uint8_t>(codes), at_<uint8_t>(scales));
 }
 
+int fp8_to_slots(const at::Tensor& x, int64_t n, const at::Tensor& slots, at::Tensor& codes, at::Tensor& sdec) {
+    return fp8_quantize_to_slots(at_<float>(x), x.size(0), n, at_<int64_t>(slots), codes.size(0), at_<uint8_t>(codes),
+                                 at_<float>(sdec));
+}
+
 py::tuple decode_tables() {
     auto lut = torch::from_blob(const_cast<float*>(nvfp4_e4m3_lut()), {256}, torch::kFloat32).clone();
     auto grid = torch::from_blob(const_cast<float*>(nvfp4_e2m1_grid()), {16}, torch::kFloat32).clone();
@@ -219,6 +224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     using release = py::call_guard<py::gil_scoped_release>;
     m.def("nvfp4_qdq", &qdq, release());
     m.def("nvfp4_quantize_to_slots", &quantize_to_slots, release());
+    m.def("fp8_quantize_to_slots", &fp8_to_slots, release());
     m.def("nvfp4_mantissa_bits", [](const at::Tensor& packed, at::Tensor& out) {
         nvfp4_mantissa_bits(at_<uint8_t>(packed), packed.numel(), at_<uint8_t>(out));
     }, release());

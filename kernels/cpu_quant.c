@@ -183,6 +183,33 @@ int nvfp4_quantize_to_slots(const float* x, int64_t T, int64_t n, const float* g
     return 0;
 }
 
+/* FP8 E4M3 rows of a KV write, as fp4.fp8.quantize(x, dims=2): row t of x [T, n] (one token's K or V
+   over its KV heads) -> codes[slots[t]] [*, n] and S_dec[slots[t]], with S_enc = min(448 / amax, FLT_MAX)
+   (1 for an amax of 0 or Inf, or an S_enc of 0), NaN left out of the amax; codes e4m3_rn_satfinite(x *
+   S_enc), NaN -> 0x7F. Returns 2 (nothing written) for a slot outside [0, S), else 0. */
+int fp8_quantize_to_slots(const float* x, int64_t T, int64_t n, const int64_t* slots, int64_t S, uint8_t* codes,
+                          float* sdec) {
+    for (int64_t t = 0; t < T; t++) if (slots[t] < 0 || slots[t] >= S) return 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float* r = x + t * n;
+        float amax = 0.f;
+        for (int64_t i = 0; i < n; i++) {
+            const float a = fabsf(r[i]);
+            amax = a > amax ? a : amax;  /* a NaN compares false: left out */
+        }
+        float s = 448.f / amax;
+        s = s > FLT_MAX ? FLT_MAX : s;
+        if (amax == 0.f || isinf(amax) || s == 0.f || s != s) s = 1.f;
+        uint8_t* c = codes + slots[t] * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = r[i] * s;
+            c[i] = v != v ? 0x7f : (uint8_t)((signbit(v) ? 0x80 : 0) | e4m3_enc(fabsf(v)));
+        }
+        sdec[slots[t]] = (float)(1.0 / (double)s);
+    }
+    return 0;
+}
+
 /* Mantissa bits of packed E2M1 codes, as fp4.guided.mantissa_bits_packed: n bytes (n % 4 == 0,
    low nibble first) -> n/4 bytes, element 8i+j at bit j of byte i. Four bytes make one word whose
    elements have their low bits at 0, 4, ..., 28; three shift-or-mask rounds gather them. */

@@ -37,6 +37,12 @@ int nvfp4_qdq_parallel(const void* x, int x_bf16, int64_t R, int64_t K, const fl
 int nvfp4_quantize_to_slots(const float* x, int64_t T, int64_t n, const float* gs, const int64_t* slots, int64_t S,
                             uint8_t* codes, uint8_t* scales);
 
+/* FP8 E4M3 rows (one fp32 S_dec each, fp4.fp8.quantize(x, dims=2)) of x [T, n] straight into
+   codes[slots[t]] [*, n] and sdec[slots[t]] of S slots. Returns 2 (nothing written) for a slot
+   outside [0, S), else 0. */
+int fp8_quantize_to_slots(const float* x, int64_t T, int64_t n, const int64_t* slots, int64_t S, uint8_t* codes,
+                          float* sdec);
+
 /* Mantissa bits of n packed code bytes (n % 4 == 0, low nibble first) -> n/4 bytes, element 8i+j at bit j of byte i. */
 void nvfp4_mantissa_bits(const uint8_t* packed, int64_t n, uint8_t* out);
 

@@ -97,6 +97,34 @@ def quantize_to_slots(
     return rc == 0  # NaN (1) or an unusable S_enc (3): the reference decides what to write
 
 
+def fp8_quantize_to_slots(
+    x: torch.Tensor, codes: torch.Tensor, sdec: torch.Tensor, slots: torch.Tensor, lib=None
+) -> bool:
+    """codes[slots], sdec[slots] = fp8.quantize(x, dims=2) (data, scale), bit for bit, without
+    temporaries: x [T, heads, D], codes uint8 [S, heads, D] and sdec fp32 [S] contiguous, int64 slots.
+    False (nothing written) when this cannot take it (other devices or layouts)."""
+    lib = lib or cpu_build.native()
+    if (
+        lib is None
+        or x.device.type != "cpu"
+        or x.dim() != 3
+        or not codes.is_contiguous()
+        or not sdec.is_contiguous()
+        or codes.dtype is not torch.uint8
+        or sdec.dtype is not torch.float32
+        or slots.dtype is not torch.int64
+        or not slots.is_contiguous()
+        or x.shape[1:] != codes.shape[1:]
+        or sdec.shape != codes.shape[:1]
+        or slots.numel() != x.shape[0]
+    ):
+        return False
+    xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    if lib.fp8_quantize_to_slots(xf, x[0].numel() if x.shape[0] else 0, slots, codes, sdec) == 2:
+        raise IndexError(f"KV slot out of range for {codes.shape[0]} slots")
+    return True
+
+
 def dequantize_rows(
     codes: torch.Tensor,
     scales: torch.Tensor,

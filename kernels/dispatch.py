@@ -147,6 +147,14 @@ def nvfp4_quantize_to_slots(
     return cpu_quant.quantize_to_slots(x, global_scale, codes, scales, slots)
 
 
+def fp8_quantize_to_slots(x: torch.Tensor, codes: torch.Tensor, sdec: torch.Tensor, slots: torch.Tensor) -> bool:
+    """codes[slots], sdec[slots] = fp8.quantize(x, dims=2) (data, scale) in one pass (kernels/cpu_quant.py);
+    False, nothing written, where no kernel takes it: the caller then writes the reference's result."""
+    if x.device.type != "cpu":
+        return False
+    return cpu_quant.fp8_quantize_to_slots(x, codes, sdec, slots)
+
+
 def nvfp4_dequantize_rows(
     codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:

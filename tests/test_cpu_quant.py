@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import cpu_build, cpu_quant, dispatch
-from megatron_trace.fp4 import nvfp4
+from megatron_trace.fp4 import fp8, nvfp4
 from megatron_trace.fp4.codecs import _boundaries, e2m1_grid, pack_fp4
 from megatron_trace.fp4.guided import mantissa_bits_packed
 
@@ -120,6 +120,36 @@ def test_quantize_to_slots_writes_reference_codes_and_nothing_else(gs):
     assert torch.equal(codes[slots], r.data) and torch.equal(scales[slots], r.scale)
     rest = torch.tensor([1, 3, 5, 7])
     assert (codes[rest] == 0xAA).all() and (scales[rest] == 0x55).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), spread=st.integers(0, 30), build=st.sampled_from(BUILDS))
+def test_fp8_to_slots_writes_fp8_quantize_bytes_and_nothing_else(seed, spread, build):
+    """fp4.fp8.quantize(x, dims=2) per token over its KV heads, written into its slot: codes and S_dec
+    bit for bit across 2^-30..2^30 magnitudes, with +-0, NaN, +-Inf, an all-zero row and a row whose
+    amax is a NaN-free subnormal among them."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 2, 16, generator=g) * torch.logspace(-spread, spread, 32, base=2.0).reshape(2, 16)
+    x[0] = 0.0
+    x[1, 0, :4] = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf")])
+    x[2] = torch.randn(2, 16, generator=g) * 1e-40  # subnormal fp32
+    x[3, 1, 5] = float("nan")
+    codes, sdec = torch.full((10, 2, 16), 0xAA, dtype=torch.uint8), torch.full((10,), -1.0)
+    slots = torch.tensor([9, 0, 4, 2, 6, 7])
+    assert cpu_quant.fp8_quantize_to_slots(x, codes, sdec, slots, lib=_lib(build))
+    r = fp8.quantize(x, dims=2)
+    assert torch.equal(codes[slots], r.data) and torch.equal(sdec[slots], r.scale)
+    rest = torch.tensor([1, 3, 5, 8])
+    assert (codes[rest] == 0xAA).all() and (sdec[rest] == -1.0).all()
+
+
+def test_fp8_to_slots_refuses_what_it_cannot_do():
+    x, codes, sdec = torch.randn(2, 2, 16), torch.zeros(4, 2, 16, dtype=torch.uint8), torch.zeros(4)
+    with pytest.raises(IndexError, match="slot out of range"):
+        cpu_quant.fp8_quantize_to_slots(x, codes, sdec, torch.tensor([0, 4]))
+    assert not codes.any()
+    assert not cpu_quant.fp8_quantize_to_slots(x, codes, sdec, torch.tensor([0, 1], dtype=torch.int32))
+    assert not cpu_quant.fp8_quantize_to_slots(x, codes[:, :1], sdec, torch.tensor([0, 1]))
 
 
 def test_quantize_to_slots_refuses_what_it_cannot_do():

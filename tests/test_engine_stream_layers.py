@@ -68,6 +68,8 @@ def _generate(path, policy: dict, prompts, stream: bool, monkeypatch):
 POLICIES = {
     "bf16": dict(format="bf16", weights="bf16", activations="bf16", kv="bf16"),
     "w4a4+nvfp4kv": dict(format="nvfp4", weights="fp4", activations="fp4", kv="nvfp4"),
+    "w4a4+fp8k+nvfp4v": dict(format="nvfp4", weights="fp4", activations="fp4", kv_k="fp8", kv_v="nvfp4"),
+    "bf16+fp8kv": dict(format="bf16", weights="bf16", activations="bf16", kv="fp8"),
     "w4a16": dict(format="nvfp4", weights="fp4", activations="bf16", kv="bf16"),
     "w4a4 all linears": dict(format="nvfp4", weights="fp4", activations="fp4", kv="bf16", targets=list(ALL_LINEARS)),
 }
@@ -86,9 +88,10 @@ def test_streamed_layers_equal_the_per_kernel_path(wide2, name, monkeypatch):
     for a, b in zip(got, want):
         assert a["output_ids"] == b["output_ids"]
         assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+    assert len(pages_got) == len(pages_want) >= 2
     for a, b in zip(pages_got, pages_want):
         assert torch.equal(a, b)
-    fp4_sites = policy["activations"] == "fp4" or policy["kv"] != "bf16"
+    fp4_sites = policy["activations"] == "fp4" or "nvfp4" in (policy.get("kv"), policy.get("kv_v"))
     assert len(rec_got) == len(rec_want) == (widest if fp4_sites else 0)
     for ra, rb in zip(rec_got, rec_want):
         assert sorted(ra.sites) == sorted(rb.sites) and ra.sites

@@ -152,13 +152,13 @@ class PagedKVCache:
         if fmt == "bf16":
             data.index_copy_(0, slots, x.to(self.dtype))  # index_* beat x[idx] on CPU
             return x.to(self.dtype) if return_values else None
-        if (
-            q is None
-            and fmt == "nvfp4"
-            and not return_values
-            and dispatch.nvfp4_quantize_to_slots(x, self.global_scale[layer, which], data, scale[layer], slots)
-        ):
-            return None  # quantized straight into the pages
+        if q is None and not return_values:  # quantized straight into the pages where a kernel takes it
+            if fmt == "nvfp4" and dispatch.nvfp4_quantize_to_slots(
+                x, self.global_scale[layer, which], data, scale[layer], slots
+            ):
+                return None
+            if fmt == "fp8" and dispatch.fp8_quantize_to_slots(x, data, scale[layer], slots):
+                return None
         q = self.quantize(layer, which, x) if q is None else q
         data.index_copy_(0, slots, q.data)
         scale[layer].index_copy_(0, slots, q.scale)

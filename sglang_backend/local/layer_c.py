@@ -2,13 +2,14 @@
 
 - small layers (`supports`): one call per layer, `decode_layer`, whose single-threaded GEMM reads a
   transposed dequantized copy of each weight (the engine's tiny test models, any batch);
-- larger bf16 layers at decode widths (`streams`, `stream_rows`): a run of consecutive layers in one
-  call, `decode_layers_stream`, whose linears read the weights as stored through the decode GEMVs
-  (kernels/cpu_gemv) on torch's threads, one parallel region for the whole run. Its results are the
-  per-kernel path's bits (the same C functions on the same inputs); it exists because that path
-  pays a thread wake-up per kernel.
-Everything else (MoE, MXFP4, mixed or FP8 KV pages, the de-biased K, prefill widths of large
-layers, fp32 large layers) runs the per-kernel path (`cpu_fused`, `EngineLinear.forward_cpu`).
+- larger bf16 layers (and small ones over FP8 or mixed pages) at decode widths (`streams`,
+  `stream_rows`): a run of consecutive layers in one call, `decode_layers_stream`, whose linears
+  read the weights as stored through the decode GEMVs (kernels/cpu_gemv) on torch's threads, one
+  parallel region for the whole run. Its results are the per-kernel path's bits (the same C
+  functions on the same inputs); it exists because that path pays for a parallel region and a
+  Python call per kernel.
+Everything else (MoE, MXFP4 activations or pages, the de-biased K, prefill widths of large layers,
+fp32 large layers) runs the per-kernel path (`cpu_fused`, `EngineLinear.forward_cpu`).
 
 The per-forward work here is filling one argument object per layer (`cpu_layer.new_args()`):
 pointers to the layer's weights (refreshed only after weight loads), its KV pages, the batch's
@@ -35,9 +36,15 @@ _LINEARS = ("qkv", "o_proj", "gate_up", "down")
 ONE_CALL_MAX_WEIGHTS = 1 << 22
 
 
-def _dense(layer, kv) -> bool:
-    """A dense layer over BF16 or NVFP4 pages whose activations are BF16 or NVFP4 in whole blocks."""
-    if layer.moe or layer.k_debias or kv.fmt not in ("bf16", "nvfp4"):
+# kv_side.fmt (cpu_fused.h) of each page format decode_layers_stream writes and reads
+_SIDE_CODES = {"bf16": 0, "nvfp4": 1, "fp8": 2}
+
+
+def _dense(layer, kv, stream: bool = False) -> bool:
+    """A dense layer whose activations are BF16 or NVFP4 in whole blocks, over BF16 or NVFP4 pages
+    (stream: each side BF16, NVFP4 or FP8, so FP8 K + NVFP4 V too)."""
+    pages_ok = all(f in _SIDE_CODES for f in kv.side_fmt) if stream else kv.fmt in ("bf16", "nvfp4")
+    if layer.moe or layer.k_debias or not pages_ok:
         return False
     if not cpu_fused.available(layer.input_norm.dtype):
         return False
@@ -58,9 +65,12 @@ def supports(layer, kv) -> bool:
 
 
 def streams(layer, kv) -> bool:
-    """Whether `layer` runs in `decode_layers_stream` at widths up to `stream_rows(layer)`: a larger
-    bf16 layer whose linears hold BF16 or NVFP4 weights (what forward_cpu streams)."""
-    if not _dense(layer, kv) or _small(layer) or layer.input_norm.dtype != torch.bfloat16 or not cpu_gemv.available():
+    """Whether `layer` runs in `decode_layers_stream` at widths up to `stream_rows(layer)`: a bf16
+    layer whose linears hold BF16 or NVFP4 weights (what forward_cpu streams) that `decode_layer`
+    does not take (larger layers; small ones over FP8 or mixed pages)."""
+    if not _dense(layer, kv, stream=True) or layer.input_norm.dtype != torch.bfloat16 or not cpu_gemv.available():
+        return False
+    if supports(layer, kv):
         return False
     return all(
         lin.weight_fmt is None or (lin.weight_fmt == "nvfp4" and isinstance(lin.qweight, nvfp4.NVFP4Tensor))
@@ -84,10 +94,12 @@ def _static_args(layer, kv):
     args.inter, args.qkv_n = layer.gate_up.out_features // 2, layer.qkv.out_features
     args.eps, args.attn_scale, args.kv_fmt = a.rms_norm_eps, a.head_dim**-0.5, int(kv.fmt == "nvfp4")
     args.num_slots = kv.num_pages * kv.page_size
+    args.k_fmt, args.v_fmt = (_SIDE_CODES.get(f, -1) for f in kv.side_fmt)
     pages = kv.layer_pages[layer.idx]
-    args.kc, args.vc = pages[0].data_ptr(), pages[-2 if kv.fmt == "nvfp4" else 1].data_ptr()
-    if kv.fmt == "nvfp4":
-        args.ks, args.vs = pages[1].data_ptr(), pages[3].data_ptr()
+    if kv.fmt == "bf16":
+        args.kc, args.vc = pages[0].data_ptr(), pages[1].data_ptr()
+    else:  # (K data, K scales or None, V data, V scales or None)
+        args.kc, args.ks, args.vc, args.vs = (None if t is None else t.data_ptr() for t in pages)
     return args
 
 
@@ -169,8 +181,9 @@ def _fill(plan: _Plan, layer, x: torch.Tensor, batch, kv, rot, capture):
     """The per-forward fields of one layer's arguments (all but the residual in / out)."""
     args = plan.args
     table, row_seq, row_len, _ = batch.attention_layout()
-    _set_capture(plan, args, capture, batch.kv_global_scales[layer.idx] if kv.fmt == "nvfp4" else None)
-    if kv.fmt == "nvfp4":
+    nvfp4_pages = "nvfp4" in kv.side_fmt
+    _set_capture(plan, args, capture, batch.kv_global_scales[layer.idx] if nvfp4_pages else None)
+    if nvfp4_pages:
         args.sdec_k, args.sdec_v = batch.kv_decode_scales[layer.idx]
         gs = kv.global_scale.data_ptr() + 8 * layer.idx  # [layers, 2] fp32, contiguous
         args.gs_k, args.gs_v = gs, gs + 4
@@ -234,9 +247,9 @@ def _point_at_log(plan: _Plan, args, log, kv_scales) -> None:
     for i, site, rows, static, value in plan.act_sites:
         data[i], scale[i], gs[i] = log.pointers(site, *rows, static_gs=static, static_value=value)
     args.cap_data, args.cap_scale, args.cap_gs = data, scale, gs
-    if plan.kv.fmt == "nvfp4":
+    if "nvfp4" in plan.kv.side_fmt:
         layer, kv, kv_gs = plan.layer, list(args.cap_kv), list(args.cap_kv_gs)
-        for which in (0, 1):
+        for which in (w for w in (0, 1) if plan.kv.side_fmt[w] == "nvfp4"):  # BF16 and FP8 sides log nothing
             kv[2 * which], kv[2 * which + 1], kv_gs[which] = log.pointers(
                 layer.kv_sites[which],
                 *plan.kv_rows,
