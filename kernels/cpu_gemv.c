@@ -98,7 +98,7 @@ static inline __m512i decode_chunk(const uint8_t* cr, int64_t c, int64_t full, _
 /* MR fp32 activation rows (laid out by gemv_prepare_x) against weight row n: one decode of each
    32-weight chunk serves all MR. */
 static inline __attribute__((always_inline)) void nvfp4_tile(const float* xp, int64_t kp, int64_t K,
-                                                             const uint8_t* cr, const uint8_t* sr, float* out,
+                                                             const uint8_t* cr, const uint8_t* sr, __m512* out,
                                                              const int mr) {
     const __m512i lut = _mm512_loadu_si512((const void*)TWO_E2M1_BF16);
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
@@ -133,7 +133,7 @@ static inline __attribute__((always_inline)) void nvfp4_tile(const float* xp, in
         for (int64_t j = 0; c + j < chunks; j++) NVFP4_F32_CHUNK(c + j, j, 0);
     }
 #undef NVFP4_F32_CHUNK
-    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < mr; r++) out[r] = _mm512_add_ps(acc[r][0], acc[r][1]); /* lane sums, reduced by the caller */
 }
 
 #ifdef __AVX512BF16__
@@ -148,7 +148,7 @@ static inline __m512i load_x_bf16(const uint16_t* xr, int64_t c, int64_t K) {
 /* bf16 activations (rows of stride K, in place): vdpbf16ps multiplies bf16 pairs exactly (2e has
    3 significant bits, x 8) and adds them in fp32, half the instructions of the fp32 path. */
 static inline __attribute__((always_inline)) void nvfp4_tile_bf16(const uint16_t* x, int64_t K, const uint8_t* cr,
-                                                                  const uint8_t* sr, float* out, const int mr) {
+                                                                  const uint8_t* sr, __m512* out, const int mr) {
     const __m512i lut = _mm512_loadu_si512((const void*)TWO_E2M1_BF16);
     const int64_t chunks = (K + 31) / 32, full = K / 32, blocks = K / 16;
     /* two accumulators per row, alternating by chunk: one FMA chain would wait on its latency */
@@ -202,11 +202,11 @@ static inline __attribute__((always_inline)) void nvfp4_tile_bf16(const uint16_t
         for (int64_t j = 0; c + j < chunks; j++) NVFP4_BF16_CHUNK(c + j, j, 0);
     }
 #undef NVFP4_BF16_CHUNK
-    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < mr; r++) out[r] = _mm512_add_ps(acc[r][0], acc[r][1]); /* lane sums, reduced by the caller */
 }
 
 static inline __attribute__((always_inline)) void bf16_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* wr,
-                                                                 float* out, const int mr) {
+                                                                 __m512* out, const int mr) {
     const int64_t chunks = (K + 31) / 32;
     /* two accumulators per row, alternating by chunk: one FMA chain would wait on its latency */
     __m512 acc[TILE_ROWS][2];
@@ -225,14 +225,14 @@ static inline __attribute__((always_inline)) void bf16_tile_bf16(const uint16_t*
         const __m512bh w = (__m512bh)load_x_bf16(wr, c, K);
         for (int r = 0; r < mr; r++) acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)load_x_bf16(x + r * K, c, K), w);
     }
-    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < mr; r++) out[r] = _mm512_add_ps(acc[r][0], acc[r][1]); /* lane sums, reduced by the caller */
 }
 #else
 #define GEMV_DPBF16 0
 #endif
 
 static inline __attribute__((always_inline)) void bf16_tile(const float* xp, int64_t kp, int64_t K,
-                                                            const uint16_t* wr, float* out, const int mr) {
+                                                            const uint16_t* wr, __m512* out, const int mr) {
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
     const int64_t chunks = kp / 32, full = K / 32;
     /* two accumulators per row, alternating by chunk: one FMA chain would wait on its latency */
@@ -251,8 +251,37 @@ static inline __attribute__((always_inline)) void bf16_tile(const float* xp, int
             acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), wo, acc[r][1]);
         }
     }
-    for (int r = 0; r < mr; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < mr; r++) out[r] = _mm512_add_ps(acc[r][0], acc[r][1]); /* lane sums, reduced by the caller */
 }
+
+/* Output rows n0..n1 of activation rows m0..m0+mr: TILE_AT(n) puts row n's mr lane-sum vectors in
+   `one`; whole groups of 16 rows reduce together (reduce16_ps: the sums one row alone gets, with the
+   lone reductions and scalar epilogues off the per-row path), the rest one by one. The epilogue is
+   sum * scale[n] + bias[n] (scale: the NVFP4 rows' S_dec, or none for BF16), as before grouping. */
+#define GEMV_ROWS(TILE_AT, scale)                                                                            \
+    do {                                                                                                     \
+        __m512 grp[TILE_ROWS][16], one[TILE_ROWS];                                                           \
+        int64_t n = n0;                                                                                      \
+        for (; n + 16 <= n1; n += 16) {                                                                      \
+            for (int i = 0; i < 16; i++) {                                                                   \
+                TILE_AT(n + i);                                                                              \
+                for (int r = 0; r < mr; r++) grp[r][i] = one[r];                                             \
+            }                                                                                                \
+            const __m512 b = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();                         \
+            for (int r = 0; r < mr; r++) {                                                                   \
+                __m512 v = reduce16_ps(grp[r]);                                                              \
+                if (scale) v = _mm512_mul_ps(v, _mm512_loadu_ps((scale) + n));                               \
+                store16_out(y, y_bf16, (m0 + r) * N + n, _mm512_add_ps(v, b));                               \
+            }                                                                                                \
+        }                                                                                                    \
+        for (; n < n1; n++) {                                                                                \
+            TILE_AT(n);                                                                                      \
+            for (int r = 0; r < mr; r++) {                                                                   \
+                const float v = _mm512_reduce_add_ps(one[r]);                                                \
+                store_out(y, y_bf16, (m0 + r) * N + n, ((scale) ? v * (scale)[n] : v) + (bias ? bias[n] : 0.f)); \
+            }                                                                                                \
+        }                                                                                                    \
+    } while (0)
 
 /* x: raw bf16 rows [M, K] when x_bf16 (the dpbf16 build only, see gemv_reads_bf16), else fp32
    rows laid out by gemv_prepare_x. */
@@ -261,44 +290,51 @@ void gemv_nvfp4_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint
     const int64_t kp = gemv_padded_k(K);
     for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
         const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
-        for (int64_t n = n0; n < n1; n++) {
-            float out[TILE_ROWS];
-            const uint8_t *cr = codes + n * (K / 2), *sr = scales + n * (K / 16);
+#define NVFP4_ROW(R) nvfp4_tile((const float*)x + m0 * kp, kp, K, cr, sr, one, R)
+#define NVFP4_AT(row)                                                                      \
+    do {                                                                                   \
+        const uint8_t *cr = codes + (row) * (K / 2), *sr = scales + (row) * (K / 16);      \
+        TILE_SWITCH(mr, NVFP4_ROW)                                                         \
+    } while (0)
 #if GEMV_DPBF16
-            if (x_bf16) {
-#define NVFP4_BF16_CALL(R) nvfp4_tile_bf16((const uint16_t*)x + m0 * K, K, cr, sr, out, R)
-                TILE_SWITCH(mr, NVFP4_BF16_CALL)
-            } else
+#define NVFP4_BF16_ROW(R) nvfp4_tile_bf16((const uint16_t*)x + m0 * K, K, cr, sr, one, R)
+#define NVFP4_BF16_AT(row)                                                                 \
+    do {                                                                                   \
+        const uint8_t *cr = codes + (row) * (K / 2), *sr = scales + (row) * (K / 16);      \
+        TILE_SWITCH(mr, NVFP4_BF16_ROW)                                                    \
+    } while (0)
+        if (x_bf16)
+            GEMV_ROWS(NVFP4_BF16_AT, gdec);
+        else
 #endif
-            {
-#define NVFP4_CALL(R) nvfp4_tile((const float*)x + m0 * kp, kp, K, cr, sr, out, R)
-                TILE_SWITCH(mr, NVFP4_CALL)
-            }
-            for (int r = 0; r < mr; r++)
-                store_out(y, y_bf16, (m0 + r) * N + n, out[r] * gdec[n] + (bias ? bias[n] : 0.f));
-        }
+            GEMV_ROWS(NVFP4_AT, gdec);
     }
 }
 
 void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint16_t* w, const float* bias, void* y,
                     int y_bf16, int64_t N, int64_t n0, int64_t n1) {
     const int64_t kp = gemv_padded_k(K);
+    const float* none = 0; /* BF16 rows have no decode scale */
     for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
         const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
-        for (int64_t n = n0; n < n1; n++) {
-            float out[TILE_ROWS];
+#define BF16_ROW(R) bf16_tile((const float*)x + m0 * kp, kp, K, wr, one, R)
+#define BF16_AT(row)                                                                       \
+    do {                                                                                   \
+        const uint16_t* wr = w + (row) * K;                                                \
+        TILE_SWITCH(mr, BF16_ROW)                                                          \
+    } while (0)
 #if GEMV_DPBF16
-            if (x_bf16) {
-#define BF16_BF16_CALL(R) bf16_tile_bf16((const uint16_t*)x + m0 * K, K, w + n * K, out, R)
-                TILE_SWITCH(mr, BF16_BF16_CALL)
-            } else
+#define BF16_BF16_ROW(R) bf16_tile_bf16((const uint16_t*)x + m0 * K, K, wr, one, R)
+#define BF16_BF16_AT(row)                                                                  \
+    do {                                                                                   \
+        const uint16_t* wr = w + (row) * K;                                                \
+        TILE_SWITCH(mr, BF16_BF16_ROW)                                                     \
+    } while (0)
+        if (x_bf16)
+            GEMV_ROWS(BF16_BF16_AT, none);
+        else
 #endif
-            {
-#define BF16_CALL(R) bf16_tile((const float*)x + m0 * kp, kp, K, w + n * K, out, R)
-                TILE_SWITCH(mr, BF16_CALL)
-            }
-            for (int r = 0; r < mr; r++) store_out(y, y_bf16, (m0 + r) * N + n, out[r] + (bias ? bias[n] : 0.f));
-        }
+            GEMV_ROWS(BF16_AT, none);
     }
 }
 
