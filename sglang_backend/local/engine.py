@@ -99,7 +99,7 @@ class Engine:
         self._guidance: dict[str, bytes] = {}
         self._results: dict[str, dict] = {}
         self._cv = threading.Condition()
-        self._driven: dict[str, int] = {}  # rids a waiting caller steps for (the worker leaves them): count of drivers
+        self._driven: set[str] = set()  # rids whose waiting caller runs the steps (the worker leaves them)
         self._paused = False
         self._closed = False
         self._rid = itertools.count()
@@ -173,8 +173,7 @@ class Engine:
             for g in groups:
                 self.scheduler.add(g)
                 if drive:
-                    for rid in g.rids:
-                        self._driven[rid] = self._driven.get(rid, 0) + 1
+                    self._driven.update(g.rids)
             self._cv.notify_all()
         return [g.rids for g in groups]
 
@@ -202,10 +201,7 @@ class Engine:
         finally:
             if drive:
                 with self._cv:
-                    for r in rids:
-                        n = self._driven.pop(r, 0) - 1
-                        if n > 0:
-                            self._driven[r] = n
+                    self._driven.difference_update(rids)
                     self._cv.notify_all()  # the worker takes over what is left
 
     def _validate(self, req: GenerateRequest) -> None:

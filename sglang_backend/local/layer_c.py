@@ -88,6 +88,39 @@ def _w4a4(lin) -> bool:
     return lin.weight_fmt == "nvfp4" and lin.act_fmt == "nvfp4"
 
 
+def layer_modes(layers, kv) -> list[tuple[str | None, int]]:
+    """Per layer, how it runs as C calls over kv: ("gemm", any width), ("stream", the widest batch it
+    takes) or (None, 0): the per-kernel path."""
+    return [
+        ("gemm", 1 << 62)
+        if supports(layer, kv)
+        else (("stream", stream_rows(layer)) if streams(layer, kv) else (None, 0))
+        for layer in layers
+    ]
+
+
+def run_layers(layers, modes, x, batch, kv, rot, caps) -> torch.Tensor:
+    """Every layer of a fused CPU forward (model.py), each as `modes` and the batch width allow:
+    runs of consecutive streamed layers in one call each; returns the last layer's pending residual.
+    A capture fn without the guidance log's `.log` sends its layer down the per-kernel path."""
+    residual, i, t = None, 0, x.shape[0]
+    mode = [m if t <= rows and (cap is None or hasattr(cap, "log")) else None for (m, rows), cap in zip(modes, caps)]
+    while i < len(layers):
+        if mode[i] == "stream":
+            j = i
+            while j < len(layers) and mode[j] == "stream":
+                j += 1
+            residual = run_stream(layers[i:j], x, residual, batch, kv, rot, caps[i:j])
+            i = j
+            continue
+        if mode[i] == "gemm":
+            residual = run_layer(layers[i], x, residual, batch, kv, rot, caps[i])
+        else:
+            residual = layers[i].forward_fused(x, residual, batch, kv, rot, caps[i])
+        i += 1
+    return residual
+
+
 def _static_args(layer, kv):
     a, args = layer.arch, cpu_layer.new_args()
     args.hidden, args.heads, args.kv_heads, args.head_dim = a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim

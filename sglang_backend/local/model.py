@@ -325,41 +325,11 @@ class QwenEngineModel(nn.Module):
         return [m for m in self.modules() if isinstance(m, EngineLinear)]
 
     def _one_call(self, kv: PagedKVCache) -> list[tuple[str | None, int]]:
-        """Per layer, how it runs as C calls over kv (layer_c): ("gemm", any width), ("stream", the
-        widest batch it takes) or (None, 0): decided once per cache."""
+        """layer_c.layer_modes of the layers over kv, decided once per cache."""
         cached = self.__dict__.get("_one_call_for")
         if cached is None or cached[0] is not kv:
-            modes = [
-                ("gemm", 1 << 62)
-                if layer_c.supports(layer, kv)
-                else (("stream", layer_c.stream_rows(layer)) if layer_c.streams(layer, kv) else (None, 0))
-                for layer in self.layers
-            ]
-            cached = self.__dict__["_one_call_for"] = (kv, modes)
+            cached = self.__dict__["_one_call_for"] = (kv, layer_c.layer_modes(self.layers, kv))
         return cached[1]
-
-    def _run_layers(self, x, batch, kv, rot, caps) -> torch.Tensor:
-        """The fused CPU path over every layer; returns the last layer's pending residual. Runs of
-        consecutive streamed layers go to C in one call each."""
-        residual, layers, i, t = None, self.layers, 0, x.shape[0]
-        modes = [
-            (m if t <= rows and (cap is None or hasattr(cap, "log")) else None)
-            for (m, rows), cap in zip(self._one_call(kv), caps)
-        ]
-        while i < len(layers):
-            if modes[i] == "stream":
-                j = i
-                while j < len(layers) and modes[j] == "stream":
-                    j += 1
-                residual = layer_c.run_stream(layers[i:j], x, residual, batch, kv, rot, caps[i:j])
-                i = j
-                continue
-            if modes[i] == "gemm":
-                residual = layer_c.run_layer(layers[i], x, residual, batch, kv, rot, caps[i])
-            else:
-                residual = layers[i].forward_fused(x, residual, batch, kv, rot, caps[i])
-            i += 1
-        return residual
 
     def uses_fused(self, kv: PagedKVCache) -> bool:
         """The C kernels serve CPU float32/bfloat16 runs whose KV pages share the model's dtype."""
@@ -388,7 +358,7 @@ class QwenEngineModel(nn.Module):
             rot = self.rope.tables_upto(batch.attention_layout()[3], x.dtype)  # the kernels index by position
             if "nvfp4" in kv.side_fmt:
                 batch.kv_decode_scales, batch.kv_global_scales = kv.scales_as_floats()
-            residual = self._run_layers(x, batch, kv, rot, caps)
+            residual = layer_c.run_layers(self.layers, self._one_call(kv), x, batch, kv, rot, caps)
             if all_rows:
                 h = cpu_fused.add_rmsnorm(x, residual, self.final_norm, eps)
             else:
