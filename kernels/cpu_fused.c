@@ -84,6 +84,25 @@ int greedy_logprob(const float* x, int64_t B, int64_t V, int64_t* tok, float* lp
     return 0;
 }
 
+int layer_kv_store_nvfp4(const layer_args* a, int which, const float* x) {
+    const int64_t T = a->T, n = a->kv_heads * a->head_dim, nd = n / 2, ns = n / 16, r = a->cap_row;
+    uint8_t *pd = (uint8_t*)(which ? a->vc : a->kc), *ps = (uint8_t*)(which ? a->vs : a->ks);
+    const float* gs = which ? a->gs_v : a->gs_k;
+    const int rc = nvfp4_quantize_to_slots(x, T, n, gs, a->write_slots, a->num_slots, pd, ps);
+    if (rc) return rc == 1 ? 1 : rc + 1;
+    if (a->cap_kv[2 * which]) { /* guidance: the codes and scales just written, row by row */
+        uint8_t* cd = (uint8_t*)a->cap_kv[2 * which] + r * nd;
+        uint8_t* cs = (uint8_t*)a->cap_kv[2 * which + 1] + r * ns;
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(cd + t * nd, pd + a->write_slots[t] * nd, (size_t)nd);
+            memcpy(cs + t * ns, ps + a->write_slots[t] * ns, (size_t)ns);
+        }
+    }
+    if (a->cap_kv_gs[which]) /* a per-row S_enc log: the layer's static K/V scale on every row */
+        for (int64_t t = 0; t < T; t++) ((float*)a->cap_kv_gs[which])[r + t] = *gs;
+    return 0;
+}
+
 #if defined(__GNUC__) && !defined(__clang__)
 #define FMA_FN __attribute__((optimize("fp-contract=fast"))) /* the layer GEMM only: not an FP4 path */
 #else

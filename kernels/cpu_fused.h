@@ -69,6 +69,12 @@ CPU_FUSED_DECLARE(f32, float)
 CPU_FUSED_DECLARE(bf16, uint16_t)
 #undef CPU_FUSED_DECLARE
 
+/* One NVFP4 side (which: 0 K, 1 V) of a layer's KV write, for decode_layer and decode_layers_stream:
+   x fp32 [T, kv_heads * head_dim] quantized into the pages at write_slots with the side's S_enc and,
+   where the layer is logged (cap_kv, cap_kv_gs), the rows' codes, scales and S_enc copied into the
+   guidance log. decode_layer's return codes: 0, 1 NaN, 3 slot outside the cache, 4 bad S_enc. */
+int layer_kv_store_nvfp4(const layer_args* a, int which, const float* x);
+
 /* n bf16 layers at decode widths, each streaming its linears (lin_kind 1 or 2) through the decode
    GEMVs, in one parallel region (kernels/cpu_layer_stream.cpp); layer i + 1's res_in is layer i's
    res_out. Returns decode_layer's codes. */

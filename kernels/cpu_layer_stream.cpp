@@ -153,21 +153,7 @@ int store_kv(const layer_args* a, Scratch& s) {
                                   static_cast<float*>(ps));
             continue;
         }
-        const float* gs = which ? a->gs_v : a->gs_k;
-        auto *cd_pages = static_cast<uint8_t*>(pd), *cs_pages = static_cast<uint8_t*>(ps);
-        const int rc = nvfp4_quantize_to_slots(xf, T, n, gs, a->write_slots, a->num_slots, cd_pages, cs_pages);
-        if (rc) return rc == 1 ? 1 : rc + 1;
-        const int64_t nd = n / 2, ns = n / 16, r = a->cap_row;
-        if (a->cap_kv[2 * which]) {  // guidance: the codes and scales just written, row by row
-            auto* cd = static_cast<uint8_t*>(a->cap_kv[2 * which]) + r * nd;
-            auto* cs = static_cast<uint8_t*>(a->cap_kv[2 * which + 1]) + r * ns;
-            for (int64_t t = 0; t < T; t++) {
-                std::memcpy(cd + t * nd, cd_pages + a->write_slots[t] * nd, (size_t)nd);
-                std::memcpy(cs + t * ns, cs_pages + a->write_slots[t] * ns, (size_t)ns);
-            }
-        }
-        if (a->cap_kv_gs[which])  // a per-row S_enc log: the layer's static K/V scale on every row
-            for (int64_t t = 0; t < T; t++) static_cast<float*>(a->cap_kv_gs[which])[r + t] = *gs;
+        if (const int rc = layer_kv_store_nvfp4(a, which, xf)) return rc;
     }
     return 0;
 }

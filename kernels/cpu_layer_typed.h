@@ -93,24 +93,8 @@ int F(decode_layer)(const layer_args* a) {
         F(qkv_rope)(qkv, T, H, Hkv, D, a->cos, a->sin, a->pos, (const ELEM*)a->q_norm, (const ELEM*)a->k_norm, a->eps,
                     q, kn, vn, 0);
         for (int64_t i = 0; i < T * Hkv * D; i++) { kvf[i] = F(ld)(kn[i]); kvf[T * Hkv * D + i] = F(ld)(vn[i]); }
-        for (int which = 0; which < 2; which++) {  /* fp4's codes: 1 NaN, 2 slot out of range, 3 bad S_enc */
-            rc = nvfp4_quantize_to_slots(kvf + which * T * Hkv * D, T, Hkv * D, which ? a->gs_v : a->gs_k,
-                                         a->write_slots, a->num_slots, (uint8_t*)(which ? a->vc : a->kc),
-                                         (uint8_t*)(which ? a->vs : a->ks));
-            if (rc) { rc = rc == 1 ? 1 : rc + 1; goto out; }
-            const uint8_t *pd = (const uint8_t*)(which ? a->vc : a->kc), *ps = (const uint8_t*)(which ? a->vs : a->ks);
-            const int64_t nd = Hkv * D / 2, ns = Hkv * D / 16, r = a->cap_row;
-            if (a->cap_kv[2 * which]) {  /* guidance: the codes and scales just written, row by row */
-                uint8_t* cd = (uint8_t*)a->cap_kv[2 * which] + r * nd;
-                uint8_t* cs = (uint8_t*)a->cap_kv[2 * which + 1] + r * ns;
-                for (int64_t t = 0; t < T; t++) {
-                    memcpy(cd + t * nd, pd + a->write_slots[t] * nd, (size_t)nd);
-                    memcpy(cs + t * ns, ps + a->write_slots[t] * ns, (size_t)ns);
-                }
-            }
-            if (a->cap_kv_gs[which])  /* a per-row S_enc log: the layer's static K/V scale on every row */
-                for (int64_t t = 0; t < T; t++) ((float*)a->cap_kv_gs[which])[r + t] = *(which ? a->gs_v : a->gs_k);
-        }
+        for (int which = 0; which < 2; which++)  /* 1 NaN, 3 slot out of range, 4 bad S_enc */
+            if ((rc = layer_kv_store_nvfp4(a, which, kvf + which * T * Hkv * D))) goto out;
         rc = F(paged_attention_nvfp4)(q, (const uint8_t*)a->kc, (const uint8_t*)a->ks, (const uint8_t*)a->vc,
                                       (const uint8_t*)a->vs, a->sdec_k, a->sdec_v, a->table, a->ldt, a->row_seq,
                                       a->row_len, T, H, Hkv, D, a->attn_scale, att);

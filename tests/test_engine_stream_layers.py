@@ -10,19 +10,13 @@ from kernels import cpu_gemv
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import DEFAULT_TARGETS, QuantPolicy, make_tiny_checkpoint
 from sglang_backend.local import Engine, layer_c
+from tests.test_engine_streaming import WIDE
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
 
-# gate_up 512 x (2 x 4224): above layer_c.ONE_CALL_MAX_WEIGHTS; two layers, so a run hands a residual on
-WIDE2 = dict(
-    hidden_size=512,
-    intermediate_size=4224,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    tie_word_embeddings=False,
-)
+# test_engine_streaming's wide layer (gate_up above layer_c.ONE_CALL_MAX_WEIGHTS), twice: a run of two
+# layers hands a residual on
+WIDE2 = dict(WIDE, num_hidden_layers=2)
 GREEDY = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
 ALL_LINEARS = (*DEFAULT_TARGETS, "*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj", "*.self_attn.o_proj")
 
