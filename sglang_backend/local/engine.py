@@ -3,13 +3,11 @@
     Engine(model_path=..., quantization="nvfp4", kv_cache_dtype="nvfp4")
         .generate(input_ids=[[...], ...], sampling_params={...}, return_logprob=True)
         -> [{"output_ids": [...], "meta_info": {"output_token_logprobs": [(lp, tok, None), ...], ...}}]
-Requests join the running batch between decode steps. A caller that submits and then waits
-(`generate`, `submit_all(..., drive=True)` + `wait`: the in-process rollout, benchmarks) runs the
-steps on its own thread; a worker thread runs them for requests nobody drives (the HTTP server's
-handlers). Why: torch's OpenMP (libgomp) keeps one thread pool per thread that opens parallel
-regions; with a second pool beside the caller's, libgomp sees more threads than cores and parks
-its workers after ~1000 spins, so every parallel region of the step paid a 30-250 us wake-up
-(a 32-row 1152x896 GEMM: 120 us on the main thread, 250 us on a second one).
+Requests join the running batch between decode steps. A caller that submits and waits (`generate`,
+`submit_all(drive=True)` + `wait`: the in-process rollout) runs the steps on its own thread, the worker
+thread only those nobody drives (the HTTP server's): a second libgomp pool, on the worker, made libgomp
+see more threads than cores and park its workers, so every parallel region of a step paid a 30-250 us
+wake-up (a 32-row 1152x896 GEMM: 120 us on the main thread, 250 us on a second one).
 """
 
 from __future__ import annotations
