@@ -95,6 +95,16 @@ def test_streamed_layers_equal_the_per_kernel_path(wide2, name, monkeypatch):
                 assert torch.equal(getattr(sa, field), getattr(sb, field)), (site, field)
 
 
+def test_model_info_says_how_each_layer_runs(wide2):
+    """A layout the one-call paths do not take (MXFP4 pages) is visible, not silent."""
+    for kv, want in (("nvfp4", "2 streamed (<= 4 rows; wider: per kernel)"), ("mxfp4", "2 per kernel")):
+        eng = Engine(str(wide2), dtype="bfloat16", quantization="nvfp4", kv_cache_dtype=kv, max_total_tokens=256)
+        try:
+            assert eng.get_model_info()["cpu_layers"] == want
+        finally:
+            eng.shutdown()
+
+
 def test_wider_batches_take_the_per_kernel_path(wide2, monkeypatch):
     """Five rows: above the BF16 attention linears' streaming width, so no streamed call."""
     prompts = [[3 + i] for i in range(5)]

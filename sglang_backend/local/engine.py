@@ -28,6 +28,7 @@ from megatron_trace.guidance import resolve_guided_layers
 from megatron_trace.models import ModelArch, QuantPolicy
 from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
 
+from . import layer_c
 from .kv_cache import PagedKVCache
 from .layers import EngineLinear, streaming_status
 from .loader import load_checkpoint, load_tensor
@@ -357,6 +358,8 @@ class Engine:
             # what CPU decode linears run on: cpu_gemv/<isa>, or torch (why the kernels are missing)
             "cpu_linear": streaming_status() if self.model.embed.device.type == "cpu" else None,
             "cpu_allocator": self._allocator,
+            # how decode runs each layer (layer_c): a layout the C calls do not take shows as "per kernel"
+            "cpu_layers": layer_c.describe(self.model.layer_modes(self.kv)) if self._allocator else None,
         }
 
     def is_alive(self) -> bool:

@@ -99,6 +99,16 @@ def layer_modes(layers, kv) -> list[tuple[str | None, int]]:
     ]
 
 
+def describe(modes) -> str:
+    """What model_info reports of layer_modes: how many layers run which way, e.g. "24 streamed
+    (<= 4 rows; wider: per kernel)" or "2 one-call GEMM, 2 per kernel"."""
+    counts: dict[str, int] = {}
+    for m, rows in modes:
+        key = {"gemm": "one-call GEMM", "stream": f"streamed (<= {rows} rows; wider: per kernel)"}.get(m, "per kernel")
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in counts.items())
+
+
 def run_layers(layers, modes, x, batch, kv, rot, caps) -> torch.Tensor:
     """Every layer of a fused CPU forward (model.py), each as `modes` and the batch width allow:
     runs of consecutive streamed layers in one call each; returns the last layer's pending residual.

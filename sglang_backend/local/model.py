@@ -324,7 +324,7 @@ class QwenEngineModel(nn.Module):
     def linears(self):
         return [m for m in self.modules() if isinstance(m, EngineLinear)]
 
-    def _one_call(self, kv: PagedKVCache) -> list[tuple[str | None, int]]:
+    def layer_modes(self, kv: PagedKVCache) -> list[tuple[str | None, int]]:
         """layer_c.layer_modes of the layers over kv, decided once per cache."""
         cached = self.__dict__.get("_one_call_for")
         if cached is None or cached[0] is not kv:
@@ -358,7 +358,7 @@ class QwenEngineModel(nn.Module):
             rot = self.rope.tables_upto(batch.attention_layout()[3], x.dtype)  # the kernels index by position
             if "nvfp4" in kv.side_fmt:
                 batch.kv_decode_scales, batch.kv_global_scales = kv.scales_as_floats()
-            residual = layer_c.run_layers(self.layers, self._one_call(kv), x, batch, kv, rot, caps)
+            residual = layer_c.run_layers(self.layers, self.layer_modes(kv), x, batch, kv, rot, caps)
             if all_rows:
                 h = cpu_fused.add_rmsnorm(x, residual, self.final_norm, eps)
             else:
