@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -52,3 +53,18 @@ def test_kv_attention_bench_quick_reports_all_page_formats(capsys):
     mb = {k: float(v[3]) for k, v in rows.items()}  # ms, ratio, CPU ms, then MB
     assert mb["MXFP4 pages (in registers)"] == mb["NVFP4 pages (in registers)"]  # E8M0 per 16: 4.5 bits too
     assert mb["BF16 pages"] / mb["NVFP4 pages (in registers)"] == pytest.approx(128 / 36, rel=0.02)  # 16 vs 4.5 bits
+
+
+@pytest.mark.timeout(60)
+def test_kv_attention_bench_times_each_layer_over_its_own_pages():
+    spec = importlib.util.spec_from_file_location("bench_kv_attention", SCRIPT.parent / "bench_kv_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = torch.Generator().manual_seed(0)
+    a, b = bench.layer_pages(64, 2, 32, g), bench.layer_pages(64, 2, 32, g)
+    assert not torch.equal(a["kb"], b["kb"])  # a layer of its own, not the same pages again
+    report = bench.main(["--quick", "--threads", "1", "--batch", "2", "--layers", "3"])
+    assert "3 layer(s) of own pages a pass" in report and "ms/layer" in report
+    mb = [float(r.split("|")[5]) for r in report.splitlines() if r.startswith("| ") and "pages (" in r]
+    per_layer = 2 * (2 * 512) * 2 * (64 // 2 + 64 // 16) / 1e6  # K + V, batch x context slots, 2 KV heads
+    assert mb == pytest.approx([per_layer] * 2, abs=1e-3)  # NVFP4 and MXFP4, per layer, not per pass
