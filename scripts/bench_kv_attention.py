@@ -45,6 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--quick", action="store_true", help="512 context, 3 runs: a smoke test")
     args = ap.parse_args(argv)
+    if args.layers < 1:
+        ap.error(f"--layers must be at least 1, got {args.layers}")
     if args.quick:
         args.context, args.runs = 512, 3
     return args

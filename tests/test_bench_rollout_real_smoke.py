@@ -38,11 +38,16 @@ def test_quick_prints_every_contender_at_both_batches(capsys):
     assert "read bandwidth" in report and "anchors" in report
 
 
-@pytest.mark.timeout(60)
-def test_kv_attention_bench_quick_reports_all_page_formats(capsys):
+def _kv_bench():
     spec = importlib.util.spec_from_file_location("bench_kv_attention", SCRIPT.parent / "bench_kv_attention.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.timeout(60)
+def test_kv_attention_bench_quick_reports_all_page_formats(capsys):
+    bench = _kv_bench()
     report = bench.main(["--quick", "--threads", "1", "--batch", "2"])
     rows = {
         r.split("|")[1].strip(): r.split("|")[2:-1]
@@ -57,13 +62,13 @@ def test_kv_attention_bench_quick_reports_all_page_formats(capsys):
 
 @pytest.mark.timeout(60)
 def test_kv_attention_bench_times_each_layer_over_its_own_pages():
-    spec = importlib.util.spec_from_file_location("bench_kv_attention", SCRIPT.parent / "bench_kv_attention.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _kv_bench()
     g = torch.Generator().manual_seed(0)
     a, b = bench.layer_pages(64, 2, 32, g), bench.layer_pages(64, 2, 32, g)
     assert not torch.equal(a["kb"], b["kb"])  # a layer of its own, not the same pages again
     report = bench.main(["--quick", "--threads", "1", "--batch", "2", "--layers", "3"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--layers", "0"])
     assert "3 layer(s) of own pages a pass" in report and "ms/layer" in report
     mb = [float(r.split("|")[5]) for r in report.splitlines() if r.startswith("| ") and "pages (" in r]
     per_layer = 2 * (2 * 512) * 2 * (64 // 2 + 64 // 16) / 1e6  # K + V, batch x context slots, 2 KV heads
