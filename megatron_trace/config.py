@@ -169,7 +169,21 @@ class TrainerConfig(Section):
     lr: float = opt(1e-4, "Adam learning rate", low=0)
     clip_grad: float = opt(1.0, "global grad-norm clip", low=0)
     weight_decay: float = opt(0.0, "Adam weight decay", low=0)
-    micro_batch_size: int = opt(8, "sequences per micro-batch", low=1)
+    cp: int = opt(1, "context parallel size: each packed sample split in 2*cp zigzag chunks (gloo too)", low=1)
+    packing: bool = opt(
+        True, "pack samples into THD token streams by token budget; false: micro_batch_size right-padded rows"
+    )
+    max_tokens_per_microbatch: int = opt(
+        8192, "packed train micro-batch token budget per rank before CP split (a longer sample runs alone)", low=1
+    )
+    max_tokens_per_logprob_microbatch: int = opt(16384, "packed token budget of forward-only logprob recompute", low=1)
+    micro_batch_size: int = opt(8, "sequences per micro-batch of the padded layout (trainer.packing=false)", low=1)
+    logprob_chunk_mb: float = opt(128.0, "fp32 logits held at once by the chunked vocab-parallel logprobs (MiB)", low=1)
+    recompute: str = opt(
+        "none",
+        "activation recompute: none, selective (Megatron's core_attn + dense mlp modules), full (every layer)",
+        ("none", "selective", "full"),
+    )
     qat_mode: str = opt(
         "guided", "trainer forward: off (BF16), rtn (plain QAT), guided (TRACE)", ("off", "rtn", "guided")
     )

@@ -49,7 +49,9 @@ class Run:
 
         self.cfg, self.t0 = cfg, time.perf_counter()
         self.run_dir = Path(cfg.logging.run_dir)
-        init_distributed(tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep, seed=cfg.trainer.seed)
+        init_distributed(
+            tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep, seed=cfg.trainer.seed, cp=cfg.trainer.cp
+        )
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         if self.rank0:
             print("\n".join(console.plan_lines(cfg)), flush=True)

@@ -24,7 +24,7 @@ from megatron_trace.data import CharTokenizer
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.loop import Rollout
 from megatron_trace.models.tiny import make_tiny_checkpoint
-from megatron_trace.trainer.actor import Actor, Sample
+from megatron_trace.trainer.batching import Partition, Sample, plan
 from sglang_backend.api import GenerateRequest, GenerateResult, WeightBucket
 from sglang_backend.local import Engine
 from sglang_backend.local.server import serve
@@ -173,10 +173,9 @@ def test_guidance_record_of_wrong_length_is_a_clear_error(ckpt):
     finally:
         engine.shutdown()
     resp = out["output_ids"]
-    fake_actor = SimpleNamespace(cfg=SimpleNamespace(micro_batch_size=2, sequence_parallel=False))
     good = Sample("s0", [3, 4, 5], resp, [-0.1] * len(resp), 1.0, rec)
-    Actor._micro_batches(fake_actor, [good])  # the matching record passes
+    plan([good], packed=True, budget=64, batch=2, part=Partition())  # the matching record passes
     for prompt, response in [([3, 4, 5, 6, 7], resp), ([3, 4, 5], resp[:-2])]:  # record for another length
         bad = Sample("s1", prompt, response, [-0.1] * len(response), 1.0, rec)
         with pytest.raises(ValueError, match=r"covers \d+ positions; the sample needs \d+"):
-            Actor._micro_batches(fake_actor, [good, bad])
+            plan([good, bad], packed=True, budget=64, batch=2, part=Partition())

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
+from megatron_trace.trainer.packing import columns
 
 TOKENS = [[5, 17, 3, 99, 42, 7, 7, 61, 200, 13], [8, 1, 250, 4, 33, 90, 12, 6, 71, 2]]
 
@@ -59,7 +60,7 @@ def _megatron(actor, routed: list[torch.Tensor | None]):
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
     actor.ddp.zero_grad_buffer()
     actor.routing.clear_counters()
-    actor.routing.begin(routed, [f"s{i}" for i in range(b)], s)
+    actor.routing.begin(routed, [f"s{i}" for i in range(b)], columns(b, s), b * s)
     try:
         logits = actor.ddp(ids[:, :-1], pos, mask)[..., : actor.arch.vocab_size]
         loss = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).sum()
@@ -120,9 +121,11 @@ def test_replay_forward_and_backward_equal_hf_with_the_routing_forced(moe_ckpt, 
 
 def test_replay_on_refuses_samples_without_routed_experts(actor):
     with pytest.raises(ValueError, match=r"routing_replay is on but samples \['s1'\] carry no routed experts"):
-        actor.routing.begin([torch.zeros(9, actor.arch.num_layers, 2, dtype=torch.int32), None], ["s0", "s1"], 9)
+        actor.routing.begin(
+            [torch.zeros(9, actor.arch.num_layers, 2, dtype=torch.int32), None], ["s0", "s1"], columns(2, 9), 18
+        )
     with pytest.raises(ValueError, match=r"routed experts of shape \(9, 1, 2\)"):
-        actor.routing.begin([torch.zeros(9, 1, 2, dtype=torch.int32)], ["s0"], 9)
+        actor.routing.begin([torch.zeros(9, 1, 2, dtype=torch.int32)], ["s0"], columns(1, 9), 9)
     actor.routing.end()
 
 

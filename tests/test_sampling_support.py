@@ -1,8 +1,6 @@
 """Top-p/top-k sampling: the recorded logprob is the one of the distribution sampled from, and the
 trainer's recompute of it is the same number (importance ratio exactly 1 for identical logits)."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +8,7 @@ from hypothesis import strategies as st
 
 from megatron_trace.config import Config, RolloutConfig, TrainerConfig
 from megatron_trace.trainer.actor import Actor
+from megatron_trace.trainer.logprobs import VocabSpec, logprobs_from_logits
 from sglang_backend.api import SamplingParams
 from sglang_backend.local.sampling import sample_batch
 from sglang_backend.sampling_support import keep_mask, support_logprob
@@ -21,8 +20,9 @@ def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def _trainer_logprobs(cfg: RolloutConfig, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-    # The actor's own recompute function, on [B, S=1, V] logits as its loss sees them.
-    return Actor._token_logprobs(SimpleNamespace(sampling=cfg), logits[:, None, :], torch.tensor(tokens)[:, None])[:, 0]
+    # The actor's own recompute function (one TP rank holding the whole vocabulary).
+    spec = VocabSpec(0, logits.shape[-1], cfg.temperature, cfg.top_k, cfg.top_p)
+    return logprobs_from_logits(logits, torch.tensor(tokens), spec)
 
 
 @settings(max_examples=25, deadline=None)

@@ -55,6 +55,7 @@ def _rollout(ckpt, policy):
 def _qat_logits(ckpt, arch, ids, recs, routed, fused: bool):
     from megatron_trace.trainer.gpt import build_model, forward_logits, load_hf_weights
     from megatron_trace.trainer.micro_batch_guidance import MicroBatchGuidance
+    from megatron_trace.trainer.packing import columns
     from megatron_trace.trainer.qat import install_qat
     from megatron_trace.trainer.routing_replay import RoutingReplay
 
@@ -67,8 +68,9 @@ def _qat_logits(ckpt, arch, ids, recs, routed, fused: bool):
     out = {}
     for mode in ("off", "rtn", "guided"):
         state.set_mode(mode)
-        state.guidance = MicroBatchGuidance(recs, ids.shape[1])
-        state.routing_replay.begin(routed, [f"s{j}" for j in range(len(routed))], ids.shape[1])
+        state.guidance = MicroBatchGuidance.padded(recs, ids.shape[1])
+        b, s = ids.shape
+        state.routing_replay.begin(routed, [f"s{j}" for j in range(b)], columns(b, s), b * s)
         out[mode] = forward_logits(chunks, ids)
         state.routing_replay.end()
         out[mode + "_agreement"] = state.agreement()

@@ -46,7 +46,7 @@ def test_guided_micro_batch_reproduces_rollout_codes_in_seq_batch_layout():
     out = {}
     for mode in ("rtn", "guided"):
         st = QATState(ARCH, QuantPolicy(), mode)
-        st.guidance = MicroBatchGuidance(recs, s)
+        st.guidance = MicroBatchGuidance.padded(recs, s)
         out[mode] = st.activation(x_train, SITE, None)
         out[mode + "_agree"] = st.agreement()[SITE]
     for j, xr in enumerate(xs_roll):
@@ -62,7 +62,7 @@ def test_row_parallel_slice_matches_full_width():
     x_roll = torch.randn(6, 64, generator=g)
     recs = _records([x_roll], "mantissa")
     st = QATState(ARCH, QuantPolicy(), "guided")
-    st.guidance = MicroBatchGuidance(recs, 6)
+    st.guidance = MicroBatchGuidance.padded(recs, 6)
     full = st.guidance.site(SITE, None, "cpu")[0]
     half = st.guidance.site(SITE, slice(32, 64), "cpu")[0]
     assert torch.equal(half.scale, full.scale[:, 2:]) and torch.equal(half.mantissa, full.mantissa[:, 4:])
@@ -103,13 +103,13 @@ def test_sequence_parallel_rank_rows_equal_the_unsliced_result():
         x[: lens[j], j] = xr * (1 + 0.02 * torch.randn(xr.shape, generator=g))
     for mode in ("rtn", "guided"):
         whole = QATState(ARCH, QuantPolicy(), mode)
-        whole.guidance = MicroBatchGuidance(recs, s)
+        whole.guidance = MicroBatchGuidance.padded(recs, s)
         want = whole.activation(x, SITE, None)
         per_rank, counts = [], [0, 0]
         n = (s // tp) * len(lens)
         for r in range(tp):
             st = QATState(ARCH, QuantPolicy(), mode)
-            st.guidance = MicroBatchGuidance(recs, s)
+            st.guidance = MicroBatchGuidance.padded(recs, s)
             per_rank.append(
                 st.activation(x[r * s // tp : (r + 1) * s // tp], SITE, None, rows=slice(r * n, (r + 1) * n))
             )
@@ -119,7 +119,7 @@ def test_sequence_parallel_rank_rows_equal_the_unsliced_result():
         assert counts == whole.agree[SITE], mode
     # Unsliced guidance against one rank's rows is a layout error, not a silent round-to-nearest.
     st = QATState(ARCH, QuantPolicy(), "guided")
-    st.guidance = MicroBatchGuidance(recs, s)
+    st.guidance = MicroBatchGuidance.padded(recs, s)
     with pytest.raises(
         ValueError, match=r"QAT site model\.layers\.3\.mlp\.down_proj: the guidance has 24 rows .* has 12 rows"
     ):
@@ -162,7 +162,7 @@ def test_guided_mxfp4_follows_the_rollouts_e8m0_scales_and_codes(mode):
     out = {}
     for qat_mode in ("rtn", "guided"):
         st = QATState(ARCH, QuantPolicy(format="mxfp4"), qat_mode)
-        st.guidance = MicroBatchGuidance(_mx_records(xs_roll, mode), 5)
+        st.guidance = MicroBatchGuidance.padded(_mx_records(xs_roll, mode), 5)
         out[qat_mode] = st.activation(x, SITE, None)
         out[qat_mode + "_override"] = st.override_rate()
         if mode == "full":
@@ -176,7 +176,7 @@ def test_guided_mxfp4_follows_the_rollouts_e8m0_scales_and_codes(mode):
         assert out["guided_agree"] == 1.0 and out["rtn_agree"] < 1.0
     # A row-parallel K slice takes whole 32-blocks of the guidance.
     st = QATState(ARCH, QuantPolicy(format="mxfp4"), "guided")
-    st.guidance = MicroBatchGuidance(_mx_records(xs_roll, mode), 5)
+    st.guidance = MicroBatchGuidance.padded(_mx_records(xs_roll, mode), 5)
     half = st.activation(x[..., 64:], SITE, slice(64, 128))
     assert torch.equal(half, out["guided"][..., 64:])
 
@@ -207,7 +207,7 @@ def test_guided_mxfp4_kv_follows_the_rollouts_pages():
     res = {}
     for mode in ("rtn", "guided"):
         st = QATState(ARCH, QuantPolicy(kv="mxfp4"), mode)
-        st.guidance = MicroBatchGuidance([rec], 6)
+        st.guidance = MicroBatchGuidance.padded([rec], 6)
         res[mode] = st.kv(k_train, site, "mxfp4").squeeze(1)
     assert torch.equal(res["guided"], mxfp4.dequantize(q)) and not torch.equal(res["rtn"], mxfp4.dequantize(q))
 
@@ -286,7 +286,7 @@ def test_cuda_route_runs_the_triton_kernels_with_the_reference_bits(monkeypatch,
 
     def run():
         st = QATState(ARCH, QuantPolicy(), "guided")
-        st.guidance = MicroBatchGuidance(recs, 6)
+        st.guidance = MicroBatchGuidance.padded(recs, 6)
         return st.weight(w), st.activation(x, SITE, None), st.kv(k, k_site)
 
     want = run()
@@ -315,7 +315,7 @@ def test_guided_site_missing_from_a_guided_layer_stops_instead_of_rounding_to_ne
     mode, are unaffected."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(6, 1, 64, generator=g)
-    recs = MicroBatchGuidance(_records([x[:, 0]], "full"), 6)
+    recs = MicroBatchGuidance.padded(_records([x[:, 0]], "full"), 6)
     st = QATState(ARCH, QuantPolicy(), "guided")
     st.guidance = recs
     other = "model.layers.3.mlp.gate_up_proj"

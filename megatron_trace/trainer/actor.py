@@ -1,10 +1,14 @@
 """The actor: FP4-aware logprob recompute and the policy update on Megatron-Core.
 
-    samples (prompt, response, rollout logprobs, advantage, guidance record)
-      ─► micro-batches [mbs, S] (right-padded; input = tokens[:-1], labels = tokens[1:])
-      ─► Megatron pipeline schedule; before each micro-batch's forward the QAT state gets that
-         micro-batch's guidance, laid out [S, mbs] like Megatron's activations
-      ─► logp of each response token at the rollout's temperature
+    samples (prompt, response, rollout logprobs, advantage, guidance record, routed experts)
+      ─► batching.plan: packed THD streams under a token budget (or the padded reference layout),
+         dealt over data-parallel ranks, each sample split in zigzag halves over context parallel
+      ─► Megatron pipeline schedule; before each micro-batch's forward (and again before its
+         backward, for a recomputed forward) the QAT state and routing replay get that
+         micro-batch's guidance and routed experts, laid out in its rows
+      ─► the last hidden states of the response rows ─► logprobs.chunked_logprobs: logp of each
+         response token at the rollout's temperature and top-k/top-p, vocab-parallel over TP, a
+         chunk of logits at a time (and the policy's entropy)
       ─► (train) policy loss summed over response tokens / all response tokens of the batch,
          STE backward, DDP/TP grad reduction, grad clipping, Adam step
 Every rank passes the same samples; logprobs come back on every rank.
@@ -13,9 +17,9 @@ Every rank passes the same samples; logprobs come back on every rank.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,44 +27,34 @@ import torch.distributed as dist
 
 from megatron_trace import faults
 from megatron_trace.config import AlgoConfig, RolloutConfig, TrainerConfig
-from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy, pp_layer_range
 from megatron_trace.rl import policy_loss
-from sglang_backend.sampling_support import keep_mask, needs_filter, support_logprob
 
+from .batching import MicroBatch, Partition, Sample, plan
 from .gpt import _unwrap, build_model, load_hf_weights
-from .micro_batch_guidance import MicroBatchGuidance
+from .logprobs import VocabSpec, chunked_logprobs
 from .qat import install_qat
 from .routing_replay import RoutingReplay, assert_same_micro_batch, replay_enabled
 
-
-@dataclass
-class Sample:
-    sample_id: str
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]
-    advantage: float = 0.0
-    guidance: GuidanceRecord | None = None
-    routed_experts: torch.Tensor | None = None  # the rollout's expert ids [T, layers, top_k] (MoE)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.response_ids
+__all__ = ["Actor", "Sample"]
+log = logging.getLogger(__name__)
+_SUMMED = ("loss_sum", "clipped_frac", "is_clipped_frac", "masked_frac", "ratio_mean", "entropy", "tokens")
 
 
-@dataclass
-class _MicroBatch:
-    ids: torch.Tensor
-    labels: torch.Tensor
-    resp_mask: torch.Tensor
-    rollout_lp: torch.Tensor
-    adv: torch.Tensor
-    guidance: MicroBatchGuidance | None
-    count: int  # real samples (the rest is padding)
-    routed: list = field(default_factory=list)  # per batch column: the sample's routed experts or None
-    names: list = field(default_factory=list)  # per batch column: the sample id, None for padding
-    extra: dict = field(default_factory=dict)
+class _RestoreForBackward(torch.autograd.Function):
+    """Identity on a micro-batch's output whose backward runs first in that micro-batch's backward
+    pass: it re-binds the micro-batch's guidance and routing before any recomputed forward (under
+    1F1B other micro-batches' forwards ran in between)."""
+
+    @staticmethod
+    def forward(ctx, x, restore):
+        ctx.restore = restore
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.restore()
+        return grad, None
 
 
 class Actor:
@@ -97,7 +91,15 @@ class Actor:
                 f"trainer.ep={ep} needs an MoE model whose experts split evenly over it; "
                 f"{arch.family} has {arch.num_experts} experts"
             )
-        chunks = build_model(arch, dtype=dtype, sequence_parallel=cfg.sequence_parallel)
+        cp = ps.get_context_parallel_world_size()
+        if cp > 1 and not cfg.packing:
+            raise ValueError("trainer.cp > 1 needs packed micro-batches (trainer.packing=true)")
+        if cp > 1 and ep > 1:
+            raise ValueError(
+                "trainer.cp > 1 with trainer.ep > 1 is not supported: expert-site guidance maps the "
+                "dispatcher's gathered rows of identical micro-batches, which context parallel halves are not"
+            )
+        chunks = build_model(arch, dtype=dtype, sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)
         if hf_path is not None:
             load_hf_weights(chunks, hf_path, arch)
         model = chunks[0]
@@ -126,170 +128,178 @@ class Actor:
         )
         self.routing = RoutingReplay(_unwrap(model), arch, start, replay_enabled(cfg.routing_replay, arch))
         self.qat.routing_replay = self.routing  # expert-site guidance names slots by the rollout's ids
-        self._ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
+        self._ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
+        # Data-parallel ranks split the micro-batches, except under expert parallelism, whose expert
+        # guidance needs every rank of the EP group to hold the same micro-batch.
+        dp = ps.get_data_parallel_world_size()
+        tp = ps.get_tensor_model_parallel_world_size()
+        shards = dp if ep == 1 else 1
+        self.part = Partition(
+            shards,
+            ps.get_data_parallel_rank() if shards > 1 else 0,
+            cp,
+            ps.get_context_parallel_rank(),
+            tp if cfg.sequence_parallel and tp > 1 else 1,
+            ps.get_pipeline_model_parallel_world_size() > 1,
+        )
+        # grads are averaged over the data x context parallel ranks; the loss is a sum over them
+        self._grad_replicas = shards * cp
+        self._combine = (
+            ps.get_data_parallel_group(with_context_parallel=True)
+            if shards > 1
+            else (ps.get_context_parallel_group() if cp > 1 else None)
+        )
+        head = _unwrap(model).output_layer if ps.is_pipeline_last_stage() else None
+        self.head = head
+        if head is not None:
+            vocab_local = head.output_size_per_partition
+            self.vocab = VocabSpec(
+                ps.get_tensor_model_parallel_rank() * vocab_local,
+                arch.vocab_size,
+                self.sampling.temperature,
+                self.sampling.top_k,
+                self.sampling.top_p,
+                int(cfg.logprob_chunk_mb * (1 << 20)),
+                ps.get_tensor_model_parallel_group() if tp > 1 else None,
+            )
 
     @property
     def chunks(self) -> list:
         return [self.ddp]
 
-    # -- batching ------------------------------------------------------------------------------
-    def _micro_batches(self, samples: list[Sample]) -> tuple[list[_MicroBatch], int]:
-        mbs = self.cfg.micro_batch_size
-        seq = max(len(s.tokens) - 1 for s in samples)
-        if self.cfg.sequence_parallel:  # SP splits the sequence over TP: pad it to a multiple of TP
-            from megatron.core import parallel_state as ps
+    # -- one pass over the micro-batches --------------------------------------------------------
+    def _plan(self, samples: list[Sample], forward_only: bool) -> list[MicroBatch]:
+        c = self.cfg
+        budget = c.max_tokens_per_logprob_microbatch if forward_only else c.max_tokens_per_microbatch
+        return plan(samples, packed=c.packing, budget=budget, batch=c.micro_batch_size, part=self.part)
 
-            tp = ps.get_tensor_model_parallel_world_size()
-            seq = -(-seq // tp) * tp
-        out = []
-        for i in range(0, len(samples), mbs):
-            part = samples[i : i + mbs]
-            ids = torch.zeros(mbs, seq, dtype=torch.long)
-            labels = torch.zeros(mbs, seq, dtype=torch.long)
-            mask = torch.zeros(mbs, seq)
-            lp = torch.zeros(mbs, seq)
-            adv = torch.zeros(mbs, seq)
-            for j, s in enumerate(part):
-                t = torch.tensor(s.tokens)
-                n, p = len(t) - 1, len(s.prompt_ids)
-                if len(s.rollout_logprobs) != len(s.response_ids):
-                    raise ValueError(
-                        f"sample {s.sample_id}: {len(s.rollout_logprobs)} rollout logprobs "
-                        f"for {len(s.response_ids)} response tokens"
-                    )
-                ids[j, :n], labels[j, :n] = t[:-1], t[1:]
-                mask[j, p - 1 : n] = 1
-                lp[j, p - 1 : n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-                adv[j, p - 1 : n] = s.advantage
-                if s.guidance is not None:
-                    s.guidance.validate(n)
-            records = [s.guidance for s in part] + [None] * (mbs - len(part))
-            guidance = MicroBatchGuidance(records, seq) if any(r is not None for r in records) else None
-            pad = [None] * (mbs - len(part))
-            out.append(
-                _MicroBatch(
-                    ids,
-                    labels,
-                    mask,
-                    lp,
-                    adv,
-                    guidance,
-                    len(part),
-                    [s.routed_experts for s in part] + pad,
-                    [s.sample_id for s in part] + pad,
-                )
-            )
-        return out, seq
+    def _bind(self, mb: MicroBatch, recomputing: bool) -> None:
+        self.qat.set_micro_batch(mb.guidance, mb.layout.row_positions())
+        self.qat.recomputing = self.routing.recomputing = recomputing
+        self.routing.begin(mb.routed, mb.names, mb.layout.placements, mb.layout.ids.numel())
 
-    def _run(self, micro: list[_MicroBatch], seq: int, forward_only: bool, loss_cfg: AlgoConfig | None, total: float):
+    def _run(self, micro: list[MicroBatch], forward_only: bool, loss_cfg: AlgoConfig | None, total: float):
+        from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        vocab = self.arch.vocab_size
-        pos = torch.arange(seq).expand(self.cfg.micro_batch_size, seq)
-        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+        recompute = self.cfg.recompute != "none" and not forward_only
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            self.qat.guidance = mb.guidance
+            self._bind(mb, False)
+            lay = mb.layout
             if mb.guidance is not None:
-                assert_same_micro_batch(mb.ids, self._ep_group)
-            self.routing.begin(mb.routed, mb.names, seq)
-            out = model(mb.ids, pos, causal)
+                assert_same_micro_batch(lay.ids, self._ep_group)
+            if lay.packed:
+                packed = PackedSeqParams(
+                    qkv_format="thd",
+                    cu_seqlens_q=lay.cu_seqlens,
+                    cu_seqlens_kv=lay.cu_seqlens,
+                    max_seqlen_q=lay.max_seqlen,
+                    max_seqlen_kv=lay.max_seqlen,
+                )
+                out = model(lay.ids, lay.positions, None, packed_seq_params=packed)
+            else:
+                s = lay.ids.shape[1]
+                causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+                out = model(lay.ids, lay.positions, causal)
+            if recompute:
+                out = _RestoreForBackward.apply(out, lambda: self._bind(mb, True))
+            return out, lambda hidden: self._loss(mb, hidden, forward_only, loss_cfg, len(micro), total)
 
-            def loss_func(logits):
-                tok_lp = self._token_logprobs(logits[..., :vocab], mb.labels)
-                if forward_only:
-                    return torch.zeros(()), {"logp": tok_lp.detach().clone()}
-                m = mb.resp_mask.flatten()
-                loss, metrics = policy_loss(tok_lp.flatten(), mb.rollout_lp.flatten(), mb.adv.flatten(), m, loss_cfg)
-                # Sum over tokens / the batch's response tokens; the schedule divides by #micro-batches.
-                scaled = loss * len(micro) / total
-                metrics = {k: torch.tensor(v * float(m.sum())) for k, v in metrics.items()}
-                metrics["loss_sum"] = loss.detach().clone()
-                metrics["tokens"] = m.sum()
-                metrics["logp"] = tok_lp.detach().clone()
-                return scaled, metrics
+        s = max(m.layout.ids.shape[1] for m in micro)
+        if self.head is not None:
+            self.head.emit_hidden = True  # the loss forms the logits chunk by chunk
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro),
+                model=self.chunks,
+                num_microbatches=len(micro),
+                seq_length=s,
+                micro_batch_size=micro[0].layout.ids.shape[0],
+                forward_only=forward_only,
+            )
+        finally:
+            if self.head is not None:
+                self.head.emit_hidden = False
+            self.qat.set_micro_batch(None, None)
+            self.qat.recomputing = self.routing.recomputing = False
+            self.routing.end()
 
-            return out, loss_func
+    def _loss(self, mb: MicroBatch, hidden, forward_only: bool, loss_cfg, n_micro: int, total: float):
+        """Response-token logprobs from the last hidden states [B, S, H]; the policy loss."""
+        rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])  # Megatron's row order s*B + b
+        labels = mb.layout.labels.t().reshape(-1)[mb.resp_rows]
+        if len(mb.resp_rows):
+            tok_lp, ent = chunked_logprobs(rows[mb.resp_rows], self.head.head_weight, labels, self.vocab)
+        else:  # a filler micro-batch: nothing to score, but the schedule backpropagates its loss
+            tok_lp, ent = rows[:0, 0] * 0, torch.zeros(0)
+        out = {
+            "logp": tok_lp.detach().clone(),
+            "entropy": ent.sum().detach(),
+            "tokens": torch.tensor(float(len(labels))),
+        }
+        if forward_only:
+            return torch.zeros(()), out
+        ones = torch.ones_like(mb.rollout_lp)
+        loss, metrics = policy_loss(tok_lp, mb.rollout_lp, mb.adv, ones, loss_cfg)
+        # Sum over tokens / the batch's response tokens; the schedule divides by #micro-batches,
+        # DDP averages over the data x context parallel ranks that each hold part of the sum.
+        scaled = (loss if len(labels) else rows.sum() * 0.0) * n_micro * self._grad_replicas / total
+        out.update({k: torch.tensor(v * len(labels)) for k, v in metrics.items()})
+        out["loss_sum"] = loss.detach().clone()
+        return scaled, out
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro),
-            model=self.chunks,
-            num_microbatches=len(micro),
-            seq_length=seq,
-            micro_batch_size=self.cfg.micro_batch_size,
-            forward_only=forward_only,
-        )
+    def _gather(self, store, micro: list[MicroBatch], samples: list[Sample]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(per sample, the trainer's logprob of each response token; the summed metrics), on every
+        rank: filled by the ranks that computed them, summed over data/context parallel ranks, sent
+        from the last pipeline stage."""
+        from megatron.core import parallel_state as ps
 
-    def _token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """logp of each label under the rollout's sampling distribution (temperature, then the
-        top-k/top-p support renormalized: the rollout records exactly this)."""
-        c = self.sampling
-        logp = torch.log_softmax(logits.float() / c.temperature, dim=-1)
-        if not needs_filter(c.top_k, c.top_p, 0.0, logp.shape[-1]):
-            return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        flat, tok = logp.flatten(0, -2), labels.flatten()
-        with torch.no_grad():
-            keep = keep_mask(flat.exp(), c.top_k, c.top_p)
-        return support_logprob(flat, tok, keep).view_as(labels)
+        sizes = [len(s.response_ids) for s in samples]
+        starts = torch.tensor([0] + sizes).cumsum(0)
+        flat = torch.zeros(int(starts[-1]) + len(_SUMMED))
+        if ps.is_pipeline_last_stage():
+            for mb, d in zip(micro, store):
+                flat[starts[mb.resp_sample] + mb.resp_offset] = d["logp"].float()
+                for j, k in enumerate(_SUMMED):
+                    flat[int(starts[-1]) + j] += float(d.get(k, 0.0))
+        if self._combine is not None:
+            dist.all_reduce(flat, group=self._combine)
+        _broadcast_from_last_stage(flat)
+        lps = [flat[int(a) : int(b)].clone() for a, b in zip(starts[:-1], starts[1:])]
+        return lps, flat[int(starts[-1]) :]
 
     # -- public --------------------------------------------------------------------------------
     def compute_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Per sample, the trainer's logprob of each response token (fp32), on every rank."""
-
-        micro, seq = self._micro_batches(samples)
+        micro = self._plan(samples, True)
         self.ddp.eval()
         try:
             with torch.no_grad():
-                store = self._run(micro, seq, True, None, 1.0)
+                store = self._run(micro, True, None, 1.0)
         finally:
             self.ddp.train()
-            self.qat.guidance = None
-            self.routing.end()
-        return self._response_logprobs(store, micro, seq, samples)
-
-    def _response_logprobs(self, store, micro, seq, samples) -> list[torch.Tensor]:
-        from megatron.core import parallel_state as ps
-
-        if ps.is_pipeline_last_stage():
-            full = torch.cat([d["logp"] for d in store])
-        else:
-            full = torch.empty(len(micro) * self.cfg.micro_batch_size, seq)
-        _broadcast_from_last_stage(full)
-        return [full[i, len(s.prompt_ids) - 1 : len(s.tokens) - 1].clone() for i, s in enumerate(samples)]
+        return self._gather(store, micro, samples)[0]
 
     def train_step(self, samples: list[Sample], loss_cfg: AlgoConfig) -> tuple[dict[str, float], list[torch.Tensor]]:
         """One optimizer step; returns its metrics and the trainer's pre-update response logprobs
         (the same forward the loss used: what mismatch metrics compare with the rollout's)."""
-        from megatron.core import parallel_state as ps
-
-        micro, seq = self._micro_batches(samples)
+        micro = self._plan(samples, False)
         total = float(sum(len(s.response_ids) for s in samples))
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        try:
-            store = self._run(micro, seq, False, loss_cfg, max(total, 1.0))
-        finally:
-            self.qat.guidance = None
-            self.routing.end()
+        store = self._run(micro, False, loss_cfg, max(total, 1.0))
         ok, grad_norm, _ = self.optimizer.step()
-        sums = torch.zeros(6)
-        if ps.is_pipeline_last_stage() and store:
-            keys = ("loss_sum", "clipped_frac", "is_clipped_frac", "masked_frac", "ratio_mean", "tokens")  # summed
-            sums = torch.tensor([sum(float(d[k]) for d in store) for k in keys])
-        _broadcast_from_last_stage(sums)
-        n = max(float(sums[5]), 1.0)
-        metrics = {
-            "loss": float(sums[0]) / n,
-            "clipped_frac": float(sums[1]) / n,
-            "is_clipped_frac": float(sums[2]) / n,
-            "masked_frac": float(sums[3]) / n,
-            "ratio_mean": float(sums[4]) / n,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "update_ok": bool(ok),
-        }
-        return metrics, self._response_logprobs(store, micro, seq, samples)
+        lps, sums = self._gather(store, micro, samples)
+        s = dict(zip(_SUMMED, sums.tolist()))
+        n = max(s.pop("tokens"), 1.0)
+        metrics = {"loss": s.pop("loss_sum") / n, **{k: v / n for k, v in s.items()}}
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_ok"] = bool(ok)
+        metrics["micro_batches"] = float(len(micro))
+        return metrics, lps
 
     def routing_agreement(self) -> dict[str, float]:
         """routing_agreement / routing_replayed since the last `routing.clear_counters()` (collective over PP)."""

@@ -28,6 +28,10 @@ place where Megatron assumes a GPU even though the computation itself is device-
    every process's start-up here), and a fused kernel called on CPU would be compiled to C++ by
    inductor. Megatron's first import therefore runs with `torch.compile` as a pass-through, so
    `jit_fuser` is Megatron's own no-op choice and the kernels run eagerly (same math).
+8. Activation recompute (`tensor_parallel.checkpoint`) saves and restores the CUDA generator's
+   state beside the CPU one (`_get_cuda_rng_state` / `_set_cuda_rng_state`): without CUDA there is
+   none, so they save and restore nothing (the CPU generator and the tracker's named CPU states
+   are still saved and restored).
 
 Limits that are configuration, not patches (see `gpt.build_model`): the alltoall MoE token
 dispatcher needs CUDA streams (use "allgather") and `use_distributed_optimizer=True` rejects CPU
@@ -285,6 +289,9 @@ def apply_cpu_workarounds() -> bool:
             mod.get_grad_norm_fp32 = _cpu_get_grad_norm_fp32
         if hasattr(mod, "clip_grad_by_total_norm_fp32"):
             mod.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    # 8. Recompute's CUDA generator state.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     # 6. Router GEMM without Transformer Engine.
     from megatron.core.transformer.moe import moe_utils
 

@@ -7,9 +7,11 @@ GPU alike; its default layout fuses the pre-attention / pre-MLP RMSNorms into th
 under Transformer Engine's parameter names, translated to the unfused names the HF map speaks (see
 `_te_alias`).
 
-Positions: each row of `input_ids` is one sequence starting at position 0 (Megatron's rope uses
-0..S-1 and ignores position_ids), under a causal mask. Right padding is harmless for the logits of
-the real tokens; packed sequences must be split into rows by the caller.
+Layouts: the actor packs samples into THD streams (Megatron's PackedSeqParams: RoPE restarts per
+sample, attention stays inside each, `layer_spec.QATDotProductAttention`); `forward_logits` takes
+the padded [B, S] layout (each row one sequence from position 0 under a causal mask), the
+reference. The output layer is vocab-parallel (`layer_spec.LogprobHead`): logits are never gathered
+over TP except by `forward_logits`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models import ModelArch, hf_to_megatron, megatron_to_hf, padded_vocab_size
+
+# trainer.recompute -> Megatron's TransformerConfig settings
+RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
 
 # The fused layout (TE's, and the project spec's default) holds the pre-attention / pre-MLP norms in
 # the following linear: unfused name -> fused name.
@@ -53,6 +62,7 @@ def build_model(
     vocab_divisible_by: int = 128,
     sequence_parallel: bool = False,
     fused_norm: bool = True,
+    recompute: str = "none",
 ) -> list:
     """This rank's model chunks (one GPTModel; pre/post-process set by its pipeline stage).
 
@@ -65,16 +75,21 @@ def build_model(
     attention; `fused_norm` (the default, TE's layout) fuses the pre-attention and dense pre-MLP
     RMSNorms into linear_qkv / linear_fc1 so QAT quantizes the normalized activation; False keeps
     them as separate modules (the unfused layout, same logits).
+
+    recompute (trainer.recompute): none; selective, Megatron's selective recompute of core
+    attention and the dense MLPs; full, every layer's input kept and the layer recomputed.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .layer_spec import block_spec
+    from .layer_spec import LogprobHead, block_spec
 
     if arch.rope_scaling:
         raise ValueError(f"unsupported: rope scaling {arch.rope_scaling} is not mapped to Megatron")
     tp = ps.get_tensor_model_parallel_world_size()
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"trainer.recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}")
     moe = arch.is_moe
     if moe and (arch.mlp_only_layers or arch.decoder_sparse_step != 1):
         raise ValueError("unsupported: MoE models with dense layers (mlp_only_layers / decoder_sparse_step)")
@@ -95,6 +110,7 @@ def build_model(
         qk_layernorm=arch.qk_norm,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         sequence_parallel=_sequence_parallel(sequence_parallel, tp),
         params_dtype=dtype,
@@ -122,6 +138,7 @@ def build_model(
         moe_grouped_gemm=False,
         moe_token_dispatcher_type="allgather",  # alltoall needs CUDA streams
         moe_router_dtype="fp32" if moe else None,
+        **RECOMPUTE[recompute],
     )
     spec = block_spec(
         cfg, num_experts=arch.num_experts if moe else None, qk_layernorm=arch.qk_norm, fused_norm=fused_norm
@@ -133,11 +150,14 @@ def build_model(
         max_sequence_length=arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
-        parallel_output=False,  # logits gathered over TP: callers see the whole vocab
+        parallel_output=True,  # logits stay vocab-parallel over TP
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,  # float: RotaryEmbedding only exponentiates it
     )
+    if model.post_process:
+        # GPTModel builds a plain ColumnParallelLinear; the subclass only adds the hidden-states mode
+        model.output_layer.__class__ = LogprobHead
     if not cpu:
         model.cuda(torch.cuda.current_device())
     model.hf_arch = arch
@@ -266,8 +286,10 @@ def forward_logits(model_chunks: list, input_ids: torch.Tensor) -> torch.Tensor:
         out = m(ids, position_ids, mask)
 
         def collect(output_tensor, non_loss_data=False):
-            # Clone: the schedule may rescale or free the output buffer in place.
-            return output_tensor.detach().float().clone()
+            # The vocab-parallel logits, gathered over TP; clone: the schedule may free the buffer.
+            from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+            return gather_from_tensor_model_parallel_region(output_tensor.detach()).float().clone()
 
         return out, collect
 

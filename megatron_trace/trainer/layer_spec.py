@@ -27,8 +27,11 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -37,9 +40,12 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from .packed_attention import packed_attention, packed_attention_cp, te_attention
 
 
 @dataclass
@@ -155,21 +161,99 @@ class QATRowParallelLinear(RowParallelLinear):
         return (out + self.bias if self.bias is not None else out), None
 
 
-class QATDotProductAttention(DotProductAttention):
-    """Megatron's attention on K and V as the rollout caches them (FP4/FP8 fake-quantized)."""
+class QATDotProductAttention(MegatronModule):
+    """Core attention on K and V as the rollout caches them (FP4/FP8 fake-quantized), then:
+    packed THD micro-batches (what the actor runs) through `packed_attention` (TE's fused/flash
+    kernel where TE is installed on CUDA, torch's flash SDPA per sample otherwise; context parallel
+    too), memory linear in S; the padded [S, B] layout through Megatron's unfused
+    DotProductAttention (the S x S reference the tests compare with)."""
 
     # (state, site prefix "model.layers.N.self_attn.", (k_fmt, v_fmt), qat.KBias or None)
     qat_kv: tuple | None = None
 
-    def forward(self, query, key, value, *args, **kwargs):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.cp_group = pg_collection.cp
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+        # Megatron's local attention refuses context parallelism: the padded reference is CP1-only.
+        ref_cfg = config if config.context_parallel_size == 1 else None
+        self.unfused = (
+            None
+            if ref_cfg is None
+            else DotProductAttention(
+                ref_cfg,
+                layer_number,
+                attn_mask_type,
+                attention_type,
+                attention_dropout,
+                softmax_scale,
+                cp_comm_type,
+                pg_collection,
+            )
+        )
+        self.te = te_attention(
+            config, layer_number, attn_mask_type, attention_type, softmax_scale, cp_comm_type, pg_collection
+        )
+
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if self.qat_kv is not None and self.qat_kv[0].mode != "off":
             state, prefix, (k_fmt, v_fmt), k_bias = self.qat_kv
             if k_fmt != "bf16":  # a de-biased cache holds K - RoPE_pos(b): quantize that
-                rb = None if k_bias is None else k_bias.rotated(key.shape[0], key.device)
-                key = state.kv(key, prefix + "k_cache", k_fmt, offset=rb)
+                rb = None if k_bias is None else k_bias.rotated(state.positions_of_rows(key), key.device)
+                key = state.kv(key, prefix + "k_cache", k_fmt, offset=None if rb is None else rb.view(key.shape))
             if v_fmt != "bf16":
                 value = state.kv(value, prefix + "v_cache", v_fmt)
-        return super().forward(query, key, value, *args, **kwargs)
+        if packed_seq_params is None:
+            if self.unfused is None:
+                raise ValueError("context parallelism needs packed micro-batches (the padded layout is CP1-only)")
+            return self.unfused(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        if attention_bias is not None:
+            raise ValueError("the project's attention takes no attention bias")
+        if self.te is not None:
+            return self.te(query, key, value, None, attn_mask_type, None, packed_seq_params)
+        cu = packed_seq_params.cu_seqlens_q
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            out = packed_attention_cp(query, key, value, cu, self.softmax_scale, self.cp_group)
+        else:
+            out = packed_attention(query, key, value, cu, self.softmax_scale)
+        return out.reshape(out.shape[0], -1)
+
+
+class LogprobHead(ColumnParallelLinear):
+    """Megatron's output layer (vocab-parallel: `parallel_output=True`). With `emit_hidden` set it
+    returns the hidden states mapped exactly as the GEMM's input would be (all-reduce of their grad
+    over TP, or the sequence-parallel gather) and remembers the weight the GEMM would have used
+    (the embedding's when tied), so the logits can be formed chunk by chunk by the loss."""
+
+    emit_hidden = False
+    _used: tuple = (None,)  # a tuple: assigning a Parameter to a module attribute would register it
+
+    @property
+    def head_weight(self) -> torch.Tensor | None:
+        """The weight the last forward would have multiplied by (the embedding's when tied)."""
+        return self._used[0]
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if not self.emit_hidden:
+            return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        self._used = (self.weight if weight is None else weight,)
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, True, group=self.tp_group), None
+        return copy_to_tensor_model_parallel_region(input_, group=self.tp_group), None
 
 
 class QATSpecProvider(LocalSpecProvider):

@@ -1,9 +1,10 @@
-"""One micro-batch's rollout guidance in Megatron's [seq, batch] layout, assembled once per site.
+"""One micro-batch's rollout guidance in Megatron's row layout, assembled once per site.
 
-Each sample's guidance record covers its positions 0..T-1 in its batch column; positions past a
-record (or samples without one) are left uncovered in the mask, where QAT rounds to nearest. A
-row-parallel linear asks for its TP rank's K slice of the codes and scales. `QATState` (qat.py)
-reads it at every guided site.
+Each sample's record covers its positions 0..T-1; a `packing.Placement` says which rows of the
+micro-batch (Megatron's [S, B] flattened, or a packed stream) hold which of its positions. Rows past
+a record, padding and samples without one are left uncovered in the mask, where QAT rounds to
+nearest. A row-parallel linear asks for its TP rank's K slice of the codes and scales. `QATState`
+(qat.py) reads it at every guided site.
 """
 
 from __future__ import annotations
@@ -16,14 +17,23 @@ from megatron_trace.fp4 import RolloutRounding
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.guidance.record import layer_of
 
+from .packing import Placement, columns
+
 
 @dataclass
 class MicroBatchGuidance:
-    """Rollout records for the samples of one micro-batch ([seq, batch] layout, batch column b)."""
+    """Rollout records of one micro-batch's samples (records[i] sits at placements[i]), over
+    `n_rows` rows."""
 
     records: list[GuidanceRecord | None]
-    seq_len: int
+    placements: list[Placement]
+    n_rows: int
     _cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def padded(cls, records: list[GuidanceRecord | None], seq_len: int) -> MicroBatchGuidance:
+        """Records of a [seq_len, B = len(records)] micro-batch, sample j in batch column j."""
+        return cls(records, columns(len(records), seq_len), seq_len * len(records))
 
     def recorded_layers(self) -> set[int]:
         """Layers the rollout recorded any site of: in guided mode each of their FP4 sites must be
@@ -48,7 +58,7 @@ class MicroBatchGuidance:
         )
 
     def site(self, name: str, k_slice: slice | None, dev) -> tuple[RolloutRounding, torch.Tensor] | None:
-        """Rounding tensors [S*B, ..., K_local/...] and the mask of covered rows, or None."""
+        """Rounding tensors [rows, ..., K_local/...] and the mask of covered rows, or None."""
         key = (name, None if k_slice is None else (k_slice.start, k_slice.stop))
         if key in self._cache:
             return self._cache[key]
@@ -58,20 +68,21 @@ class MicroBatchGuidance:
             return None
         ref = present[0].sites[name]
         full = present[0].mode == "full"
-        s, b = self.seq_len, len(self.records)
+        n = self.n_rows
         inner = tuple(ref.scale.shape[1:-1])
-        scale = torch.zeros(s, b, *inner, ref.scale.shape[-1], dtype=torch.uint8)
-        payload = torch.zeros(s, b, *inner, ref.payload.shape[-1], dtype=torch.uint8)
-        gs = torch.ones(s, b, *inner, dtype=torch.float32)
-        mask = torch.zeros(s, b, dtype=torch.bool)
-        for j, rec in enumerate(self.records):
+        scale = torch.zeros(n, *inner, ref.scale.shape[-1], dtype=torch.uint8)
+        payload = torch.zeros(n, *inner, ref.payload.shape[-1], dtype=torch.uint8)
+        gs = torch.ones(n, *inner, dtype=torch.float32)
+        mask = torch.zeros(n, dtype=torch.bool)
+        for rec, place in zip(self.records, self.placements):
             if rec is None or name not in rec.sites:
                 continue
             site = rec.sites[name]
-            t = min(site.positions(), s)
-            scale[:t, j], payload[:t, j] = site.scale[:t], site.payload[:t]
-            gs[:t, j] = site.global_scale if site.global_scale.dim() == 0 else site.global_scale[:t]
-            mask[:t, j] = True
+            held = place.positions < site.positions()
+            rows, pos = place.rows[held], place.positions[held]
+            scale[rows], payload[rows] = site.scale[pos], site.payload[pos]
+            gs[rows] = site.global_scale if site.global_scale.dim() == 0 else site.global_scale[pos]
+            mask[rows] = True
         if k_slice is not None:
             k0, k1 = k_slice.start, k_slice.stop
             per = 2 if full else 8  # elements per payload byte
@@ -80,11 +91,11 @@ class MicroBatchGuidance:
             payload = payload[..., k0 // per : k1 // per]
 
         def flat(t):
-            return t.reshape(s * b, *t.shape[2:]).contiguous().to(dev)
+            return t.contiguous().to(dev)
 
         rr = RolloutRounding(
             flat(scale), flat(gs), codes=flat(payload) if full else None, mantissa=None if full else flat(payload)
         )
-        out = (rr, mask.reshape(-1).to(dev))
+        out = (rr, mask.to(dev))
         self._cache[key] = out
         return out

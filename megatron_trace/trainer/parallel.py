@@ -12,13 +12,13 @@ from megatron_trace.config import LaunchEnv
 from .cpu_compat import apply_cpu_workarounds
 
 
-def init_distributed(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> None:
-    """Initialize torch.distributed and Megatron's TP/PP/EP groups, and seed every RNG.
+def init_distributed(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0, cp: int = 1) -> None:
+    """Initialize torch.distributed and Megatron's TP/PP/CP/EP groups, and seed every RNG.
 
     Reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK (`config.LaunchEnv`; torch reads MASTER_ADDR/PORT); without
     them it starts a single-process world on an in-memory store (no port). Backend: nccl on
     CUDA (one device per LOCAL_RANK), gloo otherwise, where `apply_cpu_workarounds()` runs first.
-    The data-parallel size is what is left: world / (tp * pp). Safe to call when torch.distributed
+    The data-parallel size is what is left: world / (tp * pp * cp). Safe to call when torch.distributed
     is already initialized (the existing process group is reused).
     """
     cuda = torch.cuda.is_available()
@@ -36,8 +36,8 @@ def init_distributed(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> No
             # A single process needs no rendezvous port: two runs on one machine must not collide.
             dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
 
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -47,6 +47,7 @@ def init_distributed(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> No
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         expert_model_parallel_size=ep,
     )
     # Same seed on every rank for the default generators (data-parallel replicas must agree);

@@ -66,6 +66,9 @@ class QATState:
             raise ValueError(f"trainer.qat_mode must be one of {', '.join(QAT_MODES)}; got {mode!r}")
         self.arch, self.policy, self.mode, self.tp_group = arch, policy, mode, tp_group
         self.guidance: MicroBatchGuidance | None = None
+        self.row_positions: torch.Tensor | None = None  # each row's position in its sample (the micro-batch's)
+        # True while autograd recomputes a checkpointed forward: the same rounding, counted once
+        self.recomputing = False
         self.agree = defaultdict(lambda: [0, 0])  # site -> [elements agreeing with the rollout's codes, compared]
         # site -> [elements whose guided code differs from rtn, guided]: what mantissa guidance can measure in RL
         self.override = defaultdict(lambda: [0, 0])
@@ -76,6 +79,23 @@ class QATState:
         self.static_scales: dict[str, torch.Tensor] = {}  # site -> static activation S_enc (0-d)
         # the actor's RoutingReplay (the micro-batch's rollout expert ids): expert guidance matched by id
         self.routing_replay = None
+
+    def set_micro_batch(self, guidance: MicroBatchGuidance | None, row_positions: torch.Tensor | None) -> None:
+        """The micro-batch the next forward (or recomputed forward) belongs to."""
+        self.guidance, self.row_positions = guidance, row_positions
+
+    def positions_of_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's position in its sample for K/V rows x ([S, B, g, D] or packed [T, g, D]): the
+        micro-batch's, or 0..S-1 per batch column for a direct call on the padded layout."""
+        b = x.shape[1] if x.dim() == 4 else 1
+        if self.row_positions is None:
+            return torch.arange(x.shape[0]).repeat_interleave(b)
+        if len(self.row_positions) != x.shape[0] * b:
+            raise ValueError(
+                f"the micro-batch has {len(self.row_positions)} rows of positions but attention sees "
+                f"{x.shape[0] * b} rows: the layout and the model's input disagree"
+            )
+        return self.row_positions
 
     def tp_size(self) -> int:
         return dist.get_world_size(self.tp_group) if self.tp_group is not None and dist.is_initialized() else 1
@@ -202,7 +222,8 @@ class QATState:
             gs = rr.global_scale[:, heads] if rr.global_scale.dim() > 1 else rr.global_scale
             rr = RolloutRounding(pick(rr.scale), gs, pick(rr.codes), pick(rr.mantissa))
         if self.mode != "guided":
-            self._count(site, q, rr, mask)
+            if not self.recomputing:
+                self._count(site, q, rr, mask)
             return deq
         codes, mant = rr.codes, rr.mantissa
         if self.mantissa_from_codes and codes is not None:
@@ -211,17 +232,20 @@ class QATState:
             g = guided_quantize_mxfp4(x_rows, rr.scale, codes=codes, mantissa=mant, block=q.block)
         else:
             g = nvfp4_guided_quantize(x_rows, rr.scale, rr.global_scale, codes=codes, mantissa=mant)
-        self._count(site, g, rr, mask)
-        changed = (unpack_fp4(g.data) != unpack_fp4(q.data))[mask]
-        o = self.override[site]
-        o[0] += int(changed.sum())
-        o[1] += changed.numel()
+        if not self.recomputing:
+            self._count(site, g, rr, mask)
+            changed = (unpack_fp4(g.data) != unpack_fp4(q.data))[mask]
+            o = self.override[site]
+            o[0] += int(changed.sum())
+            o[1] += changed.numel()
         m = mask.reshape(-1, *([1] * (deq.dim() - 1)))
         return torch.where(m, dequantize_any(g), deq)
 
     def _unguided(self, site: str, n: int) -> None:
         """Rows that had a record but could not be matched to it: round-to-nearest, said loudly
         (once per site) and counted (`unguided_rows`)."""
+        if self.recomputing:
+            return
         if site not in self.unguided and self.mode == "guided":
             log.warning(
                 "QAT site %s: guidance could not be matched to this rank's rows (experts under "
@@ -281,10 +305,10 @@ class KBias:
         self.linear_qkv, self.per_group, self.theta = linear_qkv, arch.num_heads // arch.num_kv_heads, arch.rope_theta
         self.head_dim = arch.head_dim
 
-    def rotated(self, seq_len: int, device) -> torch.Tensor:
-        """RoPE_pos(b) in fp32 [S, 1, groups, D] for positions 0..S-1 (the trainer's layout)."""
+    def rotated(self, positions: torch.Tensor, device) -> torch.Tensor:
+        """RoPE_pos(b) in fp32 [rows, groups, D] at each row's position."""
         b = self.linear_qkv.bias.view(-1, self.per_group + 2, self.head_dim)[:, self.per_group]
-        return rotated_bias(b, torch.arange(seq_len, device=device), self.theta)[:, None]
+        return rotated_bias(b, positions.to(device), self.theta)
 
 
 def install_qat(

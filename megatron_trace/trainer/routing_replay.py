@@ -6,9 +6,9 @@ guidance matched by expert id.
       ─► replay on : each router's RouterReplay gets them with REPLAY_FORWARD: the router's
                      probabilities are its own scores gathered at the rollout's experts (softmax
                      over those k logits when top-k is renormalized), so the gradient still reaches
-                     the router; no activation recomputation is configured, so backward never
-                     re-routes (REPLAY_BACKWARD is for that) and the forward's choice is the one
-                     trained through
+                     the router; under activation recompute the actor re-sets the micro-batch's ids
+                     before its backward (actor.RestoreForBackward), so the recomputed forward
+                     routes as the forward did
          replay off: the trainer routes on its own; the ids still name the rollout's slots
       ─► a forward hook on each router counts, over the rollout's (token, layer, k) choices, how
          often the trainer's own top-k (its scores, Megatron's topk) holds the same expert
@@ -50,6 +50,8 @@ def replay_enabled(mode: str, arch) -> bool:
 class RoutingReplay:
     """The routers of one model chunk, the current micro-batch's rollout ids, agreement counters."""
 
+    recomputing = False  # set while a checkpointed forward is recomputed: route the same, count once
+
     def __init__(self, model: torch.nn.Module, arch, layer_offset: int, replay: bool):
         self.arch = arch
         self.routers: dict[int, torch.nn.Module] = {}
@@ -74,12 +76,6 @@ class RoutingReplay:
 
         if on and not self.routers:
             raise ValueError("routing replay needs an MoE model: this one has no routers")
-        if on and any(r.config.recompute_granularity is not None for r in self.routers.values()):
-            # a recomputed forward during backward would re-route with whatever targets are set then
-            raise ValueError(
-                "routing replay with activation recomputation (recompute_granularity) is not "
-                "supported: it needs RouterReplay's REPLAY_BACKWARD per micro-batch"
-            )
         self.replay = on
         for router in self.routers.values():
             if on and router.router_replay is None:
@@ -88,13 +84,14 @@ class RoutingReplay:
                 router.router_replay = RouterReplay()
 
     # -- per micro-batch -------------------------------------------------------------------------
-    def begin(self, routed: list[torch.Tensor | None], names: list[str | None], seq_len: int) -> None:
-        """The micro-batch's rollout ids (one entry per batch column; None for padding columns or a
-        sample without routed experts). With replay on every real sample must carry them."""
+    def begin(self, routed: list[torch.Tensor | None], names: list[str], placements: list, n_rows: int) -> None:
+        """The micro-batch's rollout ids: routed[i] / names[i] of the sample at placements[i]
+        (`packing.Placement`: its rows of the micro-batch's n_rows and their positions). With replay
+        on every sample must carry them; padding rows replay expert ids 0..k-1 and are not counted."""
         self.current = self.local = None
         if not self.routers:
             return
-        missing = [n for n, r in zip(names, routed) if n is not None and r is None]
+        missing = [n for n, r in zip(names, routed) if r is None]
         if self.replay and missing:
             raise ValueError(
                 f"trainer.routing_replay is on but samples {missing[:3]} carry no routed experts: the rollout "
@@ -105,28 +102,28 @@ class RoutingReplay:
             if self.replay:
                 self._set(None)
             return
-        k, b = self.arch.num_experts_per_tok, len(routed)
-        ids = torch.arange(k).repeat(seq_len, b, self.arch.num_layers, 1)  # [S, B, L, k]; padding rows
-        valid = torch.zeros(seq_len, b, dtype=torch.bool)
-        for j, r in enumerate(routed):
+        k, layers = self.arch.num_experts_per_tok, self.arch.num_layers
+        ids = torch.arange(k).repeat(n_rows, layers, 1)  # [rows, L, k]; padding rows
+        valid = torch.zeros(n_rows, dtype=torch.bool)
+        for r, name, place in zip(routed, names, placements):
             if r is None:
                 continue
-            if r.dim() != 3 or r.shape[1:] != (self.arch.num_layers, k) or r.shape[0] > seq_len:
+            if r.dim() != 3 or r.shape[1:] != (layers, k):
                 raise ValueError(
-                    f"sample {names[j]}: routed experts of shape {tuple(r.shape)}; the micro-batch "
-                    f"needs [<= {seq_len}, {self.arch.num_layers} layers, top-{k}]"
+                    f"sample {name}: routed experts of shape {tuple(r.shape)}; "
+                    f"need [positions, {layers} layers, top-{k}]"
                 )
-            ids[: r.shape[0], j] = r.long()
-            valid[: r.shape[0], j] = True
-        flat = ids.reshape(seq_len * b, self.arch.num_layers, k)
-        self.current = {layer: (flat[:, layer].contiguous(), valid.reshape(-1)) for layer in self.routers}
+            held = place.positions < r.shape[0]
+            ids[place.rows[held]] = r[place.positions[held]].long()
+            valid[place.rows[held]] = True
+        self.current = {layer: (ids[:, layer].contiguous(), valid) for layer in self.routers}
         rank, size = self.sp_split
-        if seq_len % size:
+        if n_rows % size:
             raise ValueError(
-                f"sequence parallel over {size} ranks needs the micro-batch's {seq_len} positions "
-                "padded to a multiple of it (the actor pads)"
+                f"sequence parallel over {size} ranks needs the micro-batch's {n_rows} rows to be a "
+                "multiple of it (the actor pads)"
             )
-        rows = slice(rank * seq_len // size * b, (rank + 1) * seq_len // size * b)  # rows are s * B + b
+        rows = slice(rank * n_rows // size, (rank + 1) * n_rows // size)
         self.local = {layer: (ids_[rows], v[rows]) for layer, (ids_, v) in self.current.items()}
         if self.replay:
             self._set(self.local)
@@ -158,7 +155,7 @@ class RoutingReplay:
     def _agreement_hook(self, layer: int):
         def hook(router, args, output):
             got = None if self.local is None else self.local.get(layer)
-            if got is None:
+            if got is None or self.recomputing:
                 return
             _probs, routing_map = output
             with torch.no_grad():

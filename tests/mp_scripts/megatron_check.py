@@ -38,7 +38,9 @@ def _train(chunks, arch: ModelArch, ids: torch.Tensor, steps: int = 3) -> dict:
     next-token loss; exercises the schedule/optimizer/clip-grad CPU workarounds."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     model = chunks[0]
     # As Megatron-LM's training loop does: DP grad all-reduce + the TP all-reduce of the
@@ -61,7 +63,11 @@ def _train(chunks, arch: ModelArch, ids: torch.Tensor, steps: int = 3) -> dict:
         opt.zero_grad()
 
         def step(_it, m):
-            logits = m(inp, pos, mask)[..., : arch.vocab_size]
+            out = m(inp, pos, mask)
+            if not ps.is_pipeline_last_stage():
+                return out, None  # hidden states for the next stage
+            # the model's logits are vocab-parallel: this plain CE reference gathers them over TP
+            logits = gather_from_tensor_model_parallel_region(out)[..., : arch.vocab_size]
 
             def loss_fn(out):
                 loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten())

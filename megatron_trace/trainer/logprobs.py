@@ -1,0 +1,199 @@
+"""Token logprobs and entropy from the last hidden states, without the whole vocabulary.
+
+    hidden [R, H] (response rows only) ──┐
+    this TP rank's vocab rows W [V/TP, H] ┴─► per chunk of rows:
+        z = h·Wᵀ / temperature (fp32 [c, V/TP], Megatron's vocab padding left out)
+        max and Σexp all-reduced over TP ─► log-softmax of the labels; entropy
+        top-k / top-p: the support found exactly without gathering the vocabulary
+    backward recomputes each chunk's z: memory is one chunk's logits, never [R, V] or [T, V]
+
+`layer_spec.LogprobHead` is GPTModel's output layer: Megatron's vocab-parallel linear, which on
+request returns its (TP-copied or SP-gathered) input instead of logits, so the actor feeds that to
+`chunked_logprobs`. At TP1 the chunk's log-softmax is torch's own, so identical logits give the
+rollout's numbers bit for bit (`sglang_backend.sampling_support`: ratio exactly 1). Imports
+nothing of Megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from sglang_backend.sampling_support import keep_mask, needs_filter
+
+
+@dataclass(frozen=True)
+class VocabSpec:
+    """How one rank's vocab rows map to tokens, and the sampling distribution's parameters."""
+
+    vocab_start: int  # first token id of this rank's rows
+    real_vocab: int  # ids at or past it are Megatron's vocab padding (never sampled)
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    chunk_bytes: int = 128 << 20  # fp32 logits held per chunk
+    group: object = None  # the TP group (None: one rank)
+
+
+def _tp(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def _all_reduce(t: torch.Tensor, spec: VocabSpec, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if _tp(spec.group) > 1:
+        dist.all_reduce(t, op=op, group=spec.group)
+    return t
+
+
+def _width(w: torch.Tensor, spec: VocabSpec) -> int:
+    """This rank's real vocab rows (Megatron pads the vocab to a multiple of 128 x TP)."""
+    return min(max(spec.real_vocab - spec.vocab_start, 0), w.shape[0])
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, spec: VocabSpec) -> torch.Tensor:
+    return (h @ w[: _width(w, spec)].t()).float() / spec.temperature
+
+
+def _label_mask(labels: torch.Tensor, spec: VocabSpec, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's column of each label, clamped; whether the label is on this rank)."""
+    local = labels - spec.vocab_start
+    mine = (local >= 0) & (local < width)
+    return local.clamp(0, width - 1), mine
+
+
+def _log_softmax(z: torch.Tensor, spec: VocabSpec) -> torch.Tensor:
+    if _tp(spec.group) == 1:
+        return torch.log_softmax(z, dim=-1)  # torch's: the rollout's sampler computes exactly this
+    m = z.amax(-1) if z.shape[-1] else torch.full(z.shape[:1], float("-inf"), device=z.device)
+    m = _all_reduce(m, spec, dist.ReduceOp.MAX)
+    s = _all_reduce(torch.exp(z - m[:, None]).sum(-1), spec)
+    return z - (m + torch.log(s))[:, None]
+
+
+def _support(probs: torch.Tensor, spec: VocabSpec) -> torch.Tensor | None:
+    """bool [c, V/TP]: the tokens top-k / top-p keep (None: no filter), as `keep_mask` would find
+    them on the gathered rows. Top-k: the k-th largest probability from every rank's local top-k.
+    Top-p: a token in the global nucleus has less than top_p of mass before it on its own rank too,
+    so each rank's such candidates, gathered, hold the whole nucleus and everything ranked before
+    any of its members; the nucleus is then computed on them in the global stable order."""
+    vocab = spec.real_vocab
+    if not needs_filter(spec.top_k, spec.top_p, 0.0, vocab):
+        return None
+    if _tp(spec.group) == 1:
+        return keep_mask(probs, spec.top_k, spec.top_p)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if spec.top_k != -1 and spec.top_k < vocab:
+        local = torch.full((probs.shape[0], spec.top_k), -1.0, dtype=probs.dtype, device=probs.device)
+        k = min(spec.top_k, probs.shape[-1])
+        local[:, :k] = torch.topk(probs, k, dim=-1).values
+        parts = [torch.empty_like(local) for _ in range(_tp(spec.group))]
+        dist.all_gather(parts, local.contiguous(), group=spec.group)
+        kth = torch.topk(torch.cat(parts, -1), spec.top_k, dim=-1).values[:, -1:]
+        keep &= probs >= kth
+    if spec.top_p < 1.0:
+        keep &= _nucleus(torch.where(keep, probs, torch.zeros((), dtype=probs.dtype)), spec)
+    return keep
+
+
+def _nucleus(probs: torch.Tensor, spec: VocabSpec) -> torch.Tensor:
+    rows, width = probs.shape
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(sorted_p, -1) - sorted_p
+    count = torch.tensor([int((before < spec.top_p).sum(-1).max())], dtype=torch.long)
+    c = int(_all_reduce(count, spec, dist.ReduceOp.MAX))
+    vals = torch.full((rows, c), -1.0, dtype=probs.dtype)
+    ids = torch.full((rows, c), -1, dtype=torch.long)
+    cand = before[:, :c] < spec.top_p
+    vals[:, : min(c, width)] = torch.where(cand, sorted_p[:, :c], torch.full_like(sorted_p[:, :c], -1.0))
+    ids[:, : min(c, width)] = order[:, :c] + spec.vocab_start
+    world = _tp(spec.group)
+    gv, gi = [torch.empty_like(vals) for _ in range(world)], [torch.empty_like(ids) for _ in range(world)]
+    dist.all_gather(gv, vals, group=spec.group)
+    dist.all_gather(gi, ids, group=spec.group)
+    allv, alli = torch.cat(gv, -1), torch.cat(gi, -1)
+    by_id = torch.argsort(torch.where(allv < 0, torch.iinfo(torch.long).max, alli), dim=-1, stable=True)
+    allv, alli = allv.gather(-1, by_id), alli.gather(-1, by_id)
+    srt, o = torch.sort(allv, dim=-1, descending=True, stable=True)  # ties: lower token id first
+    kept = ((torch.cumsum(srt.clamp(min=0), -1) - srt.clamp(min=0)) < spec.top_p) & (srt >= 0)
+    kept_ids = torch.where(kept, alli.gather(-1, o), -1)
+    out = torch.zeros_like(probs, dtype=torch.bool)
+    local = kept_ids - spec.vocab_start
+    ok = (kept_ids >= 0) & (local >= 0) & (local < width)
+    r = torch.arange(rows)[:, None].expand_as(local)
+    out[r[ok], local[ok]] = True
+    return out
+
+
+def _chunk(z, labels, spec: VocabSpec):
+    """(logp of the labels, entropy, q = the filtered renormalized probabilities) of one chunk of
+    fp32 logits z [c, real V/TP] (temperature applied)."""
+    logp_all = _log_softmax(z, spec)
+    probs = logp_all.exp()
+    col, mine = _label_mask(labels, spec, z.shape[-1])
+    tok = _all_reduce(torch.where(mine, logp_all.gather(-1, col[:, None])[:, 0], 0.0), spec)
+    ent = _all_reduce(-torch.where(probs > 0, probs * logp_all, 0.0).sum(-1), spec)
+    keep = _support(probs, spec)
+    if keep is None:
+        return tok, ent, probs
+    rows = torch.arange(len(labels))
+    keep[rows[mine], col[mine]] = True  # the sampled token is always in the support
+    kept = torch.where(keep, probs, torch.zeros((), dtype=probs.dtype))
+    mass = _all_reduce(kept.sum(-1), spec)
+    return tok - torch.log(mass), ent, kept / mass[:, None]
+
+
+def _rows_per_chunk(w: torch.Tensor, spec: VocabSpec) -> int:
+    return max(1, spec.chunk_bytes // (4 * w.shape[0]))
+
+
+class _ChunkedLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, spec: VocabSpec):
+        step = _rows_per_chunk(weight, spec)
+        tok, ent = [], []
+        for i in range(0, max(len(labels), 1), step):
+            t, e, _ = _chunk(_chunk_logits(hidden[i : i + step], weight, spec), labels[i : i + step], spec)
+            tok.append(t)
+            ent.append(e)
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.spec = spec
+        out_ent = torch.cat(ent)
+        ctx.mark_non_differentiable(out_ent)
+        return torch.cat(tok), out_ent
+
+    @staticmethod
+    def backward(ctx, grad_tok, _grad_ent):
+        hidden, weight, labels = ctx.saved_tensors
+        spec = ctx.spec
+        step = _rows_per_chunk(weight, spec)
+        grad_h = torch.empty_like(hidden)
+        width = _width(weight, spec)
+        w = weight[:width]
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for i in range(0, len(labels), step):
+            h, lab = hidden[i : i + step], labels[i : i + step]
+            _, _, q = _chunk(_chunk_logits(h, weight, spec), lab, spec)
+            col, mine = _label_mask(lab, spec, q.shape[-1])
+            g = -q
+            rows = torch.arange(len(lab))
+            g[rows[mine], col[mine]] += 1.0
+            g *= grad_tok[i : i + step, None].float() / spec.temperature
+            grad_h[i : i + step] = (g.to(weight.dtype) @ w).to(hidden.dtype)
+            grad_w[:width] += g.t() @ h.float()
+        return grad_h, grad_w.to(weight.dtype), None, None
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: VocabSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp [R] of each label under the sampling distribution, differentiable in hidden and weight;
+    entropy [R] of softmax(z / temperature), no grad). hidden [R, H], weight this rank's [V/TP, H]."""
+    return _ChunkedLogprob.apply(hidden, weight, labels, spec)
+
+
+@torch.no_grad()
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, spec: VocabSpec) -> torch.Tensor:
+    """The same logprobs from logits a caller already holds ([R, real V/TP] before temperature)."""
+    return _chunk(logits.float() / spec.temperature, labels, spec)[0]
