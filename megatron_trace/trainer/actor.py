@@ -142,8 +142,9 @@ class Actor:
             tp if cfg.sequence_parallel and tp > 1 else 1,
             ps.get_pipeline_model_parallel_world_size() > 1,
         )
-        # grads are averaged over the data x context parallel ranks; the loss is a sum over them
-        self._grad_replicas = shards * cp
+        # DDP averages grads over the data x context parallel ranks; the loss is a sum over the data
+        # shards (Megatron's schedule already multiplies each rank's loss by the CP size)
+        self._grad_replicas = shards
         self._combine = (
             ps.get_data_parallel_group(with_context_parallel=True)
             if shards > 1
@@ -244,8 +245,8 @@ class Actor:
             return torch.zeros(()), out
         ones = torch.ones_like(mb.rollout_lp)
         loss, metrics = policy_loss(tok_lp, mb.rollout_lp, mb.adv, ones, loss_cfg)
-        # Sum over tokens / the batch's response tokens; the schedule divides by #micro-batches,
-        # DDP averages over the data x context parallel ranks that each hold part of the sum.
+        # Sum over tokens / the batch's response tokens; the schedule divides by #micro-batches
+        # (and multiplies by the CP size), DDP averages over the data x context parallel ranks.
         scaled = (loss if len(labels) else rows.sum() * 0.0) * n_micro * self._grad_replicas / total
         out.update({k: torch.tensor(v * len(labels)) for k, v in metrics.items()})
         out["loss_sum"] = loss.detach().clone()

@@ -126,22 +126,27 @@ def _nucleus(probs: torch.Tensor, spec: VocabSpec) -> torch.Tensor:
     return out
 
 
-def _chunk(z, labels, spec: VocabSpec):
+def _chunk(z, labels, spec: VocabSpec, stats: bool = True):
     """(logp of the labels, entropy, q = the filtered renormalized probabilities) of one chunk of
-    fp32 logits z [c, real V/TP] (temperature applied)."""
+    fp32 logits z [c, real V/TP] (temperature applied). stats=False (backward): q only."""
     logp_all = _log_softmax(z, spec)
-    probs = logp_all.exp()
     col, mine = _label_mask(labels, spec, z.shape[-1])
-    tok = _all_reduce(torch.where(mine, logp_all.gather(-1, col[:, None])[:, 0], 0.0), spec)
-    ent = _all_reduce(-torch.where(probs > 0, probs * logp_all, 0.0).sum(-1), spec)
+    tok = ent = None
+    if stats:
+        picked = logp_all.gather(-1, col[:, None])[:, 0] if z.shape[-1] else torch.zeros(len(labels))
+        tok = _all_reduce(torch.where(mine, picked, 0.0), spec)
+        probs = logp_all.exp()
+        ent = _all_reduce(-torch.linalg.vecdot(probs, logp_all), spec)
+    else:
+        probs = logp_all.exp_()
     keep = _support(probs, spec)
     if keep is None:
         return tok, ent, probs
     rows = torch.arange(len(labels))
     keep[rows[mine], col[mine]] = True  # the sampled token is always in the support
-    kept = torch.where(keep, probs, torch.zeros((), dtype=probs.dtype))
+    kept = probs.masked_fill_(~keep, 0.0)
     mass = _all_reduce(kept.sum(-1), spec)
-    return tok - torch.log(mass), ent, kept / mass[:, None]
+    return (None if tok is None else tok - torch.log(mass)), ent, kept.div_(mass[:, None])
 
 
 def _rows_per_chunk(w: torch.Tensor, spec: VocabSpec) -> int:
@@ -153,15 +158,15 @@ class _ChunkedLogprob(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, spec: VocabSpec):
         step = _rows_per_chunk(weight, spec)
         tok, ent = [], []
-        for i in range(0, max(len(labels), 1), step):
+        for i in range(0, len(labels), step):
             t, e, _ = _chunk(_chunk_logits(hidden[i : i + step], weight, spec), labels[i : i + step], spec)
             tok.append(t)
             ent.append(e)
         ctx.save_for_backward(hidden, weight, labels)
         ctx.spec = spec
-        out_ent = torch.cat(ent)
+        out_ent = torch.cat(ent) if ent else torch.zeros(0)
         ctx.mark_non_differentiable(out_ent)
-        return torch.cat(tok), out_ent
+        return (torch.cat(tok) if tok else hidden.new_zeros(0, dtype=torch.float32)), out_ent
 
     @staticmethod
     def backward(ctx, grad_tok, _grad_ent):
@@ -174,9 +179,8 @@ class _ChunkedLogprob(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for i in range(0, len(labels), step):
             h, lab = hidden[i : i + step], labels[i : i + step]
-            _, _, q = _chunk(_chunk_logits(h, weight, spec), lab, spec)
-            col, mine = _label_mask(lab, spec, q.shape[-1])
-            g = -q
+            g = _chunk(_chunk_logits(h, weight, spec), lab, spec, stats=False)[2].neg_()
+            col, mine = _label_mask(lab, spec, g.shape[-1])
             rows = torch.arange(len(lab))
             g[rows[mine], col[mine]] += 1.0
             g *= grad_tok[i : i + step, None].float() / spec.temperature

@@ -78,8 +78,12 @@ class MicroBatchGuidance:
             if rec is None or name not in rec.sites:
                 continue
             site = rec.sites[name]
-            held = place.positions < site.positions()
-            rows, pos = place.rows[held], place.positions[held]
+            if place.start is not None:
+                t = min(site.positions(), len(place.rows))
+                rows, pos = slice(place.start, place.start + t), slice(0, t)
+            else:
+                held = place.positions < site.positions()
+                rows, pos = place.rows[held], place.positions[held]
             scale[rows], payload[rows] = site.scale[pos], site.payload[pos]
             gs[rows] = site.global_scale if site.global_scale.dim() == 0 else site.global_scale[pos]
             mask[rows] = True

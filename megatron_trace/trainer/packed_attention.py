@@ -34,10 +34,22 @@ def _sdpa(q, k, v, scale, causal=True, mask=None) -> torch.Tensor:
 
 
 def packed_attention(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Each sample of the stream attends causally to itself: [T, heads, D]."""
-    bounds = cu_seqlens.tolist()
-    parts = [_sdpa(q[a:b], k[a:b], v[a:b], scale) for a, b in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(parts)
+    """Each sample of the stream attends causally to itself: [T, heads, D]. Samples of one length
+    run as one batched call (RL batches hold many short answers of few distinct lengths)."""
+    starts, lengths = cu_seqlens[:-1].tolist(), (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    if len(starts) == 1:
+        return _sdpa(q, k, v, scale)
+    groups: dict[int, list[int]] = {}
+    for a, n in zip(starts, lengths):
+        groups.setdefault(n, []).append(a)
+    parts, order = [], []
+    for n, firsts in groups.items():
+        rows = (torch.tensor(firsts)[:, None] + torch.arange(n)).reshape(-1).to(q.device)
+        qs, ks, vs = (t.index_select(0, rows).unflatten(0, (len(firsts), n)).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        parts.append(o.transpose(1, 2).reshape(-1, *q.shape[1:]))
+        order.append(rows)
+    return torch.cat(parts).index_select(0, torch.argsort(torch.cat(order)))
 
 
 class _GatherCP(torch.autograd.Function):

@@ -26,6 +26,9 @@ class Placement:
     index: int  # the sample's index in the step's list
     rows: torch.Tensor  # long [n]: rows of the micro-batch's [S*B] layout
     positions: torch.Tensor  # long [n]: the sample's positions there (0 = its first prompt token)
+    # rows start..start+n hold positions 0..n-1 (a packed sample without context parallelism):
+    # its guidance copies as one slice
+    start: int | None = None
 
 
 @dataclass
@@ -125,7 +128,7 @@ def pack(
         ids.append(torch.where(real, t[p.clamp(max=length - 1)], 0))
         labels.append(torch.where(real, t[(p + 1).clamp(max=length)], 0))
         pos.append(p)
-        places.append(Placement(i, row + torch.nonzero(real)[:, 0], p[real]))
+        places.append(Placement(i, row + torch.nonzero(real)[:, 0], p[real], row if cp == 1 else None))
         row += len(p)
     cu = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return MicroBatchLayout(

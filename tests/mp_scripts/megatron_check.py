@@ -36,9 +36,9 @@ def _cfg(s: str) -> tuple[int, int, int]:
 def _train(chunks, arch: ModelArch, ids: torch.Tensor, steps: int = 3) -> dict:
     """A few Adam steps with Megatron's DDP + (non-distributed) optimizer + grad clipping on the
     next-token loss; exercises the schedule/optimizer/clip-grad CPU workarounds."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 

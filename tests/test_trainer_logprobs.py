@@ -1,0 +1,121 @@
+"""Chunked vocab-parallel logprobs: values, entropy and gradients equal the whole-vocabulary
+reference (log_softmax at the temperature, top-k/top-p renormalized, autograd), one chunk or many,
+on one rank and split over two gloo ranks; the distributed top-k/top-p support equals
+`keep_mask` on the gathered probabilities exactly."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_trace.trainer.logprobs import VocabSpec, _support, chunked_logprobs
+from sglang_backend.sampling_support import keep_mask, needs_filter, support_logprob
+
+H, V = 16, 96
+
+
+def _data(seed: int, rows: int, vocab_rows: int = V):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, H, generator=g)
+    w = torch.randn(vocab_rows, H, generator=g) * 0.8
+    labels = torch.randint(0, V, (rows,), generator=g)
+    return h, w, labels
+
+
+def _reference(h, w, labels, real: int, t: float, top_k: int, top_p: float):
+    logp = torch.log_softmax((h @ w[:real].t()) / t, dim=-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    if needs_filter(top_k, top_p, 0.0, real):
+        with torch.no_grad():
+            keep = keep_mask(logp.exp(), top_k, top_p)
+        return support_logprob(logp, labels, keep), ent
+    return logp.gather(-1, labels[:, None])[:, 0], ent
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    temperature=st.floats(0.4, 1.6),
+    top_k=st.sampled_from([-1, 1, 5, 40]),
+    top_p=st.sampled_from([1.0, 0.9, 0.3]),
+    chunk_rows=st.sampled_from([1, 3, 64]),
+)
+def test_one_rank_equals_the_whole_vocabulary_reference(seed, temperature, top_k, top_p, chunk_rows):
+    h, w, labels = _data(seed, 11, vocab_rows=V + 32)  # 32 rows of Megatron's vocab padding
+    spec = VocabSpec(0, V, temperature, top_k, top_p, chunk_bytes=chunk_rows * 4 * (V + 32))
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want, want_ent = _reference(hr, wr, labels, V, temperature, top_k, top_p)
+    (want * torch.linspace(-1, 2, len(labels))).sum().backward()
+    hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
+    got, ent = chunked_logprobs(hc, wc, labels, spec)
+    (got * torch.linspace(-1, 2, len(labels))).sum().backward()
+    # torch's own log_softmax per row; the GEMM over a chunk of rows may round its last bit apart
+    assert torch.allclose(got, want.detach(), atol=1e-5, rtol=1e-6)
+    assert torch.allclose(ent, want_ent.detach(), atol=1e-5)
+    assert torch.allclose(hc.grad, hr.grad, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(wc.grad, wr.grad, atol=1e-5, rtol=1e-5)
+    assert not wc.grad[V:].any()  # padding rows get no gradient
+
+
+def _worker(rank: int, world: int, path: str, cases) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        out = []
+        per = (V + 32) // world
+        for seed, t, top_k, top_p in cases:
+            h, w, labels = _data(seed, 9, vocab_rows=V + 32)
+            group = dist.group.WORLD
+            spec = VocabSpec(rank * per, V, t, top_k, top_p, chunk_bytes=2 * 4 * per, group=group)
+            hc, wc = h.clone().requires_grad_(), w[rank * per : (rank + 1) * per].clone().requires_grad_()
+            got, ent = chunked_logprobs(hc, wc, labels, spec)
+            (got * torch.linspace(-1, 2, len(labels))).sum().backward()
+            dist.all_reduce(hc.grad)  # the input's grad: Megatron's TP copy all-reduces it
+            # the support on given probabilities (every rank its slice of one tensor)
+            probs = torch.softmax(torch.randn(9, V, generator=torch.Generator().manual_seed(seed)) * 3, -1)
+            local = probs[:, rank * per : min((rank + 1) * per, V)]
+            keep = _support(local, VocabSpec(rank * per, V, 1.0, top_k, top_p, group=group))
+            out.append((got.detach(), ent, hc.grad, wc.grad, keep))
+        torch.save(out, f"{path}.{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+CASES = [(1, 1.0, -1, 1.0), (2, 0.7, 5, 1.0), (3, 1.3, -1, 0.3), (4, 1.0, 40, 0.9), (5, 0.5, 1, 0.5)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "store")
+        mp.start_processes(_worker, args=(2, path, CASES), nprocs=2, join=True, start_method="spawn")
+        yield [torch.load(f"{path}.{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_two_vocab_parallel_ranks_equal_the_reference(two_ranks, case):
+    seed, t, top_k, top_p = CASES[case]
+    h, w, labels = _data(seed, 9, vocab_rows=V + 32)
+    per = (V + 32) // 2
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want, want_ent = _reference(hr, wr, labels, V, t, top_k, top_p)
+    (want * torch.linspace(-1, 2, len(labels))).sum().backward()
+    for rank, res in enumerate(two_ranks):
+        got, ent, h_grad, w_grad, keep = res[case]
+        assert torch.allclose(got, want.detach(), atol=1e-5, rtol=1e-6), rank
+        assert torch.allclose(ent, want_ent.detach(), atol=1e-5), rank
+        assert torch.allclose(h_grad, hr.grad, atol=1e-5, rtol=1e-5), rank
+        assert torch.allclose(w_grad, wr.grad[rank * per : (rank + 1) * per], atol=1e-5, rtol=1e-5), rank
+    probs = torch.softmax(torch.randn(9, V, generator=torch.Generator().manual_seed(seed)) * 3, -1)
+    whole = keep_mask(probs, top_k, top_p) if needs_filter(top_k, top_p, 0.0, V) else None
+    parts = [res[case][4] for res in two_ranks]
+    if whole is None:
+        assert all(p is None for p in parts)
+    else:
+        assert torch.equal(torch.cat(parts, -1), whole)
