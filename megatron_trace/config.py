@@ -179,6 +179,7 @@ class TrainerConfig(Section):
     max_tokens_per_logprob_microbatch: int = opt(16384, "packed token budget of forward-only logprob recompute", low=1)
     micro_batch_size: int = opt(8, "sequences per micro-batch of the padded layout (trainer.packing=false)", low=1)
     logprob_chunk_mb: float = opt(128.0, "fp32 logits held at once by the chunked vocab-parallel logprobs (MiB)", low=1)
+    memory_check: bool = opt(True, "refuse a plan whose trainer memory estimate does not fit this machine")
     recompute: str = opt(
         "none",
         "activation recompute: none, selective (Megatron's core_attn + dense mlp modules), full (every layer)",
@@ -238,6 +239,9 @@ class ClusterConfig(Section):
     rollout_nodes: int = opt(0, "nodes running SGLang servers", low=0)
     gpus_per_node: int = opt(0, "0 on CPU", low=0)
     sglang_tp: int = opt(1, "tensor parallel size of each SGLang server", low=1)
+    gpu: str = opt(
+        "", "GPU the trainer memory plan is checked against (perf_memory); empty: none", ("", "h200", "b200", "gb200")
+    )
 
 
 @dataclass
@@ -370,20 +374,27 @@ def describe() -> str:
 
 @dataclass(frozen=True)
 class LaunchEnv:
-    """Where torchrun (or srun + torchrun) put this trainer process: RANK, WORLD_SIZE, LOCAL_RANK.
+    """Where torchrun (or srun + torchrun) put this trainer process: RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE (the ranks on this host).
     The one environment the trainer side reads (MASTER_ADDR/MASTER_PORT are torch's own, read by
     its env:// rendezvous). `from_env` is None outside such a launcher: a single-process world."""
 
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int = 1
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> LaunchEnv | None:
         if "WORLD_SIZE" not in environ:
             return None
         try:
-            return cls(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)))
+            return cls(
+                int(environ["RANK"]),
+                int(environ["WORLD_SIZE"]),
+                int(environ.get("LOCAL_RANK", 0)),
+                int(environ.get("LOCAL_WORLD_SIZE", 1)),
+            )
         except (KeyError, ValueError) as e:
             raise ValueError(
                 f"WORLD_SIZE is set, so this is a torchrun launch, but RANK/WORLD_SIZE/LOCAL_RANK "

@@ -295,6 +295,9 @@ class StepRunner:
         )
         out = {f"train/{k}": float(v) for k, v in metrics.items()}
         out["rollout/dropped_stale"] = dropped
+        # the train step's parts (perf/train_s is their sum plus batching): the QAT forward that
+        # recomputes the logprobs, the backward, the optimizer step
+        out.update({f"perf/{k}_s": v for k, v in self.actor.step_times.items()})
         out.update({f"mismatch/{k}": v for k, v in routing.items()})
         out["_mismatch"] = m
         out["_records"] = [r for r in records if r is not None]

@@ -68,6 +68,12 @@ class Run:
                 "(Megatron-Core's MoELayer refuses TP without it); set it, or use trainer.ep for the "
                 "experts with trainer.tp=1"
             )
+        if cfg.trainer.memory_check:  # before the model exists: refuse a plan that cannot fit here
+            from megatron_trace.config import LaunchEnv
+            from megatron_trace.perf_memory import check_here
+
+            here = LaunchEnv.from_env()
+            check_here(cfg, str(model_path), dist.get_world_size(), here.local_world_size if here else 1)
         if self.rank0:
             self._check_rollout_quality(model_path, tok, prompts)
         self.actor = Actor(self.arch, cfg.quant.policy(), cfg.trainer, cfg.rollout, hf_path=model_path)

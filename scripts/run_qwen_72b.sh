@@ -110,6 +110,10 @@ GPUS_PER_NODE=${GPUS_PER_NODE%%(*}   # SLURM_GPUS_PER_NODE may read "8(x2)" or "
 GPUS_PER_NODE=${GPUS_PER_NODE##*:}
 SGLANG_TP=${SGLANG_TP:-$CFG_SGLANG_TP}
 DP=${DP:-1}
+# The trainer's per-rank memory plan (megatron_trace/perf_memory.py): printed; against cluster.gpu a
+# plan that does not fit stops here, naming the knob to turn.
+"$PYTHON" -m megatron_trace.perf_memory --config "$CONFIG" --dp "$DP" "${OVERRIDES[@]}" \
+  || { echo "error: the trainer memory plan above does not fit (see the knob it names)" >&2; exit 2; }
 SERVER_PORT=${SERVER_PORT:-30000}; ROUTER_PORT=${ROUTER_PORT:-29900}
 RDZV_PORT=${RDZV_PORT:-29500}; TB_PORT=${TB_PORT:-6006}
 # SGLang receives weights into CUDA tensors: NCCL on GPUs; the CPU embedded server speaks gloo.

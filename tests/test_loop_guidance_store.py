@@ -53,6 +53,7 @@ class RecordingActor:
 
     def __init__(self):
         self.qat, self.routing, self.seen = self._Counters(), self._Counters(), []
+        self.step_times = {}
 
     def train_step(self, samples, algo):
         self.seen.append({s.sample_id: s.guidance.to_bytes() for s in samples})

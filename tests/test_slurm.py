@@ -47,6 +47,9 @@ def test_dry_run_plan_for_16_nodes():
     )
     assert out.returncode == 0, out.stderr
     text = out.stdout
+    # the trainer's memory plan at the config's answer length, against its B200s
+    assert "trainer memory per rank (Qwen2.5-72B, TP8 PP4 CP1 EP1 DP1, bfloat16, recompute selective" in text
+    assert re.search(r"B200 192 GB x 92% usable = [\d.]+ GiB: fits", text)
     assert "trainer: 4 nodes (node001 node002 node003 node004), TP=8 PP=4 DP=1 = 32 ranks (8 per node)" in text
     assert "rollout: 12 nodes (node005 " in text and "24 servers (2/node, SGLang TP=4, backend sglang)" in text
     assert "quantization=nvfp4 kv=K:fp8+V:nvfp4 guidance=mantissa on layers 40; weight sync: distributed" in text
@@ -75,6 +78,20 @@ def test_dry_run_plan_for_16_nodes():
     urls = re.search(r"rollout\.urls=\[([^\]]*)\]", t).group(1).split(",")
     assert len(urls) == 24 and urls[0] == "http://node005:30000" and urls[-1] == "http://node016:30001"
     assert "--resume" not in t and "tensorboard --logdir" in text
+
+
+def test_dry_run_refuses_a_trainer_plan_that_does_not_fit():
+    out = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--nodes", "16", "--", "rollout.max_new_tokens=65536"]
+        + ["trainer.recompute=none", "cluster.gpu=h200"],
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "does NOT fit: set trainer.recompute=full" in out.stdout
+    assert "does not fit" in out.stderr and "torchrun" not in out.stdout
 
 
 def test_dry_run_tiny_cpu_plan_needs_no_gpus_and_resumes(tmp_path):

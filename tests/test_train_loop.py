@@ -1,6 +1,7 @@
 """The README's main command, shortened: TensorBoard read-back, async mode, kill + resume."""
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_trace.data.tokenizer import CharTokenizer
 from megatron_trace.metrics import REQUIRED_MISMATCH
 
 BASE = [
@@ -79,8 +81,15 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     assert {f"mismatch/guidance_override/layer_{i}" for i in range(4)} <= tags
     assert 0 < max(e.value for e in acc.Scalars("mismatch/guidance_override/layer_3")) < 0.5
     assert not any(t.startswith("mismatch/codeword_disagreement/") for t in tags)
-    for ns in ("rollout/reward_mean", "train/loss", "train/grad_norm", "perf/step_s", "eval/accuracy"):
+    for ns in ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/entropy", "eval/accuracy"):
         assert ns in tags, ns
+    # the step split: rollout, then the train step's QAT recompute, backward and optimizer
+    for part in ("rollout", "recompute", "backward", "optimizer", "train", "step"):
+        assert len(acc.Scalars(f"perf/{part}_s")) == 4, part
+    entropy = [e.value for e in acc.Scalars("train/entropy")]
+    assert all(0 < v < math.log(CharTokenizer().vocab_size) for v in entropy), entropy
+    split = [acc.Scalars(f"perf/{p}_s")[-1].value for p in ("recompute", "backward", "optimizer", "train")]
+    assert all(v > 0 for v in split) and sum(split[:3]) <= split[3]
     assert "mismatch/abs_dlogp" in acc.Tags()["histograms"]
     bpt = [e.value for e in acc.Scalars("mismatch/guidance_bytes_per_token")]
     assert all(v > 0 for v in bpt)

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -164,6 +165,10 @@ class Actor:
                 ps.get_tensor_model_parallel_group() if tp > 1 else None,
             )
 
+        # seconds of the last train_step: recompute (the QAT forward + logprobs), backward, optimizer
+        self.step_times: dict[str, float] = {}
+        self._restored: MicroBatch | None = None  # the micro-batch whose backward runs (recompute)
+
     @property
     def chunks(self) -> list:
         return [self.ddp]
@@ -175,6 +180,10 @@ class Actor:
         return plan(samples, packed=c.packing, budget=budget, batch=c.micro_batch_size, part=self.part)
 
     def _bind(self, mb: MicroBatch, recomputing: bool) -> None:
+        if recomputing:  # backward runs micro-batches in forward order: the previous one is done
+            if self._restored is not None and self._restored.guidance is not None:
+                self._restored.guidance.release()
+            self._restored = mb
         self.qat.set_micro_batch(mb.guidance, mb.layout.row_positions())
         self.qat.recomputing = self.routing.recomputing = recomputing
         self.routing.begin(mb.routed, mb.names, mb.layout.placements, mb.layout.ids.numel())
@@ -186,6 +195,7 @@ class Actor:
         recompute = self.cfg.recompute != "none" and not forward_only
 
         def forward_step(data_iterator, model):
+            t0 = time.perf_counter()
             mb = next(data_iterator)
             self._bind(mb, False)
             lay = mb.layout
@@ -206,13 +216,28 @@ class Actor:
                 out = model(lay.ids, lay.positions, causal)
             if recompute:
                 out = _RestoreForBackward.apply(out, lambda: self._bind(mb, True))
-            return out, lambda hidden: self._loss(mb, hidden, forward_only, loss_cfg, len(micro), total)
+            elif mb.guidance is not None:
+                mb.guidance.release()  # nothing reads it again: free its device copy now
+            forward_s[0] += time.perf_counter() - t0
+
+            def loss(hidden):
+                t1 = time.perf_counter()
+                try:
+                    return self._loss(mb, hidden, forward_only, loss_cfg, len(micro), total)
+                finally:
+                    forward_s[0] += time.perf_counter() - t1
+
+            return out, loss
+
+        forward_s = [0.0]
+        self._restored = None
 
         s = max(m.layout.ids.shape[1] for m in micro)
         if self.head is not None:
             self.head.emit_hidden = True  # the loss forms the logits chunk by chunk
+        t_run = time.perf_counter()
         try:
-            return get_forward_backward_func()(
+            store = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro),
                 model=self.chunks,
@@ -221,9 +246,14 @@ class Actor:
                 micro_batch_size=micro[0].layout.ids.shape[0],
                 forward_only=forward_only,
             )
+            self.step_times = {"recompute": forward_s[0], "backward": time.perf_counter() - t_run - forward_s[0]}
+            return store
         finally:
             if self.head is not None:
                 self.head.emit_hidden = False
+            for mb in micro:
+                if mb.guidance is not None:
+                    mb.guidance.release()
             self.qat.set_micro_batch(None, None)
             self.qat.recomputing = self.routing.recomputing = False
             self.routing.end()
@@ -292,7 +322,9 @@ class Actor:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         store = self._run(micro, False, loss_cfg, max(total, 1.0))
+        t_opt = time.perf_counter()
         ok, grad_norm, _ = self.optimizer.step()
+        self.step_times["optimizer"] = time.perf_counter() - t_opt
         lps, sums = self._gather(store, micro, samples)
         s = dict(zip(_SUMMED, sums.tolist()))
         n = max(s.pop("tokens"), 1.0)

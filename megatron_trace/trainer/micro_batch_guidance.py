@@ -35,6 +35,10 @@ class MicroBatchGuidance:
         """Records of a [seq_len, B = len(records)] micro-batch, sample j in batch column j."""
         return cls(records, columns(len(records), seq_len), seq_len * len(records))
 
+    def release(self) -> None:
+        """Drop the assembled (device) site tensors; they are rebuilt from the records if asked again."""
+        self._cache.clear()
+
     def recorded_layers(self) -> set[int]:
         """Layers the rollout recorded any site of: in guided mode each of their FP4 sites must be
         there, or that site would silently round to nearest (`missing_site_error`)."""

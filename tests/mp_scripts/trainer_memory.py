@@ -1,7 +1,7 @@
 """Peak RSS growth of one `compute_logprobs` + `train_step` on one long sample (one process).
 
     python tests/mp_scripts/trainer_memory.py --ckpt DIR --policy JSON --record F \
-        --runs rtn:1536,rtn:6144,guided:6144
+        --runs rtn:1536,rtn:6144,guided:6144 [--recompute none|selective|full] [--chunk-mb MB]
 
 Builds the actor, warms it up on a 64-token sample (optimizer state, kernels, allocator pools);
 then per run (QAT mode : tokens) resets the kernel's peak-RSS mark (VmHWM, /proc/self/clear_refs)
@@ -67,13 +67,16 @@ def main() -> None:
     ap.add_argument("--runs", required=True, help="comma-separated MODE:TOKENS (rtn or guided)")
     ap.add_argument("--record", required=True)
     ap.add_argument("--policy", required=True, help="QuantPolicy.to_dict() as JSON (the rollout's)")
+    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    ap.add_argument("--chunk-mb", type=float, default=128.0, help="trainer.logprob_chunk_mb")
     args = ap.parse_args()
     torch.set_num_threads(2)
     init_distributed(seed=0)
     try:
         arch = ModelArch.from_hf_config(args.ckpt)
         policy = QuantPolicy.from_dict(json.loads(args.policy))
-        actor = Actor(arch, policy, TrainerConfig(qat_mode="guided", lr=1e-4), hf_path=args.ckpt)
+        cfg = TrainerConfig(qat_mode="guided", lr=1e-4, recompute=args.recompute, logprob_chunk_mb=args.chunk_mb)
+        actor = Actor(arch, policy, cfg, hf_path=args.ckpt)
         with open(args.record, "rb") as f:
             rec = GuidanceRecord.from_bytes(f.read())
         warm = [sample(arch, 64, "warm", rec)]

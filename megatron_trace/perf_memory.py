@@ -1,0 +1,324 @@
+"""Trainer memory per rank: what one train step of a config needs on its busiest pipeline stage.
+
+Stdlib only (no torch), beside the rollout model (`perf_model.py`, whose `ModelSpec`/`GPUS` it
+uses). Every figure is an estimate from the layer spec's saved tensors, checked against measured
+peaks on CPU shapes (tests/test_perf_memory.py: within 25%).
+
+    weights    this rank's parameters (TP x PP x EP split; the busiest stage: embedding or head)
+    grads      Megatron DDP's grad buffer, in the parameter dtype
+    optimizer  Adam m and v in fp32 (+ fp32 master weights for bf16 params); / (DP x CP) with the
+               distributed optimizer
+    activations  tokens per micro-batch on this rank (trainer.max_tokens_per_microbatch / CP) x
+               saved elements per token per layer (below) x layers of the stage x micro-batches
+               1F1B keeps in flight (PP on the first stage), plus the dequantized FP4 weights QAT
+               saves per layer and micro-batch; recompute trades them:
+                 none       attention: norm input + GEMM input (h each), o_proj's input and SDPA's
+                            q, k, v, out (flash attention: no S x S term); MLP: norm + GEMM input
+                            (2h), five intermediate-width tensors of the SwiGLU and down GEMM (5I)
+                 selective  core attention and the dense MLP recomputed (Megatron's core_attn + mlp):
+                            their inputs only
+                 full       each layer's input (h)
+               and what the backward holds at once: one layer's activation grads (a recomputed
+               layer's activations too) and the fp32 quantizer temporaries of the widest QAT input;
+               under sequence parallelism the residual-stream terms are / TP too
+    logits     the chunked vocab-parallel logprobs: a few fp32 copies of one chunk
+               (trainer.logprob_chunk_mb) and the fp32 grad of this rank's vocab rows
+    guidance   the device copy of a micro-batch's guidance for its guided sites (codes or mantissa
+               bits + E4M3 scales + fp32 S_enc per token): one micro-batch's, freed after its
+               forward; under recompute kept until its backward, so one per micro-batch in flight
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .perf_model import GPUS, MODELS, ModelSpec
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+LOGIT_COPIES = 4  # z, log-softmax, probabilities, the backward's gradient: fp32 chunks alive at once
+USABLE = 0.92  # share of HBM a run may plan for (allocator fragmentation, NCCL and CUDA context)
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """The trainer knobs the estimate depends on (the `trainer` section's)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    dtype: str = "bfloat16"
+    recompute: str = "none"
+    tokens_per_microbatch: int = 8192
+    logprob_chunk_mb: float = 128.0
+    guided_layers: int = 0  # layers whose sites carry guidance
+    guided_sites_per_layer: tuple = ()  # per guided layer: the K width of each guided site
+    guidance_bytes_per_element: float = 0.0  # 0.5 full codes, 0.125 mantissa bits (+ scales below)
+    qat_input_width: int = 0  # the widest FP4-quantized activation (its fp32 quantizer temporaries); 0: no QAT
+    qat_weight_params: float = 0.0  # per layer: weights of the FP4 linears (QAT saves their dequantized copy)
+
+
+def spec_from_hf_config(c: dict, name: str) -> ModelSpec:
+    """A ModelSpec from an HF config (Qwen2 / Qwen3 / Qwen3-MoE)."""
+    heads = c["num_attention_heads"]
+    return ModelSpec(
+        name,
+        c["num_hidden_layers"],
+        c["hidden_size"],
+        heads,
+        c.get("num_key_value_heads", heads),
+        c.get("head_dim") or c["hidden_size"] // heads,
+        c["vocab_size"],
+        tied=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=c.get("model_type") == "qwen2",
+        qk_norm=c.get("model_type", "").startswith("qwen3"),
+        ffn=0 if c.get("num_experts") else c["intermediate_size"],
+        experts=c.get("num_experts", 0),
+        top_k=c.get("num_experts_per_tok", 0),
+        moe_inter=c.get("moe_intermediate_size", 0),
+    )
+
+
+def model_spec(path: str, tiny: dict | None = None) -> tuple[ModelSpec | None, str]:
+    """(the shape of model.path, where it came from): its config.json; else the built-in shape its
+    name spells (e.g. .../Qwen2.5-72B-Instruct on a machine without the checkpoint); the tiny
+    model's config when path is empty; (None, why) otherwise."""
+    if not path:
+        return spec_from_hf_config(tiny or {}, "tiny"), "the tiny model"
+    cfg = Path(path, "config.json")
+    if cfg.exists():
+        return spec_from_hf_config(json.loads(cfg.read_text()), Path(path).name), str(cfg)
+    for key, spec in MODELS.items():
+        if key in Path(path).name.lower():
+            return spec, f"built-in shape {key!r} (no {cfg} here)"
+    return None, f"no {cfg} and no built-in shape named like {Path(path).name!r}"
+
+
+def _padded_vocab(m: ModelSpec, tp: int) -> int:
+    return -(-m.vocab // (128 * tp)) * 128 * tp
+
+
+def _stage_params(m: ModelSpec, p: TrainerPlan) -> float:
+    """Parameters of the busiest pipeline stage on one rank."""
+    q, kv, h = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden
+    attn = (h * (q + 2 * kv) + q * h) / p.tp + ((q + 2 * kv) / p.tp if m.qkv_bias else 0)
+    if m.moe:
+        mlp = m.experts * 3 * h * m.moe_inter / (p.ep * p.tp) + h * m.experts
+    else:
+        mlp = 3 * h * m.ffn / p.tp
+    norms = 2 * h + (2 * m.head_dim if m.qk_norm else 0)
+    layers = math.ceil(m.layers / p.pp)
+    vocab = _padded_vocab(m, p.tp) * h / p.tp
+    ends = vocab * (1 if p.pp > 1 or m.tied else 2)  # embedding on the first stage, head on the last
+    return layers * (attn + mlp + norms) + ends
+
+
+def _act_elements(m: ModelSpec, p: TrainerPlan, mode: str) -> float:
+    """Saved elements per token per layer on one rank (counted with torch's saved-tensor hooks on
+    the layer spec: 4 residual-width tensors, o_proj's input and SDPA's q, k, v, out, the SwiGLU's
+    5 intermediate-width tensors)."""
+    q, kv, h, t = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden, p.tp
+    res = h / t if p.sequence_parallel else h  # residual-stream tensors
+    if mode == "full":  # the layer's input only
+        return res
+    if m.moe:  # the allgather dispatcher hands each rank every token's slots on its experts
+        mlp = 2 * res + m.top_k * (h + 5 * m.moe_inter / t) + m.experts
+    else:
+        mlp = 2 * res + 5 * m.ffn / t
+    if mode == "selective":  # core attention and a dense MLP keep only their inputs
+        return 2 * res + (2 * q + 2 * kv) / t + (mlp if m.moe else res)
+    return 2 * res + (3 * q + 2 * kv) / t + mlp
+
+
+def estimate(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> dict:
+    """Bytes per rank by category (and the fit against `gpu`'s HBM, when given)."""
+    b = DTYPE_BYTES[p.dtype]
+    params = _stage_params(m, p)
+    opt_per_param = 8 + (4 if p.dtype != "float32" else 0)
+    opt_share = p.dp * p.cp if p.distributed_optimizer else 1
+    tokens = p.tokens_per_microbatch / p.cp
+    layers = math.ceil(m.layers / p.pp)
+    in_flight = p.pp
+    one_layer = _act_elements(m, p, "none") * b * tokens
+    saved = (_act_elements(m, p, p.recompute) * b * tokens + p.qat_weight_params / p.tp * b) * layers * in_flight
+    # backward holds one layer's activation grads; a recomputed layer's activations on top
+    transient = one_layer * (2 if p.recompute != "none" else 1) + 3 * p.qat_input_width / p.tp * 4 * tokens
+    vocab_local = _padded_vocab(m, p.tp) / p.tp
+    chunk = min(p.logprob_chunk_mb * 2**20, tokens * vocab_local * 4)
+    logits = LOGIT_COPIES * chunk + vocab_local * m.hidden * 4 + tokens * m.hidden * b
+    site_bytes = sum(k * p.guidance_bytes_per_element + k / 16 + 4 for k in p.guided_sites_per_layer)
+    guided = min(p.guided_layers, layers)
+    guidance = site_bytes * guided * tokens * (in_flight if p.recompute != "none" else 1)
+    out = {
+        "weights": params * b,
+        "grads": params * b,
+        "optimizer": params * opt_per_param / opt_share,
+        "activations": saved + transient,
+        "logits": logits,
+        "guidance": guidance,
+    }
+    out["total"] = sum(out.values())
+    if gpu is not None:
+        out["capacity"] = GPUS[gpu].hbm_gb * 1e9 * USABLE
+        out["fits"] = out["total"] <= out["capacity"]
+    return out
+
+
+def advice(m: ModelSpec, p: TrainerPlan, est: dict) -> str:
+    """The knob that would cut the largest share, in words."""
+    big = max(("weights", "grads", "optimizer", "activations", "logits", "guidance"), key=lambda k: est[k])
+    if big == "activations":
+        if p.recompute != "full":
+            return "set trainer.recompute=full (or selective)"
+        if p.cp < 8:
+            return f"raise trainer.cp (now {p.cp}) or lower trainer.max_tokens_per_microbatch"
+        return "lower trainer.max_tokens_per_microbatch"
+    if big == "optimizer" and not p.distributed_optimizer:
+        return "set trainer.distributed_optimizer=true"
+    if big == "logits":
+        return "lower trainer.logprob_chunk_mb"
+    if big == "guidance":
+        return "guidance.mode=mantissa, fewer guided layers, or a smaller token budget"
+    return f"raise trainer.tp (now {p.tp}) or trainer.pp (now {p.pp})"
+
+
+def plan_from_config(cfg, m: ModelSpec, dp: int) -> TrainerPlan:
+    """The TrainerPlan of a run config (config.Config) on `dp` data-parallel ranks."""
+    from megatron_trace.guidance.record import resolve_guided_layers
+    from megatron_trace.models import QuantPolicy
+
+    t, q, g = cfg.trainer, cfg.quant, cfg.guidance
+    pol: QuantPolicy = q.policy().for_family(cfg.model.family)
+    last = f"model.layers.{m.layers - 1}."
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    # (an HF linear of the layer, its input width per token, its weight's parameters)
+    if m.moe:
+        linears = [
+            ("self_attn.q_proj", m.hidden, m.hidden * (q + 2 * kv)),
+            ("self_attn.o_proj", m.o_width, m.o_width * m.hidden),
+            ("mlp.experts.0.gate_proj", m.top_k * m.hidden, m.experts * 2 * m.hidden * m.moe_inter / t.ep),
+            ("mlp.experts.0.down_proj", m.top_k * m.moe_inter, m.experts * m.hidden * m.moe_inter / t.ep),
+        ]
+    else:
+        linears = [
+            ("self_attn.q_proj", m.hidden, m.hidden * (q + 2 * kv)),
+            ("self_attn.o_proj", m.o_width, m.o_width * m.hidden),
+            ("mlp.gate_proj", m.hidden, 2 * m.hidden * m.ffn),
+            ("mlp.down_proj", m.ffn, m.ffn * m.hidden),
+        ]
+    qat = t.qat_mode != "off"
+    widths = [k for name, k, _ in linears if pol.activation_is_fp4(last + name, m.layers)]
+    fp4_weights = sum(n for name, _, n in linears if pol.weight_is_fp4(last + name, m.layers)) if qat else 0.0
+    kv_fp4 = [s for s in ("k", "v") if pol.kv_format(m.layers - 1, m.layers, s) in ("nvfp4", "mxfp4")]
+    sites = widths + [kv] * len(kv_fp4)
+    guided = len(resolve_guided_layers(m.layers, g.layers)) if t.qat_mode == "guided" else 0
+    longest = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens  # an oversized sample runs alone
+    budget = t.max_tokens_per_microbatch if t.packing else t.micro_batch_size * longest
+    return TrainerPlan(
+        tp=t.tp,
+        pp=t.pp,
+        cp=t.cp,
+        ep=t.ep,
+        dp=dp,
+        sequence_parallel=t.sequence_parallel,
+        distributed_optimizer=t.distributed_optimizer,
+        dtype=t.dtype,
+        recompute=t.recompute,
+        tokens_per_microbatch=max(budget, longest),
+        logprob_chunk_mb=t.logprob_chunk_mb,
+        guided_layers=guided,
+        guided_sites_per_layer=tuple(sites),
+        guidance_bytes_per_element=0.5 if g.mode == "full" else 0.125,
+        qat_input_width=max(widths, default=0) if qat else 0,
+        qat_weight_params=fp4_weights,
+    )
+
+
+def table(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> str:
+    est = estimate(m, p, gpu)
+    rows = [
+        f"trainer memory per rank ({m.name}, TP{p.tp} PP{p.pp} CP{p.cp} EP{p.ep} DP{p.dp}, {p.dtype}, "
+        f"recompute {p.recompute}, {p.tokens_per_microbatch} tokens/micro-batch):"
+    ]
+    for k in ("weights", "grads", "optimizer", "activations", "logits", "guidance", "total"):
+        rows.append(f"  {k:<12} {est[k] / GIB:8.1f} GiB")
+    if gpu is not None:
+        verdict = "fits" if est["fits"] else f"does NOT fit: {advice(m, p, est)}"
+        rows.append(
+            f"  {GPUS[gpu].name} {GPUS[gpu].hbm_gb:.0f} GB x {USABLE:.0%} usable = "
+            f"{est['capacity'] / GIB:.1f} GiB: {verdict}"
+        )
+    return "\n".join(rows)
+
+
+def here_capacity(ranks_here: int) -> tuple[float, str]:
+    """(bytes one trainer rank may use on this machine, what that is): the CUDA device's memory,
+    or the host's available memory shared by the ranks on it."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.total_memory * USABLE, f"{props.name} {props.total_memory / GIB:.0f} GiB x {USABLE:.0%}"
+    avail = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    return avail / ranks_here, f"{avail / GIB:.1f} GiB available on this host / {ranks_here} ranks"
+
+
+def check_here(cfg, model_path: str, world: int, ranks_here: int) -> None:
+    """Refuse (ValueError with the table and the knob to turn) a trainer plan whose estimate does
+    not fit this machine; `trainer.memory_check=false` skips it."""
+    m, _ = model_spec(model_path)
+    t = cfg.trainer
+    p = plan_from_config(cfg, m, max(world // (t.tp * t.pp * t.cp), 1))
+    est = estimate(m, p)
+    cap, what = here_capacity(ranks_here)
+    if est["total"] > cap:
+        raise ValueError(
+            f"{table(m, p)}\n  this machine: {what} = {cap / GIB:.1f} GiB per rank: does NOT fit; "
+            f"{advice(m, p, est)} (or trainer.memory_check=false to run anyway)"
+        )
+
+
+def main(argv=None) -> int:
+    """python -m megatron_trace.perf_memory --config FILE [--dp N] [--answers 4096,16384] [key=value ...]"""
+    import argparse
+
+    from megatron_trace.config import Config
+
+    ap = argparse.ArgumentParser(description="trainer memory per rank for a run config")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks of the trainer")
+    ap.add_argument("--answers", default="", help="comma-separated answer lengths to tabulate besides the config's")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    cfg = Config.load(args.config, args.overrides)
+    from megatron_trace.models import tiny_hf_config
+
+    m, source = model_spec(cfg.model.path, tiny_hf_config(cfg.model.family, **cfg.model.tiny))
+    if m is None:
+        print(f"trainer memory: unknown model shape ({source}): no estimate", flush=True)
+        return 2
+    gpu = cfg.cluster.gpu or None
+    p = plan_from_config(cfg, m, args.dp)
+    print(f"model shape: {source}")
+    print(table(m, p, gpu))
+    for n in [int(x) for x in args.answers.split(",") if x]:
+        q = replace(p, tokens_per_microbatch=max(p.tokens_per_microbatch, cfg.rollout.max_prompt_len + n))
+        e = estimate(m, q, gpu)
+        verdict = "" if gpu is None else (" fits" if e["fits"] else " does NOT fit")
+        print(f"  answers of {n} tokens: {e['total'] / GIB:.1f} GiB per rank{verdict}")
+    return 0 if gpu is None or estimate(m, p, gpu)["fits"] else 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

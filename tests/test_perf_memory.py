@@ -1,0 +1,117 @@
+"""The trainer memory model (megatron_trace/perf_memory.py): its parameter counts, its fit check
+and advice, and its step estimate against the peak RSS growth measured on CPU shapes (fp32, one
+rank, every recompute mode: within 25%)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_trace import perf_memory as pm
+from megatron_trace.config import Config
+from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
+from megatron_trace.perf_model import MODELS
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "mp_scripts" / "trainer_memory.py"
+POLICY = QuantPolicy(format="nvfp4", weights="fp4", activations="fp4", kv="nvfp4")
+SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=8192,
+    max_position_embeddings=8192,
+)
+
+
+def test_parameters_per_rank_add_up_to_the_model():
+    m = MODELS["qwen2.5-72b"]
+    one = pm._stage_params(m, pm.TrainerPlan())
+    assert 72.0e9 < one < 73.5e9  # Qwen2.5-72B: 72.7 B parameters
+    split = pm._stage_params(m, pm.TrainerPlan(tp=8, pp=4))
+    assert one / 32 < split < one / 32 * 1.15  # the busiest stage carries the embedding
+
+
+def test_the_72b_config_fits_its_b200s_at_its_answer_length_and_names_the_knob_when_not():
+    cfg = Config.load(str(REPO / "configs" / "qwen2.5_72b.yaml"), [])
+    assert cfg.cluster.gpu == "b200" and cfg.rollout.max_new_tokens >= 16384
+    m, _ = pm.model_spec(cfg.model.path)
+    est = pm.estimate(m, pm.plan_from_config(cfg, m, 1), "b200")
+    assert est["fits"], pm.table(m, pm.plan_from_config(cfg, m, 1), "b200")
+    tight = Config.load(
+        str(REPO / "configs" / "qwen2.5_72b.yaml"),
+        ["rollout.max_new_tokens=65536", "trainer.recompute=none", "cluster.gpu=h200"],
+    )
+    p = pm.plan_from_config(tight, m, 1)
+    est = pm.estimate(m, p, "h200")
+    assert not est["fits"] and "trainer.recompute=full" in pm.advice(m, p, est)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_trace.perf_memory", "--config", str(REPO / "configs" / "qwen2.5_72b.yaml")]
+        + ["rollout.max_new_tokens=65536", "trainer.recompute=none", "cluster.gpu=h200"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "does NOT fit: set trainer.recompute=full" in out.stdout
+
+
+def test_a_plan_that_cannot_fit_here_is_refused_before_the_model_is_built(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=0)
+    cfg = Config.load(None, ["trainer.max_tokens_per_microbatch=400000000"])
+    with pytest.raises(ValueError, match=r"does NOT fit; .*trainer.memory_check=false"):
+        pm.check_here(cfg, str(ckpt), world=1, ranks_here=1)
+    pm.check_here(Config.load(None, []), str(ckpt), world=1, ranks_here=1)  # the default plan fits
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    from sglang_backend.local import Engine
+
+    root = tmp_path_factory.mktemp("pm")
+    ckpt = make_tiny_checkpoint(root / "ckpt", "qwen2", seed=0, **SHAPE)
+    eng = Engine(str(ckpt), dtype="bfloat16", quant_policy=POLICY, guidance_mode="full", guided_layers="all")
+    try:
+        out = eng.generate(
+            input_ids=list(range(100, 116)),
+            sampling_params={"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True},
+            return_guidance=True,
+        )
+        (root / "record.bin").write_bytes(eng.fetch_guidance(out["meta_info"]["guidance_handle"]))
+    finally:
+        eng.shutdown()
+    return ckpt, root / "record.bin"
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_estimate_is_within_25_percent_of_the_measured_step(record, recompute):
+    ckpt, rec = record
+    tokens = 4096
+    cmd = [sys.executable, str(SCRIPT), "--ckpt", str(ckpt), "--record", str(rec), "--runs", f"guided:{tokens}"]
+    cmd += ["--policy", json.dumps(POLICY.to_dict()), "--recompute", recompute, "--chunk-mb", "16"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])["growth_gb"] * pm.GIB
+    m = pm.spec_from_hf_config(json.loads((ckpt / "config.json").read_text()), "cpu shape")
+    plan = pm.TrainerPlan(
+        dtype="float32",
+        recompute=recompute,
+        tokens_per_microbatch=tokens,
+        logprob_chunk_mb=16,
+        guided_layers=4,
+        guided_sites_per_layer=(256, 1024, 64, 64),  # gate_up, down, K, V inputs
+        guidance_bytes_per_element=0.5,
+        qat_input_width=1024,  # down_proj's input
+        qat_weight_params=3 * 256 * 1024,  # the MLP's FP4 linears
+    )
+    est = pm.estimate(m, plan)
+    step = est["activations"] + est["logits"] + est["guidance"]  # weights, grads, Adam: allocated before
+    print(recompute, f"measured {measured / pm.GIB:.3f} GiB, estimated {step / pm.GIB:.3f} GiB")
+    assert abs(step - measured) <= 0.25 * measured, (recompute, measured / pm.GIB, step / pm.GIB)
