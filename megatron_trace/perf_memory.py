@@ -289,6 +289,17 @@ def check_here(cfg, model_path: str, world: int, ranks_here: int) -> None:
         )
 
 
+def check_launch(cfg, model_path: str) -> None:
+    """`check_here` for this torchrun launch (its world and the ranks on this host)."""
+    import torch.distributed as dist
+
+    from megatron_trace.config import LaunchEnv
+
+    here = LaunchEnv.from_env()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    check_here(cfg, model_path, world, here.local_world_size if here else 1)
+
+
 def main(argv=None) -> int:
     """python -m megatron_trace.perf_memory --config FILE [--dp N] [--answers 4096,16384] [key=value ...]"""
     import argparse
@@ -298,7 +309,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="trainer memory per rank for a run config")
     ap.add_argument("--config", required=True)
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks of the trainer")
-    ap.add_argument("--answers", default="", help="comma-separated answer lengths to tabulate besides the config's")
+    ap.add_argument(
+        "--answers",
+        default="",
+        help="comma-separated answer lengths: also the plan at micro-batches of one such sample",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     cfg = Config.load(args.config, args.overrides)
@@ -313,10 +328,10 @@ def main(argv=None) -> int:
     print(f"model shape: {source}")
     print(table(m, p, gpu))
     for n in [int(x) for x in args.answers.split(",") if x]:
-        q = replace(p, tokens_per_microbatch=max(p.tokens_per_microbatch, cfg.rollout.max_prompt_len + n))
-        e = estimate(m, q, gpu)
+        longest = cfg.rollout.max_prompt_len + n  # a micro-batch of one longest sample
+        e = estimate(m, replace(p, tokens_per_microbatch=longest), gpu)
         verdict = "" if gpu is None else (" fits" if e["fits"] else " does NOT fit")
-        print(f"  answers of {n} tokens: {e['total'] / GIB:.1f} GiB per rank{verdict}")
+        print(f"  {n}-token answers, {longest}-token micro-batches: {e['total'] / GIB:.1f} GiB per rank{verdict}")
     return 0 if gpu is None or estimate(m, p, gpu)["fits"] else 2
 
 

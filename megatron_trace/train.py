@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import resource
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,9 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue from <run_dir>/checkpoints/latest")
     cfg, args = parse_cli(ap, argv)
     return cfg, args.resume
+
+
+TRAIN_PARTS = ("recompute", "backward", "optimizer")
 
 
 class Run:
@@ -69,11 +73,9 @@ class Run:
                 "experts with trainer.tp=1"
             )
         if cfg.trainer.memory_check:  # before the model exists: refuse a plan that cannot fit here
-            from megatron_trace.config import LaunchEnv
-            from megatron_trace.perf_memory import check_here
+            from megatron_trace.perf_memory import check_launch
 
-            here = LaunchEnv.from_env()
-            check_here(cfg, str(model_path), dist.get_world_size(), here.local_world_size if here else 1)
+            check_launch(cfg, str(model_path))
         if self.rank0:
             self._check_rollout_quality(model_path, tok, prompts)
         self.actor = Actor(self.arch, cfg.quant.policy(), cfg.trainer, cfg.rollout, hf_path=model_path)
@@ -335,7 +337,10 @@ class Run:
             "clipped_frac": mean("mismatch/clipped_frac"),
             "guidance_bytes_per_token": mean("mismatch/guidance_bytes_per_token"),
             "time_split": {k: v / total for k, v in totals.items()},
+            # the train step's parts: the QAT forward recomputing logprobs, backward, optimizer
+            "train_split": {k: sum(h.get(f"perf/{k}_s", 0.0) for h in history) for k in TRAIN_PARTS},
             "wall_s": time.perf_counter() - self.t0,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # this process (rank 0)
         }
         self.hub.close()
         if self.store is not None:
@@ -371,7 +376,10 @@ def print_summary(s: dict) -> None:
         f"clipped {s['clipped_frac']:.2%}, guidance {s['guidance_bytes_per_token']:.0f} B/token"
     )
     split = ", ".join(f"{k.removesuffix('_s')} {v:.0%}" for k, v in s["time_split"].items())
-    print(f"time split: {split}; wall {s['wall_s']:.0f} s")
+    parts = s["train_split"]
+    inner = ", ".join(f"{k} {v / (sum(parts.values()) or 1.0):.0%}" for k, v in parts.items())
+    print(f"time split: {split} ({inner} of train); wall {s['wall_s']:.0f} s")
+    print(f"peak memory: {s['peak_rss_gb']:.1f} GiB RSS (rank 0: rollout engine and trainer)")
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh --sglang
+# The image's Megatron-Core (Dockerfile MEGATRON_CORE_VERSION; its wheels are Python 3.12 only, the
+# package is pure Python) beside the venv's, for tests/test_trainer_packed.py's shipped-version run.
+MC=$(sed -n 's/^ARG MEGATRON_CORE_VERSION=//p' Dockerfile)
+[ -d ".venv/megatron-core-$MC/megatron/core" ] || .venv/bin/python -m pip install -q --no-deps \
+  --target ".venv/megatron-core-$MC" --python-version 3.12 --only-binary=:all: "megatron-core==$MC"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,7 +78,8 @@ def _rollout(ckpt: Path, policy: QuantPolicy, root: Path, moe: bool) -> None:
     (root / "samples.json").write_text(json.dumps({"policy": policy.to_dict(), "samples": samples}))
 
 
-def _launch(nproc: int, ckpt: Path, samples: Path, out: Path, layouts: str) -> None:
+def _launch(nproc: int, ckpt: Path, samples: Path, out: Path, layouts: str, megatron: Path | None = None) -> None:
+    """One torchrun launch of the worker; `megatron`: a directory holding another Megatron-Core."""
     cmd = [
         sys.executable,
         "-m",
@@ -98,7 +100,8 @@ def _launch(nproc: int, ckpt: Path, samples: Path, out: Path, layouts: str) -> N
         "--layouts",
         layouts,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    path = str(REPO) if megatron is None else f"{megatron}{os.pathsep}{REPO}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
 
@@ -168,3 +171,47 @@ def test_recompute_rounds_to_the_same_codes_and_counts_them_once(family):
             assert b["step_counts"] == a["step_counts"], (name, rec)
             checked += 1
     assert checked >= 1
+
+
+# -- the Megatron-Core the image ships ---------------------------------------------------------------
+def _shipped_megatron() -> tuple[str, Path]:
+    """(the Dockerfile's Megatron-Core pin, where the test command installs it beside the venv)."""
+    pin = re.search(r"^ARG MEGATRON_CORE_VERSION=(\S+)$", (REPO / "Dockerfile").read_text(), re.M).group(1)
+    return pin, Path(sys.prefix) / f"megatron-core-{pin}"
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """The Qwen2 layouts under this venv's Megatron-Core and under the image's (0.19.x: Python 3.12
+    wheels, pure Python, installed with --target by scripts/test.sh and put first on PYTHONPATH)."""
+    pin, where = _shipped_megatron()
+    if not (where / "megatron" / "core").is_dir():
+        pytest.skip(f"Megatron-Core {pin} (the image's) is not at {where}: bash scripts/test.sh installs it")
+    policy = FAMILIES["qwen2"][0]
+    root = tmp_path_factory.mktemp("shipped")
+    ckpt = make_tiny_checkpoint(root / "ckpt", "qwen2", seed=3)
+    (root / "samples").mkdir()
+    _rollout(ckpt, policy, root / "samples", False)
+    runs = {}
+    for tag, megatron in (("venv", None), ("image", where)):
+        out = root / tag
+        out.mkdir()
+        _launch(1, ckpt, root / "samples", out, "packed,packed_full", megatron)
+        _launch(2, ckpt, root / "samples", out, "tp2_sp,pp2_full,cp2", megatron)
+        runs[tag] = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    return pin, runs
+
+
+def test_the_image_megatron_trains_exactly_like_the_tested_one(shipped):
+    """Every layout (packed, full recompute, TP2+SP, PP2 with recompute, CP2) under the image's
+    Megatron-Core equals the same layout under the venv's and its own TP1 packed run."""
+    pin, runs = shipped
+    image, venv = runs["image"], runs["venv"]
+    assert set(image) == set(venv) == {"packed", "packed_full", "tp2_sp", "pp2_full", "cp2"}
+    for layout, got in image.items():
+        assert got["megatron_core"].split("+")[0] == pin != venv[layout]["megatron_core"].split("+")[0], layout
+        for key in ("off", "rtn", "guided", "step_lp", "after_step"):
+            assert _diff(got[key], venv[layout][key]) <= 1e-6, (layout, key)
+            assert _diff(got[key], image["packed"][key]) <= TOL, (layout, key)
+        assert got["step"]["grad_norm"] == pytest.approx(venv[layout]["step"]["grad_norm"], rel=1e-6), layout
+        assert min(got["guided_agreement"].values()) >= 0.999, layout

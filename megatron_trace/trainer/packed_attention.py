@@ -13,10 +13,15 @@ attention keeps it out of them.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+log = logging.getLogger(__name__)
+_warned: list[str] = []
 
 
 def _sdpa(q, k, v, scale, causal=True, mask=None) -> torch.Tensor:
@@ -93,14 +98,24 @@ def packed_attention_cp(q, k, v, cu_seqlens: torch.Tensor, scale: float, group) 
 
 def te_attention(config, layer_number: int, attn_mask_type, attention_type: str, softmax_scale, cp_comm_type, pg):
     """Megatron's TEDotProductAttention when Transformer Engine imports on a CUDA machine, else None
-    (the torch path above runs: same math, no fused kernel)."""
+    (the torch path above runs: same math, no fused THD kernel; said once on a GPU, where TE was
+    expected)."""
     if not torch.cuda.is_available():
         return None
     try:
         from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention
-    except ImportError:
-        return None
+    except ImportError as e:
+        HAVE_TE, why = False, repr(e)
+    else:
+        why = "megatron.core reports HAVE_TE=False"
     if not HAVE_TE:
+        if not _warned:
+            _warned.append(why)
+            log.warning(
+                "trainer attention: Transformer Engine is not importable (%s): packed attention runs torch's "
+                "SDPA per sample (same numbers, no fused THD kernel, context parallelism through all-gathered K/V)",
+                why,
+            )
         return None
     return TEDotProductAttention(
         config,

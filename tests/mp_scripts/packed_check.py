@@ -17,6 +17,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import megatron.core
 import torch.distributed as dist
 
 from megatron_trace.config import AlgoConfig, TrainerConfig
@@ -86,6 +87,7 @@ def run(args, name: str) -> None:
     res["step_counts"] = {k: list(v) for k, v in actor.qat.agree.items()}
     res["step_routing"] = actor.routing_agreement()
     res["after_step"] = [t.tolist() for t in actor.compute_logprobs(samples)]
+    res["megatron_core"] = megatron.core.__version__
     if dist.get_rank() == 0:
         (Path(args.out) / f"{name}.json").write_text(json.dumps(res))
 
