@@ -10,11 +10,15 @@ rollout quantizes and its guidance describes. MoE layers keep `pre_mlp_layernorm
 its output), as TE's spec does.
 
 The GEMM is Megatron's own linear autograd function (torch.matmul: cuBLAS on GPU). The operands are
-fake-quantized BF16/FP32 tensors, so there is no FP4 GEMM to hand to Transformer Engine and this
-spec uses none of TE's modules; the numerics never depend on which GEMM kernel runs.
+fake-quantized BF16/FP32 tensors, so there is no FP4 GEMM to hand to Transformer Engine and the
+linears use none of TE's modules; the numerics never depend on which GEMM kernel runs. Attention
+over packed micro-batches is Transformer Engine's (Megatron's TEDotProductAttention) where TE is
+installed on a GPU, torch's flash SDPA otherwise (`packed_attention.py`); the fake-quantized K and
+V are its inputs either way. The output layer (`LogprobHead`) hands the last hidden states to the
+loss, which forms vocab-parallel logits chunk by chunk (`logprobs.py`).
 
 Modules without a bound site (`qat_site is None`: mode off, a BF16 module, QAT not installed) run
-exactly Megatron's ColumnParallelLinear / RowParallelLinear / DotProductAttention.
+exactly Megatron's ColumnParallelLinear / RowParallelLinear, and attention exactly as above.
 """
 
 from __future__ import annotations
