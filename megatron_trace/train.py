@@ -170,6 +170,7 @@ class Run:
             policy,
             [{"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked],
             max_new_tokens=rc.max_new_tokens,
+            dtype=rc.dtype,  # the rollout's numerics: FP8 K costs ~3x more in bf16 than in fp32 on a real Qwen2.5
             tokenizer=tok,
             score=get_reward_fn(rc.reward),
         )

@@ -92,7 +92,8 @@ def test_train_hook_warns_only_above_the_threshold(outlier_ckpt):
         _prompts(2),
         max_new_tokens=8,
     )
-    assert lossy is not None and "bf16:nvfp4:nvfp4" in lossy and "quant.kv_k=fp8" in lossy
+    assert lossy is not None and "bf16:nvfp4:nvfp4" in lossy and "in float32 at up to 8 new tokens" in lossy
+    assert "Consider quant.kv_k_debias=true" in lossy  # a Qwen2 K bias
     assert (
         quality.quality_warning(
             outlier_ckpt,

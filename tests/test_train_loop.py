@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,8 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     assert "== summary ==" in out and "eval accuracy" in out
     # The first screen is the plan, then progress; Megatron's known CPU warnings are filtered.
     assert out.startswith("== megatron-trace ==\nmodel:      tiny qwen2") and "logs:       " in out
+    # the quality check scores the policy in the rollout's dtype at the run's answer length
+    assert re.search(r"WARNING: quantization .* in bfloat16 at up to 24 new tokens", out), out[:2000]
     assert "Warning" not in err and "warnings.warn" not in err, err[:2000]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and 0 <= summary["eval_accuracy_after"] <= 1
