@@ -19,29 +19,18 @@ import argparse
 import json
 import math
 import random
-import re
 import statistics
 import tempfile
 import time
 
 from megatron_trace.config import AlgoConfig, TrainerConfig
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
+from megatron_trace.perf_memory import peak_rss, reset_peak_rss
 from megatron_trace.trainer.actor import Actor, Sample
 from megatron_trace.trainer.parallel import destroy, init_distributed
 
 POLICY = QuantPolicy(format="nvfp4", weights="fp4", activations="fp4", kv="nvfp4")
 PROMPT = 32
-
-
-def _status_gb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 2**20
-
-
-def _reset_peak() -> float:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_gb("VmRSS")
 
 
 def batch(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[Sample]:
@@ -55,12 +44,12 @@ def batch(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[Sample]:
 
 
 def step(actor: Actor, samples: list[Sample]) -> dict:
-    before = _reset_peak()
+    before = reset_peak_rss()
     t = time.perf_counter()
     metrics, _ = actor.train_step(samples, AlgoConfig())
     took = time.perf_counter() - t
     tokens = sum(len(s.response_ids) for s in samples)
-    return {"s": took, "tok_s": tokens / took, "peak_gb": _status_gb("VmHWM") - before, "mb": metrics["micro_batches"]}
+    return {"s": took, "tok_s": tokens / took, "peak_gb": peak_rss() - before, "mb": metrics["micro_batches"]}
 
 
 def main(argv=None) -> int:

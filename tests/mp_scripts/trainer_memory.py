@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 
 import torch
@@ -23,20 +22,9 @@ from megatron_trace.config import AlgoConfig, TrainerConfig
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.guidance.record import SiteRecord
 from megatron_trace.models import ModelArch, QuantPolicy
+from megatron_trace.perf_memory import peak_rss, reset_peak_rss
 from megatron_trace.trainer.actor import Actor, Sample
 from megatron_trace.trainer.parallel import destroy, init_distributed
-
-
-def _status_gb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 2**20  # KiB -> GiB
-
-
-def reset_peak() -> float:
-    """The RSS now, with the peak mark reset to it."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_gb("VmRSS")
 
 
 def tiled(rec: GuidanceRecord, positions: int, sample_id: str) -> GuidanceRecord:
@@ -86,10 +74,10 @@ def main() -> None:
             mode, tokens = run.split(":")
             actor.qat.set_mode(mode)
             batch = [sample(arch, int(tokens), "long", rec if mode == "guided" else None)]
-            before, t0 = reset_peak(), time.perf_counter()
+            before, t0 = reset_peak_rss(), time.perf_counter()
             actor.compute_logprobs(batch)
             actor.train_step(batch, AlgoConfig())
-            grown = _status_gb("VmHWM") - before
+            grown = peak_rss() - before
             took = time.perf_counter() - t0
             print(json.dumps({"tokens": int(tokens), "mode": mode, "growth_gb": grown, "seconds": took}), flush=True)
     finally:
