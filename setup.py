@@ -25,6 +25,8 @@ setup(
         "uvicorn>=0.51,<1",  # server.py subclasses its H11Protocol (half-closed uploads answer 400)
         "httpx>=0.27,<1",
         "tenacity>=8.2,<10",  # the client's 5xx / dead-server retry policy
+        # rollout.reward=math: HF's verifier (its LaTeX/expression parser + sympy), as open-r1, TRL, verl
+        "math-verify[antlr4_13_2]>=0.9,<1",
     ],
     extras_require={
         # The trainer side (Megatron-Core) and the HF reference; SGLang containers skip these.

@@ -326,3 +326,23 @@ def test_jsonl_eval_split(tmp_path):
     trained = {p.text for step in range(20) for p in src.sample(16, step)}
     assert 20 < len(held) < 60 and len(held) + len(src) == 200 and not held & trained
     assert len(trained) == len(src)  # training cycles through every line outside the split
+
+
+def test_math_reward_needs_math_verify_and_says_so_at_load(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"rollout\.reward=math needs the math-verify package"):
+        get_reward_fn("math")
+
+
+def test_math_verify_runs_off_the_main_thread():
+    """The async rollout scores in a worker thread, where math-verify's SIGALRM timeouts cannot be
+    set: it verifies there without them (said once), instead of scoring every sample 0."""
+    import threading
+
+    got = []
+    t = threading.Thread(target=lambda: got.append(math_verify(r"so \boxed{\frac{1}{2}}", "0.5")))
+    t.start()
+    t.join()
+    assert got == [1.0]

@@ -6,9 +6,10 @@ so one malformed response (or a verifier bug) costs a sample, not the run.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-from fractions import Fraction
+import threading
 from typing import Callable
 
 RewardFn = Callable[[str, str], float]
@@ -20,7 +21,7 @@ def exact_match(response: str, answer: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# math verification
+# math verification: HF's math-verify (the parser and sympy comparison open-r1, TRL and verl use)
 
 
 def last_boxed(text: str) -> str | None:
@@ -43,161 +44,57 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def _brace_arg(s: str, i: int) -> tuple[str, int]:
-    """The argument starting at s[i]: a {...} group (nested) or a single character."""
-    while i < len(s) and s[i] == " ":
-        i += 1
-    if i >= len(s):
-        raise ValueError("missing argument")
-    if s[i] != "{":
-        return s[i], i + 1
-    depth, j = 0, i
-    while j < len(s):
-        depth += {"{": 1, "}": -1}.get(s[j], 0)
-        if depth == 0:
-            return s[i + 1 : j], j + 1
-        j += 1
-    raise ValueError("unbalanced braces")
+_warned_threads: list[bool] = []
 
 
-def _replace_frac(s: str) -> str:
-    """\\frac{a}{b}, \\dfrac, \\tfrac and the shorthand \\frac12 -> a/b (compound parts in
-    parentheses), innermost first."""
-    pat = re.compile(r"\\[dt]?frac")
-    while True:
-        # the last one: its arguments hold no further \frac (they come after it)
-        m = next(reversed(list(pat.finditer(s))), None)
-        if m is None:
-            return s
-        try:
-            num, j = _brace_arg(s, m.end())
-            den, k = _brace_arg(s, j)
-        except ValueError:
-            return s  # malformed: leave it and let the comparison fail
-        s = s[: m.start()] + f"{_group(num)}/{_group(den)}" + s[k:]
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError as e:
+        raise ImportError(
+            "rollout.reward=math needs the math-verify package (pip install 'math-verify[antlr4_13_2]'; "
+            f"the project's setup.py installs it): {e}"
+        ) from None
+    return math_verify
 
 
-def _group(x: str) -> str:
-    # Parenthesize only compound arguments, so \frac{1}{2} and \frac{\pi}{2} read as the
-    # plain "1/2" and "\pi/2" a reference is likely to use.
-    x = x.strip()
-    return x if re.fullmatch(r"[A-Za-z0-9.]+|\\[A-Za-z]+(?:\{[^{}]*\})?", x) else f"({x})"
-
-
-def _unwrap_text(s: str) -> str:
-    """\\text{x}, \\mathrm{x}, \\textbf{x}, \\mbox{x} -> x (units and words inside answers)."""
-    pat = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{")
-    while True:
-        m = pat.search(s)
-        if m is None:
-            return s
-        try:
-            inner, k = _brace_arg(s, m.end() - 1)
-        except ValueError:
-            return s
-        s = s[: m.start()] + inner + s[k:]
-
-
-_NUM = r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
-_GROUPED = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
-
-
-def normalize_math(s: str) -> str:
-    """A canonical string for a math answer (the boxed part is taken by the caller)."""
-    s = str(s).strip()
-    # Math delimiters: $...$, $$...$$, \( \), \[ \]
-    s = re.sub(r"^\$+|\$+$", "", s).strip()
-    s = re.sub(r"^\\[(\[]|\\[)\]]$", "", s).strip()
-    s = _unwrap_text(s)
-    s = re.sub(r"\\sqrt\s*([A-Za-z0-9])", r"\\sqrt{\1}", s)  # \sqrt2 -> \sqrt{2}, before fracs group
-    s = _replace_frac(s)
-    for pat in (r"\\left", r"\\right", r"\\[,;:! ]", r"\\displaystyle", r"\^\{?\\circ\}?", r"\\%|%"):
-        s = re.sub(pat, "", s)
-    s = s.replace("\\cdot", "*").replace("\\times", "*").replace("\\div", "/")
-    s = re.sub(r"\s+", "", s)
-    s = s.rstrip(".")  # a sentence-final period: "7." -> "7"
-    # "x=3" -> "3": a single assignment to one variable states the value.
-    m = re.fullmatch(r"[a-zA-Z]=(.+)", s)
-    if m:
-        s = m.group(1)
-    if _GROUPED.match(s):  # thousands separators only where the whole answer is a grouped number
-        s = s.replace(",", "")
-    return s
-
-
-def _strip_parens(s: str) -> str:
-    while s.startswith("(") and s.endswith(")") and _balanced(s[1:-1]):
-        s = s[1:-1]
-    return s
-
-
-def _balanced(s: str) -> bool:
-    depth = 0
-    for c in s:
-        depth += {"(": 1, ")": -1}.get(c, 0)
-        if depth < 0:
-            return False
-    return depth == 0
-
-
-def to_number(s: str) -> Fraction | None:
-    """A normalized answer as an exact number: ints, decimals, a/b (also (a)/(b) and -(a)/(b));
-    None when it is not a plain number."""
-    s = _strip_parens(s)
-    sign = 1
-    if s[:1] in "+-" and s[1:2] == "(":
-        sign, s = (-1 if s[0] == "-" else 1), _strip_parens(s[1:])
-    cut = _last_top_level_slash(s)
-    if cut is not None:  # a/b/c reads (a/b)/c: split at the last top-level slash
-        num = to_number(s[:cut]) if s[:cut] else None
-        den = to_number(s[cut + 1 :]) if s[cut + 1 :] else None
-        if num is None or den is None or den == 0:
-            return None
-        return sign * num / den
-    m = re.fullmatch(_NUM, s)
-    if m:
-        exp = re.search(r"[eE]([+-]?\d+)$", s)
-        if exp and abs(int(exp.group(1))) > 300:  # "1e999999999" would build a huge exact int
-            return None
-        try:
-            return sign * Fraction(s)
-        except (ValueError, ZeroDivisionError):
-            return None
+def _timeout_s() -> int | None:
+    """math-verify's timeouts use SIGALRM, which only the main thread may set: elsewhere (the async
+    rollout's worker thread) it runs without them, said once."""
+    if threading.current_thread() is threading.main_thread():
+        return 5
+    if not _warned_threads:
+        _warned_threads.append(True)
+        logging.getLogger(__name__).warning(
+            "rollout.reward=math off the main thread: math-verify runs without its 5 s parse/compare timeout"
+        )
     return None
 
 
-def _last_top_level_slash(s: str) -> int | None:
-    depth, cut = 0, None
-    for i, c in enumerate(s):
-        depth += {"(": 1, ")": -1}.get(c, 0)
-        if c == "/" and depth == 0:
-            cut = i
-    return cut
-
-
-def extract_answer(response: str) -> str:
-    """The answer part of a response: the last boxed expression, or the whole text if none."""
-    boxed = last_boxed(response)
-    return response if boxed is None else boxed
-
-
-def math_verify(response: str, answer: str, tol: float = 1e-6) -> float:
-    """1.0 when the response's final answer matches the reference.
-
-    The reference may itself be boxed. Numbers compare by value, |a-b| <= tol (absolute: a
-    relative tolerance would call 1000001 and 1000000 equal), so 0.5 == 1/2 == \\frac{1}{2} and
-    1,000 == 1000.0; anything else compares as normalized strings.
-    """
-    got = normalize_math(extract_answer(str(response)))
-    want = normalize_math(extract_answer(str(answer)))
-    if not got:
+def math_verify(response: str, answer: str) -> float:
+    """1.0 when the response's final answer equals the reference, by math-verify (sympy comparison:
+    0.5 == 1/2 == \\frac{1}{2}, (1,2) != (2,1)). The reference is read as the content of a \\boxed{}
+    (as verl does); the response as its LAST boxed expression (math-verify alone takes the first),
+    or, without one, as math-verify extracts from the text (then as inline math: it reads no bare
+    "+5")."""
+    mv = _math_verify()
+    t = _timeout_s()
+    ref = str(answer).strip()
+    gold = mv.parse(ref if last_boxed(ref) is not None else f"\\boxed{{{ref}}}", parsing_timeout=t)
+    text = str(response)
+    boxed = last_boxed(text)
+    if boxed is not None:
+        pred = mv.parse(f"\\boxed{{{boxed}}}", parsing_timeout=t)
+    else:
+        pred = mv.parse(text, parsing_timeout=t) or mv.parse(f"${text.strip()}$", parsing_timeout=t)
+    if not gold or not pred:
         return 0.0
-    if got == want:
-        return 1.0
-    a, b = to_number(got), to_number(want)
-    if a is None or b is None:
-        return 0.0
-    return 1.0 if abs(a - b) <= Fraction(tol) else 0.0  # exact: float() overflows on huge numbers
+    return 1.0 if mv.verify(gold, pred, timeout_seconds=t) else 0.0
+
+
+def check_math_verify() -> None:
+    """Raise at load (not at the first rollout) when rollout.reward=math cannot run."""
+    _math_verify()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,6 +112,8 @@ REWARD_FNS: dict[str, RewardFn] = {"exact_match": exact_match, "final_answer": f
 def get_reward_fn(name: str) -> RewardFn:
     if name not in REWARD_FNS:
         raise ValueError(f"unknown reward function {name!r}; allowed: {', '.join(sorted(REWARD_FNS))}")
+    if name == "math":
+        check_math_verify()
     return REWARD_FNS[name]
 
 
