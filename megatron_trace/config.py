@@ -123,7 +123,8 @@ class RolloutConfig(Section):
     prompts: str = opt(
         "arithmetic",
         "a built-in task ('arithmetic': single digits; 'long_addition': two-digit "
-        "addition with a worked answer) or a JSONL path with prompt/answer",
+        "addition with a worked answer; 'word_problems': generated multi-step problems answered in "
+        "\\boxed{}, for a real model with rollout.reward=math) or a JSONL path with prompt/answer",
     )
     reward: str = opt("exact_match", "reward function", ("exact_match", "final_answer", "math"))
     prompts_per_step: int = opt(8, "prompts per RL step", low=1)

@@ -346,3 +346,37 @@ def test_math_verify_runs_off_the_main_thread():
     t.start()
     t.join()
     assert got == [1.0]
+
+
+# ------------------------------------------------------------------ word problems
+def test_word_problems_split_determinism_and_answers():
+    import re
+
+    from megatron_trace.data import prompt_source
+    from megatron_trace.data.word_problems import WordProblems
+
+    wp = prompt_source("word_problems", seed=0, tokenizer=None, eval_fraction=0.1)
+    assert isinstance(wp, WordProblems)
+    ev = wp.eval_set(50)
+    assert len(ev) == 50 and [p.text for p in ev] == [p.text for p in WordProblems(7).eval_set(50)]  # any seed
+    train = [p for step in range(20) for p in wp.sample(16, step)]
+    assert not {p.text for p in ev} & {p.text for p in train}  # the eval split is never drawn
+    assert [p.text for p in wp.sample(16, 3)] == [p.text for p in WordProblems(0).sample(16, 3)]  # resume
+    assert [p.text for p in wp.sample(16, 3)] != [p.text for p in WordProblems(1).sample(16, 3)]  # seed
+    kinds = set()
+    for p in ev + train:
+        assert p.text.endswith("give the final answer as a number in \\boxed{}.")
+        assert int(p.answer) >= 0 and math_verify(rf"so \boxed{{{p.answer}}}", p.answer) == 1.0
+        kinds.add(p.text.split()[1])
+        m = re.match(r"(\w+) has (\d+) \w+\. \1 buys (\d+) boxes with (\d+) \w+ in each box, then gives (\d+)", p.text)
+        if m:  # recomputed from the text: a + b*c - d
+            a, b, c, d = map(int, m.groups()[1:])
+            assert int(p.answer) == a + b * c - d
+    assert len(kinds) >= 5  # the templates all appear
+
+
+def test_word_problems_need_a_held_out_split():
+    from megatron_trace.data.word_problems import WordProblems
+
+    with pytest.raises(ValueError, match=r"0 < rollout\.eval_fraction < 1"):
+        WordProblems(0, eval_fraction=0.0)

@@ -227,7 +227,11 @@ class JsonlPrompts:
 
 
 def prompt_source(spec: str, *, seed: int, tokenizer, eval_fraction: float = 0.1):
-    """`rollout.prompts`: a built-in task name (TASKS) or a JSONL path."""
+    """`rollout.prompts`: a built-in task name (TASKS, or 'word_problems') or a JSONL path."""
+    if spec == "word_problems":
+        from .word_problems import WordProblems
+
+        return WordProblems(seed, tokenizer, eval_fraction)
     if spec in TASKS:
         return ArithmeticTask.named(spec, seed, tokenizer, eval_fraction)
     return JsonlPrompts(spec, tokenizer=tokenizer, shuffle_seed=seed, eval_fraction=eval_fraction)
