@@ -251,6 +251,9 @@ class LoggingConfig(Section):
     run_dir: str = opt("runs/tiny_cpu", "where logs, TensorBoard events and checkpoints go")
     tensorboard: bool = opt(True, "write TensorBoard event files")
     progress: bool = opt(True, "show a progress bar")
+    samples_per_step: int = opt(
+        4, "readable rollouts per step and eval answers per eval (TensorBoard text, samples.jsonl)", low=0
+    )
 
 
 @dataclass

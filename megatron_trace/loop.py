@@ -46,6 +46,8 @@ class RolloutBatch:
     samples: list[dict]  # prompt_id, prompt, response, logprobs, reward, advantage, sample_id
     guidance: list[bytes | StoredRecord | None]  # per sample: the record's bytes, its handle, or none
     stats: dict[str, float] = field(default_factory=dict)
+    # a few samples as text (the first answer to each of the first logging.samples_per_step prompts)
+    shown: list[dict] = field(default_factory=list)
 
 
 def grpo_advantages(rewards: list[float], group: int) -> list[float]:
@@ -129,12 +131,14 @@ class Rollout:
             )
             kept.append((p, ids))
         results = self.backend.generate(reqs) if reqs else []
-        samples, guidance = [], []
+        samples, guidance, shown = [], [], []
         for j, res in enumerate(results):
             p, ids = kept[j // rc.n_samples]
             text = self.decode(res.output_ids)
             reward, err = score(self.reward_fn, text, p.answer)
             stats["reward_errors"] += err is not None
+            if j % rc.n_samples == 0 and len(shown) < self.cfg.logging.samples_per_step:
+                shown.append({"prompt": p.text, "response": text, "answer": p.answer, "reward": reward})
             samples.append(
                 {
                     "sample_id": res.rid,
@@ -150,7 +154,7 @@ class Rollout:
             guidance.append(self._keep(step, res.rid, self._guidance(res)) if self.want_guidance else None)
         for s, a in zip(samples, grpo_advantages([s["reward"] for s in samples], rc.n_samples)):
             s["advantage"] = a
-        return RolloutBatch(step, version, samples, guidance, stats)
+        return RolloutBatch(step, version, samples, guidance, stats, shown)
 
     def _guidance(self, res) -> bytes:
         """The sample's record; guided QAT without it would silently be plain QAT, so that stops the run."""
@@ -172,11 +176,12 @@ class Rollout:
         self.store.put(key, step, data)
         return StoredRecord(key)
 
-    def evaluate(self, n: int, samples: int = 4) -> dict[str, float]:
+    def evaluate(self, n: int, samples: int = 4) -> tuple[dict[str, float], list[dict]]:
         """On the eval split (problems training never draws; the first n of it): greedy accuracy,
-        and the mean reward of `samples` answers per prompt at the rollout's temperature."""
+        and the mean reward of `samples` answers per prompt at the rollout's temperature; and the
+        greedy answers to the first logging.samples_per_step prompts as text."""
         if n == 0:
-            return {}
+            return {}, []
         from megatron_trace.data import score
 
         prompts = self.prompts.eval_set(n)
@@ -213,12 +218,18 @@ class Rollout:
         ]
         res = self.backend.generate(greedy + sampled)
         answers = [p.answer for p in prompts] + [p.answer for p in prompts for _ in range(samples)]
-        rewards = [score(self.reward_fn, self.decode(r.output_ids), a)[0] for r, a in zip(res, answers)]
-        return {
+        texts = [self.decode(r.output_ids) for r in res]
+        rewards = [score(self.reward_fn, t, a)[0] for t, a in zip(texts, answers)]
+        shown = [
+            {"prompt": p.text, "response": t, "answer": p.answer, "reward": r}
+            for p, t, r in list(zip(prompts, texts, rewards))[: self.cfg.logging.samples_per_step]
+        ]
+        metrics = {
             "eval/accuracy": sum(rewards[:n]) / n,
             "eval/reward_sampled": sum(rewards[n:]) / (n * samples),
             "eval/set_size": n,
         }
+        return metrics, shown
 
     def decode(self, ids: list[int]) -> str:
         # Models often have more embedding rows than the tokenizer has tokens: such ids are junk.
@@ -238,6 +249,7 @@ def share_batch(batch: RolloutBatch | None, store=None) -> RolloutBatch:
             "version": batch.version,
             "samples": batch.samples,
             "stats": batch.stats,
+            "shown": batch.shown,
             "has": [g is not None for g in batch.guidance],
         }
     )
@@ -246,7 +258,7 @@ def share_batch(batch: RolloutBatch | None, store=None) -> RolloutBatch:
     )
     it = iter(blobs)
     guidance = [next(it) if has else None for has in meta["has"]]
-    return RolloutBatch(meta["step"], meta["version"], meta["samples"], guidance, meta["stats"])
+    return RolloutBatch(meta["step"], meta["version"], meta["samples"], guidance, meta["stats"], meta["shown"])
 
 
 def _record_bytes(g: bytes | StoredRecord, store) -> bytes:

@@ -34,6 +34,8 @@ class Logger(Protocol):
 
     def histogram(self, step: int, name: str, values: torch.Tensor) -> None: ...
 
+    def text(self, step: int, name: str, rows: list[dict]) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -52,6 +54,20 @@ class TensorBoardLogger:
         if values.numel():
             self.writer.add_histogram(name, values.float(), step)
 
+    def text(self, step, name, rows) -> None:
+        """One markdown block per row (TensorBoard's TEXT tab): the prompt, the answer, the reward."""
+
+        def quote(s: str) -> str:
+            return "\n".join("    " + line for line in str(s).splitlines()) or "    (empty)"
+
+        blocks = [
+            f"**{i}.** reward {r['reward']:g} (reference: {r['answer']})\n\nprompt:\n\n{quote(r['prompt'])}"
+            f"\n\nresponse:\n\n{quote(r['response'])}"
+            for i, r in enumerate(rows)
+        ]
+        self.writer.add_text(name, "\n\n---\n\n".join(blocks), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -60,7 +76,9 @@ class JsonlLogger:
     """metrics.jsonl in the run dir: one line per step, what scripts and tests read back."""
 
     def __init__(self, run_dir: str | Path, append: bool = False):
-        self.f = open(Path(run_dir) / "metrics.jsonl", "a" if append else "w")
+        self.run_dir, self.append = Path(run_dir), append
+        self.f = open(self.run_dir / "metrics.jsonl", "a" if append else "w")
+        self.samples = None  # samples.jsonl, opened at the first text
 
     def scalars(self, step, metrics) -> None:
         self.f.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -69,8 +87,18 @@ class JsonlLogger:
     def histogram(self, step, name, values) -> None:
         pass
 
+    def text(self, step, name, rows) -> None:
+        """samples.jsonl beside metrics.jsonl: one line per readable sample."""
+        if self.samples is None:
+            self.samples = open(self.run_dir / "samples.jsonl", "a" if self.append else "w")
+        for r in rows:
+            self.samples.write(json.dumps({"step": step, "kind": name, **r}) + "\n")
+        self.samples.flush()
+
     def close(self) -> None:
         self.f.close()
+        if self.samples is not None:
+            self.samples.close()
 
 
 class MetricsHub:
@@ -92,6 +120,14 @@ class MetricsHub:
     def histogram(self, step: int, name: str, values: torch.Tensor) -> None:
         for lg in self.loggers:
             lg.histogram(step, name, values)
+
+    def text(self, step: int, name: str, rows: list[dict]) -> None:
+        """Readable samples (prompt, response, answer, reward) under a namespaced name."""
+        if name.split("/", 1)[0] not in NAMESPACES:
+            raise ValueError(f"text names must start with one of {NAMESPACES}: {name}")
+        if rows:
+            for lg in self.loggers:
+                lg.text(step, name, rows)
 
     def close(self) -> None:
         for lg in self.loggers:

@@ -236,8 +236,9 @@ class Run:
         steps = range(self.start_step, cfg.trainer.steps)
         evals = {}
         if self.rank0 and cfg.rollout.eval_prompts:
-            evals["before"] = self.rollout.evaluate(cfg.rollout.eval_prompts)
+            evals["before"], shown = self.rollout.evaluate(cfg.rollout.eval_prompts)
             self.hub.log(self.start_step, evals["before"])
+            self.hub.text(self.start_step, "eval/answers_before", shown)
         pool = async_executor() if cfg.algo.async_rollout and self.rank0 else None
         pending = pool.submit(self.produce, steps.start) if pool and len(steps) else None
         bar = _progress(len(steps), self.rank0 and cfg.logging.progress)
@@ -272,8 +273,9 @@ class Run:
         if pool:
             pool.shutdown(wait=True)
         if self.rank0 and cfg.rollout.eval_prompts:
-            evals["after"] = self.rollout.evaluate(cfg.rollout.eval_prompts)
+            evals["after"], shown = self.rollout.evaluate(cfg.rollout.eval_prompts)
             self.hub.log(cfg.trainer.steps, evals["after"])
+            self.hub.text(cfg.trainer.steps, "eval/answers_after", shown)
         return self._summary(history, evals, totals)
 
     def _metrics(self, batch, out, deltas, train_s, transfer_s, step_s) -> dict:
@@ -310,6 +312,7 @@ class Run:
             }
         )
         self.hub.log(batch.step, m)
+        self.hub.text(batch.step, "rollout/samples", batch.shown)
         return m
 
     def _summary(self, history, evals, totals) -> dict:

@@ -98,6 +98,28 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     assert all(v > 0 for v in bpt)
 
 
+def test_rollouts_a_person_can_read(main_run):
+    """A few sampled answers per step and the greedy eval answers before and after training, as text:
+    samples.jsonl beside metrics.jsonl, and TensorBoard's text tab (read back from the events)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _ = main_run
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    per_step = [r for r in rows if r["kind"] == "rollout/samples"]
+    assert sorted({r["step"] for r in per_step}) == [0, 1, 2, 3] and len(per_step) == 16  # 4 per step
+    for kind in ("eval/answers_before", "eval/answers_after"):
+        assert len([r for r in rows if r["kind"] == kind]) == 4, kind
+    for r in rows:
+        assert set(r) >= {"step", "kind", "prompt", "response", "answer", "reward"}
+        assert "=" in r["prompt"] and r["reward"] in (0.0, 1.0)  # "47+38=" prompts, 0/1 final-answer reward
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()["tensors"]
+    assert {"rollout/samples/text_summary", "eval/answers_before/text_summary"} <= set(tags), tags
+    shown = acc.Tensors("rollout/samples/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert per_step[0]["prompt"] in shown and "reward" in shown
+
+
 def test_async_mode_counts_stale_samples(runs):
     run_dir = runs / "async"
     # Zero guidance budget: the records of step k+1 are spilled by the store while step k trains
