@@ -29,7 +29,6 @@ WORKDIR /opt/megatron-trace/src
 COPY --chown=1000:1000 setup.py README.md ./
 COPY --chown=1000:1000 megatron_trace ./megatron_trace
 COPY --chown=1000:1000 sglang_backend ./sglang_backend
-COPY --chown=1000:1000 kernels ./kernels
 COPY --chown=1000:1000 configs ./configs
 COPY --chown=1000:1000 scripts ./scripts
 

@@ -11,15 +11,16 @@ setup(
     version="0.1.0",
     description="RL post-training with FP4 rollout and rollout-guided QAT (TRACE)",
     python_requires=">=3.11",
-    packages=find_packages(include=["megatron_trace*", "sglang_backend*", "kernels*"]),
-    package_data={"kernels": ["*.c", "*.h", "*.cpp"]},  # C sources built at first use (kernels/cpu_build.py)
+    packages=find_packages(include=["megatron_trace*", "sglang_backend*"]),
+    # C sources built at first use (megatron_trace/kernels/cpu_build.py)
+    package_data={"megatron_trace.kernels": ["*.c", "*.h", "*.cpp"]},
     install_requires=[
         "torch>=2.6,<2.15",
         "numpy>=1.26",
         "safetensors>=0.4",
         "pyyaml>=6",
         "tqdm>=4.66",
-        "ninja>=1.11",  # torch.utils.cpp_extension builds the CPU kernels (kernels/*.c) with it
+        "ninja>=1.11",  # torch.utils.cpp_extension builds the CPU kernels (megatron_trace/kernels/*.c) with it
         # The HTTP layer (sglang_backend/local/server.py, client.py); ranges admit what sglang 0.5.23 pins.
         "fastapi>=0.110",
         "uvicorn>=0.51,<1",  # server.py subclasses its H11Protocol (half-closed uploads answer 400)
@@ -35,7 +36,9 @@ setup(
         "te": ["transformer-engine[pytorch]>=2.5"],
         "dev": [
             "megatron-core>=0.16.1",
-            "transformers>=4.51",
+            # pinned for the tests: tiny checkpoints are transformers models with seeded random weights,
+            # and under 5.25 the Qwen3-MoE TP/EP-vs-one-rank comparison no longer holds its 2e-5 bound
+            "transformers==5.24.0",
             "tensorboard>=2.16",
             "triton>=3.0",
             "pytest>=8",

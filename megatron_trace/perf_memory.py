@@ -267,10 +267,12 @@ def _status_gib(field: str) -> float:
 
 
 def reset_peak_rss() -> float:
-    """This process's resident GiB now, with the kernel's peak mark (VmHWM) reset to it (Linux)."""
+    """This process's resident GiB now, with the kernel's peak mark (VmHWM) reset to it (Linux).
+    Returns the reset mark, not VmRSS: per-thread RSS counters reach the mark in batches, so a VmRSS
+    read here can exceed every later VmHWM and make a peak-minus-baseline negative."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status_gib("VmRSS")
+    return _status_gib("VmHWM")
 
 
 def peak_rss() -> float:

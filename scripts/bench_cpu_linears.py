@@ -6,9 +6,9 @@
 Contenders for y = x . W^T (W [N, K]), each on --layers distinct weight copies cycled in turn
 (a decode step meets each layer's weights once, so they come from memory, not cache):
   torch bf16      F.linear over bf16 weights (oneDNN reorders the weight every call)
-  onednn packed   the same GEMM over the weight packed once (kernels/onednn_linear.py): what the
+  onednn packed   the same GEMM over the weight packed once (megatron_trace/kernels/onednn_linear.py): what the
                   engine's BF16 linears, W4A16 and the LM head run above decode widths
-  w4a4 tiles      kernels/cpu_gemv_w4a4.c: the decode row tiles, codes x codes in integers, weights
+  w4a4 tiles      megatron_trace/kernels/cpu_gemv_w4a4.c: the decode row tiles, codes x codes in integers, weights
                   read as stored (the engine's W4A4 up to layers.W4A4_STREAM_MAX_ROWS)
 Rounds are interleaved (--runs), the median per contender; GMAC/s = rows x N x K / time. (An
 exact-integer W4A4 panel GEMM for 17-64 rows, rows in the vector lanes, was tried and removed: it
@@ -42,9 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def contenders(n: int, k: int, rows: int, layers: int):
-    from kernels import cpu_gemv, onednn_linear
-    from kernels.dispatch import nvfp4_quantize_dequantize
     from megatron_trace.fp4 import nvfp4
+    from megatron_trace.kernels import cpu_gemv, onednn_linear
+    from megatron_trace.kernels.dispatch import nvfp4_quantize_dequantize
 
     lib = cpu_gemv._lib()
     if lib is None:
@@ -75,7 +75,7 @@ def contenders(n: int, k: int, rows: int, layers: int):
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from kernels import cpu_gemv
+    from megatron_trace.kernels import cpu_gemv
 
     print(
         f"threads {args.threads}, {args.layers} weight copies cycled, {args.runs} interleaved rounds, "

@@ -77,7 +77,7 @@ def _rel_err(got, want) -> float:
 def bench_gemm(cfg, timer, rows, dev):
     import torch
 
-    from kernels import dispatch
+    from megatron_trace.kernels import dispatch
 
     for n, k in cfg["gemm_nk"]:
         w_src = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
@@ -110,8 +110,8 @@ def bench_gemm(cfg, timer, rows, dev):
 def _kv_pages(fmt, slots, kvh, d, gs, dev):
     import torch
 
-    from kernels import dispatch
     from megatron_trace.fp4 import mxfp4
+    from megatron_trace.kernels import dispatch
 
     x = torch.randn(slots, kvh, d, device=dev, dtype=torch.bfloat16)
     if fmt == "nvfp4":
@@ -126,7 +126,7 @@ def _kv_pages(fmt, slots, kvh, d, gs, dev):
 def bench_attention(cfg, timer, rows, dev):
     import torch
 
-    from kernels import dispatch
+    from megatron_trace.kernels import dispatch
 
     h, kvh, d, ps = cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["page_size"]
     for ctx, bsz in cfg["attn_cases"]:
@@ -194,8 +194,8 @@ def bench_attention(cfg, timer, rows, dev):
 def bench_quantize(cfg, timer, rows, dev):
     import torch
 
-    from kernels import dispatch
     from megatron_trace.fp4 import guided_quantize, mantissa_bits_packed, nvfp4
+    from megatron_trace.kernels import dispatch
 
     m, k = cfg["quant_mk"]
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)

@@ -9,10 +9,10 @@ pages of the whole step (403 MB of BF16 at the defaults) come from memory as in 
 one layer's 17 MB staying in cache; times are per layer. Each layer: --batch sequences of
 --context cached tokens each (slots scattered over the cache as a paged allocator leaves them),
 one query row per sequence, --heads query heads over --kv-heads KV heads of --head-dim.
-Contenders (the engine's kernels, kernels/cpu_attention.py): BF16 pages (`paged_attention`),
+Contenders (the engine's kernels, megatron_trace/kernels/cpu_attention.py): BF16 pages (`paged_attention`),
 NVFP4 pages decoded in registers (`paged_attention_nvfp4`), and MXFP4 pages in the engine's KV
 layout (E8M0 per 16, ceil rule) decoded in registers (`paged_attention_kv`). All three are one
-threaded C kernel (kernels/cpu_attention_typed.h). --runs interleaved rounds, the median each
+threaded C kernel (megatron_trace/kernels/cpu_attention_typed.h). --runs interleaved rounds, the median each
 (wall and process CPU time: on a shared box the wall clock also counts time the threads sat
 descheduled); the page bytes one layer reads are K + V of batch x context tokens (NVFP4: codes +
 E4M3 scales; MXFP4: codes + E8M0 scales).
@@ -72,8 +72,8 @@ def layer_pages(slots: int, hkv: int, d: int, g: torch.Generator) -> dict:
 
 
 def main(argv=None) -> str:
-    from kernels import cpu_attention
     from megatron_trace.fp4 import mxfp4
+    from megatron_trace.kernels import cpu_attention
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

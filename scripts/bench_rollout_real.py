@@ -124,7 +124,7 @@ def step_weight_bytes(engine, rows: int) -> int:
     reads it (layers.EngineLinear.forward_cpu streams packed NVFP4, W4A4 up to
     layers.W4A4_STREAM_MAX_ROWS; the one-call C layer of small
     models and torch's GEMM read the dequantized copy) and the LM head."""
-    from kernels import cpu_gemv
+    from megatron_trace.kernels import cpu_gemv
     from sglang_backend.local import layer_c, layers
 
     stream = rows <= layers.STREAM_MAX_ROWS and cpu_gemv.available()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kernels.dispatch import triton_available
+from megatron_trace.kernels.dispatch import triton_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

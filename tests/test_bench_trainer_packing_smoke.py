@@ -29,4 +29,5 @@ def test_packed_and_padded_layouts_run_side_by_side(tmp_path):
     med = json.loads(out.read_text())["median"]
     assert med["padded"]["mb"] == 2  # 5 samples, 4 rows per micro-batch
     assert med["packed"]["mb"] >= 3  # 52..92-token samples under a 128-token budget: at most two per stream
-    assert all(m["tok_s"] > 0 and m["peak_gb"] >= 0 for m in med.values())
+    # peak over the step's start mark; the kernel's RSS accounting may lag it by a few pages under reclaim
+    assert all(m["tok_s"] > 0 and m["peak_gb"] > -0.01 for m in med.values()), med

@@ -1,4 +1,4 @@
-"""The engine keeps freed heap memory (kernels/cpu_alloc.py), so a large temporary made again every
+"""The engine keeps freed heap memory (megatron_trace/kernels/cpu_alloc.py), so a large temporary made again every
 decode step reuses pages instead of page-faulting them in: counted by the kernel's minor-fault
 counter, not timed."""
 
@@ -7,7 +7,7 @@ import resource
 import pytest
 import torch
 
-from kernels import cpu_alloc, cpu_fused
+from megatron_trace.kernels import cpu_alloc, cpu_fused
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(torch.float32), reason="CPU kernels not built")
 

@@ -1,4 +1,4 @@
-"""The threaded (row, KV head) paged-attention kernel (kernels/cpu_attention_typed.h) on the shapes its
+"""The threaded (row, KV head) paged-attention kernel (megatron_trace/kernels/cpu_attention_typed.h) on the shapes its
 fast paths key on: head dims 64 and 128 (unrolled), lengths around its 8-position blocks and 32-row
 prefetch distance, GQA groups of 1 to 7, several rows per sequence and batches of sequences.
 
@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_attention, cpu_fused
 from megatron_trace.fp4 import fp8, nvfp4
+from megatron_trace.kernels import cpu_attention, cpu_fused
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler here")
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}

@@ -1,17 +1,17 @@
-"""kernels/cpu_build: a build that cannot happen says so, loudly and once, and the engine reports
+"""megatron_trace/kernels/cpu_build: a build that cannot happen says so, loudly and once, and the engine reports
 it in model_info while the torch references serve."""
 
 import logging
 
-from kernels import cpu_build, cpu_fused, cpu_gemv, dispatch
 from megatron_trace.fp4 import nvfp4
+from megatron_trace.kernels import cpu_build, cpu_fused, cpu_gemv, dispatch
 
 MISSING = "/nonexistent/megatron-trace-c++"
 
 
 def test_a_missing_compiler_is_named_and_logged_once(caplog):
     build = cpu_build.KernelBuild("portable", compiler=MISSING)
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_build"):
+    with caplog.at_level(logging.WARNING, logger="megatron_trace.kernels.cpu_build"):
         assert build.module() is None
         assert build.module() is None
     assert (
@@ -46,4 +46,4 @@ def test_without_kernels_the_engine_reports_it_and_runs_the_references(monkeypat
             eng.shutdown()
     assert info.startswith("torch (build failed (RuntimeError: no C++ compiler") and MISSING in info
     assert len(out[0]["output_ids"]) == 2
-    assert any(MISSING in r.getMessage() for r in caplog.records if r.name == "kernels.cpu_build")
+    assert any(MISSING in r.getMessage() for r in caplog.records if r.name == "megatron_trace.kernels.cpu_build")

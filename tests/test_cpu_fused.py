@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_attention, cpu_fused
 from megatron_trace.fp4 import nvfp4
+from megatron_trace.kernels import cpu_attention, cpu_fused
 from sglang_backend.local.layers import Rope, rms_norm
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler here")

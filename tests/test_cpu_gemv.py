@@ -1,4 +1,4 @@
-"""kernels/cpu_gemv (weight-streaming NVFP4 and BF16 linears) against fp4's dequantize + an fp64 matmul.
+"""megatron_trace/kernels/cpu_gemv (weight-streaming NVFP4 and BF16 linears) against fp4's dequantize + an fp64 matmul.
 
 Tolerance: the kernels accumulate in fp32 in another order than a reference matmul (per 16-column
 NVFP4 block, with the block scale and the global scale applied after the sums), so each output may
@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_gemv
 from megatron_trace.fp4 import nvfp4
+from megatron_trace.kernels import cpu_gemv
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
 BUILDS = ["native", "portable"]  # this machine's SIMD paths, and the scalar C every compiler builds

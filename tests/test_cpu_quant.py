@@ -1,4 +1,4 @@
-"""The C NVFP4 quantizers (kernels/cpu_quant) are the reference (`fp4.nvfp4`) bit for bit, in the
+"""The C NVFP4 quantizers (megatron_trace/kernels/cpu_quant) are the reference (`fp4.nvfp4`) bit for bit, in the
 -march=native build the engine runs and the portable build's scalar code, or step aside."""
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_build, cpu_quant, dispatch
 from megatron_trace.fp4 import fp8, nvfp4
 from megatron_trace.fp4.codecs import _boundaries, e2m1_grid, pack_fp4
 from megatron_trace.fp4.guided import mantissa_bits_packed
+from megatron_trace.kernels import cpu_build, cpu_quant, dispatch
 
 pytestmark = pytest.mark.skipif(cpu_build.native() is None, reason=f"no CPU kernels: {cpu_build.NATIVE.reason()}")
 BUILDS = ["native", "portable"]

@@ -54,7 +54,7 @@ def test_greedy_tokens_and_logprobs_match_hf(ckpt):
 @pytest.mark.parametrize("kv, quant", [("auto", None), ("nvfp4", "nvfp4"), ("mxfp4", None)])
 def test_fused_cpu_path_equals_the_torch_reference_path(ckpt, kv, quant, monkeypatch):
     """The C-kernel forward (the CPU default) against the model's torch ops (CUDA and fallback)."""
-    from kernels import cpu_fused
+    from megatron_trace.kernels import cpu_fused
     from sglang_backend.local.model import QwenEngineModel
 
     if not cpu_fused.available():
@@ -80,8 +80,8 @@ def test_fused_cpu_path_equals_the_torch_reference_path(ckpt, kv, quant, monkeyp
 def test_guidance_from_the_c_layer_equals_the_torch_path(ckpt, mode, monkeypatch):
     """Records written by the C layer straight into the guidance log against the torch path's
     quantizer outputs: same sites, positions and scales; codes agree but for rounding-boundary ties."""
-    from kernels import cpu_fused
     from megatron_trace.guidance import GuidanceRecord
+    from megatron_trace.kernels import cpu_fused
     from sglang_backend.local.model import QwenEngineModel
 
     if not cpu_fused.available():
@@ -120,8 +120,8 @@ def test_c_layer_guidance_through_log_growth_and_per_row_scales(ckpt, static_act
     equal to the torch path's while the log grows from 4 rows, and when a site under a static
     scale (KV; activations with static input scales) holds one S_enc per row (here: it was first
     opened under another scale) the C layer fills those rows with the scale."""
-    from kernels import cpu_fused
     from megatron_trace.guidance import GuidanceRecord
+    from megatron_trace.kernels import cpu_fused
     from sglang_backend.local.guidance_log import GuidanceLog
 
     if not cpu_fused.available():

@@ -1,13 +1,13 @@
 """Larger bf16 layers at decode widths run as one C call per run of layers (layer_c.run_stream,
-kernels/cpu_layer_stream.cpp) and give the per-kernel path's bits: tokens, logprobs, KV pages and
+megatron_trace/kernels/cpu_layer_stream.cpp) and give the per-kernel path's bits: tokens, logprobs, KV pages and
 every guidance site, for BF16, W4A4 and W4A16 linears over BF16 or NVFP4 pages, per-token or
 static activation scales, batches up to the widest a streamed layer takes."""
 
 import pytest
 import torch
 
-from kernels import cpu_gemv
 from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.kernels import cpu_gemv
 from megatron_trace.models import DEFAULT_TARGETS, QuantPolicy, make_tiny_checkpoint
 from sglang_backend.local import Engine, layer_c
 from tests.test_engine_streaming import WIDE

@@ -1,11 +1,11 @@
 """Decode at a real layer width: the one-call GEMM layer steps aside, the weight-streaming linears
-(kernels/cpu_gemv) serve decode (bf16: all of a step's layers in one streamed C call, layer_c.run_stream;
+(megatron_trace/kernels/cpu_gemv) serve decode (bf16: all of a step's layers in one streamed C call, layer_c.run_stream;
 fp32: per linear), and the engine's tokens and logprobs match its torch path."""
 
 import pytest
 import torch
 
-from kernels import cpu_gemv
+from megatron_trace.kernels import cpu_gemv
 from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.local import Engine, layer_c
 

@@ -1,4 +1,4 @@
-"""The embedded engine's CUDA paths reach the Triton kernels through kernels.dispatch. CUDA is not
+"""The embedded engine's CUDA paths reach the Triton kernels through megatron_trace.kernels.dispatch. CUDA is not
 needed to check the routing: the interpreter (TRITON_INTERPRET=1) runs the same kernels on CPU
 tensors when the backend is forced to 'triton', and each result is held to the torch path."""
 
@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-from kernels.dispatch import triton_available
+from megatron_trace.kernels.dispatch import triton_available
 from sglang_backend.local import attention as engine_attention
 from sglang_backend.local.kv_cache import PagedKVCache
 from sglang_backend.local.layers import EngineLinear
@@ -21,7 +21,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted():
-    if not importlib.import_module("kernels.triton_fp4_codecs").INTERPRETED:
+    if not importlib.import_module("megatron_trace.kernels.triton_fp4_codecs").INTERPRETED:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; CPU runs need it")
 
 
@@ -61,7 +61,7 @@ def test_decode_attention_over_fp4_pages_runs_the_paged_kernel(monkeypatch, fmt)
     q = torch.randn(2, heads, d, generator=g)
     monkeypatch.setattr(engine_attention, "DECODE_ATTENTION_BACKEND", "reference")
     want = engine_attention.decode_attention(q, batch, kv, 1)
-    calls = _spy(monkeypatch, "kernels.fp4_attention", "paged_decode_attention_triton")
+    calls = _spy(monkeypatch, "megatron_trace.kernels.fp4_attention", "paged_decode_attention_triton")
     monkeypatch.setattr(engine_attention, "DECODE_ATTENTION_BACKEND", "triton")
     got = engine_attention.decode_attention(q, batch, kv, 1)
     assert calls == ["paged_decode_attention_triton"]
@@ -77,7 +77,7 @@ def test_decode_attention_on_cpu_keeps_the_torch_path_under_auto(monkeypatch):
     for which in (0, 1):
         kv.write(0, which, slots, torch.randn(3, 1, 16))
     batch = ForwardBatch(torch.zeros(1, dtype=torch.long), torch.tensor([2]), [(0, 1)], slots[-1:], [slots])
-    calls = _spy(monkeypatch, "kernels.fp4_attention", "paged_decode_attention_triton")
+    calls = _spy(monkeypatch, "megatron_trace.kernels.fp4_attention", "paged_decode_attention_triton")
     assert engine_attention.DECODE_ATTENTION_BACKEND == "auto"
     engine_attention.decode_attention(torch.randn(1, 2, 16), batch, kv, 0)
     assert calls == []
@@ -113,7 +113,7 @@ def test_fp4_linear_runs_the_triton_gemm_on_its_packed_weight(monkeypatch, act_f
     captured = {"reference": [], "triton": []}
     out = {}
     kernel = "fp4_linear_w4a4_triton" if act_fmt else "fp4_linear_triton"
-    calls = _spy(monkeypatch, "kernels.fp4_gemm", kernel)
+    calls = _spy(monkeypatch, "megatron_trace.kernels.fp4_gemm", kernel)
     for backend in ("reference", "triton"):
 
         def record(site, q, into=captured[backend]):
@@ -132,7 +132,7 @@ def test_fp4_linear_runs_the_triton_gemm_on_its_packed_weight(monkeypatch, act_f
 
 def test_fp4_linear_on_cpu_keeps_f_linear_under_auto(monkeypatch):
     lin, x = _fp4_linear("nvfp4", False)
-    calls = _spy(monkeypatch, "kernels.fp4_gemm", "fp4_linear_w4a4_triton")
+    calls = _spy(monkeypatch, "megatron_trace.kernels.fp4_gemm", "fp4_linear_w4a4_triton")
     assert lin.gemm_backend == "auto"
     lin.forward(x)
     assert calls == []

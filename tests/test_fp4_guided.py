@@ -141,7 +141,7 @@ def test_mantissa_bits_from_packed_codes_equal_the_unpacked_route(seed, rows, he
     codes = torch.randint(
         0, 16, (rows, heads, 8 * groups), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
     )
-    from kernels.dispatch import mantissa_bits_packed as dispatched
+    from megatron_trace.kernels.dispatch import mantissa_bits_packed as dispatched
 
     want = mantissa_bits(codes)
     strided = pack_fp4(codes.transpose(0, 1).contiguous()).transpose(0, 1)  # a non-contiguous view

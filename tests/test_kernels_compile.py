@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kernels.dispatch import triton_available
+from megatron_trace.kernels.dispatch import triton_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +18,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import nvfp4_quantize as m
+from megatron_trace.kernels import nvfp4_quantize as m
 
 fn = m._nvfp4_quantize_kernel
 names = fn.arg_names

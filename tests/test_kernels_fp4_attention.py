@@ -7,8 +7,8 @@ import importlib
 import pytest
 import torch
 
-from kernels.dispatch import paged_decode_attention, paged_decode_attention_reference, triton_available
 from megatron_trace.fp4 import mxfp4, nvfp4
+from megatron_trace.kernels.dispatch import paged_decode_attention, paged_decode_attention_reference, triton_available
 
 pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="triton is not importable"),
@@ -18,7 +18,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted():
-    if not importlib.import_module("kernels.fp4_attention").INTERPRETED:
+    if not importlib.import_module("megatron_trace.kernels.fp4_attention").INTERPRETED:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; CPU runs need it")
 
 

@@ -7,14 +7,14 @@ import importlib
 import pytest
 import torch
 
-from kernels.dispatch import (
+from megatron_trace.fp4 import mxfp4, nvfp4
+from megatron_trace.kernels.dispatch import (
     fp4_linear,
     fp4_linear_reference,
     fp4_linear_w4a4,
     fp4_linear_w4a4_reference,
     triton_available,
 )
-from megatron_trace.fp4 import mxfp4, nvfp4
 
 pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="triton is not importable"),
@@ -24,7 +24,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted():
-    if not importlib.import_module("kernels.fp4_gemm").INTERPRETED:
+    if not importlib.import_module("megatron_trace.kernels.fp4_gemm").INTERPRETED:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; CPU runs need it")
 
 

@@ -10,8 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kernels.dispatch import nvfp4_quantize_with_guidance, nvfp4_quantize_with_guidance_reference, triton_available
 from megatron_trace.fp4 import guided_quantize, mantissa_bits_packed, unpack_mantissa_bits
+from megatron_trace.kernels.dispatch import (
+    nvfp4_quantize_with_guidance,
+    nvfp4_quantize_with_guidance_reference,
+    triton_available,
+)
 
 pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="triton is not importable"),
@@ -21,7 +25,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted():
-    if not importlib.import_module("kernels.nvfp4_quantize").INTERPRETED:
+    if not importlib.import_module("megatron_trace.kernels.nvfp4_quantize").INTERPRETED:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; CPU runs need it")
 
 

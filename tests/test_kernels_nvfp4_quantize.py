@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kernels import dispatch
-from kernels.dispatch import nvfp4_quantize, triton_available
 from megatron_trace.fp4 import nvfp4
+from megatron_trace.kernels import dispatch
+from megatron_trace.kernels.dispatch import nvfp4_quantize, triton_available
 
 pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="triton is not importable"),
@@ -30,8 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _kernel_module():
-    # By import path: `kernels.nvfp4_quantize` is the submodule, never the dispatcher function.
-    return importlib.import_module("kernels.nvfp4_quantize")
+    # By import path: `megatron_trace.kernels.nvfp4_quantize` is the submodule, never the dispatcher function.
+    return importlib.import_module("megatron_trace.kernels.nvfp4_quantize")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -305,11 +305,11 @@ def test_package_imports_without_triton():
     # Importing the dispatcher must not import triton; and on a CPU install without triton,
     # importing kernels must not need it and auto falls back (one interpreter for both checks).
     code = (
-        "import sys, kernels.dispatch\n"
+        "import sys, megatron_trace.kernels.dispatch\n"
         "assert 'triton' not in sys.modules, 'triton imported eagerly'\n"
         "sys.modules['triton'] = None\n"
         "import torch, kernels\n"
-        "from kernels.dispatch import nvfp4_quantize, triton_available\n"
+        "from megatron_trace.kernels.dispatch import nvfp4_quantize, triton_available\n"
         "assert not triton_available()\n"
         "nvfp4_quantize(torch.ones(2, 16))\n"
         "try:\n"
@@ -318,7 +318,7 @@ def test_package_imports_without_triton():
         "    assert 'not importable' in str(e), e\n"
         "else:\n"
         "    raise SystemExit('backend=triton without triton did not raise')\n"
-        "assert 'kernels.nvfp4_quantize' not in sys.modules\n"
+        "assert 'megatron_trace.kernels.nvfp4_quantize' not in sys.modules\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_attention
 from megatron_trace.fp4 import fp8, nvfp4
+from megatron_trace.kernels import cpu_attention
 from sglang_backend.local.kv_cache import PagedKVCache
 
 FORMATS = ("bf16", "nvfp4", "fp8", "mxfp4")
@@ -109,8 +109,8 @@ def test_kernel_refuses_pages_it_cannot_decode():
 
 
 def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_only_v(tmp_path, monkeypatch):
-    from kernels import cpu_fused
     from megatron_trace.guidance import GuidanceRecord
+    from megatron_trace.kernels import cpu_fused
     from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
     from sglang_backend.local import Engine
     from sglang_backend.local.model import QwenEngineModel

@@ -1,4 +1,4 @@
-"""kernels/onednn_linear: the prepacked oneDNN bf16 GEMM gives F.linear's bits, and the engine never
+"""megatron_trace/kernels/onednn_linear: the prepacked oneDNN bf16 GEMM gives F.linear's bits, and the engine never
 multiplies by a packed copy older than its weights (updates, refused updates rolled back)."""
 
 import pytest
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from kernels import onednn_linear
+from megatron_trace.kernels import onednn_linear
 from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.local import Engine
 from tests.test_engine_streaming import WIDE  # above the one-call C layer: batches run the torch GEMMs

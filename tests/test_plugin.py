@@ -303,11 +303,11 @@ def test_nvfp4_apply_on_the_triton_w4a4_route_matches_f_linear(monkeypatch, inpu
     Triton W4A4 GEMM; the interpreter stands in for the GPU (gemm_backend 'triton')."""
     import importlib
 
-    from kernels.dispatch import triton_available
+    from megatron_trace.kernels.dispatch import triton_available
 
-    if not triton_available() or not importlib.import_module("kernels.triton_fp4_codecs").INTERPRETED:
+    if not triton_available() or not importlib.import_module("megatron_trace.kernels.triton_fp4_codecs").INTERPRETED:
         pytest.skip("needs triton under TRITON_INTERPRET=1")
-    fp4_gemm = importlib.import_module("kernels.fp4_gemm")
+    fp4_gemm = importlib.import_module("megatron_trace.kernels.fp4_gemm")
     tensors = to_modelopt_fused(_weights(QKV, 64, 1), input_amax=input_amax)
     bias, x = torch.randn(sum(QKV.values())), torch.randn(5, 64) * 2
     layer, method = _plugin(QKV, 64, tensors)

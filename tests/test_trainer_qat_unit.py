@@ -261,17 +261,17 @@ def test_static_scales_from_calibrated_amax_match_the_engine_reading_the_checkpo
 
 @pytest.mark.parametrize("mode", ["full", "mantissa"])
 def test_cuda_route_runs_the_triton_kernels_with_the_reference_bits(monkeypatch, mode):
-    """On CUDA the QAT sites quantize and round through kernels.dispatch, which picks the Triton
+    """On CUDA the QAT sites quantize and round through megatron_trace.kernels.dispatch, which picks the Triton
     kernels there. Here the interpreter stands in for the GPU (the dispatcher forced to 'triton'):
     weight, guided activation and guided NVFP4 K equal the reference route's output bit for bit."""
     import importlib
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not importable")
-    from kernels import dispatch
+    from megatron_trace.kernels import dispatch
     from megatron_trace.trainer import qat
 
-    if not importlib.import_module("kernels.nvfp4_quantize").INTERPRETED:
+    if not importlib.import_module("megatron_trace.kernels.nvfp4_quantize").INTERPRETED:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
     g = torch.Generator().manual_seed(9)
     x_roll = torch.randn(6, 64, generator=g)

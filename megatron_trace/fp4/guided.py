@@ -94,7 +94,7 @@ def mantissa_bits(codes: torch.Tensor) -> torch.Tensor:
 
 def mantissa_bits_packed(packed: torch.Tensor) -> torch.Tensor:
     """mantissa_bits(unpack_fp4(packed)) straight from packed codes [..., K/2] (low nibble first).
-    The reference; the engine's C pass of it is kernels.dispatch.mantissa_bits_packed."""
+    The reference; the engine's C pass of it is megatron_trace.kernels.dispatch.mantissa_bits_packed."""
     if packed.dtype != torch.uint8 or packed.dim() == 0 or packed.shape[-1] % 4:
         raise ValueError(
             f"mantissa_bits_packed takes packed uint8 codes [..., K/2] with K a multiple of 8; "

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-# the dispatcher's: C on CPU (the engine packs every guided row of finished samples)
-from kernels.dispatch import mantissa_bits_packed
 from megatron_trace.fp4 import RolloutRounding
 from megatron_trace.fp4.guided import GUIDANCE_MODES
+
+# the dispatcher's: C on CPU (the engine packs every guided row of finished samples)
+from megatron_trace.kernels.dispatch import mantissa_bits_packed
 
 KV_SITES = ("k_cache", "v_cache")
 

@@ -6,8 +6,8 @@
                    (where a guidance record covers the position; rtn elsewhere)
 Weights use the exporter's quantizer (one global amax over the full, TP-gathered fused weight), so trainer and
 rollout weights are bit-identical. Backward is straight-through everywhere. NVFP4 quantization and guided
-rounding go through `kernels.dispatch`: the Triton kernels on CUDA tensors, fp4's references elsewhere, the same
-bits either way.
+rounding go through `megatron_trace.kernels.dispatch`: the Triton kernels on CUDA tensors, fp4's references
+elsewhere, the same bits either way.
 
 Megatron lays activations out [seq, batch, hidden]; a micro-batch's guidance is assembled into that layout once
 per site (`MicroBatchGuidance`), with each sample's positions 0..T-1 in its batch column. Row-parallel inputs
@@ -29,7 +29,6 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from kernels.dispatch import mantissa_bits_packed, nvfp4_guided_quantize, nvfp4_quantize
 from megatron_trace.fp4 import (
     RolloutRounding,
     dequantize_any,
@@ -40,6 +39,7 @@ from megatron_trace.fp4 import (
     straight_through,
     unpack_fp4,
 )
+from megatron_trace.kernels.dispatch import mantissa_bits_packed, nvfp4_guided_quantize, nvfp4_quantize
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.rope import rotated_bias
 

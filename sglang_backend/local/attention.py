@@ -2,7 +2,7 @@
 
 prefill_attention / decode_attention read K and V back from the cache (dequantized when
 quantized) and attend in torch; on CUDA tensors decode over FP4 pages goes through the Triton paged
-kernel (kernels.dispatch). `k_add(positions, dtype)` adds back what a de-biased K cache
+kernel (megatron_trace.kernels.dispatch). `k_add(positions, dtype)` adds back what a de-biased K cache
 (quant.kv_k_debias) left out of K.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.dispatch import paged_decode_attention
+from megatron_trace.kernels.dispatch import paged_decode_attention
 
 if TYPE_CHECKING:
     from .kv_cache import PagedKVCache
@@ -53,7 +53,7 @@ def prefill_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int, k_ad
     return torch.cat(outs)
 
 
-# Decode attention over FP4 pages. "auto": the Triton kernel (kernels/fp4_attention.py: codes x
+# Decode attention over FP4 pages. "auto": the Triton kernel (megatron_trace/kernels/fp4_attention.py: codes x
 # scales dequantized in registers, never a dequantized copy) for CUDA tensors, the torch gather
 # below elsewhere; "triton" also sends CPU tensors to the kernel (under TRITON_INTERPRET=1, how the
 # tests reach it); "reference" always takes the torch gather.
@@ -78,7 +78,7 @@ def decode_attention(q, batch: ForwardBatch, kv: PagedKVCache, layer: int, k_add
 
 
 def decode_attention_paged(q, batch: ForwardBatch, kv: PagedKVCache, layer: int, backend: str) -> torch.Tensor:
-    """Decode attention straight over the layer's FP4 pages through kernels.dispatch (each row of
+    """Decode attention straight over the layer's FP4 pages through megatron_trace.kernels.dispatch (each row of
     the slot table is one sequence's slots, valid up to its length)."""
     flat, mask = batch.decode_gather()
     table = flat.reshape(mask.shape).to(device=q.device, dtype=torch.int32)

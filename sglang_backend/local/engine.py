@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from kernels import cpu_alloc
 from megatron_trace.guidance import resolve_guided_layers
+from megatron_trace.kernels import cpu_alloc
 from megatron_trace.models import ModelArch, QuantPolicy
 from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import dispatch
 from megatron_trace.fp4 import fp8, mxfp4, nvfp4
+from megatron_trace.kernels import dispatch
 
 KV_DTYPES = ("auto", "bf16", "nvfp4", "mxfp4", "fp8")
 SIDE_FORMATS = ("bf16", "nvfp4", "mxfp4", "fp8")

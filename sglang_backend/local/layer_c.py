@@ -1,10 +1,10 @@
-"""Runs dense decoder layers as single C calls (`kernels/cpu_layer.py`) on CPU, two ways:
+"""Runs dense decoder layers as single C calls (`megatron_trace/kernels/cpu_layer.py`) on CPU, two ways:
 
 - small layers (`supports`): one call per layer, `decode_layer`, whose single-threaded GEMM reads a
   transposed dequantized copy of each weight (the engine's tiny test models, any batch);
 - larger bf16 layers (and small ones over FP8 or mixed pages) at decode widths (`streams`,
   `stream_rows`): a run of consecutive layers in one call, `decode_layers_stream`, whose linears
-  read the weights as stored through the decode GEMVs (kernels/cpu_gemv) on torch's threads, one
+  read the weights as stored through the decode GEMVs (megatron_trace/kernels/cpu_gemv) on torch's threads, one
   parallel region for the whole run. Its results are the per-kernel path's bits (the same C
   functions on the same inputs); it exists because that path pays for a parallel region and a
   Python call per kernel.
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_fused, cpu_gemv, cpu_layer
 from megatron_trace.fp4 import nvfp4
+from megatron_trace.kernels import cpu_fused, cpu_gemv, cpu_layer
 
 from .layers import STREAM_MAX_ROWS, W4A4_STREAM_MAX_ROWS
 
@@ -30,7 +30,7 @@ _LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
 
 # Above this many MLP weights per layer the layer runs kernel by kernel, whose linears stream the
-# weights as stored across torch's threads at decode (kernels/cpu_gemv) and use torch's GEMM for
+# weights as stored across torch's threads at decode (megatron_trace/kernels/cpu_gemv) and use torch's GEMM for
 # prefill; this kernel's own GEMM is single-threaded and reads dequantized weights, which only
 # small models (where one call saves more than threads would) should pay.
 ONE_CALL_MAX_WEIGHTS = 1 << 22

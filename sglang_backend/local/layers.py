@@ -14,16 +14,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels import cpu_gemv, onednn_linear
-from kernels.dispatch import fp4_linear, fp4_linear_w4a4, nvfp4_quantize, nvfp4_quantize_dequantize
 from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
+from megatron_trace.kernels import cpu_gemv, onednn_linear
+from megatron_trace.kernels.dispatch import fp4_linear, fp4_linear_w4a4, nvfp4_quantize, nvfp4_quantize_dequantize
 
 # site name, quantized input (NVFP4Tensor), or None when the site is not captured
 CaptureFn = Callable[[str, nvfp4.NVFP4Tensor], None]
 
 # Up to this many rows (decode batches), the CPU path streams the weights as stored through
-# kernels/cpu_gemv (bytes read bound decode); above it, torch's GEMM over the dequantized copy with
+# megatron_trace/kernels/cpu_gemv (bytes read bound decode); above it, torch's GEMM over the dequantized copy with
 # the weight packed once for oneDNN (prefill, large batches: compute bound, where oneDNN's blocked
 # GEMM is faster), except W4A4 up to W4A4_STREAM_MAX_ROWS: its integer row tiles stay ahead there
 # (scripts/bench_cpu_linears.py on the 0.5B widths: level with the packed GEMM at 8 rows, behind at 16).
@@ -131,7 +131,7 @@ class EngineLinear(nn.Module):
     quantized per token (or with a static scale) before the matmul: W4A4.
     """
 
-    # FP4 GEMM: "auto" runs the Triton kernels (kernels/fp4_gemm.py: NVFP4 weights read as stored,
+    # FP4 GEMM: "auto" runs the Triton kernels (megatron_trace/kernels/fp4_gemm.py: NVFP4 weights read as stored,
     # dequantized in registers) for CUDA inputs and F.linear over the dequantized copy elsewhere;
     # "triton" also sends CPU inputs to the kernels (under TRITON_INTERPRET=1, how the tests reach
     # them); "reference" always takes F.linear.
@@ -265,7 +265,7 @@ class EngineLinear(nn.Module):
         return False
 
     def _forward_packed(self, x: torch.Tensor, capture: CaptureFn | None, site: str | None) -> torch.Tensor:
-        """The NVFP4 weight as stored through kernels.dispatch: W4A4 multiplies the activation's
+        """The NVFP4 weight as stored through megatron_trace.kernels.dispatch: W4A4 multiplies the activation's
         codes (quantized and reported to capture as `_matmul_input` does), W4A16 x itself."""
         if self.act_fmt == "nvfp4":
             q = self.quantize_input(x)

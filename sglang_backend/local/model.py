@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_attention, cpu_fused, onednn_linear
+from megatron_trace.kernels import cpu_attention, cpu_fused, onednn_linear
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.rope import rotated_bias
 

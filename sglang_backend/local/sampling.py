@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_fused
+from megatron_trace.kernels import cpu_fused
 from sglang_backend.api import SamplingParams
 from sglang_backend.sampling_support import keep_mask, needs_filter, support_logprob
 

@@ -20,9 +20,9 @@ import importlib
 
 import torch
 
-from kernels.dispatch import nvfp4_quantize_dequantize
 from megatron_trace.fp4 import fp8, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
+from megatron_trace.kernels.dispatch import nvfp4_quantize_dequantize
 
 from .capture import get_capture_buffer
 from .slot_capture import SlotCapture
@@ -37,7 +37,9 @@ def quantize_kv(x: torch.Tensor, global_scale_dec) -> nvfp4.NVFP4Tensor:
     """x [T, heads, head_dim] -> NVFP4 (data [T, H, D/2], scale [T, H, D/16], S_enc 0-d)."""
     s_dec = torch.as_tensor(1.0 if global_scale_dec is None else global_scale_dec, dtype=torch.float32)
     s_enc = encode_scale_from_decode(s_dec.detach().reshape(-1)[:1].reshape(()).cpu()).to(x.device)
-    return nvfp4_quantize_dequantize(x, global_scale=s_enc)[0]  # C on CPU, Triton on CUDA (kernels.dispatch)
+    return nvfp4_quantize_dequantize(x, global_scale=s_enc)[
+        0
+    ]  # C on CPU, Triton on CUDA (megatron_trace.kernels.dispatch)
 
 
 def quantize_kv_fp8(x: torch.Tensor, all_max=None) -> fp8.FP8Tensor:

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.dispatch import nvfp4_quantize_dequantize
 from megatron_trace.fp4 import mxfp4, nvfp4
+from megatron_trace.kernels.dispatch import nvfp4_quantize_dequantize
 
 from . import capture, moe_packed
 from .layer_tp import set_derived, sglang_attr

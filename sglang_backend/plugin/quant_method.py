@@ -12,7 +12,7 @@ S_enc, swizzled scales, alpha, the dequantized weight of the fallback GEMM) is r
 them by `process_weights_after_loading` and, lazily, by the first `apply` after a load.
 Activations are quantized per token (or with the checkpoint's static input_scale) exactly as
 `sglang_backend.local.layers.EngineLinear` does; the GEMM is SGLang's native FP4 GEMM on SM100+,
-else `kernels.dispatch.fp4_linear_w4a4` (Triton: the activation's codes times the weight as
+else `megatron_trace.kernels.dispatch.fp4_linear_w4a4` (Triton: the activation's codes times the weight as
 stored, as EngineLinear on CUDA) on CUDA, else dequantize + F.linear (bit-identical to
 EngineLinear on CPU).
 """
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels.dispatch import nvfp4_quantize_dequantize
 from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 from megatron_trace.fp4.swizzle import swizzle_scales
+from megatron_trace.kernels.dispatch import nvfp4_quantize_dequantize
 
 from .. import plugin_settings as settings
 from . import capture
@@ -222,7 +222,7 @@ class TraceFP4LinearMethod(_TraceLinearBase):
             return q, (nvfp4.dequantize(q, x.dtype) if want_dequant else None)
         if x.device.type == "cpu":
             return nvfp4_quantize_dequantize(x, per_row_global=gs is None, global_scale=gs, dequant_dtype=x.dtype)
-        from kernels.dispatch import nvfp4_quantize
+        from megatron_trace.kernels.dispatch import nvfp4_quantize
 
         q = nvfp4_quantize(x, global_scale=gs) if gs is not None else nvfp4_quantize(x, per_row_global=True)
         return q, (nvfp4.dequantize(q, x.dtype) if want_dequant else None)
@@ -259,7 +259,7 @@ class TraceFP4LinearMethod(_TraceLinearBase):
 
 def _w4a4_kernel():
     """kernels.dispatch.fp4_linear_w4a4(q: NVFP4Tensor, weight: NVFP4Tensor, bias, ...) when importable."""
-    return sglang_attr("kernels.dispatch", "fp4_linear_w4a4")
+    return sglang_attr("megatron_trace.kernels.dispatch", "fp4_linear_w4a4")
 
 
 class TraceMXFP4LinearMethod(_TraceLinearBase):

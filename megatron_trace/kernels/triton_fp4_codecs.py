@@ -11,7 +11,7 @@ Exactness notes (the reason for the unusual code below):
   may see NaN are `tl.where` with explicit comparisons.
 * Kernels launch with float contraction disabled so no multiply is fused into a later add.
 
-Importing this module imports triton; callers go through `kernels.dispatch`.
+Importing this module imports triton; callers go through `megatron_trace.kernels.dispatch`.
 """
 
 from __future__ import annotations

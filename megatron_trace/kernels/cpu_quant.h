@@ -1,6 +1,6 @@
-/* NVFP4 quantize / dequantize of the engine on CPU (kernels/cpu_quant.c), bit-identical to
+/* NVFP4 quantize / dequantize of the engine on CPU (megatron_trace/kernels/cpu_quant.c), bit-identical to
  * megatron_trace.fp4.nvfp4.quantize / dequantize and fp4.guided.mantissa_bits_packed.
- * Python reaches them through kernels/cpu_ops.cpp (torch tensors) and kernels.dispatch.
+ * Python reaches them through megatron_trace/kernels/cpu_ops.cpp (torch tensors) and megatron_trace.kernels.dispatch.
  */
 #ifndef MEGATRON_TRACE_CPU_QUANT_H
 #define MEGATRON_TRACE_CPU_QUANT_H
@@ -27,7 +27,7 @@ int nvfp4_qdq(const float* x, int64_t R, int64_t K, const float* gs_in, uint8_t*
    the same bytes. Returns 1 when those rows hold a NaN, else 0. */
 int nvfp4_qdq_rows(const void* x, int x_bf16, int64_t r0, int64_t r1, int64_t K, const float* gs_in, uint8_t* data,
                    uint8_t* scale, float* gs_out, void* xhat, int xhat_bf16);
-/* All R rows of nvfp4_qdq_rows split over torch's intra-op threads (kernels/cpu_quant_parallel.cpp). */
+/* All R rows of nvfp4_qdq_rows split over torch's intra-op threads (megatron_trace/kernels/cpu_quant_parallel.cpp). */
 int nvfp4_qdq_parallel(const void* x, int x_bf16, int64_t R, int64_t K, const float* gs_in, uint8_t* data,
                        uint8_t* scale, float* gs_out, void* xhat, int xhat_bf16);
 

@@ -2,7 +2,7 @@
  * E4M3/E2M1 conversions, the 8-lane SIMD helpers, and the GEMM tile height. This is the one place
  * FP4 decoding is written in C; the tables equal megatron_trace.fp4's (tests/test_cpu_quant.py).
  *
- * All sources are built by torch.utils.cpp_extension (kernels/cpu_build.py) with
+ * All sources are built by torch.utils.cpp_extension (megatron_trace/kernels/cpu_build.py) with
  * -ffp-contract=off and no fast-math, so every fp32 step rounds where the torch reference does.
  */
 #ifndef MEGATRON_TRACE_CPU_FP4_H

@@ -16,7 +16,7 @@ FP4 against 4 * D for BF16, a 3.56x ceiling):
 * Each tile of BLOCK_T tokens gathers its slots from the slot table, loads the tokens' code rows
   (D/2 contiguous bytes each; a page's tokens are adjacent, so loads coalesce) and their scale
   bytes (shared by 8 lanes), and decodes E2M1 x E4M3 / E8M0 with integer bit arithmetic.
-* As in kernels/fp4_gemm.py, `code * block_scale` is exact in bf16 (for MXFP4 too, barring
+* As in megatron_trace/kernels/fp4_gemm.py, `code * block_scale` is exact in bf16 (for MXFP4 too, barring
   scales near 2^+-127), so QK^T and PV run on bf16 tensor cores: q (fp32: 3 bf16 pieces,
   fp16: 2, bf16: 1) and the fp32 probabilities P (3 pieces for fp32 q, 2 otherwise) are split
   into exact bf16 parts, keeping fp32-level accuracy. The global S_dec of K is folded into the
@@ -230,7 +230,7 @@ def paged_decode_attention_triton(
     splits=None,
     num_warps=4,
 ):
-    """See `kernels.dispatch.paged_decode_attention`; block_t / splits override the heuristics."""
+    """See `megatron_trace.kernels.dispatch.paged_decode_attention`; block_t / splits override the heuristics."""
     if fmt not in _FMT:
         raise ValueError(f"fmt must be one of {tuple(_FMT)}; got {fmt!r}")
     bsz, h, d = q.shape

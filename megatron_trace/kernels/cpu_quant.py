@@ -1,7 +1,7 @@
 """The C implementation of NVFP4 quantize / dequantize / mantissa packing for the engine on CPU
 (`cpu_quant.c`), bit-identical to megatron_trace.fp4's references.
 
-Callers go through `kernels.dispatch` (nvfp4_quantize_dequantize, nvfp4_quantize_to_slots,
+Callers go through `megatron_trace.kernels.dispatch` (nvfp4_quantize_dequantize, nvfp4_quantize_to_slots,
 nvfp4_dequantize_rows, mantissa_bits_packed), which picks these on CPU when the kernels are built.
 Each function here returns None (or False) for what it does not take, e.g. a NaN input, whose
 bytes the reference decides; the dispatcher then runs the reference.

@@ -1,4 +1,4 @@
-/* C kernels of the embedded engine's forward on CPU (kernels/cpu_fused.c):
+/* C kernels of the embedded engine's forward on CPU (megatron_trace/kernels/cpu_fused.c):
  *
  *     x -> add_rmsnorm (residual add + RMSNorm, one pass) -> qkv GEMM
  *       -> qkv_rope (q/k RMSNorm for Qwen3, RoPE, K/V stored straight into their cache slots)
@@ -76,7 +76,7 @@ CPU_FUSED_DECLARE(bf16, uint16_t)
 int layer_kv_store_nvfp4(const layer_args* a, int which, const float* x);
 
 /* n bf16 layers at decode widths, each streaming its linears (lin_kind 1 or 2) through the decode
-   GEMVs, in one parallel region (kernels/cpu_layer_stream.cpp); layer i + 1's res_in is layer i's
+   GEMVs, in one parallel region (megatron_trace/kernels/cpu_layer_stream.cpp); layer i + 1's res_in is layer i's
    res_out. Returns decode_layer's codes. */
 int decode_layers_stream_bf16(const layer_args* const* layers, int64_t n);
 

@@ -1,5 +1,5 @@
-"""Backend selection: the Triton kernels (CUDA), the CPU engine's C kernels (kernels/cpu_quant.py,
-built by kernels/cpu_build.py) and the torch references of megatron_trace.fp4. This module is
+"""Backend selection: the Triton kernels (CUDA), the CPU engine's C kernels (megatron_trace/kernels/cpu_quant.py,
+built by megatron_trace/kernels/cpu_build.py) and the torch references of megatron_trace.fp4. This module is
 the one place that picks among them.
 
 triton is imported lazily (first `triton_available()` or kernel call), never at import time.
@@ -18,7 +18,9 @@ from megatron_trace.fp4.codecs import unpack_fp4
 from megatron_trace.fp4.guided import GUIDANCE_MODES, guided_quantize, mantissa_bits
 from megatron_trace.fp4.guided import mantissa_bits_packed as mantissa_bits_packed_reference
 
-from . import cpu_quant  # builds nothing at import: the C kernels build on first use (kernels/cpu_build.py)
+from . import (
+    cpu_quant,  # builds nothing at import: the C kernels build on first use (megatron_trace/kernels/cpu_build.py)
+)
 
 BACKENDS = ("auto", "triton", "reference")
 
@@ -62,7 +64,7 @@ def _check_backend(backend: str) -> None:
 def _triton_module():
     if not triton_available():
         raise RuntimeError("backend='triton' needs the triton package; it is not importable here")
-    return importlib.import_module("kernels.nvfp4_quantize")
+    return importlib.import_module("megatron_trace.kernels.nvfp4_quantize")
 
 
 def _require_runnable(x: torch.Tensor, mod) -> None:
@@ -111,7 +113,7 @@ def nvfp4_quantize(
 
 
 # -- NVFP4 on the engine's paths: C on CPU, Triton on CUDA, the reference elsewhere -------------
-# On CPU these run kernels/cpu_quant.py when kernels/cpu_build.py could build the C kernels (a failed
+# On CPU these run cpu_quant.py (this package) when cpu_build.py could build the C kernels (a failed
 # build is logged there once and shown in the engine's model_info["cpu_linear"]). The C functions
 # decline what they do not take (NaN inputs, whose bytes the reference decides; other layouts),
 # which then runs the reference, bit for bit the same as the C result would be.
@@ -140,7 +142,7 @@ def nvfp4_quantize_to_slots(
     x: torch.Tensor, global_scale: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
 ) -> bool:
     """codes[slots], scales[slots] = nvfp4.quantize(x, global_scale=global_scale) (data, scale)
-    without temporaries (kernels/cpu_quant.py); False, nothing written, where no kernel takes it:
+    without temporaries (megatron_trace/kernels/cpu_quant.py); False, nothing written, where no kernel takes it:
     the caller then writes the reference's result."""
     if x.device.type != "cpu":
         return False
@@ -148,7 +150,7 @@ def nvfp4_quantize_to_slots(
 
 
 def fp8_quantize_to_slots(x: torch.Tensor, codes: torch.Tensor, sdec: torch.Tensor, slots: torch.Tensor) -> bool:
-    """codes[slots], sdec[slots] = fp8.quantize(x, dims=2) (data, scale) in one pass (kernels/cpu_quant.py);
+    """codes[slots], sdec[slots] = fp8.quantize(x, dims=2) (data, scale) in one pass (cpu_quant.py);
     False, nothing written, where no kernel takes it: the caller then writes the reference's result."""
     if x.device.type != "cpu":
         return False
@@ -177,14 +179,14 @@ def mantissa_bits_packed(packed: torch.Tensor) -> torch.Tensor:
 
 
 # -- FP4 GEMM, paged FP4 attention, quantize + guidance ---------------------------------------
-# Torch references live here (importable without triton); the kernels in kernels/fp4_gemm.py,
-# kernels/fp4_attention.py and kernels/nvfp4_quantize.py (guidance option) reproduce them.
+# Torch references live here (importable without triton); the kernels in megatron_trace/kernels/fp4_gemm.py,
+# megatron_trace/kernels/fp4_attention.py and megatron_trace/kernels/nvfp4_quantize.py (guidance option) reproduce them.
 
 
 def _kernel_module(name: str):
     if not triton_available():
         raise RuntimeError("backend='triton' needs the triton package; it is not importable here")
-    return importlib.import_module(f"kernels.{name}")
+    return importlib.import_module(f"megatron_trace.kernels.{name}")
 
 
 def _pick(backend: str, x, name: str, kernel_ok: bool = True):
@@ -235,7 +237,7 @@ def fp4_linear_w4a4(x, w, bias=None, *, input_global_scale=None, out_dtype=None,
     with the reference rules, then multiplied with the NVFP4 weight; x may be that NVFP4Tensor
     already (the engine quantizes first to record guidance; out_dtype then defaults to float32).
     FP4 MMA is Blackwell-only; the kernel runs bf16 MMAs on exactly dequantized tiles (see
-    kernels/fp4_gemm.py)."""
+    megatron_trace/kernels/fp4_gemm.py)."""
     device_probe = x.data if isinstance(x, nvfp4.NVFP4Tensor) else x
     mod = _pick(backend, device_probe, "fp4_gemm", isinstance(w, nvfp4.NVFP4Tensor))
     if mod is None:

@@ -1,4 +1,4 @@
-/* Weight-streaming linears for the embedded engine's decode on CPU (kernels/cpu_gemv.c).
+/* Weight-streaming linears for the embedded engine's decode on CPU (megatron_trace/kernels/cpu_gemv.c).
  *
  * y[M, N] = x[M, K] . W[N, K]^T (+ bias), fp32 accumulation, W read as stored:
  *   NVFP4 (ModelOpt layout): codes uint8 [N, K/2] (element 2i in the low nibble), E4M3 block
@@ -38,7 +38,7 @@ void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint1
 /* 1 when bf16 activations are read in place (AVX512-BF16 dot products), 0 when they are widened. */
 int gemv_reads_bf16(void);
 
-/* W4A4 (kernels/cpu_gemv_w4a4.c): the activations as NVFP4 too (codes [M, K/2], scales [M, K/16],
+/* W4A4 (megatron_trace/kernels/cpu_gemv_w4a4.c): the activations as NVFP4 too (codes [M, K/2], scales [M, K/16],
  * decode global scale adec [M]), laid out once by gemv_w4a4_prepare into M * 256 * gemv_w4a4_chunks(K)
  * bytes; exact integer block products. */
 int64_t gemv_w4a4_chunks(int64_t K);

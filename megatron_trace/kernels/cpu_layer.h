@@ -1,8 +1,8 @@
-/* One C call per dense decoder layer (kernels/cpu_layer_typed.h), or per run of layers at decode
- * widths (kernels/cpu_layer_stream.cpp): its arguments.
+/* One C call per dense decoder layer (megatron_trace/kernels/cpu_layer_typed.h), or per run of layers at decode
+ * widths (megatron_trace/kernels/cpu_layer_stream.cpp): its arguments.
  *
  * The fields are listed once, below, and both the C struct and its Python binding
- * (kernels/cpu_ops.cpp: kernels.cpu_layer.LayerArgs) are generated from these lists, so the two
+ * (megatron_trace/kernels/cpu_ops.cpp: megatron_trace.kernels.cpu_layer.LayerArgs) are generated from these lists, so the two
  * cannot drift. Addresses cross from Python as integers (tensor.data_ptr(), guidance-log rows).
  */
 #ifndef MEGATRON_TRACE_CPU_LAYER_H

@@ -2,7 +2,7 @@
 
 The C sources are `cpu_gemv.c` (kernels, AVX-512 or portable scalar, chosen by the compiler's
 -march=native target), `cpu_gemv_w4a4.c` and `cpu_gemv_parallel.cpp` (at::parallel_for over output
-rows, so torch.get_num_threads() applies), built with the other CPU kernels by kernels/cpu_build.py.
+rows, so torch.get_num_threads() applies), built with the other CPU kernels by megatron_trace/kernels/cpu_build.py.
 Without a compiler or ninja, `available()` is False, `unavailable_reason()` says why, and the
 engine logs it and reports it in model_info (it then multiplies dequantized weights with torch:
 same numbers to fp32 rounding, slower decode).

@@ -1,5 +1,5 @@
-// Entry points of the weight-streaming linears (cpu_gemv.c), called by the bindings (kernels/cpu_ops.cpp)
-// for kernels/cpu_gemv.py: the activations are laid out once, then at::parallel_for splits the output
+// Entry points of the weight-streaming linears (cpu_gemv.c), called by the bindings (megatron_trace/kernels/cpu_ops.cpp)
+// for megatron_trace/kernels/cpu_gemv.py: the activations are laid out once, then at::parallel_for splits the output
 // rows over torch's intra-op threads (torch.get_num_threads(); the same OpenMP pool as torch's own
 // ops, so the two never compete with two spinning thread pools).
 #include <ATen/Parallel.h>

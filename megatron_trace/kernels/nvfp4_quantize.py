@@ -14,9 +14,9 @@ pairs 4-7: two masked sums along the pair axis.
 Guided rounding (`guided_quantize_triton`, TRACE's trainer side): the same kernel loads the
 rollout's block-scale bytes instead of computing them, scales x with them exactly as the
 quantizer does, and picks each code from the rollout's codes (full) or mantissa bits, bit for
-bit `megatron_trace.fp4.guided_quantize`. Exactness rules: kernels/triton_fp4_codecs.py.
+bit `megatron_trace.fp4.guided_quantize`. Exactness rules: megatron_trace/kernels/triton_fp4_codecs.py.
 
-Importing this module imports triton; callers go through `kernels.dispatch`, which imports it
+Importing this module imports triton; callers go through `megatron_trace.kernels.dispatch`, which imports it
 lazily.
 """
 
@@ -235,7 +235,7 @@ def quantize_with_guidance_triton(
     per_row_global: bool = False,
     global_scale: torch.Tensor | float | None = None,
 ) -> tuple[nvfp4.NVFP4Tensor, torch.Tensor]:
-    """(NVFP4Tensor, guidance) for x; see `kernels.dispatch.nvfp4_quantize_with_guidance`."""
+    """(NVFP4Tensor, guidance) for x; see `megatron_trace.kernels.dispatch.nvfp4_quantize_with_guidance`."""
     if mode not in GUIDANCE_MODES:
         raise ValueError(f"guidance mode must be one of {GUIDANCE_MODES}; got {mode!r}")
     q, mant = _quantize(x, global_amax, per_row_global, global_scale, mantissa=mode == "mantissa")

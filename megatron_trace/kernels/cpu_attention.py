@@ -5,7 +5,7 @@ format (model dtype, NVFP4, MXFP4 with E8M0 per 16, or FP8 E4M3 with one scale p
 `paged_attention_kv`).
 Row t of q attends to the first row_len[t] positions of its sequence, whose KV slots a table
 row lists; FP4 pages are decoded in registers by the C kernels' one E2M1/E4M3 decoder
-(`cpu_fp4.h`), never gathered into a dequantized copy. Built by kernels/cpu_build.py; callers
+(`cpu_fp4.h`), never gathered into a dequantized copy. Built by megatron_trace/kernels/cpu_build.py; callers
 check `cpu_fused.available()` first.
 """
 

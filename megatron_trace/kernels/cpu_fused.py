@@ -10,7 +10,7 @@ MXFP4 call them one by one around the GEMVs. On a small model the torch version 
 rounds (bfloat16 runs keep HF's rounding points); fp32 results match the torch reference to a
 few ulp (other summation orders, a polynomial exp), never bit for bit.
 
-Built with the other CPU kernels by kernels/cpu_build.py; `available()` is False when that build
+Built with the other CPU kernels by megatron_trace/kernels/cpu_build.py; `available()` is False when that build
 failed (logged there, reported in the engine's model_info) or for dtypes other than
 float32/bfloat16, and the engine then runs its torch reference path.
 """

@@ -1,6 +1,6 @@
 // Python bindings of the engine's CPU kernels (cpu_quant.c, cpu_fused.c, cpu_gemv*.c): functions
-// of torch tensors, built with them into one extension by kernels/cpu_build.py. The Python
-// wrappers (kernels/cpu_*.py, kernels.dispatch) check shapes and allocate the outputs; these pass
+// of torch tensors, built with them into one extension by megatron_trace/kernels/cpu_build.py. The Python
+// wrappers (megatron_trace/kernels/cpu_*.py, megatron_trace.kernels.dispatch) check shapes and allocate the outputs; these pass
 // the tensors' memory to C. The GIL is released around every kernel, so the engine's worker and
 // the HTTP server's threads keep running while one computes (what ctypes did before).
 #include <torch/extension.h>
@@ -205,7 +205,7 @@ void bind_layer_args(py::module_& m) {
 }  // namespace
 
 // glibc: serve allocations below mmap_threshold from the heap and keep up to trim_threshold of freed
-// heap, so a large temporary reuses memory instead of being page-faulted in anew (kernels/cpu_alloc.py).
+// heap, so a large temporary reuses memory instead of being page-faulted in anew (megatron_trace/kernels/cpu_alloc.py).
 // Returns "" when set, else why not.
 std::string keep_freed_memory(int64_t mmap_threshold, int64_t trim_threshold) {
 #if defined(__GLIBC__)

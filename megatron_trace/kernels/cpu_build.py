@@ -78,7 +78,7 @@ class KernelBuild:
 
     def _load(self) -> None:
         if not self.enabled:
-            self._reason = "disabled (kernels.cpu_build: enabled=False)"
+            self._reason = "disabled (megatron_trace.kernels.cpu_build: enabled=False)"
         else:
             try:
                 self._module = self._build()
