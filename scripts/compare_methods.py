@@ -1,8 +1,9 @@
 """Same seeds and prompts, several ways to train with FP4 rollout; a table and curves of the result.
 
-    .venv/bin/python scripts/compare_methods.py --out results/compare --steps 200 --seeds 0,1 [base overrides ...]
+    .venv/bin/python scripts/compare_methods.py --out results/compare --steps 200 --seeds 0,1
+        [--config configs/tiny_cpu.yaml] [--resume] [base overrides ...]
 
-Methods (each a run of `python -m megatron_trace.train --config configs/tiny_cpu.yaml` per seed):
+Methods (each a run of `python -m megatron_trace.train --config CONFIG` per seed):
   bf16            BF16 rollout and BF16 trainer (the reference)
   naive_fp4       FP4 rollout, BF16 trainer, no correction
   fp4_qat         FP4 rollout, plain QAT (round to nearest) in the trainer
@@ -11,7 +12,10 @@ Methods (each a run of `python -m megatron_trace.train --config configs/tiny_cpu
   trace_mantissa  FP4 rollout, TRACE guided QAT with 1 mantissa bit per element
 Every figure is the mean over seeds with the spread (min..max) as a band. Writes <out>/table.md,
 <out>/curves.png (sampled reward, mean and max |dlogp| over steps), <out>/summary.json and the
-raw runs under <out>/runs/<method>/seed<k>/.
+raw runs under <out>/runs/<method>/seed<k>/. --resume keeps runs that reached --steps and continues
+the others from their last checkpoint, so a long comparison can grow over several sessions.
+Every run passes quant.accept_quality_loss=true: the methods are compared on the policy given, and each
+run's quality gate still measures it against BF16 (quality/* in its metrics, a WARNING when it fails).
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ CURVES = (
 )
 
 
-def run_method(name: str, seed: int, out: Path, steps: int, base: list[str], reuse: bool = False) -> Path:
+def run_method(name: str, seed: int, out: Path, steps: int, base: list[str], config: str, resume: bool = False) -> Path:
     run_dir = out / "runs" / name / f"seed{seed}"
-    if reuse and (run_dir / "summary.json").exists():
+    summary = run_dir / "summary.json"
+    if resume and summary.exists() and json.loads(summary.read_text())["steps"] >= steps:
         print(f"[{name} seed {seed}] reusing {run_dir}", flush=True)
         return run_dir
     cmd = [
@@ -55,14 +60,17 @@ def run_method(name: str, seed: int, out: Path, steps: int, base: list[str], reu
         "-m",
         "megatron_trace.train",
         "--config",
-        str(ROOT / "configs/tiny_cpu.yaml"),
+        config,
         f"trainer.steps={steps}",
         f"trainer.seed={seed}",
         f"logging.run_dir={run_dir}",
         "logging.progress=false",
+        "quant.accept_quality_loss=true",
         *base,
         *METHODS[name],
     ]
+    if resume and (run_dir / "checkpoints" / "latest").exists():
+        cmd.append("--resume")
     print(f"[{name} seed {seed}] {' '.join(cmd[3:])}", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
@@ -155,7 +163,12 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", default="0,1", help="comma-separated trainer seeds (>= 2 to see a spread)")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
-    ap.add_argument("--reuse", action="store_true", help="keep runs that already finished (same settings!)")
+    ap.add_argument("--config", default=str(ROOT / "configs/tiny_cpu.yaml"), help="the runs' config file")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep runs at --steps, continue the rest from checkpoints (same settings!)",
+    )
     ap.add_argument("base", nargs="*", help="extra section.key=value overrides for every run")
     args = ap.parse_args(argv)
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
@@ -165,14 +178,17 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {
-        m: [load(run_method(m, seed, out, args.steps, args.base, args.reuse)) for seed in seeds]
+        m: [load(run_method(m, seed, out, args.steps, args.base, args.config, args.resume)) for seed in seeds]
         for m in args.methods.split(",")
     }
     summary = {m: summarize(runs) for m, runs in results.items()}
     md = table(summary)
     (out / "table.md").write_text(md + "\n")
     (out / "summary.json").write_text(
-        json.dumps({"steps": args.steps, "seeds": seeds, "base": args.base, "methods": summary}, indent=1)
+        json.dumps(
+            {"config": args.config, "steps": args.steps, "seeds": seeds, "base": args.base, "methods": summary},
+            indent=1,
+        )
     )
     plots(results, out)
     print(md)
