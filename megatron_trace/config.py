@@ -66,6 +66,12 @@ class ModelConfig(Section):
     tiny: dict = opt({}, "overrides of the tiny HF config (hidden_size, num_hidden_layers, ...)")
     tokenizer: str = opt("char", "'char' (the arithmetic task's tokenizer) or an HF tokenizer dir")
 
+    def check(self) -> None:
+        # Shipped configs name checkpoints under ~/.cache; a YAML string is never shell-expanded.
+        self.path = os.path.expanduser(self.path) if self.path else ""
+        if self.tokenizer != "char":
+            self.tokenizer = os.path.expanduser(self.tokenizer)
+
 
 @dataclass
 class QuantConfig(Section):
@@ -96,8 +102,26 @@ class QuantConfig(Section):
         False, "K cache holds K minus its rotated k_proj bias (Qwen2/2.5: NVFP4 K without the outlier-channel loss)"
     )
 
+    # The rollout-quality gate (quality_gate.py): before step 0, on the run's eval prompts at its answer
+    # length and dtype. 0.05 nats/token is what de-biased FP8 K + NVFP4 V + W4A4 may cost a real Qwen2.5
+    # in bf16 (issue check); 2 of 16 greedy answers may flip under any perturbation, 3 may not.
+    quality_gate: bool = opt(True, "score the rollout's quantization against BF16 before step 0 (embedded engine)")
+    quality_prompts: int = opt(16, "eval prompts the gate decodes (greedy, rollout.max_new_tokens)", low=1)
+    max_nll_increase: float = opt(0.05, "gate: NLL per token over BF16 allowed (nats)", low=0.0)
+    max_accuracy_drop: float = opt(0.125, "gate: greedy accuracy lost against BF16 allowed (fraction)", low=0.0)
+    accept_quality_loss: bool = opt(False, "run although the gate fails; the loss is logged under quality/*")
+
+    RUN_KEYS: ClassVar[tuple[str, ...]] = (
+        "calib_prompts",
+        "quality_gate",
+        "quality_prompts",
+        "max_nll_increase",
+        "max_accuracy_drop",
+        "accept_quality_loss",
+    )
+
     def policy(self) -> QuantPolicy:
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "calib_prompts"}  # a run key, no policy
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RUN_KEYS}  # run keys, no policy
         return QuantPolicy.from_dict({**fields, "targets": tuple(self.targets)})
 
     def check(self) -> None:

@@ -42,8 +42,9 @@ def plan_lines(cfg) -> list[str]:
     else:
         acts = "W4A4" if q.activations == "fp4" else "W4A16"
         weights = f"{q.format.upper()} {acts} on {', '.join(q.targets)}"
-    kv = f"K {q.kv_k or q.kv}, V {q.kv_v or q.kv}" + (
-        " (auto: per model family)" if "auto" in (q.kv, q.kv_k, q.kv_v) else ""
+    k, v = q.kv_k or q.kv, q.kv_v or q.kv
+    kv = f"K {k}{' de-biased' if q.kv_k_debias else ''}, V {v}" + (
+        " (auto: per model family)" if "auto" in (k, v) else ""
     )
     guided = {
         "guided": f"TRACE guided QAT ({g.mode} guidance, layers {g.layers})",

@@ -1,6 +1,7 @@
 """Metrics behind one interface: TensorBoard event files, a JSONL log, and a progress line.
 
-Namespaces (DESIGN.md): rollout/, train/, mismatch/, perf/, eval/. `mismatch/` always carries
+Namespaces (DESIGN.md): rollout/, train/, mismatch/, perf/, eval/, and quality/ (the rollout-quality
+gate at step 0, quality_gate.py). `mismatch/` always carries
 mean and max |logp_rollout - logp_train|, the K3 KL estimate, importance-ratio mean/max and
 clipped fraction, per-layer codeword disagreement and guidance bytes per token; MoE runs add
 `mismatch/routing_agreement` (share of the rollout's (token, layer, k) expert choices the trainer's
@@ -17,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-NAMESPACES = ("rollout", "train", "mismatch", "perf", "eval")
+NAMESPACES = ("rollout", "train", "mismatch", "perf", "eval", "quality")  # quality: the gate, at step 0
 REQUIRED_MISMATCH = (
     "mean_abs_dlogp",
     "max_abs_dlogp",
@@ -60,9 +61,17 @@ class TensorBoardLogger:
         def quote(s: str) -> str:
             return "\n".join("    " + line for line in str(s).splitlines()) or "    (empty)"
 
+        def reward(x) -> str:
+            return "—" if x is None else f"{x:g}"
+
         blocks = [
-            f"**{i}.** reward {r['reward']:g} (reference: {r['answer']})\n\nprompt:\n\n{quote(r['prompt'])}"
+            f"**{i}.** reward {reward(r['reward'])} (reference: {r['answer']})\n\nprompt:\n\n{quote(r['prompt'])}"
             f"\n\nresponse:\n\n{quote(r['response'])}"
+            + (
+                f"\n\nBF16 response (reward {reward(r['bf16_reward'])}):\n\n{quote(r['bf16_response'])}"
+                if "bf16_response" in r
+                else ""
+            )
             for i, r in enumerate(rows)
         ]
         self.writer.add_text(name, "\n\n---\n\n".join(blocks), step)

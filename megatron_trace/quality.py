@@ -32,10 +32,8 @@ import math
 import re
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import torch
 
 from megatron_trace.models import QuantPolicy
 
@@ -54,10 +52,8 @@ DEFAULT_SETTINGS = (
     "w4a4:nvfp4:nvfp4",
     "w4a4:fp8:nvfp4",
 )
-# The train CLI warns above this NLL increase per token over BF16 (the real-model check of FP8 K +
-# NVFP4 V asks for <= 0.01; NVFP4 K+V on Qwen2.5-Coder-0.5B costs 0.39: BENCHMARKS.md).
-WARN_NATS_PER_TOKEN = 0.02
-WARN_ACCURACY_DROP = 0.05  # greedy accuracy lost against BF16 on the check's prompts
+# The plot's line: the quality gate's default NLL limit (quant.max_nll_increase; quality_gate.py).
+GATE_NATS_PER_TOKEN = 0.05
 
 
 @dataclass(frozen=True)
@@ -65,6 +61,9 @@ class Setting:
     weights: str
     k: str
     v: str
+    # The run's whole policy when the setting came from one (the quality gate): its FP4 format, targets,
+    # BF16 layer bands and activation scales are what gets measured, not a default-policy look-alike.
+    base: QuantPolicy | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def parse(cls, spec: str) -> Setting:
@@ -84,7 +83,7 @@ class Setting:
         """The setting a (resolved) policy runs: its weights/activations and K/V formats."""
         w = "bf16" if not policy.enabled else ("w4a4" if policy.activations == "fp4" else "w4a16")
         debiased = policy.kv_k_debias and policy.k_format != "bf16"
-        return cls(w, policy.k_format + (DEBIASED if debiased else ""), policy.v_format)
+        return cls(w, policy.k_format + (DEBIASED if debiased else ""), policy.v_format, base=policy)
 
     @property
     def name(self) -> str:
@@ -92,6 +91,20 @@ class Setting:
 
     def policy(self, targets: tuple[str, ...] | None = None) -> QuantPolicy:
         fp4 = self.weights != "bf16"
+        if self.base is not None:
+            b = self.base
+            if Setting.of_policy(b) == self:
+                return b
+            return replace(
+                b,
+                format=(b.format if b.format != "bf16" else "nvfp4") if fp4 else "bf16",
+                weights="fp4" if fp4 else "bf16",
+                activations="fp4" if self.weights == "w4a4" else "bf16",
+                kv="bf16",
+                kv_k=self.k.removesuffix(DEBIASED),
+                kv_v=self.v,
+                kv_k_debias=self.k.endswith(DEBIASED),
+            )
         return QuantPolicy(
             format="nvfp4" if fp4 else "bf16",
             weights="fp4" if fp4 else "bf16",
@@ -169,15 +182,22 @@ def run(
     tokenizer=None,
     backend: str = "embedded",
     workdir: str | Path | None = None,
+    reference: dict | None = None,
 ) -> dict:
     """The quality report (a JSON-friendly dict) of each setting against the BF16 reference, every
-    setting (the reference too) served by `backend` (quality_backends: embedded | sglang)."""
+    setting (the reference too) served by `backend` (quality_backends: embedded | sglang).
+    `reference`: an earlier report on the same prompts whose BF16 row is reused, not decoded again."""
     from megatron_trace.quality_backends import open_scorer
 
     ref_setting = Setting.parse(REFERENCE)
     settings = [ref_setting] + [s for s in settings if s != ref_setting]
     ref_out: list[list[int]] | None = None
     results = {}
+    if reference is not None:
+        if reference["num_prompts"] != len(prompts) or reference["max_new_tokens"] != max_new_tokens:
+            raise ValueError("quality.run(reference=...) must come from the same prompts and max_new_tokens")
+        results[REFERENCE] = reference["settings"][REFERENCE]
+        ref_out, settings = results[REFERENCE]["outputs"], settings[1:]
     for s in settings:
         scorer = open_scorer(backend, model_path, s, dtype=dtype, targets=targets, workdir=workdir)
         try:
@@ -194,7 +214,7 @@ def run(
         mean = sum(nll) / max(len(nll), 1)
         texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outs] if tokenizer else None
         results[s.name] = {
-            "setting": asdict(s),
+            "setting": {"weights": s.weights, "k": s.k, "v": s.v},
             "nll_per_token": mean,
             "tokens": len(nll),
             "top1_agreement": sum(top1) / max(len(top1), 1),
@@ -254,8 +274,8 @@ def plot(report: dict, path: str | Path) -> None:
     inc = [report["settings"][n]["nll_increase"] for n in names]
     top1 = [report["settings"][n]["top1_agreement"] for n in names]
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.5))
-    axes[0].barh(names, inc, color=["tab:red" if v > WARN_NATS_PER_TOKEN else "tab:green" for v in inc])
-    axes[0].axvline(WARN_NATS_PER_TOKEN, color="k", ls="--", lw=0.8)
+    axes[0].barh(names, inc, color=["tab:red" if v > GATE_NATS_PER_TOKEN else "tab:green" for v in inc])
+    axes[0].axvline(GATE_NATS_PER_TOKEN, color="k", ls="--", lw=0.8)
     axes[0].set_xlabel("NLL increase vs BF16 (nats/token)")
     axes[1].barh(names, top1)
     axes[1].set_xlim(min(top1 + [0.9]) - 0.02, 1.0)
@@ -271,66 +291,6 @@ def plot(report: dict, path: str | Path) -> None:
 
 
 # ------------------------------------------------------------------ the train CLI's hook
-def quality_warning(
-    model_path,
-    policy: QuantPolicy,
-    prompts: list[dict] | None = None,
-    *,
-    threshold: float = WARN_NATS_PER_TOKEN,
-    max_new_tokens: int = 32,
-    dtype: str = "float32",
-    tokenizer=None,
-    score=None,
-    accuracy_drop: float = WARN_ACCURACY_DROP,
-) -> str | None:
-    """A warning line when `policy`'s setting loses more than `threshold` nats/token against BF16
-    on `prompts` (default: 4 synthetic prompts of 16 tokens) or, given a tokenizer and the run's
-    `score(response, answer)`, more than `accuracy_drop` of BF16's greedy accuracy on them; else
-    None. Both count: a worked answer's many easy tokens can hide its wrong final digits from the
-    NLL. Costs two model loads and the prompts' greedy decode: call once before a long run."""
-    from megatron_trace.models import ModelArch
-
-    arch = ModelArch.from_hf_config(model_path)
-    setting = Setting.of_policy(policy.for_arch(arch))
-    if prompts is None:
-        g = torch.Generator().manual_seed(0)
-        prompts = [
-            {"ids": torch.randint(0, arch.vocab_size, (16,), generator=g).tolist(), "text": None, "answer": None}
-            for _ in range(4)
-        ]
-    rep = run(
-        model_path,
-        prompts,
-        [setting],
-        max_new_tokens=max_new_tokens,
-        dtype=dtype,
-        targets=policy.targets,
-        tokenizer=tokenizer,
-    )
-    r, ref = rep["settings"][setting.name], rep["settings"][REFERENCE]
-    acc = ref_acc = None
-    if score is not None and tokenizer is not None and any(p["answer"] is not None for p in prompts):
-        scored = [
-            (score(t, p["answer"]), score(u, p["answer"]))
-            for p, t, u in zip(prompts, r["texts"], ref["texts"])
-            if p["answer"] is not None
-        ]
-        acc, ref_acc = (sum(x) / len(scored) for x in zip(*scored))
-    lost_acc = acc is not None and ref_acc - acc > accuracy_drop
-    if r["nll_increase"] <= threshold and not lost_acc:
-        return None
-    said = f"greedy accuracy {ref_acc:.1%} -> {acc:.1%}, " if acc is not None else ""
-    # K with a large k_proj bias (Qwen2/2.5): quantizing K spends its precision on the bias; on a real
-    # Qwen2.5-Coder-0.5B in bf16, FP8 K loses 0.049 nats/token and de-biased FP8 K 0.0004 (docs/quality.md)
-    hint = " Consider quant.kv_k_debias=true." if arch.qkv_bias and not policy.kv_k_debias else ""
-    return (
-        f"quantization {setting.name} (weights:K:V) loses {r['nll_increase']:.4f} nats/token against BF16 "
-        f"(threshold {threshold}) in {dtype} at up to {max_new_tokens} new tokens; {said}top-1 agreement "
-        f"{r['top1_agreement']:.1%} on {rep['num_prompts']} prompts.{hint} (python -m megatron_trace.quality "
-        "shows every setting)"
-    )
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m megatron_trace.quality", description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json + safetensors)")

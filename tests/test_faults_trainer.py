@@ -31,6 +31,7 @@ BASE = [
     "logging.progress=false",
     "trainer.steps=2",
     "trainer.save_every=1",
+    "quant.quality_gate=false",  # faults are the subject; the gate has its own tests
 ]
 
 

@@ -14,7 +14,7 @@ from megatron_trace.models.rope import rotated_bias
 from megatron_trace.quality_backends import EmbeddedScorer
 from sglang_backend.local import Engine
 from sglang_backend.local.model import QwenEngineModel
-from tests.test_quality import _prompts, outlier_ckpt  # noqa: F401 - the fixture
+from tests.test_quality import _prompts
 
 DEBIASED = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv_k="nvfp4", kv_v="nvfp4", kv_k_debias=True)
 

@@ -143,6 +143,7 @@ def test_two_rl_steps_with_static_expert_scales(tmp_path):
         "logging.progress=false",
         "quant.activation_scale=static",
         "quant.calib_prompts=4",
+        "quant.quality_gate=false",
         f"logging.run_dir={tmp_path / 'run'}",
     ]
     cfg = Config.load(ROOT / "configs/tiny_moe_cpu.yaml", overrides)

@@ -5,26 +5,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from megatron_trace import quality
-from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def outlier_ckpt(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("outlier_k"), "qwen2", seed=1)
-    f = path / "model.safetensors"
-    sd = load_file(f)
-    for i in range(4):
-        # Channel 7 of KV head 0 is RoPE's slowest pair (it barely rotates): a constant +50 there
-        # shifts every score of a query equally, so BF16 attention ignores it, but it sets K's amax.
-        # (One outlier per token: FP8's per-token scale maps it to 448 exactly. Planted in both heads,
-        # the smaller one lands between E4M3 codes 32 apart and FP8 K costs +0.87 here: docs/quality.md.)
-        sd[f"model.layers.{i}.self_attn.k_proj.bias"].view(2, 16)[0, 7] += 50.0
-        sd[f"model.layers.{i}.self_attn.q_proj.weight"] *= 3.0  # sharper attention: K's content matters
-    save_file(sd, f, metadata={"format": "pt"})
-    return path
 
 
 def _prompts(n=4):
@@ -85,26 +67,6 @@ def test_bad_settings_and_prompts_are_named(tmp_path):
         quality.load_prompts(tmp_path / "p.jsonl", tmp_path)
 
 
-def test_train_hook_warns_only_above_the_threshold(outlier_ckpt):
-    lossy = quality.quality_warning(
-        outlier_ckpt,
-        QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4"),
-        _prompts(2),
-        max_new_tokens=8,
-    )
-    assert lossy is not None and "bf16:nvfp4:nvfp4" in lossy and "in float32 at up to 8 new tokens" in lossy
-    assert "Consider quant.kv_k_debias=true" in lossy  # a Qwen2 K bias
-    assert (
-        quality.quality_warning(
-            outlier_ckpt,
-            QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv_k="fp8"),
-            _prompts(2),
-            max_new_tokens=8,
-        )
-        is None
-    )
-
-
 @pytest.mark.parametrize(
     "text,ok",
     [
@@ -119,29 +81,3 @@ def test_train_hook_warns_only_above_the_threshold(outlier_ckpt):
 )
 def test_verifier_reads_the_last_number_when_nothing_is_boxed(text, ok):
     assert quality.verify_answer(text, "42") == ok
-
-
-class _IdsText:
-    """Decodes ids to their numbers: enough text for an exact-match score on synthetic prompts."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-
-def test_train_hook_warns_on_lost_accuracy_the_nll_hides(outlier_ckpt):
-    """With the run's verifier, a greedy-accuracy drop warns even when the NLL threshold would not."""
-    tok, prompts = _IdsText(), _prompts(4)
-    ref = quality.run(outlier_ckpt, prompts, [], max_new_tokens=8, tokenizer=tok)["settings"][quality.REFERENCE]
-    for p, text in zip(prompts, ref["texts"]):
-        p["answer"] = text  # BF16's own greedy answers: BF16 scores 100%
-    kw = dict(max_new_tokens=8, tokenizer=tok, score=lambda r, a: float(r == a), threshold=1e9)
-    lossy = quality.quality_warning(
-        outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4"), prompts, **kw
-    )
-    assert lossy is not None and "greedy accuracy 100.0% -> " in lossy
-    assert (
-        quality.quality_warning(
-            outlier_ckpt, QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="bf16"), prompts, **kw
-        )
-        is None
-    )

@@ -9,7 +9,7 @@ import pytest
 import sglang  # noqa: F401 - a missing SGLang fails this module, it is not skipped
 
 from megatron_trace import quality
-from tests.test_quality import _prompts, outlier_ckpt  # noqa: F401 - the fixture
+from tests.test_quality import _prompts
 
 SETTINGS = ["bf16:nvfp4:nvfp4", "bf16:fp8:nvfp4"]
 

@@ -67,8 +67,11 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     assert "== summary ==" in out and "eval accuracy" in out
     # The first screen is the plan, then progress; Megatron's known CPU warnings are filtered.
     assert out.startswith("== megatron-trace ==\nmodel:      tiny qwen2") and "logs:       " in out
-    # the quality check scores the policy in the rollout's dtype at the run's answer length
-    assert re.search(r"WARNING: quantization .* in bfloat16 at up to 24 new tokens", out), out[:2000]
+    # the quality gate scores the run's policy in the rollout's dtype at the run's answer length
+    gate = (
+        r"rollout quality gate \(16 eval prompts, bfloat16, up to 24 new tokens\): \| w4a4:bf16:nvfp4 \| \+0\.\d{4} \|"
+    )
+    assert re.search(gate, out), out[:2000]
     assert "Warning" not in err and "warnings.warn" not in err, err[:2000]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and 0 <= summary["eval_accuracy_after"] <= 1
@@ -86,6 +89,9 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     assert not any(t.startswith("mismatch/codeword_disagreement/") for t in tags)
     for ns in ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/entropy", "eval/accuracy"):
         assert ns in tags, ns
+    nll = float(re.search(gate.replace(r"\+0\.\d{4}", r"(\+0\.\d{4})"), out).group(1))
+    assert acc.Scalars("quality/nll_increase")[0].value == pytest.approx(nll, abs=5e-5)
+    assert [e.step for e in acc.Scalars("quality/passed")] == [0]
     # the step split: rollout, then the train step's QAT recompute, backward and optimizer
     for part in ("rollout", "recompute", "backward", "optimizer", "train", "step"):
         assert len(acc.Scalars(f"perf/{part}_s")) == 4, part
@@ -107,8 +113,10 @@ def test_rollouts_a_person_can_read(main_run):
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     per_step = [r for r in rows if r["kind"] == "rollout/samples"]
     assert sorted({r["step"] for r in per_step}) == [0, 1, 2, 3] and len(per_step) == 16  # 4 per step
-    for kind in ("eval/answers_before", "eval/answers_after"):
+    for kind in ("eval/answers_before", "eval/answers_after", "quality/answers_vs_bf16"):
         assert len([r for r in rows if r["kind"] == kind]) == 4, kind
+    beside = [r for r in rows if r["kind"] == "quality/answers_vs_bf16"]
+    assert all(r["bf16_reward"] in (0.0, 1.0) and r["bf16_response"] for r in beside)
     for r in rows:
         assert set(r) >= {"step", "kind", "prompt", "response", "answer", "reward"}
         assert "=" in r["prompt"] and r["reward"] in (0.0, 1.0)  # "47+38=" prompts, 0/1 final-answer reward
@@ -118,6 +126,27 @@ def test_rollouts_a_person_can_read(main_run):
     assert {"rollout/samples/text_summary", "eval/answers_before/text_summary"} <= set(tags), tags
     shown = acc.Tensors("rollout/samples/text_summary")[0].tensor_proto.string_val[0].decode()
     assert per_step[0]["prompt"] in shown and "reward" in shown
+    shown = acc.Tensors("quality/answers_vs_bf16/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert beside[0]["bf16_response"] in shown and "BF16 response (reward" in shown
+
+
+def test_a_policy_that_fails_the_quality_gate_stops_before_step_0(runs):
+    """NVFP4 K + V, what the main command shipped before its gate. The 40-step warm start answers no
+    eval problem right even in BF16, so only the NLL can fail it here: NVFP4 K + V costs it +0.020
+    nats/token, de-biased NVFP4 K +0.021, de-biased FP8 K +0.011 (the full warm start: docs/quality.md)."""
+    run_dir = runs / "gate_fails"
+    cmd = [sys.executable, "-m", "megatron_trace.train", *BASE, f"logging.run_dir={run_dir}", "quant.kv_k=nvfp4"]
+    cmd += ["quant.max_nll_increase=0.015"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "QualityGateError: rollout quantization w4a4:nvfp4:nvfp4 (weights:K:V) fails the quality gate" in proc.stderr
+    msg = (
+        "the cheapest that passes is w4a4:fp8+debias:nvfp4: set quant.kv_k=fp8 quant.kv_v=nvfp4 quant.kv_k_debias=true"
+    )
+    assert msg in proc.stderr, proc.stderr[-3000:]
+    assert (
+        not (run_dir / "metrics.jsonl").exists() or "rollout/reward_mean" not in (run_dir / "metrics.jsonl").read_text()
+    )
 
 
 def test_async_mode_counts_stale_samples(runs):

@@ -40,6 +40,17 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _check_kv_bands(p: QuantPolicy) -> None:
+    """The trainer keeps a BF16 layer band's K/V in BF16 (QuantPolicy.kv_format); this cache holds one
+    format for every layer, so serving the band quantized would be a silent train/rollout mismatch."""
+    if (p.bf16_layers_start or p.bf16_layers_end) and (p.k_format, p.v_format) != ("bf16", "bf16"):
+        raise ValueError(
+            f"quant.bf16_layers_start={p.bf16_layers_start} / bf16_layers_end={p.bf16_layers_end} keep those "
+            f"layers' K/V in BF16, but the embedded engine's paged KV cache holds one format for every layer "
+            f"(K {p.k_format}, V {p.v_format}): set quant.kv=bf16 with the bands, or drop the bands"
+        )
+
+
 class Engine:
     def __init__(
         self,
@@ -66,6 +77,7 @@ class Engine:
         if isinstance(quant_policy, dict):
             quant_policy = QuantPolicy.from_dict(quant_policy)
         self.policy = (quant_policy or policy_for(quantization, kv_cache_dtype, self.model_path)).for_arch(self.arch)
+        _check_kv_bands(self.policy)
         self.model = QwenEngineModel(self.arch, self.policy, _DTYPES[dtype])
         self._allocator = cpu_alloc.keep_freed_memory() if self.model.embed.device.type == "cpu" else None
         load_checkpoint(self.model, self.model_path)

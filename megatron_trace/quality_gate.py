@@ -1,0 +1,211 @@
+"""The run's rollout-quality gate: what its quantization does to the policy, measured before step 0.
+
+    train.py  ── eval prompts, rollout dtype, max_new_tokens, the run's verifier ──▶  gate()
+                   │ quality.run: BF16 vs the run's WEIGHTS:K:V on the embedded engine
+                   ▼
+              within quant.max_nll_increase and quant.max_accuracy_drop? ── yes ──▶ run (metrics logged)
+                   │ no
+                   ├── quant.accept_quality_loss=true ──▶ run anyway, loudly, the loss in quality/*
+                   ▼
+              candidates (cheapest KV first, same weights) until one passes
+                   ▼
+              QualityGateError: the table of what was tried and the cheapest setting that passes
+
+Train/rollout agreement (TRACE, the probe) cannot see this: a rollout can be matched exactly and
+still be broken. Greedy answers at the run's full answer length count, not only the NLL: a long
+worked answer's many easy tokens can hide its wrong final digits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_trace import quality
+from megatron_trace.models import ModelArch, QuantPolicy
+
+MAX_CANDIDATES = 4  # each costs one greedy decode of the prompts at the run's answer length
+
+
+class QualityGateError(RuntimeError):
+    """The run's quantization loses more than its limits allow; the message names what passes."""
+
+
+@dataclass
+class GateResult:
+    setting: str
+    nll_increase: float
+    accuracy: float | None  # greedy, under the run's verifier; None without answers
+    bf16_accuracy: float | None
+    passed: bool
+    report: dict  # quality.run's, with every setting tried
+    rewards: list[float | None]  # per prompt, the run's setting then BF16 (None: no verifier or answer)
+    bf16_rewards: list[float | None]
+
+    def metrics(self) -> dict[str, float]:
+        m = {"quality/nll_increase": self.nll_increase, "quality/passed": float(self.passed)}
+        if self.accuracy is not None:
+            m.update({"quality/accuracy": self.accuracy, "quality/bf16_accuracy": self.bf16_accuracy})
+        return m
+
+    def answers(self, prompts: list[dict], n: int) -> list[dict]:
+        """The first n prompts' greedy answers, the run's setting beside BF16's."""
+        r, ref = self.report["settings"][self.setting], self.report["settings"][quality.REFERENCE]
+        if r["texts"] is None:
+            return []
+        rows = zip(prompts, r["texts"], ref["texts"], self.rewards, self.bf16_rewards)
+        return [
+            {
+                "prompt": p["text"],
+                "answer": p["answer"],
+                "response": t,
+                "reward": a,
+                "bf16_response": u,
+                "bf16_reward": b,
+            }
+            for p, t, u, a, b in list(rows)[:n]
+        ]
+
+
+def _kv_bits(fmt: str, head_dim: int) -> float:
+    fmt = fmt.removesuffix(quality.DEBIASED)
+    return {"bf16": 16.0, "fp8": 8.0 + 32.0 / head_dim, "nvfp4": 4.5, "mxfp4": 4.25}[fmt]
+
+
+def candidates(run: quality.Setting, arch: ModelArch) -> list[quality.Setting]:
+    """KV settings to try when the run's fails, fewest bits per K+V pair first, the run's weights kept;
+    K de-biased where the model has a k_proj bias (Qwen2/2.5: what plain K loses there)."""
+    k_opts = [f + quality.DEBIASED if arch.qkv_bias else f for f in ("nvfp4", "fp8")] + ["bf16"]
+    v_opts = ("nvfp4", "bf16")
+    if run.base is not None and (run.base.bf16_layers_start or run.base.bf16_layers_end):
+        k_opts, v_opts = ["bf16"], ("bf16",)  # BF16 layer bands: the engine serves them with BF16 KV only
+    out = {quality.Setting(run.weights, k, v, base=run.base) for k in k_opts for v in v_opts} - {run}
+    return sorted(out, key=lambda s: (_kv_bits(s.k, arch.head_dim) + _kv_bits(s.v, arch.head_dim), s.name))
+
+
+def _judge(report: dict, name: str, prompts: list[dict], score, limits: tuple[float, float]) -> GateResult:
+    r, ref = report["settings"][name], report["settings"][quality.REFERENCE]
+    scored = score is not None and r["texts"] is not None
+    rewards, bf16_rewards = (
+        [score(t, p["answer"]) if scored and p["answer"] is not None else None for p, t in zip(prompts, texts)]
+        for texts in (r["texts"] or [None] * len(prompts), ref["texts"] or [None] * len(prompts))
+    )
+    pairs = [(a, b) for a, b in zip(rewards, bf16_rewards) if a is not None]
+    acc, ref_acc = (sum(x) / len(pairs) for x in zip(*pairs)) if pairs else (None, None)
+    max_nll, max_drop = limits
+    ok = r["nll_increase"] <= max_nll and (acc is None or ref_acc - acc <= max_drop)
+    return GateResult(name, r["nll_increase"], acc, ref_acc, ok, report, rewards, bf16_rewards)
+
+
+def _row(g: GateResult) -> str:
+    acc = "—" if g.accuracy is None else f"{g.accuracy:.2f} (BF16 {g.bf16_accuracy:.2f})"
+    return f"| {g.setting} | {g.nll_increase:+.4f} | {acc} | {'pass' if g.passed else 'FAIL'} |"
+
+
+def gate(
+    model_path,
+    policy: QuantPolicy,
+    prompts: list[dict],
+    *,
+    max_nll_increase: float,
+    max_accuracy_drop: float,
+    accept_loss: bool,
+    max_new_tokens: int,
+    dtype: str,
+    tokenizer=None,
+    score=None,
+    log=print,
+) -> GateResult | None:
+    """The run's setting judged against BF16 on `prompts` ([{"ids", "text", "answer"}]); raises
+    QualityGateError when it fails and `accept_loss` is off, after finding the cheapest candidate
+    that passes (at most MAX_CANDIDATES tried). None when the policy quantizes nothing."""
+    arch = ModelArch.from_hf_config(model_path)
+    setting = quality.Setting.of_policy(policy.for_arch(arch))
+    if setting.name == quality.REFERENCE:
+        log("rollout quality gate: the rollout quantizes nothing (BF16), nothing to measure")
+        return None
+    limits = (max_nll_increase, max_accuracy_drop)
+    kw = dict(max_new_tokens=max_new_tokens, dtype=dtype, targets=policy.targets, tokenizer=tokenizer)
+    report = quality.run(model_path, prompts, [setting], **kw)
+    res = _judge(report, setting.name, prompts, score, limits)
+    where = f"{len(prompts)} eval prompts, {dtype}, up to {max_new_tokens} new tokens"
+    log(f"rollout quality gate ({where}): {_row(res)}")
+    if res.passed:
+        return res
+    if accept_loss:
+        log(
+            f"WARNING: rollout quality gate FAILED for {setting.name} (limits: {max_nll_increase} nats/token, "
+            f"accuracy drop {max_accuracy_drop}); running anyway because quant.accept_quality_loss=true. "
+            "The loss is logged under quality/*."
+        )
+        return res
+    tried, passing = [res], None
+    for cand in candidates(setting, arch)[:MAX_CANDIDATES]:
+        rep = quality.run(model_path, prompts, [cand], reference=report, **kw)
+        g = _judge(rep, cand.name, prompts, score, limits)
+        tried.append(g)
+        log(f"rollout quality gate, candidate: {_row(g)}")
+        if g.passed:
+            passing = g
+            break
+    table = "\n".join(["| weights:K:V | NLL/token vs BF16 | greedy accuracy | gate |", "|---|---:|---:|---|"])
+    table += "\n" + "\n".join(_row(g) for g in tried)
+    fix = (
+        f"the cheapest that passes is {passing.setting}: set {_keys(passing.setting)}"
+        if passing
+        else f"none of the {len(tried) - 1} cheapest KV candidates passed: try quant.activations=bf16 or BF16 weights"
+    )
+    raise QualityGateError(
+        f"rollout quantization {setting.name} (weights:K:V) fails the quality gate on {where} "
+        f"(limits: quant.max_nll_increase={max_nll_increase} nats/token, "
+        f"quant.max_accuracy_drop={max_accuracy_drop}):\n{table}\n{fix}; or quant.accept_quality_loss=true "
+        "to run anyway with the loss logged (python -m megatron_trace.quality compares more settings)"
+    )
+
+
+def _keys(name: str) -> str:
+    s = quality.Setting.parse(name)
+    return (
+        f"quant.kv_k={s.k.removesuffix(quality.DEBIASED)} quant.kv_v={s.v} "
+        f"quant.kv_k_debias={str(s.k.endswith(quality.DEBIASED)).lower()}"
+    )
+
+
+def gate_run(cfg, model_path, tok, prompts, log=print) -> tuple[GateResult | None, list[dict]]:
+    """The gate as a run applies it (train.py, rank 0, before the actor exists): `quant.quality_prompts`
+    of the run's eval split, its tokenizer, answer length, dtype and reward. Returns the result (None:
+    nothing measured) and the prompts it decoded."""
+    from megatron_trace.data import get_reward_fn, score
+
+    q, rc = cfg.quant, cfg.rollout
+    if not q.quality_gate:
+        log("WARNING: quant.quality_gate=false: nothing checks what FP4 does to this policy")
+        return None, []
+    if rc.backend != "local":
+        log(
+            "note: the quality gate runs on the embedded engine only; measure the servers' quantization "
+            f"before a long run: python -m megatron_trace.quality --backend sglang --model-path {model_path} "
+            "--prompts YOUR.jsonl"
+        )
+        return None, []
+    picked = prompts.eval_set(q.quality_prompts) or prompts.sample(q.quality_prompts, 0)
+    rows = [{"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked]
+    policy = q.policy()
+    if policy.activation_scale == "static":  # its engine loads the BF16 checkpoint: no input_scale yet
+        log("note: the quality gate measures per-token activation scales (static ones come after)")
+        policy = dataclasses.replace(policy, activation_scale="per_token")
+    reward = get_reward_fn(rc.reward)
+    res = gate(
+        model_path,
+        policy,
+        rows,
+        max_nll_increase=q.max_nll_increase,
+        max_accuracy_drop=q.max_accuracy_drop,
+        accept_loss=q.accept_quality_loss,
+        max_new_tokens=rc.max_new_tokens,
+        dtype=rc.dtype,
+        tokenizer=tok,
+        score=lambda text, answer: score(reward, text, answer)[0],
+        log=log,
+    )
+    return res, rows

@@ -1,0 +1,117 @@
+"""The rollout-quality gate (quality_gate.py) on the planted-outlier Qwen2 (conftest.outlier_ckpt): a
+policy that damages the model stops with the table and the cheapest setting that passes; accepting
+the loss runs; the run's whole policy is measured (BF16 layer bands, not a default look-alike)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_trace import quality
+from megatron_trace.models import ModelArch, QuantPolicy
+from megatron_trace.quality_gate import QualityGateError, candidates, gate
+
+# A random-init toy: every FP4 site costs it 0.2-0.5 nats/token, the planted K outlier 2.9 (NVFP4 K).
+LIMITS = dict(max_nll_increase=0.6, max_accuracy_drop=0.125, max_new_tokens=12, dtype="float32")
+KV_NVFP4 = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4")
+
+
+def _prompts(n=4):
+    g = torch.Generator().manual_seed(0)
+    return [{"ids": torch.randint(3, 320, (12,), generator=g).tolist(), "text": None, "answer": None} for _ in range(n)]
+
+
+def test_a_failing_policy_stops_with_the_cheapest_that_passes(outlier_ckpt):
+    said = []
+    with pytest.raises(QualityGateError) as e:
+        gate(outlier_ckpt, KV_NVFP4, _prompts(), accept_loss=False, log=said.append, **LIMITS)
+    msg = str(e.value)
+    fails = float(msg.split("| bf16:nvfp4:nvfp4 | ")[1].split(" |")[0])
+    assert fails > 2.0, msg  # NVFP4 K spends its scale on the planted K outlier
+    # de-biased NVFP4 K (9 bits per K+V pair) is the cheapest candidate; the outlier sits in the bias
+    assert "the cheapest that passes is bf16:nvfp4+debias:nvfp4" in msg, msg
+    assert "quant.kv_k=nvfp4 quant.kv_v=nvfp4 quant.kv_k_debias=true" in msg
+    assert "quant.accept_quality_loss=true" in msg and "4 eval prompts, float32, up to 12 new tokens" in msg
+    assert said[0].endswith("| FAIL |") and said[-1].endswith("| pass |")
+
+
+def test_accepting_the_loss_runs_and_reports_it(outlier_ckpt):
+    said = []
+    res = gate(outlier_ckpt, KV_NVFP4, _prompts(), accept_loss=True, log=said.append, **LIMITS)
+    assert not res.passed and res.nll_increase > 2.0
+    assert res.metrics() == {"quality/nll_increase": res.nll_increase, "quality/passed": 0.0}
+    assert "WARNING" in said[-1] and "quant.accept_quality_loss=true" in said[-1]
+
+
+class _IdsText:
+    """Decodes ids to their numbers: enough text for an exact-match score on synthetic prompts."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_a_passing_policy_shows_its_answers_beside_bf16s(outlier_ckpt):
+    tok, prompts = _IdsText(), _prompts()
+    ref = quality.run(outlier_ckpt, prompts, [], max_new_tokens=12, tokenizer=tok)["settings"][quality.REFERENCE]
+    for p, text in zip(prompts, ref["texts"]):
+        p["answer"], p["text"] = text, "q"
+    policy = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4", kv_k_debias=True)
+    limits = {**LIMITS, "max_accuracy_drop": 1.0}
+    res = gate(
+        outlier_ckpt, policy, prompts, accept_loss=False, tokenizer=tok, score=lambda r, a: float(r == a), **limits
+    )
+    assert res.passed and res.bf16_accuracy == 1.0
+    assert (
+        res.accuracy == sum(o == r for o, r in zip(res.report["settings"][res.setting]["outputs"], ref["outputs"])) / 4
+    )
+    assert set(res.metrics()) == {"quality/nll_increase", "quality/passed", "quality/accuracy", "quality/bf16_accuracy"}
+    rows = res.answers(prompts, 2)
+    assert len(rows) == 2 and rows[0]["bf16_response"] == ref["texts"][0] and rows[0]["bf16_reward"] == 1.0
+
+
+def test_the_gate_measures_the_runs_policy_not_a_look_alike(outlier_ckpt):
+    """BF16 layer bands and FP4 targets change what is measured; candidates keep them."""
+    w4a4 = QuantPolicy(kv="bf16")
+    banded = QuantPolicy(kv="bf16", bf16_layers_start=3)
+    plain = gate(outlier_ckpt, w4a4, _prompts(), accept_loss=True, log=lambda m: None, **LIMITS)
+    band = gate(outlier_ckpt, banded, _prompts(), accept_loss=True, log=lambda m: None, **LIMITS)
+    assert band.nll_increase < plain.nll_increase / 2  # three of four layers' MLPs stay BF16
+    arch = ModelArch.from_hf_config(outlier_ckpt)
+    run = quality.Setting.of_policy(banded.for_arch(arch))
+    assert run.policy().bf16_layers_start == 3 and candidates(run, arch) == []  # bands: BF16 KV only
+    down = QuantPolicy(kv="nvfp4", targets=("*.mlp.down_proj",)).for_arch(arch)
+    assert all(c.policy().targets == ("*.mlp.down_proj",) for c in candidates(quality.Setting.of_policy(down), arch))
+
+
+def test_the_engine_refuses_a_quantized_kv_cache_under_bf16_layer_bands(outlier_ckpt):
+    from sglang_backend.local import Engine
+
+    with pytest.raises(ValueError, match="holds one format for every layer"):
+        Engine(str(outlier_ckpt), quant_policy=QuantPolicy(kv="nvfp4", bf16_layers_end=1))
+
+
+def test_candidates_fewest_bits_first_debiased_where_k_has_a_bias(outlier_ckpt):
+    arch = ModelArch.from_hf_config(outlier_ckpt)
+    run = quality.Setting.parse("w4a4:nvfp4:nvfp4")
+    names = [c.name for c in candidates(run, arch)]
+    assert names[:3] == ["w4a4:nvfp4+debias:nvfp4", "w4a4:fp8+debias:nvfp4", "w4a4:bf16:nvfp4"], names
+    assert names[-1] == "w4a4:bf16:bf16" and run.name not in names
+    no_bias = dataclasses.replace(arch, qkv_bias=False)
+    assert [c.name for c in candidates(run, no_bias)][:2] == ["w4a4:fp8:nvfp4", "w4a4:bf16:nvfp4"]
+
+
+def test_a_reused_reference_gives_the_fresh_numbers(outlier_ckpt):
+    s = [quality.Setting.parse("bf16:fp8:nvfp4")]
+    fresh = quality.run(outlier_ckpt, _prompts(), s, max_new_tokens=12)
+    ref_only = quality.run(outlier_ckpt, _prompts(), [], max_new_tokens=12)
+    reused = quality.run(outlier_ckpt, _prompts(), s, max_new_tokens=12, reference=ref_only)
+    assert reused["settings"]["bf16:fp8:nvfp4"]["nll_increase"] == fresh["settings"]["bf16:fp8:nvfp4"]["nll_increase"]
+    with pytest.raises(ValueError, match="same prompts and max_new_tokens"):
+        quality.run(outlier_ckpt, _prompts(), s, max_new_tokens=8, reference=ref_only)
+
+
+def test_a_bf16_rollout_has_nothing_to_gate(outlier_ckpt):
+    said = []
+    bf16 = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="bf16")
+    assert gate(outlier_ckpt, bf16, _prompts(), accept_loss=False, log=said.append, **LIMITS) is None
+    assert said == ["rollout quality gate: the rollout quantizes nothing (BF16), nothing to measure"]
