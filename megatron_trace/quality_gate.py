@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_trace import quality
 from megatron_trace.models import ModelArch, QuantPolicy
@@ -128,7 +129,7 @@ def gate(
     kw = dict(max_new_tokens=max_new_tokens, dtype=dtype, targets=policy.targets, tokenizer=tokenizer)
     report = quality.run(model_path, prompts, [setting], **kw)
     res = _judge(report, setting.name, prompts, score, limits)
-    where = f"{len(prompts)} eval prompts, {dtype}, up to {max_new_tokens} new tokens"
+    where = _where(prompts, dtype, max_new_tokens)
     log(f"rollout quality gate ({where}): {_row(res)}")
     if res.passed:
         return res
@@ -163,6 +164,10 @@ def gate(
     )
 
 
+def _where(prompts: list[dict], dtype: str, max_new_tokens: int) -> str:
+    return f"{len(prompts)} eval prompts, {dtype}, up to {max_new_tokens} new tokens"
+
+
 def _keys(name: str) -> str:
     s = quality.Setting.parse(name)
     return (
@@ -171,12 +176,29 @@ def _keys(name: str) -> str:
     )
 
 
+def _run_inputs(cfg, log) -> tuple[QuantPolicy, dict]:
+    """The run's policy as the gate measures it and gate()'s keyword arguments from the config."""
+    from megatron_trace.data import get_reward_fn, score
+
+    q, rc = cfg.quant, cfg.rollout
+    policy = q.policy()
+    if policy.activation_scale == "static":  # its engine loads the BF16 checkpoint: no input_scale yet
+        log("note: the quality gate measures per-token activation scales (static ones come after)")
+        policy = dataclasses.replace(policy, activation_scale="per_token")
+    reward = get_reward_fn(rc.reward)
+    return policy, dict(
+        max_nll_increase=q.max_nll_increase,
+        max_accuracy_drop=q.max_accuracy_drop,
+        max_new_tokens=rc.max_new_tokens,
+        dtype=rc.dtype,
+        score=lambda text, answer: score(reward, text, answer)[0],
+    )
+
+
 def gate_run(cfg, model_path, tok, prompts, log=print) -> tuple[GateResult | None, list[dict]]:
     """The gate as a run applies it (train.py, rank 0, before the actor exists): `quant.quality_prompts`
     of the run's eval split, its tokenizer, answer length, dtype and reward. Returns the result (None:
     nothing measured) and the prompts it decoded."""
-    from megatron_trace.data import get_reward_fn, score
-
     q, rc = cfg.quant, cfg.rollout
     if not q.quality_gate:
         log("WARNING: quant.quality_gate=false: nothing checks what FP4 does to this policy")
@@ -190,22 +212,38 @@ def gate_run(cfg, model_path, tok, prompts, log=print) -> tuple[GateResult | Non
         return None, []
     picked = prompts.eval_set(q.quality_prompts) or prompts.sample(q.quality_prompts, 0)
     rows = [{"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked]
-    policy = q.policy()
-    if policy.activation_scale == "static":  # its engine loads the BF16 checkpoint: no input_scale yet
-        log("note: the quality gate measures per-token activation scales (static ones come after)")
-        policy = dataclasses.replace(policy, activation_scale="per_token")
-    reward = get_reward_fn(rc.reward)
-    res = gate(
-        model_path,
-        policy,
+    policy, kw = _run_inputs(cfg, log)
+    return gate(model_path, policy, rows, accept_loss=q.accept_quality_loss, tokenizer=tok, log=log, **kw), rows
+
+
+def measure_after(cfg, model_path, run_dir, rows: list[dict], tok, log=print) -> GateResult | None:
+    """The gate's measurement on the trained weights (the last checkpoint, exported to
+    run_dir/final_bf16): the run's answers beside BF16's after training, and what FP4 costs the
+    policy now. Single-rank runs only (their checkpoint is one file); never stops anything."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_trace.transfer.export import export_checkpoint, load_megatron_checkpoint
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        log(
+            "note: quality after training is measured for single-rank runs only; export the checkpoint "
+            "(Actor.load_checkpoint + a DiskTransport) and run python -m megatron_trace.quality on it"
+        )
+        return None
+    arch, sd, hf = load_megatron_checkpoint(Path(run_dir) / "checkpoints", hf_config=model_path)
+    out = export_checkpoint(sd, arch, Path(run_dir) / "final_bf16", fmt="bf16", dtype=torch.bfloat16, hf_config=hf)
+    policy, kw = _run_inputs(cfg, log)
+    setting = quality.Setting.of_policy(policy.for_arch(arch))
+    report = quality.run(
+        out,
         rows,
-        max_nll_increase=q.max_nll_increase,
-        max_accuracy_drop=q.max_accuracy_drop,
-        accept_loss=q.accept_quality_loss,
-        max_new_tokens=rc.max_new_tokens,
-        dtype=rc.dtype,
+        [setting],
+        max_new_tokens=kw["max_new_tokens"],
+        dtype=kw["dtype"],
+        targets=policy.targets,
         tokenizer=tok,
-        score=lambda text, answer: score(reward, text, answer)[0],
-        log=log,
     )
-    return res, rows
+    res = _judge(report, setting.name, rows, kw["score"], (kw["max_nll_increase"], kw["max_accuracy_drop"]))
+    log(f"rollout quality after training ({_where(rows, kw['dtype'], kw['max_new_tokens'])}): {_row(res)}")
+    return res

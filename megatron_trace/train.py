@@ -81,6 +81,7 @@ class Run:
             cfg.rollout.prompts, seed=cfg.trainer.seed, tokenizer=tok, eval_fraction=cfg.rollout.eval_fraction
         )
         model_path = self._model_path(tok, prompts)
+        self.model_path, self.tok = model_path, tok  # the quality measurement after training reads them
         self.arch = ModelArch.from_hf_config(model_path)
         if self.arch.is_moe and cfg.trainer.tp > 1 and not cfg.trainer.sequence_parallel:
             # Megatron's MoELayer raises at the first training forward otherwise (after a whole rollout)
@@ -266,6 +267,14 @@ class Run:
             evals["after"], shown = self.rollout.evaluate(cfg.rollout.eval_prompts)
             self.hub.log(cfg.trainer.steps, evals["after"])
             self.hub.text(cfg.trainer.steps, "eval/answers_after", shown)
+        if self.rank0 and self.gate is not None and cfg.quant.quality_after:
+            from megatron_trace.quality_gate import measure_after
+
+            after = measure_after(cfg, self.model_path, self.run_dir, self.gate_rows, self.tok, log=print)
+            if after is not None:
+                self.hub.log(cfg.trainer.steps, after.metrics())
+                n = cfg.logging.samples_per_step
+                self.hub.text(cfg.trainer.steps, "quality/answers_vs_bf16", after.answers(self.gate_rows, n))
         return self._summary(history, evals, totals)
 
     def _metrics(self, batch, out, deltas, train_s, transfer_s, step_s) -> dict:

@@ -91,7 +91,9 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
         assert ns in tags, ns
     nll = float(re.search(gate.replace(r"\+0\.\d{4}", r"(\+0\.\d{4})"), out).group(1))
     assert acc.Scalars("quality/nll_increase")[0].value == pytest.approx(nll, abs=5e-5)
-    assert [e.step for e in acc.Scalars("quality/passed")] == [0]
+    # and again on the trained weights (the last checkpoint, exported): the same prompts after training
+    assert [e.step for e in acc.Scalars("quality/passed")] == [0, 4] and "rollout quality after training (" in out
+    assert (run_dir / "final_bf16" / "config.json").exists()
     # the step split: rollout, then the train step's QAT recompute, backward and optimizer
     for part in ("rollout", "recompute", "backward", "optimizer", "train", "step"):
         assert len(acc.Scalars(f"perf/{part}_s")) == 4, part
@@ -113,9 +115,11 @@ def test_rollouts_a_person_can_read(main_run):
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     per_step = [r for r in rows if r["kind"] == "rollout/samples"]
     assert sorted({r["step"] for r in per_step}) == [0, 1, 2, 3] and len(per_step) == 16  # 4 per step
-    for kind in ("eval/answers_before", "eval/answers_after", "quality/answers_vs_bf16"):
+    for kind in ("eval/answers_before", "eval/answers_after"):
         assert len([r for r in rows if r["kind"] == kind]) == 4, kind
     beside = [r for r in rows if r["kind"] == "quality/answers_vs_bf16"]
+    assert [r["step"] for r in beside] == [0] * 4 + [4] * 4  # before step 0 and after the last step
+    assert [r["prompt"] for r in beside[:4]] == [r["prompt"] for r in beside[4:]]
     assert all(r["bf16_reward"] in (0.0, 1.0) and r["bf16_response"] for r in beside)
     for r in rows:
         assert set(r) >= {"step", "kind", "prompt", "response", "answer", "reward"}
