@@ -110,7 +110,7 @@ class QuantConfig(Section):
     max_nll_increase: float = opt(0.05, "gate: NLL per token over BF16 allowed (nats)", low=0.0)
     max_accuracy_drop: float = opt(0.125, "gate: greedy accuracy lost against BF16 allowed (fraction)", low=0.0)
     accept_quality_loss: bool = opt(False, "run although the gate fails; the loss is logged under quality/*")
-    quality_after: bool = opt(True, "after training, the gate's measurement on the trained weights (single rank)")
+    quality_after: bool = opt(True, "after training, the gate's measurement again on the trained weights")
 
     RUN_KEYS: ClassVar[tuple[str, ...]] = (
         "calib_prompts",

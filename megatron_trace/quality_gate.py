@@ -216,23 +216,19 @@ def gate_run(cfg, model_path, tok, prompts, log=print) -> tuple[GateResult | Non
     return gate(model_path, policy, rows, accept_loss=q.accept_quality_loss, tokenizer=tok, log=log, **kw), rows
 
 
-def measure_after(cfg, model_path, run_dir, rows: list[dict], tok, log=print) -> GateResult | None:
-    """The gate's measurement on the trained weights (the last checkpoint, exported to
+def measure_after(cfg, model_path, run_dir, hf_sd: dict, rows: list[dict], tok, log=print) -> GateResult:
+    """The gate's measurement on the trained weights `hf_sd` (HF names, exported BF16 to
     run_dir/final_bf16): the run's answers beside BF16's after training, and what FP4 costs the
-    policy now. Single-rank runs only (their checkpoint is one file); never stops anything."""
+    policy now. Never stops anything."""
+    import json
+
     import torch
-    import torch.distributed as dist
 
-    from megatron_trace.transfer.export import export_checkpoint, load_megatron_checkpoint
+    from megatron_trace.transfer.export import export_checkpoint
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        log(
-            "note: quality after training is measured for single-rank runs only; export the checkpoint "
-            "(Actor.load_checkpoint + a DiskTransport) and run python -m megatron_trace.quality on it"
-        )
-        return None
-    arch, sd, hf = load_megatron_checkpoint(Path(run_dir) / "checkpoints", hf_config=model_path)
-    out = export_checkpoint(sd, arch, Path(run_dir) / "final_bf16", fmt="bf16", dtype=torch.bfloat16, hf_config=hf)
+    arch = ModelArch.from_hf_config(model_path)
+    hf = json.loads((Path(model_path) / "config.json").read_text())
+    out = export_checkpoint(hf_sd, arch, Path(run_dir) / "final_bf16", fmt="bf16", dtype=torch.bfloat16, hf_config=hf)
     policy, kw = _run_inputs(cfg, log)
     setting = quality.Setting.of_policy(policy.for_arch(arch))
     report = quality.run(

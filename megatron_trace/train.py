@@ -267,15 +267,27 @@ class Run:
             evals["after"], shown = self.rollout.evaluate(cfg.rollout.eval_prompts)
             self.hub.log(cfg.trainer.steps, evals["after"])
             self.hub.text(cfg.trainer.steps, "eval/answers_after", shown)
-        if self.rank0 and self.gate is not None and cfg.quant.quality_after:
-            from megatron_trace.quality_gate import measure_after
+        if cfg.quant.quality_after:
+            from megatron_trace.trainer.comm import broadcast_json
 
-            after = measure_after(cfg, self.model_path, self.run_dir, self.gate_rows, self.tok, log=print)
-            if after is not None:
-                self.hub.log(cfg.trainer.steps, after.metrics())
-                n = cfg.logging.samples_per_step
-                self.hub.text(cfg.trainer.steps, "quality/answers_vs_bf16", after.answers(self.gate_rows, n))
+            if broadcast_json(self.gate is not None):  # rank 0 knows whether its gate measured anything
+                self._quality_after()
         return self._summary(history, evals, totals)
+
+    def _quality_after(self) -> None:
+        """The gate's prompts again on the trained weights (gathered from every rank, exported BF16)."""
+        from megatron_trace.quality_gate import measure_after
+        from megatron_trace.transfer.gather import iter_hf_params
+
+        hf_sd = {}
+        for name, t in iter_hf_params(self.actor.chunks, self.arch):  # collective: every rank iterates
+            if self.rank0:
+                hf_sd[name] = t.to(torch.bfloat16)
+        if self.rank0:
+            res = measure_after(self.cfg, self.model_path, self.run_dir, hf_sd, self.gate_rows, self.tok, log=print)
+            steps, n = self.cfg.trainer.steps, self.cfg.logging.samples_per_step
+            self.hub.log(steps, res.metrics())
+            self.hub.text(steps, "quality/answers_vs_bf16", res.answers(self.gate_rows, n))
 
     def _metrics(self, batch, out, deltas, train_s, transfer_s, step_s) -> dict:
         rewards = [s["reward"] for s in batch.samples]
