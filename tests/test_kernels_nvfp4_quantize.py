@@ -308,7 +308,7 @@ def test_package_imports_without_triton():
         "import sys, megatron_trace.kernels.dispatch\n"
         "assert 'triton' not in sys.modules, 'triton imported eagerly'\n"
         "sys.modules['triton'] = None\n"
-        "import torch, kernels\n"
+        "import torch, megatron_trace.kernels\n"
         "from megatron_trace.kernels.dispatch import nvfp4_quantize, triton_available\n"
         "assert not triton_available()\n"
         "nvfp4_quantize(torch.ones(2, 16))\n"
