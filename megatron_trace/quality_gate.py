@@ -218,8 +218,8 @@ def gate_run(cfg, model_path, tok, prompts, log=print) -> tuple[GateResult | Non
 
 def measure_after(cfg, model_path, run_dir, hf_sd: dict, rows: list[dict], tok, log=print) -> GateResult:
     """The gate's measurement on the trained weights `hf_sd` (HF names, exported BF16 to
-    run_dir/final_bf16): the run's answers beside BF16's after training, and what FP4 costs the
-    policy now. Never stops anything."""
+    run_dir/final_bf16, then emptied): the run's answers beside BF16's after training, and what FP4
+    costs the policy now. Never stops anything."""
     import json
 
     import torch
@@ -229,6 +229,7 @@ def measure_after(cfg, model_path, run_dir, hf_sd: dict, rows: list[dict], tok, 
     arch = ModelArch.from_hf_config(model_path)
     hf = json.loads((Path(model_path) / "config.json").read_text())
     out = export_checkpoint(hf_sd, arch, Path(run_dir) / "final_bf16", fmt="bf16", dtype=torch.bfloat16, hf_config=hf)
+    hf_sd.clear()  # the engines below load the export; the real 0.5B's run peaks near a 24 GB box's RAM
     policy, kw = _run_inputs(cfg, log)
     setting = quality.Setting.of_policy(policy.for_arch(arch))
     report = quality.run(
