@@ -5,20 +5,15 @@ the loss runs; the run's whole policy is measured (BF16 layer bands, not a defau
 import dataclasses
 
 import pytest
-import torch
 
 from megatron_trace import quality
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.quality_gate import QualityGateError, candidates, gate
+from tests.test_quality import _prompts
 
 # A random-init toy: every FP4 site costs it 0.2-0.5 nats/token, the planted K outlier 2.9 (NVFP4 K).
 LIMITS = dict(max_nll_increase=0.6, max_accuracy_drop=0.125, max_new_tokens=12, dtype="float32")
 KV_NVFP4 = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4")
-
-
-def _prompts(n=4):
-    g = torch.Generator().manual_seed(0)
-    return [{"ids": torch.randint(3, 320, (12,), generator=g).tolist(), "text": None, "answer": None} for _ in range(n)]
 
 
 def test_a_failing_policy_stops_with_the_cheapest_that_passes(outlier_ckpt):
