@@ -62,17 +62,16 @@ def grpo_advantages(rewards: list[float], group: int) -> list[float]:
 
 
 def guided_sites(cfg: Config) -> list[str]:
-    """Which FP4 sites TRACE guidance covers under this config (NVFP4 and MXFP4 activations and
-    K/V; FP8 and BF16 sides record nothing); refuses a guided run with none."""
-    q = cfg.quant
-    kv = {"K": q.kv_k or q.kv, "V": q.kv_v or q.kv}
-    sites = ["activations"] if q.format in ("nvfp4", "mxfp4") and q.activations == "fp4" else []
-    sites += [side for side, fmt in kv.items() if fmt in ("nvfp4", "mxfp4", "auto")]
+    """Which sites TRACE guidance covers under this config (`QuantPolicy.guided_site_kinds`);
+    refuses a guided run with none."""
+    sites = cfg.quant.policy().guided_site_kinds()
     if not sites:
+        q = cfg.quant
         raise ValueError(
-            f"trainer.qat_mode=guided has nothing to guide: guidance records FP4 codes, and this "
-            f"run has quant.format={q.format}, activations={q.activations}, K={kv['K']}, V={kv['V']}. "
-            "Use trainer.qat_mode=rtn, or FP4 activations or KV"
+            f"trainer.qat_mode=guided has nothing to guide: guidance records quantized activations and "
+            f"K/V, and this run has quant.format={q.format}, activations={q.activations}, "
+            f"K={q.kv_k or q.kv}, V={q.kv_v or q.kv}. Use trainer.qat_mode=rtn, or FP4 activations or a "
+            "quantized KV cache"
         )
     return sites
 
@@ -163,7 +162,7 @@ class Rollout:
             raise RuntimeError(
                 f"trainer.qat_mode=guided, but the rollout ({where}) returned no guidance handle for "
                 f"sample {res.rid}: the server must run the TRACE plugin (`python -m "
-                "sglang_backend.launch --backend sglang`) or the embedded engine, and record FP4 sites"
+                "sglang_backend.launch --backend sglang`) or the embedded engine, and record quantized sites"
             )
         return self.backend.fetch_guidance(res.guidance_handle)
 

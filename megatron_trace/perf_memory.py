@@ -61,6 +61,7 @@ class TrainerPlan:
     guided_layers: int = 0  # layers whose sites carry guidance
     guided_sites_per_layer: tuple = ()  # per guided layer: the K width of each guided site
     guidance_bytes_per_element: float = 0.0  # 0.5 full codes, 0.125 mantissa bits (+ scales below)
+    guided_fp8_sites_per_layer: tuple = ()  # FP8 K/V sites' widths: a byte per element full, a bit mantissa
     qat_input_width: int = 0  # the widest FP4-quantized activation (its fp32 quantizer temporaries); 0: no QAT
     qat_weight_params: float = 0.0  # per layer: weights of the FP4 linears (QAT saves their dequantized copy)
 
@@ -154,6 +155,8 @@ def estimate(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> dict:
     chunk = min(p.logprob_chunk_mb * 2**20, tokens * vocab_local * 4)
     logits = LOGIT_COPIES * chunk + vocab_local * m.hidden * 4 + tokens * m.hidden * b
     site_bytes = sum(k * p.guidance_bytes_per_element + k / 16 + 4 for k in p.guided_sites_per_layer)
+    fp8_per_element = 1.0 if p.guidance_bytes_per_element > 0.125 else 0.125  # E4M3 bytes or their low bits
+    site_bytes += sum(k * fp8_per_element + 4 for k in p.guided_fp8_sites_per_layer)
     guided = min(p.guided_layers, layers)
     guidance = site_bytes * guided * tokens * (in_flight if p.recompute != "none" else 1)
     out = {
@@ -216,8 +219,8 @@ def plan_from_config(cfg, m: ModelSpec, dp: int) -> TrainerPlan:
     qat = t.qat_mode != "off"
     widths = [k for name, k, _ in linears if pol.activation_is_fp4(last + name, m.layers)]
     fp4_weights = sum(n for name, _, n in linears if pol.weight_is_fp4(last + name, m.layers)) if qat else 0.0
-    kv_fp4 = [s for s in ("k", "v") if pol.kv_format(m.layers - 1, m.layers, s) in ("nvfp4", "mxfp4")]
-    sites = widths + [kv] * len(kv_fp4)
+    kv_fmts = [pol.kv_format(m.layers - 1, m.layers, s) for s in ("k", "v")]
+    sites = widths + [kv for f in kv_fmts if f in ("nvfp4", "mxfp4")]
     guided = len(resolve_guided_layers(m.layers, g.layers)) if t.qat_mode == "guided" else 0
     longest = cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens  # an oversized sample runs alone
     budget = t.max_tokens_per_microbatch if t.packing else t.micro_batch_size * longest
@@ -235,6 +238,7 @@ def plan_from_config(cfg, m: ModelSpec, dp: int) -> TrainerPlan:
         logprob_chunk_mb=t.logprob_chunk_mb,
         guided_layers=guided,
         guided_sites_per_layer=tuple(sites),
+        guided_fp8_sites_per_layer=tuple(kv for f in kv_fmts if f == "fp8"),
         guidance_bytes_per_element=0.5 if g.mode == "full" else 0.125,
         qat_input_width=max(widths, default=0) if qat else 0,
         qat_weight_params=fp4_weights,

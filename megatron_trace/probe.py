@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_trace.data import TASKS
+from megatron_trace.data import BUILTIN_PROMPTS
 from megatron_trace.guidance import GuidanceRecord, decode_routed_experts
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.probe_rollout import guidance_skipped, rollout
@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--guided-layers", default="all", help="all | last_half | none | N (last N)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompts", default=None, help="JSONL: {prompt | messages | input_ids} per line")
-    src.add_argument("--dataset", default=None, choices=list(TASKS), help="a built-in task's eval split")
+    src.add_argument("--dataset", default=None, choices=list(BUILTIN_PROMPTS), help="a built-in task's eval split")
     ap.add_argument("--plot", default=None, help="write mean |dlogp| by response position, per mode, as a PNG")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--num-prompts", type=int, default=8)

@@ -21,10 +21,11 @@ def probe_prompts(args, arch: ModelArch) -> list[list[int]]:
 
         return [p["ids"] for p in load_prompts(args.prompts, args.model_path)][: args.num_prompts]
     if args.dataset:
-        from megatron_trace.data import ArithmeticTask, load_tokenizer
+        from megatron_trace.data import load_tokenizer, prompt_source
 
         tok = load_tokenizer(str(args.model_path))
-        return [tok.encode_prompt(p.text) for p in ArithmeticTask.named(args.dataset).eval_set(args.num_prompts)]
+        task = prompt_source(args.dataset, seed=0, tokenizer=tok)
+        return [tok.encode_prompt(p.text) for p in task.eval_set(args.num_prompts)]
     return synthetic_prompts(arch, args.num_prompts, args.prompt_len, args.seed)
 
 
@@ -95,12 +96,10 @@ def _push_static_scales(args, arch: ModelArch, policy: QuantPolicy, eng, prompts
 
 
 def guidance_skipped(policy: QuantPolicy) -> str | None:
-    """Why this policy's probe has no guided modes, or None. The embedded engine records FP4 sites
-    (Engine._validate): NVFP4/MXFP4 activations, or an FP4 K or V cache (a KV-only run guides K/V)."""
-    fp4 = ("nvfp4", "mxfp4")
-    if not ((policy.format in fp4 and policy.activations == "fp4") or {policy.k_format, policy.v_format} & set(fp4)):
+    """Why this policy's probe has no guided modes, or None (`QuantPolicy.guided_site_kinds`)."""
+    if not policy.guided_site_kinds():
         return (
-            f"no guided modes: the embedded engine records guidance for FP4 sites only, and this run has "
+            f"no guided modes: guidance records quantized activations and K/V, and this run has "
             f"none (format {policy.format}, activations {policy.activations}, K {policy.k_format}, "
             f"V {policy.v_format}), so the trainer has no rollout codes to follow"
         )

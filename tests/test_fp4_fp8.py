@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_trace import fp4
 from megatron_trace.fp4 import fp8
 from tests import fp4_scalar_ref as ref
 
@@ -64,3 +65,71 @@ def test_two_dim_rows_are_flattened_rows(xs):
     assert torch.equal(fp8.dequantize(q).reshape(2, 6), fp8.dequantize(flat))
     amax = x.abs().reshape(2, -1).amax(-1) * 2
     assert torch.equal(fp8.quantize(x, dims=2, amax=amax).scale, fp8.decode_scale(fp8.encode_scale(amax)))
+
+
+# -- TRACE guidance of FP8 sites -----------------------------------------------------------------
+def _value_index(codes: torch.Tensor) -> torch.Tensor:
+    """Signed grid position of E4M3FN bytes (both zeros 0), computed from the decoded values."""
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448 ascending
+    v = codes.view(torch.float8_e4m3fn).float()
+    pos = torch.searchsorted(grid, v.abs())
+    return torch.where(v < 0, -pos, pos)
+
+
+def _bracket(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed grid positions of the E4M3 values just below and above z (clipped to +-448)."""
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    signed = torch.cat([-grid.flip(0)[:-1], grid])  # -448 .. 448, zero once, index 126 is 0
+    zc = z.clamp(-448, 448)
+    hi = torch.searchsorted(signed, zc) - 126
+    lo = torch.searchsorted(signed, zc, right=True) - 1 - 126
+    return lo, hi
+
+
+rows_of_32 = st.lists(st.floats(-500, 500, width=32), min_size=32, max_size=32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(rows_of_32, min_size=1, max_size=4), st.floats(1e-4, 3e-2), st.integers(0, 2**31 - 1))
+def test_guided_fp8_pins_a_nearby_trainer_to_the_rollout_codes(rows, rel, seed):
+    """The rollout quantizes x; the trainer sees x perturbed. Full guidance gives the rollout's bytes
+    wherever they bracket the trainer's value (and is never further than round-to-nearest);
+    mantissa guidance gives them wherever the two sides are within one codeword."""
+    x = torch.tensor(rows, dtype=torch.float32).view(-1, 2, 16)
+    rollout = fp8.quantize(x, dims=2)
+    g = torch.Generator().manual_seed(seed)
+    y = x * (1 + rel * torch.randn(x.shape, generator=g))
+    rtn = fp8.quantize(y, dims=2, amax=x.abs().reshape(x.shape[0], -1).amax(-1))  # the rollout's scale
+    full = fp8.guided_quantize(y, rollout.encode, codes=rollout.data)
+    mant = fp8.guided_quantize(y, rollout.encode, mantissa=fp4.mantissa_bits(rollout.data))
+    r, t = _value_index(rollout.data), _value_index(rtn.data)
+    d_full, d_rtn = (_value_index(full.data) - r).abs(), (t - r).abs()
+    assert bool((d_full <= d_rtn).all())
+    lo, hi = _bracket(y * rollout.encode[:, None, None])
+    brackets = (r == lo) | (r == hi)  # the rollout's codeword is one of the two around the trainer's value
+    assert bool(brackets.float().mean() > 0.5)  # the property below is about most elements, not a few
+    assert bool((d_full[brackets] == 0).all())
+    assert bool((_value_index(mant.data)[brackets] == r[brackets]).all())
+    assert torch.equal(full.scale, rollout.scale) and torch.equal(full.encode, rollout.encode)
+
+
+def test_guided_fp8_of_the_rollout_own_values_is_its_bytes_and_keeps_zero_signs_and_nan():
+    x = torch.tensor([[0.0, -0.0, 1e-12, -1e-12, 448.0, -1000.0, float("nan"), 3.0]])
+    q = fp8.quantize(x, amax=torch.tensor([448.0]))
+    for kw in ({"codes": q.data}, {"mantissa": fp4.mantissa_bits(q.data)}):
+        out = fp8.guided_quantize(x, q.encode, **kw).data
+        assert out[0, 6].item() == 0x7F
+        same = _value_index(out) == _value_index(q.data)
+        assert bool(same[0, [0, 1, 2, 3, 4, 5, 7]].all())
+    assert torch.equal(fp8.guided_quantize(x, q.encode, codes=q.data).data, q.data)
+
+
+def test_guided_fp8_rejects_bad_guidance():
+    x = torch.ones(3, 16)
+    q = fp8.quantize(x)
+    with pytest.raises(ValueError, match="exactly one"):
+        fp8.guided_quantize(x, q.encode)
+    with pytest.raises(ValueError, match="must be uint8"):
+        fp8.guided_quantize(x, q.encode, codes=q.data[:, :8])
+    with pytest.raises(ValueError, match="one per row"):
+        fp8.guided_quantize(x, q.encode[:2], codes=q.data)

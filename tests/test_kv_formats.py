@@ -108,7 +108,7 @@ def test_kernel_refuses_pages_it_cannot_decode():
         )
 
 
-def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_only_v(tmp_path, monkeypatch):
+def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_both_sides(tmp_path, monkeypatch):
     from megatron_trace.guidance import GuidanceRecord
     from megatron_trace.kernels import cpu_fused
     from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
@@ -134,8 +134,13 @@ def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_only_v(tmp_path
             runs.append(out)
         finally:
             eng.shutdown()
-        sites = sorted(s for s in rec.sites if "_cache" in s)
-        assert sites and all(s.endswith("v_cache") for s in sites)  # FP8 K carries no guidance
+        k_sites = [rec.sites[f"model.layers.{i}.self_attn.k_cache"] for i in range(2)]
+        v_sites = [rec.sites[f"model.layers.{i}.self_attn.v_cache"] for i in range(2)]
+        n, heads, d = rec.num_positions, eng.arch.num_kv_heads, eng.arch.head_dim
+        for k in k_sites:  # FP8 K: its E4M3 bytes and one S_enc per token, no block scales
+            assert k.fp8 and k.payload.shape == (n, heads, d) and k.global_scale.shape == (n,)
+            assert bool((k.global_scale > 0).all())
+        assert not any(v.fp8 for v in v_sites) and v_sites[0].payload.shape == (n, heads, d // 2)
     # The C and torch GEMMs differ at the ulp level, which now and then moves a K/V element across an
     # FP8/FP4 rounding boundary (with seed 3 once, at decode step 2: logprob -1.8073 vs -1.8097), so
     # this compares the engine paths loosely; the kernels are compared bit for bit above.
@@ -184,3 +189,36 @@ def test_plugin_kv_writes_equal_the_engine_pages_and_trainer_qat():
     st = QATState(ModelArch.from_hf_config(tiny_hf_config("qwen2")), QuantPolicy(kv_k="fp8", kv_v="nvfp4"), "rtn")
     assert torch.equal(st.kv(k.reshape(4, 2, 2, 32), "k", "fp8").reshape(8, 2, 32), fp8.dequantize(pk))
     assert torch.equal(st.kv(v.reshape(4, 2, 2, 32), "v", "nvfp4").reshape(8, 2, 32), nvfp4.dequantize(pv))
+
+
+@pytest.mark.parametrize("mode", ["full", "mantissa"])
+def test_trainer_qat_follows_the_engine_fp8_k_record(mode):
+    """FP8 K is a guided site: the engine's record of its K (E4M3 bytes or their low bits and S_enc per
+    token, through the record's bytes) pins the trainer's K, which differs from the rollout's by
+    noise, to the engine's pages; round-to-nearest on the same K flips codes."""
+    from megatron_trace.guidance import GuidanceRecord, make_site, quantized_parts
+    from megatron_trace.models import ModelArch, QuantPolicy, tiny_hf_config
+    from megatron_trace.trainer.micro_batch_guidance import MicroBatchGuidance
+    from megatron_trace.trainer.qat import QATState
+
+    site = "model.layers.0.self_attn.k_cache"
+    S, B = 6, 2
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(S, B, 2, 32, generator=g) * torch.tensor([40.0, 1.0])[:, None]  # an outlier head
+    kv, records = _cache("fp8", "nvfp4"), []
+    for j in range(B):  # sample j sits in batch column j; its record covers positions 0..S-1
+        q = kv.quantize(0, 0, k[:, j])
+        kv.write(0, 0, torch.arange(j * 8, j * 8 + S), k[:, j], q, return_values=False)
+        rec = GuidanceRecord(f"s{j}", mode, S, {site: make_site(*quantized_parts(q), mode)})
+        records.append(GuidanceRecord.from_bytes(rec.to_bytes()))
+    assert records[0].sites[site].fp8
+    pages = torch.stack([kv.read(0, 0, torch.arange(j * 8, j * 8 + S)) for j in range(B)], dim=1)
+    trainer_k = k * (1 + 3e-3 * torch.randn(k.shape, generator=g))
+    arch = ModelArch.from_hf_config(tiny_hf_config("qwen2"))
+    for qat_mode in ("guided", "rtn"):
+        st = QATState(arch, QuantPolicy(kv_k="fp8", kv_v="nvfp4"), qat_mode)
+        st.set_micro_batch(MicroBatchGuidance.padded(records, S), None)
+        got = st.kv(trainer_k, site, "fp8").detach()
+        assert torch.equal(got, pages) == (qat_mode == "guided")
+    if mode == "full":
+        assert st.agreement()[site] < 0.99  # rtn's codes, counted against the record's

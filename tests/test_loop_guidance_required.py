@@ -38,9 +38,12 @@ def test_guided_run_without_guidance_stops_naming_the_server():
 
 
 def test_guided_config_with_nothing_to_guide_is_refused(capsys):
-    with pytest.raises(ValueError, match="nothing to guide.*quant.format=bf16.*K=fp8, V=bf16"):
+    with pytest.raises(ValueError, match="nothing to guide.*quant.format=bf16.*K=bf16, V=bf16"):
         _rollout(
-            "quant.format=bf16", "quant.weights=bf16", "quant.activations=bf16", "quant.kv_k=fp8", "quant.kv_v=bf16"
+            "quant.format=bf16", "quant.weights=bf16", "quant.activations=bf16", "quant.kv_k=bf16", "quant.kv_v=bf16"
         )
     _rollout("quant.format=mxfp4", "quant.kv=mxfp4")  # MXFP4 activations and K/V are guided sites too
+    _rollout(  # and so is an FP8 K cache alone
+        "quant.format=bf16", "quant.weights=bf16", "quant.activations=bf16", "quant.kv_k=fp8", "quant.kv_v=bf16"
+    )
     assert "WARNING" not in capsys.readouterr().out

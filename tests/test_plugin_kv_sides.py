@@ -128,10 +128,10 @@ def test_registration_serves_the_asked_sides_or_stops_the_pool(monkeypatch):
 
 
 @pytest.mark.parametrize("pair", [("mxfp4", "mxfp4"), ("fp8", "mxfp4"), ("mxfp4", "nvfp4")])
-def test_fp4_sides_are_recorded_for_guidance_with_the_engine_page_bytes(pair):
-    """Inside a server's capture every FP4 side records its page bytes (MXFP4: codes and E8M0 per 16,
-    ceil rule, S_enc 1.0; NVFP4: codes, E4M3 and the layer's S_enc) as the engine's pages hold them;
-    an FP8 side records nothing, on the engine too."""
+def test_quantized_sides_are_recorded_for_guidance_with_the_engine_page_bytes(pair):
+    """Inside a server's capture every quantized side records its page bytes (MXFP4: codes and E8M0 per
+    16, ceil rule, S_enc 1.0; NVFP4: codes, E4M3 and the layer's S_enc; FP8: E4M3 bytes and S_enc per
+    token) as the engine's pages hold them and its guidance log records them."""
     from megatron_trace.guidance import GuidanceRecord
     from sglang_backend.plugin import capture, slot_capture
 
@@ -151,11 +151,14 @@ def test_fp4_sides_are_recorded_for_guidance_with_the_engine_page_bytes(pair):
         )
     rec = GuidanceRecord.from_bytes(cap.record("r", loc[[1, 0, 3]]))
     kv = _engine_pages(pair)
-    fp4 = [(which, side) for which, side in enumerate(("k_cache", "v_cache")) if pair[which] != "fp8"]
-    assert set(rec.sites) == {f"model.layers.{layer}.self_attn.{side}" for _, side in fp4}
-    for which, side in fp4:
+    assert set(rec.sites) == {f"model.layers.{layer}.self_attn.{side}" for side in ("k_cache", "v_cache")}
+    for which, side in enumerate(("k_cache", "v_cache")):
         want = kv.quantize(layer, which, (k, v)[which][[1, 0, 3]])
         got = rec.sites[f"model.layers.{layer}.self_attn.{side}"]
-        assert torch.equal(got.payload, want.data) and torch.equal(got.scale, want.scale), (pair, side)
+        assert torch.equal(got.payload, want.data), (pair, side)
+        if pair[which] == "fp8":
+            assert got.fp8 and torch.equal(got.global_scale, want.encode), (pair, side)
+            continue
+        assert torch.equal(got.scale, want.scale), (pair, side)
         want_gs = getattr(want, "global_scale", torch.tensor(1.0))  # MXFP4 pages have no global scale
         assert got.global_scale.dim() == 0 and float(got.global_scale) == float(want_gs), (pair, side)

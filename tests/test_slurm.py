@@ -52,7 +52,7 @@ def test_dry_run_plan_for_16_nodes():
     assert re.search(r"B200 192 GB x 92% usable = [\d.]+ GiB: fits", text)
     assert "trainer: 4 nodes (node001 node002 node003 node004), TP=8 PP=4 DP=1 = 32 ranks (8 per node)" in text
     assert "rollout: 12 nodes (node005 " in text and "24 servers (2/node, SGLang TP=4, backend sglang)" in text
-    assert "quantization=nvfp4 kv=K:fp8+V:nvfp4 guidance=mantissa on layers 40; weight sync: distributed" in text
+    assert "quantization=nvfp4 kv=K:fp8+V:nvfp4 guidance=mantissa on layers all; weight sync: distributed" in text
     # FP8 K + NVFP4 V reach every server as the plugin's per-side KV method (plugin/kv_sides.py; its FP8
     # per-token amax is MAX-reduced over SGLang's TP group: tests/test_sglang_tp2.py)
     assert "quant.kv_k=fp8 / quant.kv_v=nvfp4: SGLang servers read K and V through the plugin's per-side" in out.stderr

@@ -141,6 +141,7 @@ class ArithmeticTask:
 
 
 TASKS = ("arithmetic", "long_addition")
+BUILTIN_PROMPTS = (*TASKS, "word_problems")  # what rollout.prompts (and the probe's --dataset) name
 
 
 class JsonlPrompts:
@@ -227,7 +228,7 @@ class JsonlPrompts:
 
 
 def prompt_source(spec: str, *, seed: int, tokenizer, eval_fraction: float = 0.1):
-    """`rollout.prompts`: a built-in task name (TASKS, or 'word_problems') or a JSONL path."""
+    """`rollout.prompts`: a built-in task name (BUILTIN_PROMPTS) or a JSONL path."""
     if spec == "word_problems":
         from .word_problems import WordProblems
 

@@ -14,6 +14,12 @@ ranks' heads. Every step in fp32, as NVFP4's tensor scale:
 
 Stored size: 8 bits per element + 32 bits per row (8.125 bits per element for 2 KV heads of
 head_dim 128 per TP rank; 8.25 for one).
+
+TRACE guidance of an FP8 site (`guided_quantize`) is NVFP4's, one format up: the rollout records
+S_enc per row and, per element, its E4M3 byte (full) or the byte's lowest bit (mantissa). E4M3FN
+magnitudes are ordered by their 7-bit code, so adjacent codewords alternate that bit (across zero
+too: -min, 0, +min have bits 1, 0, 1) and one bit picks between the two codewords that bracket the
+trainer's scaled value.
 """
 
 from __future__ import annotations
@@ -23,13 +29,18 @@ from dataclasses import dataclass
 import torch
 
 from .codecs import E4M3_MAX, FLT_MAX, as_float32, e4m3_decode, e4m3_encode
+from .guided import unpack_mantissa_bits
 from .nvfp4 import nan_free_amax
+
+_MAX_INDEX = 0x7E  # 448, the largest finite E4M3FN magnitude code
+_NAN = 0x7F
 
 
 @dataclass
 class FP8Tensor:
     data: torch.Tensor  # uint8 E4M3FN bytes [..., *row]
     scale: torch.Tensor  # fp32 S_dec [...], one per row
+    encode: torch.Tensor | None = None  # fp32 S_enc [...] it was quantized with (what guidance records)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -63,7 +74,7 @@ def quantize(x: torch.Tensor, dims: int = 1, amax: torch.Tensor | None = None) -
     if amax is None:
         amax = nan_free_amax(x.reshape(*x.shape[: x.dim() - dims], -1), dim=-1)
     s_enc = encode_scale(amax)
-    return FP8Tensor(e4m3_encode(x * _per_row(s_enc, x.dim())), decode_scale(s_enc))
+    return FP8Tensor(e4m3_encode(x * _per_row(s_enc, x.dim())), decode_scale(s_enc), s_enc)
 
 
 def _per_row(s: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -80,3 +91,64 @@ def quantize_dequantize(
 ) -> torch.Tensor:
     """dequantize(quantize(x, dims, amax)) in x's dtype (or `dtype`)."""
     return dequantize(quantize(x, dims, amax), dtype or x.dtype)
+
+
+def guided_quantize(
+    x: torch.Tensor,
+    s_enc: torch.Tensor,
+    *,
+    codes: torch.Tensor | None = None,
+    mantissa: torch.Tensor | None = None,
+) -> FP8Tensor:
+    """Quantize x [..., *row] with the rollout's per-row S_enc [...] (its row shape follows from
+    s_enc's), rounding each element as the rollout did: z = x * S_enc, the quantizer's arithmetic,
+    bracketed by the two adjacent E4M3 codewords lo <= z <= hi (clipped to +-448). Full guidance
+    (`codes`, the rollout's bytes shaped like x) keeps the bracket nearer the rollout's codeword,
+    its exact byte when it is one of them (a z on a grid point brackets its two neighbours);
+    mantissa guidance (`mantissa`, the bytes' lowest bits packed 8 per byte along the last dim)
+    keeps the bracket whose lowest bit matches. NaN stays NaN (0x7F)."""
+    x = as_float32(x)
+    if (codes is None) == (mantissa is None):
+        raise ValueError("guided FP8 rounding needs exactly one of codes= (full) or mantissa= (1 bit per element)")
+    s_enc = torch.as_tensor(s_enc, dtype=torch.float32, device=x.device)
+    if x.dim() < s_enc.dim() + 1 or tuple(x.shape[: s_enc.dim()]) != tuple(s_enc.shape):
+        raise ValueError(f"S_enc {tuple(s_enc.shape)} must be one per row of x {tuple(x.shape)}")
+    want = tuple(x.shape) if codes is not None else (*x.shape[:-1], x.shape[-1] // 8)
+    got = codes if codes is not None else mantissa
+    if got.dtype != torch.uint8 or tuple(got.shape) != want or (mantissa is not None and x.shape[-1] % 8):
+        raise ValueError(
+            f"FP8 guidance {'codes' if codes is not None else 'mantissa'} must be uint8 {want}; "
+            f"got {got.dtype} {tuple(got.shape)}"
+        )
+    z = x * _per_row(s_enc, x.dim())
+    zc = z.clamp(-E4M3_MAX, E4M3_MAX)
+    rtn = e4m3_encode(zc)
+    v = e4m3_decode(rtn)
+    idx = _signed_index(rtn)
+    lo = torch.where(v > zc, idx - 1, idx).clamp(-_MAX_INDEX, _MAX_INDEX)
+    hi = torch.where(v < zc, idx + 1, idx).clamp(-_MAX_INDEX, _MAX_INDEX)
+    negative = torch.signbit(z)
+    if codes is not None:
+        r = _signed_index(codes)
+        on_grid = (v == zc) & (z.abs() <= E4M3_MAX)  # on a grid point: one codeword either side still counts
+        lo = torch.where(on_grid, (lo - 1).clamp_min(-_MAX_INDEX), lo)
+        hi = torch.where(on_grid, (hi + 1).clamp_max(_MAX_INDEX), hi)
+        pick = torch.maximum(torch.minimum(r, hi), lo)
+        out = torch.where(pick == r, codes, _codes_from_index(pick, negative))
+    else:
+        bit = unpack_mantissa_bits(mantissa).to(torch.int16)
+        pick = torch.where((hi.abs() & 1) == bit, hi, lo)
+        out = _codes_from_index(pick, negative)
+    out = torch.where(torch.isnan(z), torch.full_like(out, _NAN), out)
+    return FP8Tensor(out, decode_scale(s_enc), s_enc)
+
+
+def _signed_index(codes: torch.Tensor) -> torch.Tensor:
+    """E4M3FN bytes -> position on the signed grid, -126..126 (both zeros 0); neighbours differ by 1."""
+    mag = (codes & 0x7F).to(torch.int16)
+    return torch.where((codes & 0x80) != 0, -mag, mag)
+
+
+def _codes_from_index(idx: torch.Tensor, negative_zero: torch.Tensor) -> torch.Tensor:
+    neg = (idx < 0) | ((idx == 0) & negative_zero)
+    return idx.abs().to(torch.uint8) | (neg.to(torch.uint8) << 7)

@@ -8,6 +8,7 @@ from .record import (
     concat_sites,
     encode_records,
     make_site,
+    quantized_parts,
     resolve_guided_layers,
 )
 from .routing import decode_routed_experts, encode_routed_experts
@@ -21,6 +22,7 @@ __all__ = [
     "concat_sites",
     "encode_records",
     "make_site",
+    "quantized_parts",
     "resolve_guided_layers",
     "GuidanceStore",
     "GuidanceStoreError",

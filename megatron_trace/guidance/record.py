@@ -11,6 +11,9 @@ T counts every position the rollout ran through the model: the prompt and all sa
 but the last (whose activations nobody computes). Each site holds the E4M3 block-scale bytes
 [..., K/16], the global scale S_enc (one per token, or 0-d for a static scale) and either the
 packed 4-bit codes [..., K/2] (mode "full") or packed mantissa bits [..., K/8] ("mantissa").
+An FP8 K/V site (fp4.fp8: one S_enc per token over its heads, no block scales) holds zero-width
+block scales [T, heads, 0], S_enc [T] and its E4M3 bytes [T, heads, D] or their lowest bits
+[T, heads, D/8]: the zero width is what marks it (`SiteRecord.fp8`).
 Records serialize to safetensors bytes with a JSON header: no pickle crosses a process boundary.
 """
 
@@ -24,13 +27,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megatron_trace.fp4 import RolloutRounding
-from megatron_trace.fp4.guided import GUIDANCE_MODES
+from megatron_trace.fp4 import FP8Tensor, MXFP4Tensor, NVFP4Tensor, RolloutRounding
+from megatron_trace.fp4.guided import GUIDANCE_MODES, mantissa_bits
 
 # the dispatcher's: C on CPU (the engine packs every guided row of finished samples)
 from megatron_trace.kernels.dispatch import mantissa_bits_packed
 
 KV_SITES = ("k_cache", "v_cache")
+_STATIC_ONE = torch.tensor(1.0)  # the S_enc an MXFP4 site carries: E8M0 block scales, no global scale
 
 
 @dataclass
@@ -45,17 +49,38 @@ class SiteRecord:
     def positions(self) -> int:
         return self.scale.shape[0]
 
+    @property
+    def fp8(self) -> bool:
+        """An FP8 site: E4M3 bytes with one S_enc per token, no block scales."""
+        return self.scale.shape[-1] == 0
+
     def select(self, start: int, end: int) -> SiteRecord:
         gs = self.global_scale if self.global_scale.dim() == 0 else self.global_scale[start:end]
         return SiteRecord(self.scale[start:end], gs, self.payload[start:end])
 
 
-def make_site(scale, global_scale, codes_packed, mode: str) -> SiteRecord:
-    """Build a site from a quantizer's output (packed codes), keeping what `mode` asks for."""
+def quantized_parts(q: NVFP4Tensor | MXFP4Tensor | FP8Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block scales, S_enc, codes) of a quantizer's output, as a site records them (`make_site`'s
+    arguments): MXFP4 with a static S_enc of 1.0, FP8 with zero-width block scales and its per-row S_enc."""
+    if isinstance(q, FP8Tensor):
+        if q.encode is None:
+            raise ValueError("an FP8 tensor without its S_enc (FP8Tensor.encode) cannot be recorded as guidance")
+        return q.data.new_empty(*q.data.shape[:-1], 0), q.encode, q.data
+    return q.scale, (_STATIC_ONE if isinstance(q, MXFP4Tensor) else q.global_scale), q.data
+
+
+def make_site(scale, global_scale, codes, mode: str) -> SiteRecord:
+    """Build a site from a quantizer's output (`quantized_parts`: packed FP4 codes, or FP8 bytes with
+    zero-width block scales), keeping what `mode` asks for."""
     if mode not in GUIDANCE_MODES:
         raise ValueError(f"guidance.mode must be one of {', '.join(GUIDANCE_MODES)}; got {mode!r}")
-    payload = codes_packed if mode == "full" else mantissa_bits_packed(codes_packed)
+    payload = codes if mode == "full" else _mantissa(codes, fp8=scale.shape[-1] == 0)
     return SiteRecord(scale.contiguous(), global_scale.to(torch.float32).contiguous(), payload.contiguous())
+
+
+def _mantissa(codes: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """Each element's lowest code bit, 8 per byte: of FP8 bytes, or of packed FP4 codes."""
+    return mantissa_bits(codes) if fp8 else mantissa_bits_packed(codes)
 
 
 def concat_sites(parts: list[SiteRecord]) -> SiteRecord:
@@ -108,7 +133,7 @@ class GuidanceRecord:
         """The compact record a mantissa-mode rollout would have written (from full codes)."""
         if self.mode == "mantissa":
             return self
-        sites = {n: SiteRecord(s.scale, s.global_scale, mantissa_bits_packed(s.payload)) for n, s in self.sites.items()}
+        sites = {n: SiteRecord(s.scale, s.global_scale, _mantissa(s.payload, s.fp8)) for n, s in self.sites.items()}
         return GuidanceRecord(self.sample_id, "mantissa", self.num_positions, sites)
 
     def to_bytes(self) -> bytes:

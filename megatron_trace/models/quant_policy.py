@@ -233,6 +233,17 @@ class QuantPolicy:
         """Whether layer `layer`'s K or V cache is quantized at all (FP4 or FP8)."""
         return any(self.kv_format(layer, num_layers, w) != "bf16" for w in ("k", "v"))
 
+    def guided_site_kinds(self) -> list[str]:
+        """What TRACE guidance can record under this policy: "activations" (NVFP4/MXFP4 inputs of the
+        FP4 linears), "K", "V" (any quantized cache side, FP4 or FP8). Empty: nothing is quantized
+        where a record could pin it, so guided QAT would be plain QAT. kv="auto" counts as quantized
+        (every family's auto formats are)."""
+        kinds = ["activations"] if self.format in ("nvfp4", "mxfp4") and self.activations == "fp4" else []
+        for side, fmt in (("K", self.kv_k or self.kv), ("V", self.kv_v or self.kv)):
+            if fmt != "bf16":
+                kinds.append(side)
+        return kinds
+
     def quantized_linears(self, arch: ModelArch) -> list[str]:
         """HF module names of every FP4 linear of `arch`, in parameter order."""
         names = [m for m in arch.hf_linear_modules() if self.linear_is_fp4(m, arch.num_layers)]

@@ -89,7 +89,8 @@ class MicroBatchGuidance:
                 held = place.positions < site.positions()
                 rows, pos = place.rows[held], place.positions[held]
             scale[rows], payload[rows] = site.scale[pos], site.payload[pos]
-            gs[rows] = site.global_scale if site.global_scale.dim() == 0 else site.global_scale[pos]
+            g = site.global_scale if site.global_scale.dim() == 0 else site.global_scale[pos]
+            gs[rows] = g.reshape(*g.shape, *([1] * (gs.dim() - g.dim()))) if g.dim() else g  # FP8: S_enc per token
             mask[rows] = True
         if k_slice is not None:
             k0, k1 = k_slice.start, k_slice.stop

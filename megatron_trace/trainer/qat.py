@@ -34,6 +34,7 @@ from megatron_trace.fp4 import (
     dequantize_any,
     fp8,
     guided_quantize_mxfp4,
+    mantissa_bits,
     mxfp4,
     nvfp4,
     straight_through,
@@ -160,19 +161,16 @@ class QATState:
 
     def kv(self, t: torch.Tensor, site: str, fmt: str = "nvfp4", offset: torch.Tensor | None = None) -> torch.Tensor:
         """K or V [S, B, groups_local, D] as the rollout caches it in `fmt`: NVFP4 along D with the
-        per-layer scale or MXFP4 as the engine's pages (16-blocks, ceil rule), each guided where the
-        rollout recorded the site (the engine records NVFP4 and MXFP4 sides), or FP8 E4M3 with one
-        scale per token over its KV heads (amax MAX-reduced over TP, which splits the heads),
-        round-to-nearest: the rollout records no FP8 guidance (docs/quality.md).
+        per-layer scale or MXFP4 as the engine's pages (16-blocks, ceil rule), or FP8 E4M3 with one
+        scale per token over its KV heads (amax MAX-reduced over TP, which splits the heads; a guided
+        row takes the rollout's S_enc), each guided where the rollout recorded the site.
         offset (fp32, broadcast to t): the cache holds t - offset (a de-biased K); subtracted and added
         back in fp32, so a large offset cancels without bf16 rounding."""
         x = t.detach().float() if offset is None else t.detach().float() - offset
-        if fmt == "fp8":
-            amax = self._all_max(nvfp4.nan_free_amax(x.reshape(*x.shape[:-2], -1), dim=-1))
-            deq = fp8.quantize_dequantize(x, torch.float32, dims=2, amax=amax)
-            return straight_through(t, (deq if offset is None else deq + offset).to(t.dtype))
         rows = x.reshape(-1, t.shape[-2], t.shape[-1])
-        if fmt == "mxfp4":
+        if fmt == "fp8":
+            q = fp8.quantize(rows, dims=2, amax=self._all_max(nvfp4.nan_free_amax(rows.reshape(rows.shape[0], -1), -1)))
+        elif fmt == "mxfp4":
             q = mxfp4.quantize(rows, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
         else:
             q = nvfp4_quantize(rows, global_scale=torch.tensor(KV_SCALE))
@@ -220,21 +218,26 @@ class QATState:
                 return None if t is None else t[:, heads]
 
             gs = rr.global_scale[:, heads] if rr.global_scale.dim() > 1 else rr.global_scale
+            if isinstance(q, fp8.FP8Tensor):  # one S_enc per token, repeated over the heads when assembled
+                gs = gs[:, 0] if gs.dim() > 1 else gs
             rr = RolloutRounding(pick(rr.scale), gs, pick(rr.codes), pick(rr.mantissa))
         if self.mode != "guided":
             if not self.recomputing:
                 self._count(site, q, rr, mask)
             return deq
         codes, mant = rr.codes, rr.mantissa
+        is_fp8 = isinstance(q, fp8.FP8Tensor)
         if self.mantissa_from_codes and codes is not None:
-            codes, mant = None, mantissa_bits_packed(codes)
-        if isinstance(q, mxfp4.MXFP4Tensor):  # E8M0 block scales, no global scale
+            codes, mant = None, (mantissa_bits(codes) if is_fp8 else mantissa_bits_packed(codes))
+        if is_fp8:
+            g = fp8.guided_quantize(x_rows, rr.global_scale, codes=codes, mantissa=mant)
+        elif isinstance(q, mxfp4.MXFP4Tensor):  # E8M0 block scales, no global scale
             g = guided_quantize_mxfp4(x_rows, rr.scale, codes=codes, mantissa=mant, block=q.block)
         else:
             g = nvfp4_guided_quantize(x_rows, rr.scale, rr.global_scale, codes=codes, mantissa=mant)
         if not self.recomputing:
             self._count(site, g, rr, mask)
-            changed = (unpack_fp4(g.data) != unpack_fp4(q.data))[mask]
+            changed = (_codes(g) != _codes(q))[mask]
             o = self.override[site]
             o[0] += int(changed.sum())
             o[1] += changed.numel()
@@ -264,7 +267,9 @@ class QATState:
         matching codes), so they count nothing here: `override` is their metric."""
         if not mask.any() or rr.codes is None:
             return
-        same = _zero_as_one(unpack_fp4(q.data)[mask]) == _zero_as_one(unpack_fp4(rr.codes)[mask])
+        fp8_site = isinstance(q, fp8.FP8Tensor)
+        ref = rr.codes if fp8_site else unpack_fp4(rr.codes)
+        same = _zero_as_one(_codes(q)[mask], fp8_site) == _zero_as_one(ref[mask], fp8_site)
         c = self.agree[site]
         c[0] += int(same.sum())
         c[1] += same.numel()
@@ -289,10 +294,15 @@ class QATState:
         self.unguided.clear()
 
 
-def _zero_as_one(codes: torch.Tensor) -> torch.Tensor:
-    # -0 (0x8) and +0 dequantize to the same value: agreement is about values, not zero's sign
-    # (mantissa guidance cannot name the sign of a zero, and it changes nothing downstream).
-    return torch.where(codes == 8, torch.zeros_like(codes), codes)
+def _codes(q) -> torch.Tensor:
+    """One code per element: FP8 bytes as they are, FP4 codes unpacked."""
+    return q.data if isinstance(q, fp8.FP8Tensor) else unpack_fp4(q.data)
+
+
+def _zero_as_one(codes: torch.Tensor, fp8_codes: bool = False) -> torch.Tensor:
+    # -0 (E2M1 0x8, E4M3 0x80) and +0 dequantize to the same value: agreement is about values, not
+    # zero's sign (mantissa guidance cannot name the sign of a zero, and it changes nothing downstream).
+    return torch.where(codes == (0x80 if fp8_codes else 8), torch.zeros_like(codes), codes)
 
 
 class KBias:

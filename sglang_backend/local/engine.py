@@ -224,19 +224,14 @@ class Engine:
             raise ValueError(f"input_ids hold tokens outside the vocabulary [0, {self.arch.vocab_size}): {bad[:5]}")
         if len(ids) >= self.scheduler.context_length:
             raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.scheduler.context_length}")
-        if req.return_guidance and not self._fp4_sites():
+        if req.return_guidance and not self.policy.guided_site_kinds():
             p = self.policy
             raise ValueError(
-                f"guidance records FP4 sites, and this engine has none (format {p.format}, activations "
-                f"{p.activations}, K {p.k_format}, V {p.v_format}): serve FP4 activations or KV"
+                f"guidance records quantized sites, and this engine has none (format {p.format}, activations "
+                f"{p.activations}, K {p.k_format}, V {p.v_format}): serve FP4 activations or a quantized KV cache"
             )
         if req.return_routed_experts and not self.arch.is_moe:
             raise ValueError(f"return_routed_experts needs an MoE model; {self.model_path} is {self.arch.family}")
-
-    def _fp4_sites(self) -> bool:
-        p = self.policy
-        fp4 = {"nvfp4", "mxfp4"}
-        return (p.format in fp4 and p.activations == "fp4") or bool(fp4 & {p.k_format, p.v_format})
 
     def generate(
         self,

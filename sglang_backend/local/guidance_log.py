@@ -14,12 +14,10 @@ import itertools
 
 import torch
 
-from megatron_trace.fp4.mxfp4 import MXFP4Tensor
-from megatron_trace.fp4.nvfp4 import NVFP4Tensor
-from megatron_trace.guidance import SiteRecord, make_site
+from megatron_trace.fp4 import FP8Tensor, MXFP4Tensor, NVFP4Tensor
+from megatron_trace.guidance import SiteRecord, make_site, quantized_parts
 
 _LAYOUTS = itertools.count()
-_NO_GLOBAL_SCALE = torch.tensor(1.0)
 
 
 class _SiteRows:
@@ -124,16 +122,16 @@ class GuidanceLog:
         s = self._site(site, data_row, scale_row, gs_row, static_gs, static_value)
         return s.addr
 
-    def store(self, site: str, first: int, q: NVFP4Tensor | MXFP4Tensor) -> None:
-        """Copy one quantizer output (rows = the step's rows) into the site's arrays. MXFP4 has no
-        global scale: its record carries a static 1.0 next to the E8M0 block scales."""
-        global_scale = _NO_GLOBAL_SCALE if isinstance(q, MXFP4Tensor) else q.global_scale
+    def store(self, site: str, first: int, q: NVFP4Tensor | MXFP4Tensor | FP8Tensor) -> None:
+        """Copy one quantizer output (rows = the step's rows) into the site's arrays, as
+        `guidance.quantized_parts` names them (MXFP4: a static 1.0; FP8: S_enc per row, no block scales)."""
+        scale, global_scale, data = quantized_parts(q)
         static = global_scale if global_scale.dim() == 0 else None
         d, sc, gs = self.buffers(
-            site, first, q.data.shape[0], q.data.shape[1:], q.scale.shape[1:], global_scale.shape[1:], static
+            site, first, data.shape[0], data.shape[1:], scale.shape[1:], global_scale.shape[1:], static
         )
-        d.copy_(q.data)
-        sc.copy_(q.scale)
+        d.copy_(data)
+        sc.copy_(scale)
         if gs is not None:
             gs.copy_(global_scale)
 

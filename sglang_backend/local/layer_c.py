@@ -9,7 +9,7 @@
   functions on the same inputs); it exists because that path pays for a parallel region and a
   Python call per kernel.
 Everything else (MoE, MXFP4 activations or pages, the de-biased K, prefill widths of large layers,
-fp32 large layers) runs the per-kernel path (`cpu_fused`, `EngineLinear.forward_cpu`).
+fp32 large layers, guided layers over an FP8 side) runs the per-kernel path (`cpu_fused`, `EngineLinear.forward_cpu`).
 
 The per-forward work here is filling one argument object per layer (`cpu_layer.new_args()`):
 pointers to the layer's weights (refreshed only after weight loads), its KV pages, the batch's
@@ -112,9 +112,14 @@ def describe(modes) -> str:
 def run_layers(layers, modes, x, batch, kv, rot, caps) -> torch.Tensor:
     """Every layer of a fused CPU forward (model.py), each as `modes` and the batch width allow:
     runs of consecutive streamed layers in one call each; returns the last layer's pending residual.
-    A capture fn without the guidance log's `.log` sends its layer down the per-kernel path."""
+    A capture fn without the guidance log's `.log` sends its layer down the per-kernel path, and so
+    does capture over an FP8 side (the C quantizers log FP4 K/V only; forward_fused logs FP8 too)."""
     residual, i, t = None, 0, x.shape[0]
-    mode = [m if t <= rows and (cap is None or hasattr(cap, "log")) else None for (m, rows), cap in zip(modes, caps)]
+    c_captures = "fp8" not in kv.side_fmt
+    mode = [
+        m if t <= rows and (cap is None or (c_captures and hasattr(cap, "log"))) else None
+        for (m, rows), cap in zip(modes, caps)
+    ]
     while i < len(layers):
         if mode[i] == "stream":
             j = i
@@ -292,7 +297,7 @@ def _point_at_log(plan: _Plan, args, log, kv_scales) -> None:
     args.cap_data, args.cap_scale, args.cap_gs = data, scale, gs
     if "nvfp4" in plan.kv.side_fmt:
         layer, kv, kv_gs = plan.layer, list(args.cap_kv), list(args.cap_kv_gs)
-        for which in (w for w in (0, 1) if plan.kv.side_fmt[w] == "nvfp4"):  # BF16 and FP8 sides log nothing
+        for which in (w for w in (0, 1) if plan.kv.side_fmt[w] == "nvfp4"):  # FP8 sides: per-kernel path
             kv[2 * which], kv[2 * which + 1], kv_gs[which] = log.pointers(
                 layer.kv_sites[which],
                 *plan.kv_rows,

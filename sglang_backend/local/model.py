@@ -155,8 +155,8 @@ class _Layer(nn.Module):
     def _store_kv(self, k, v, batch: ForwardBatch, kv: PagedKVCache, capture) -> None:
         for which, t in ((0, k), (1, v)):
             qt = None
-            # Guidance covers the FP4 sites; FP8 and BF16 sides record nothing (docs/quality.md).
-            if capture is not None and kv.side_fmt[which] in ("nvfp4", "mxfp4"):  # else write() quantizes
+            # Guidance covers every quantized side (FP4 and FP8); a BF16 side has nothing to record.
+            if capture is not None and kv.side_fmt[which] != "bf16":  # else write() quantizes
                 qt = kv.quantize(self.idx, which, t)
                 capture(self.kv_sites[which], qt)
             kv.write(self.idx, which, batch.write_slots, t, qt, return_values=False)

@@ -19,10 +19,10 @@ At SGLang TP > 1 (KV heads split or replicated over the ranks) the FP8 per-token
 MAX-reduced over the TP group, so every rank stores TP=1's bytes for its heads.
 Every buffer is uint8, so the pool's slot moves (data pointers and byte strides) stay valid.
 Reads dequantize the whole layer, as SGLang's own PLAIN FP4 recipe does, so the method serves the
-PLAIN backends of kv_read (torch_native) only and refuses others by name. NVFP4 and MXFP4 sides
-are captured for guidance (site `model.layers.{i}.self_attn.k_cache` / `v_cache`; MXFP4: the E8M0
-bytes per 16 and a static S_enc of 1.0), as the embedded engine captures them; FP8 and BF16 sides
-record nothing there either (docs/quality.md).
+PLAIN backends of kv_read (torch_native) only and refuses others by name. Every quantized side is
+captured for guidance (site `model.layers.{i}.self_attn.k_cache` / `v_cache`; MXFP4: the E8M0
+bytes per 16 and a static S_enc of 1.0; FP8: the E4M3 bytes and S_enc per token), as the embedded
+engine captures them; a BF16 side records nothing.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def side_shapes(fmt: str, heads: int, head_dim: int, itemsize: int) -> tuple[tup
 
 
 def quantize_side(fmt: str, x: torch.Tensor, s_dec, dtype: torch.dtype, all_max=None):
-    """x [T, heads, D] -> (data, scale) uint8 rows as stored, and the NVFP4Tensor / MXFP4Tensor for
-    guidance (None for BF16 and FP8 sides, which record nothing).
+    """x [T, heads, D] -> (data, scale) uint8 rows as stored, and the NVFP4Tensor / MXFP4Tensor /
+    FP8Tensor for guidance (None for a BF16 side, which records nothing).
     `all_max`: MAX over the TP ranks that split the KV heads (FP8's per-token amax spans all heads)."""
     if fmt == "bf16":
         return (
@@ -69,7 +69,7 @@ def quantize_side(fmt: str, x: torch.Tensor, s_dec, dtype: torch.dtype, all_max=
         )
     if fmt == "fp8":
         q = quantize_kv_fp8(x, all_max)
-        return q.data, q.scale.reshape(-1, 1).view(torch.uint8), None
+        return q.data, q.scale.reshape(-1, 1).view(torch.uint8), q
     if fmt == "mxfp4":
         q = mxfp4.quantize(x, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
         return q.data, q.scale, q

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_trace.fp4 import mxfp4, nvfp4
-from megatron_trace.guidance import encode_records, make_site
+from megatron_trace.fp4 import FP8Tensor, MXFP4Tensor, NVFP4Tensor
+from megatron_trace.guidance import encode_records, make_site, quantized_parts
 from megatron_trace.guidance.record import KV_SITES, layer_of
 from sglang_backend.api import GUIDANCE_KEY  # in sampling_params.custom_params
 
@@ -47,7 +47,6 @@ from .layer_tp import kv_heads_all_gather, row_parallel_all_gather
 log = logging.getLogger(__name__)
 
 _SAFE_RID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
-_MXFP4_GLOBAL_SCALE = torch.tensor(1.0)  # the static S_enc an MXFP4 site's record carries (guidance_log.py)
 
 
 class SlotCapture:
@@ -67,10 +66,11 @@ class SlotCapture:
         self.gathers: dict[str, object] = {}
         self.tp_rank = 0
 
-    def write(self, site: str, slots: torch.Tensor, positions, q: nvfp4.NVFP4Tensor | mxfp4.MXFP4Tensor) -> None:
+    def write(self, site: str, slots: torch.Tensor, positions, q: NVFP4Tensor | MXFP4Tensor | FP8Tensor) -> None:
         """q: the [T, ..., K] quantized input of `site` (K/V sites are [T, heads, head_dim]); row t belongs
-        to KV slot slots[t]. An MXFP4 site (E8M0 block scales, no global scale) is kept with a static
-        S_enc of 1.0, as the embedded engine's guidance log keeps it, so both stacks write one record."""
+        to KV slot slots[t]. Kept as `guidance.quantized_parts` names q's parts (MXFP4: a static S_enc
+        of 1.0; FP8 K/V: S_enc per token, no block scales), as the embedded engine's guidance log keeps
+        them, so both stacks write one record."""
         if layer_of(site) not in self.guided:
             return
         if q.data.dim() < 2 or slots.shape[0] != q.data.shape[0]:
@@ -79,13 +79,14 @@ class SlotCapture:
                 "batch (padded or split batches are not captured)"
             )
             return
-        codes, scales = q.data, q.scale
-        gs = _MXFP4_GLOBAL_SCALE if isinstance(q, mxfp4.MXFP4Tensor) else q.global_scale
+        scales, gs, codes = quantized_parts(q)
         gather = self.gathers.get(site)
         if gather is not None:  # a collective: every TP rank reaches it for the same site and batch
             # MXFP4 blocks never straddle ranks (K per rank and head_dim are whole blocks) and carry no
-            # per-token scale, so the gathered bytes are TP=1's for either format
-            codes, scales = gather(codes), gather(scales)
+            # per-token scale; FP8's per-token S_enc is already the MAX over the ranks' heads: so the
+            # gathered bytes are TP=1's for every format
+            codes = gather(codes)
+            scales = gather(scales) if scales.shape[-1] else scales.new_empty(*codes.shape[:-1], 0)  # FP8: none
         s = self.sites.get(site)
         if s is None:
             rows = self.capacity + 1
@@ -113,7 +114,7 @@ class SlotCapture:
             raise RuntimeError(f"guidance capture failed: {self.error}")
         if not self.sites:
             raise RuntimeError(
-                "no guided FP4 site ran in this server (guided layers "
+                "no guided quantized site ran in this server (guided layers "
                 f"{sorted(self.guided)}; are they FP4 under the server's quantization?)"
             )
         idx = slots.to(device=self.device, dtype=torch.long)
