@@ -75,13 +75,13 @@ def test_failing_guidance_record_aborts_only_that_request(eng, monkeypatch):
     eng.fetch_guidance(ok["meta_info"]["guidance_handle"])
 
 
-def test_guidance_without_any_nvfp4_site_is_refused_by_name(tmp_path):
-    """W4A16 MXFP4 weights + BF16 KV: no site records FP4 codes, so a guidance request is an error
+def test_guidance_without_any_quantized_site_is_refused_by_name(tmp_path):
+    """W4A16 MXFP4 weights + BF16 KV: no site records codes, so a guidance request is an error
     naming the policy (not a record with nothing in it); a KV-only NVFP4 engine records K/V guidance."""
     ckpt = make_tiny_checkpoint(tmp_path, "qwen2", seed=2)
     e = Engine(str(ckpt), quantization="w4a16_mxfp4", kv_cache_dtype="bf16")
     try:
-        with pytest.raises(ValueError, match="FP4 sites.*format mxfp4, activations bf16, K bf16, V bf16"):
+        with pytest.raises(ValueError, match="quantized sites.*format mxfp4, activations bf16, K bf16, V bf16"):
             e.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY, return_guidance=True)
     finally:
         e.shutdown()

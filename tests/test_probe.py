@@ -141,18 +141,22 @@ def test_mxfp4_weights_are_modelled_as_mxfp4_and_unguidable_runs_say_so(ckpt):
 
 def test_fp8_k_and_v_are_guided_sites(ckpt):
     """W4A16 NVFP4 + FP8 K and V: the rollout records each token's S_enc and E4M3 bytes (or their low
-    bits) and the trainer rounds to them: guided < rtn < off, in mantissa mode too. FP8 resolves small
-    elements finer than a bf16 rollout agrees with an fp32 trainer (the two sides' K differ by ~0.3%
-    of the token's amax, several FP8 codewords near zero), so a few percent of codes stay more than one
-    codeword apart, where one bit or the nearer bracket cannot reach: agreement >= 95%, not 99.9%."""
+    bits) and the trainer rounds to them. With an fp32 rollout every code agrees; with the bf16 one,
+    guided < rtn < off in both modes, but FP8 resolves small elements finer than a bf16 rollout and an
+    fp32 trainer agree (several E4M3 codewords near zero), so some codes stay more than one codeword
+    apart, where neither one bit nor the nearer bracket reaches: agreement >= 90% and above rtn's."""
+    exact = _probe_in_process(
+        ckpt, "--quantization", "w4a16_nvfp4", "--kv-cache-dtype", "fp8", "--rollout-dtype", "float32"
+    )
+    assert min(exact["modes"]["guided-mantissa"]["agreement"].values()) == 1.0
     res = _probe_in_process(ckpt, "--quantization", "w4a16_nvfp4", "--kv-cache-dtype", "fp8")
     m = res["modes"]
     assert res["guided_skipped"] is None
     for mode in ("guided-full", "guided-mantissa"):
         assert m[mode]["mean_abs_dlogp"] < 0.5 * m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
-    agree = m["guided-full"]["agreement"]
+    agree, rtn = m["guided-full"]["agreement"], m["rtn"]["agreement"]
     assert sorted({k.rsplit(".", 1)[1] for k in agree}) == ["k_cache", "v_cache"]
-    assert min(agree.values()) >= 0.95 and max(m["rtn"]["agreement"].values()) < 0.9
+    assert min(agree.values()) >= 0.9 and all(agree[k] > rtn[k] + 0.02 for k in agree), (agree, rtn)
     # a byte per element in full mode, a bit in mantissa mode (plus 4 bytes of S_enc per token)
     assert m["guided-mantissa"]["guidance_bytes_per_token"] < 0.25 * m["guided-full"]["guidance_bytes_per_token"]
 
