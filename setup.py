@@ -31,7 +31,8 @@ setup(
     ],
     extras_require={
         # The trainer side (Megatron-Core) and the HF reference; SGLang containers skip these.
-        "train": ["megatron-core>=0.16.1", "transformers>=4.51", "tensorboard>=2.16"],
+        # gguf + accelerate: the real Qwen2.5-0.5B checkpoint built from PyPI (models/real_qwen.py)
+        "train": ["megatron-core>=0.16.1", "transformers>=4.51", "tensorboard>=2.16", "gguf>=0.10", "accelerate>=1.0"],
         "sglang": ["sglang>=0.5.9", "triton>=3.0"],
         "te": ["transformer-engine[pytorch]>=2.5"],
         "dev": [
@@ -40,6 +41,8 @@ setup(
             # and under 5.25 the Qwen3-MoE TP/EP-vs-one-rank comparison no longer holds its 2e-5 bound
             "transformers==5.24.0",
             "tensorboard>=2.16",
+            "gguf>=0.10",  # the real-model test lane's checkpoint (models/real_qwen.py)
+            "accelerate>=1.0",  # transformers' GGUF tokenizer reader
             "triton>=3.0",
             "pytest>=8",
             "pytest-timeout>=2.3",

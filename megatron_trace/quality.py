@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatron_trace.models import QuantPolicy
+from megatron_trace.rl.mismatch import bucket_means
 
 WEIGHTS = ("bf16", "w4a16", "w4a4")
 KV = ("bf16", "fp8", "nvfp4", "mxfp4")
@@ -203,11 +204,12 @@ def run(
         try:
             outs = scorer.greedy(prompts, max_new_tokens)
             ref_out = outs if ref_out is None else ref_out
-            nll, top1 = [], []
+            nll, top1, nll_seqs = [], [], []
             for p, cont in zip(prompts, ref_out):
                 a, b = scorer.teacher_forced(p["ids"], cont)
                 nll += a
                 top1 += b
+                nll_seqs.append(a)
             kv_bytes = scorer.kv_bytes_per_token()
         finally:
             scorer.close()
@@ -217,6 +219,8 @@ def run(
             "setting": {"weights": s.weights, "k": s.k, "v": s.v},
             "nll_per_token": mean,
             "tokens": len(nll),
+            # KV error accumulates along the answer: NLL per token by answer-position bucket
+            "nll_by_position": bucket_means(nll_seqs),
             "top1_agreement": sum(top1) / max(len(top1), 1),
             "same_greedy_answers": sum(o == r for o, r in zip(outs, ref_out)) / len(prompts),
             "accuracy": accuracy(texts, prompts),
@@ -224,9 +228,10 @@ def run(
             "outputs": outs,
             "texts": texts,
         }
-    base = results[REFERENCE]["nll_per_token"]
+    base, base_pos = results[REFERENCE]["nll_per_token"], results[REFERENCE]["nll_by_position"]
     for r in results.values():
         r["nll_increase"] = r["nll_per_token"] - base
+        r["nll_increase_by_position"] = {k: v - base_pos[k] for k, v in r["nll_by_position"].items()}
     return {
         "model_path": str(model_path),
         "backend": backend,
@@ -253,6 +258,19 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def format_positions(report: dict) -> str:
+    """NLL increase vs BF16 per answer-position bucket, one row per setting."""
+    buckets = list(next(iter(report["settings"].values()))["nll_by_position"])
+    lines = [
+        "| weights:K:V | " + " | ".join(b.replace("_", "-") for b in buckets) + " |",
+        "|---|" + "---:|" * len(buckets),
+    ]
+    for name, r in report["settings"].items():
+        inc = r["nll_increase_by_position"]
+        lines.append(f"| {name} | " + " | ".join(f"{inc[b]:+.4f}" for b in buckets) + " |")
+    return "\n".join(lines)
+
+
 def format_answers(report: dict, prompts: list[dict], width: int = 60) -> str:
     """Each prompt's greedy answer under every setting, side by side (text when a tokenizer is known)."""
     out = []
@@ -273,15 +291,23 @@ def plot(report: dict, path: str | Path) -> None:
     names = list(report["settings"])
     inc = [report["settings"][n]["nll_increase"] for n in names]
     top1 = [report["settings"][n]["top1_agreement"] for n in names]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 0.45 * len(names) + 2.5))
     axes[0].barh(names, inc, color=["tab:red" if v > GATE_NATS_PER_TOKEN else "tab:green" for v in inc])
     axes[0].axvline(GATE_NATS_PER_TOKEN, color="k", ls="--", lw=0.8)
     axes[0].set_xlabel("NLL increase vs BF16 (nats/token)")
     axes[1].barh(names, top1)
     axes[1].set_xlim(min(top1 + [0.9]) - 0.02, 1.0)
     axes[1].set_xlabel("top-1 agreement with BF16 continuations")
-    for ax in axes:
+    for ax in axes[:2]:
         ax.invert_yaxis()
+    for n in names:  # by answer position: where along the answer the loss accrues
+        inc_pos = report["settings"][n]["nll_increase_by_position"]
+        axes[2].plot(range(len(inc_pos)), list(inc_pos.values()), marker="o", label=n)
+        axes[2].set_xticks(range(len(inc_pos)), [b.replace("_", "-") for b in inc_pos], rotation=45)
+    axes[2].axhline(0, color="k", lw=0.5)
+    axes[2].set_xlabel("answer position")
+    axes[2].set_ylabel("NLL increase vs BF16")
+    axes[2].legend(fontsize=7)
     fig.suptitle(
         f"{Path(report['model_path']).name}: {report['num_prompts']} prompts x <= {report['max_new_tokens']} tokens"
     )
@@ -338,6 +364,8 @@ def main(argv=None) -> int:
             workdir=workdir,
         )
     print(format_table(rep))
+    print()
+    print(format_positions(rep))
     print()
     print(format_answers(rep, prompts))
     if args.out:

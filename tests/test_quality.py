@@ -27,6 +27,12 @@ def test_nvfp4_k_loses_and_fp8_k_does_not(outlier_ckpt):
     assert abs(inc["bf16:fp8:nvfp4"] - inc["bf16:bf16:nvfp4"]) < 0.06
     assert inc["bf16:fp8:nvfp4"] < inc["bf16:nvfp4:nvfp4"] / 5
     assert rep["settings"]["bf16:fp8:nvfp4"]["kv_bytes_per_token"] == 4 * 2 * 16 * (8 + 1 + 4.5) / 8  # 2 heads x 16
+    # by answer position: buckets 0-8, 8-16, 16-32 of the 24 tokens, each weighted by its 8 tokens per answer
+    for r in rep["settings"].values():
+        by_pos = r["nll_increase_by_position"]
+        assert list(by_pos) == ["0_8", "8_16", "16_32"]
+        assert sum(by_pos.values()) / 3 == pytest.approx(r["nll_increase"], abs=1e-9)
+    assert rep["settings"]["bf16:nvfp4:bf16"]["nll_increase_by_position"]["16_32"] > 1.0
 
 
 def test_cli_writes_table_json_png(outlier_ckpt, tmp_path, capsys):
@@ -50,7 +56,8 @@ def test_cli_writes_table_json_png(outlier_ckpt, tmp_path, capsys):
     rep = json.loads((tmp_path / "out" / "quality.json").read_text())
     assert list(rep["settings"]) == [quality.REFERENCE, "bf16:fp8:nvfp4"]
     assert (tmp_path / "out" / "quality.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| bf16:fp8:nvfp4 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| bf16:fp8:nvfp4 |" in out and "| weights:K:V | 0-8 |" in out  # the table, then by position
 
 
 def test_bad_settings_and_prompts_are_named(tmp_path):

@@ -9,8 +9,6 @@ With samples drawn by the rollout policy, r = p_train / p_rollout per token:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 DEFAULT_BUCKETS = (0, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -61,18 +59,28 @@ def mismatch_metrics(
 
 def position_buckets(rollout_logprobs: list, train_logprobs: list, buckets=DEFAULT_BUCKETS) -> dict[str, float]:
     """mean |Δlogp| per response-position bucket, keyed 'dlogp_pos_{lo}_{hi}'."""
+    gaps = [
+        (torch.as_tensor(b, dtype=torch.float64) - torch.as_tensor(a, dtype=torch.float64)).abs()
+        for a, b in zip(rollout_logprobs, train_logprobs)
+    ]
+    return {f"dlogp_pos_{k}": v for k, v in bucket_means(gaps, buckets).items()}
+
+
+def bucket_means(per_seq: list, buckets=DEFAULT_BUCKETS) -> dict[str, float]:
+    """The mean of per-position values (one sequence of values per answer, position 0 first) in each
+    position bucket [lo, hi) that holds any, keyed '{lo}_{hi}' (the last bucket '{lo}_inf')."""
     sums = [0.0] * len(buckets)
     counts = [0] * len(buckets)
-    for a, b in zip(rollout_logprobs, train_logprobs):
-        d = (torch.as_tensor(b, dtype=torch.float64) - torch.as_tensor(a, dtype=torch.float64)).abs()
+    for seq in per_seq:
+        d = torch.as_tensor(seq, dtype=torch.float64)
         for i, lo in enumerate(buckets):
-            hi = buckets[i + 1] if i + 1 < len(buckets) else math.inf
-            part = d[lo : None if hi == math.inf else int(hi)]
+            hi = buckets[i + 1] if i + 1 < len(buckets) else None
+            part = d[lo:hi]
             sums[i] += float(part.sum())
             counts[i] += part.numel()
     out = {}
     for i, lo in enumerate(buckets):
         if counts[i]:
             hi = buckets[i + 1] if i + 1 < len(buckets) else "inf"
-            out[f"dlogp_pos_{lo}_{hi}"] = sums[i] / counts[i]
+            out[f"{lo}_{hi}"] = sums[i] / counts[i]
     return out
