@@ -92,30 +92,20 @@ class Setting:
 
     def policy(self, targets: tuple[str, ...] | None = None) -> QuantPolicy:
         fp4 = self.weights != "bf16"
-        if self.base is not None:
-            b = self.base
-            if Setting.of_policy(b) == self:
-                return b
-            return replace(
-                b,
-                format=(b.format if b.format != "bf16" else "nvfp4") if fp4 else "bf16",
-                weights="fp4" if fp4 else "bf16",
-                activations="fp4" if self.weights == "w4a4" else "bf16",
-                kv="bf16",
-                kv_k=self.k.removesuffix(DEBIASED),
-                kv_v=self.v,
-                kv_k_debias=self.k.endswith(DEBIASED),
-            )
-        return QuantPolicy(
-            format="nvfp4" if fp4 else "bf16",
+        b = self.base
+        if b is not None and Setting.of_policy(b) == self:
+            return b
+        fields = dict(
             weights="fp4" if fp4 else "bf16",
             activations="fp4" if self.weights == "w4a4" else "bf16",
             kv="bf16",
             kv_k=self.k.removesuffix(DEBIASED),
             kv_v=self.v,
             kv_k_debias=self.k.endswith(DEBIASED),
-            targets=targets or QuantPolicy().targets,
         )
+        if b is not None:  # the run's policy with this setting's weights and K/V
+            return replace(b, format=(b.format if b.format != "bf16" else "nvfp4") if fp4 else "bf16", **fields)
+        return QuantPolicy(format="nvfp4" if fp4 else "bf16", targets=targets or QuantPolicy().targets, **fields)
 
 
 # ------------------------------------------------------------------ prompts

@@ -129,6 +129,8 @@ def kv_heads_all_gather(group, rank: int, size: int, total_heads: int):
     first = kv_head_owner_ranks(total_heads, size)
 
     def all_gather(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == 0:  # nothing to exchange (an FP8 site's zero-width block scales): only the shape grows
+            return t.new_empty(t.shape[0], total_heads, *t.shape[2:])
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(size)]
         torch.distributed.all_gather(parts, t, group=_process_group(group, t))

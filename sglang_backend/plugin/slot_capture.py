@@ -85,8 +85,7 @@ class SlotCapture:
             # MXFP4 blocks never straddle ranks (K per rank and head_dim are whole blocks) and carry no
             # per-token scale; FP8's per-token S_enc is already the MAX over the ranks' heads: so the
             # gathered bytes are TP=1's for every format
-            codes = gather(codes)
-            scales = gather(scales) if scales.shape[-1] else scales.new_empty(*codes.shape[:-1], 0)  # FP8: none
+            codes, scales = gather(codes), gather(scales)
         s = self.sites.get(site)
         if s is None:
             rows = self.capacity + 1
