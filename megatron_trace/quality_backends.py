@@ -87,7 +87,7 @@ class SGLangScorer:
             "--dtype",
             dtype,
             "--kv-k",
-            setting.k,
+            setting.k.removesuffix("+debias"),
             "--kv-v",
             setting.v,
             "--guided-layers",
@@ -97,6 +97,8 @@ class SGLangScorer:
             "--max-running-requests",
             "16",
         ]
+        if setting.k.endswith("+debias"):  # K - RoPE_pos(k_proj bias) in the cache (plugin/kv_debias.py)
+            flags.append("--kv-k-debias")
         quantization = SGLANG_QUANTIZATION[setting.weights]
         if quantization is not None:
             flags += ["--quantization", quantization]
@@ -104,6 +106,21 @@ class SGLangScorer:
         self.server = SGLangProcess(model_path, flags, log_path=log, device=device)
         self.http = httpx.Client(base_url=self.server.url, timeout=600)
         self.setting, self.model_path, self.dtype = setting, model_path, dtype
+        self._check_served()
+
+    def _check_served(self) -> None:
+        """The server stores what the setting names (a de-biased K the plugin dropped would be scored as asked)."""
+        from sglang_backend.api import TRACE_POLICY_PATH
+
+        served = self.http.get(TRACE_POLICY_PATH).json()
+        want_k = self.setting.k.removesuffix("+debias")
+        formats = served.get("kv_formats")
+        ok = served.get("kv_k_debias") == self.setting.k.endswith("+debias") and (
+            formats == ["unknown", "unknown"] or formats == [want_k, self.setting.v]
+        )
+        if not ok:
+            self.close()
+            raise RuntimeError(f"setting {self.setting.name}: the SGLang server serves {served}, not the setting")
 
     def _generate(self, body: dict) -> dict:
         r = self.http.post("/generate", json=body)
@@ -142,7 +159,8 @@ class SGLangScorer:
 
         arch = ModelArch.from_hf_config(Path(self.model_path))
         row, wide = arch.num_kv_heads * arch.head_dim, torch.finfo(getattr(torch, self.dtype)).bits
-        pair = kv_side_bits(self.setting.k, row, wide) + kv_side_bits(self.setting.v, row, wide)
+        k_fmt = self.setting.k.removesuffix("+debias")  # de-biasing stores no more than the format
+        pair = kv_side_bits(k_fmt, row, wide) + kv_side_bits(self.setting.v, row, wide)
         return arch.num_layers * row * pair / 8
 
     def close(self) -> None:
@@ -162,9 +180,4 @@ def open_scorer(backend: str, model_path, setting, *, dtype: str, targets, workd
         )
     if workdir is None:
         raise ValueError("the sglang quality backend needs a workdir for the server logs")
-    if setting.k.endswith("+debias"):
-        raise ValueError(
-            f"setting {setting.name}: a de-biased K cache (quant.kv_k_debias) is served by the embedded "
-            "engine only; the SGLang plugin's KV methods do not implement it"
-        )
     return SGLangScorer(model_path, setting, dtype, workdir)

@@ -4,6 +4,7 @@ assumes (its weight version, a de-biased K cache when asked), or the run stops n
 from __future__ import annotations
 
 from sglang_backend.api import version_step
+from sglang_backend.client import RolloutError
 
 
 def check_server_versions(client, expected: int) -> None:
@@ -25,13 +26,17 @@ def check_server_versions(client, expected: int) -> None:
             )
 
 
-def check_debiased_server(info: dict, url: str) -> None:
+def check_debiased_server(client, url: str) -> None:
     """quant.kv_k_debias over HTTP: the trainer quantizes K - RoPE(b), so a server caching plain K
-    would leave TRACE guiding the wrong tensor; refuse it before the first step."""
-    served = (info.get("quant_policy") or {}).get("kv_k_debias")
+    would leave TRACE guiding the wrong tensor; refuse it before the first step. Both the embedded
+    server and SGLang with the plugin answer GET /trace_policy."""
+    try:
+        served = client.trace_policy(url).get("kv_k_debias")
+    except RolloutError as e:
+        served = f"unknown: {e}"
     if served is not True:
         raise ValueError(
             f"quant.kv_k_debias=true, but the rollout server {url} does not serve a de-biased K cache "
-            f"(its model_info quant_policy.kv_k_debias is {served!r}); start it with python -m "
-            "sglang_backend.launch --backend local --kv-k-debias (the SGLang plugin does not implement it)"
+            f"(its /trace_policy kv_k_debias is {served!r}); start it with python -m sglang_backend.launch "
+            "--kv-k-debias (--backend local, or --backend sglang with the trace_fp4 plugin)"
         )

@@ -172,7 +172,7 @@ class Run:
             client = RolloutClient(rc.urls, api_key=rc.api_key or None)
             if self.cfg.quant.kv_k_debias:  # every server: one caching plain K would mismatch its samples
                 for url in client.urls:
-                    check_debiased_server(client.model_info(url), url)
+                    check_debiased_server(client, url)
             return client
         from sglang_backend.local import Engine, InProcessBackend
 

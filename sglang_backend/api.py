@@ -21,6 +21,20 @@ from safetensors.torch import save as st_save
 _SAMPLING_ALIASES = {"stop_token_ids": list}
 GUIDANCE_KEY = "trace_return_guidance"  # sampling_params.custom_params key that asks for a guidance record
 DEFAULT_VERSION = "default"  # SGLang's weight_version when the server was started without --weight-version
+# GET: what a server stores and records, as TRACE needs it (the embedded server and the SGLang plugin):
+# {"kv_formats": [K, V], "kv_k_debias": bool, "guided_layers": [int], "guidance_mode": str}
+TRACE_POLICY_PATH = "/trace_policy"
+
+
+def trace_policy_of(kv_formats, kv_k_debias: bool, guided_layers, guidance_mode: str) -> dict[str, Any]:
+    """The TRACE_POLICY_PATH answer; kv_k_debias holds only where K is quantized (a BF16 K has no bias to take out)."""
+    kv_formats = [str(f) for f in kv_formats]
+    return {
+        "kv_formats": kv_formats,
+        "kv_k_debias": bool(kv_k_debias) and kv_formats[0] != "bf16",
+        "guided_layers": [int(i) for i in guided_layers or ()],
+        "guidance_mode": str(guidance_mode),
+    }
 
 
 def version_step(v: str | int) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, GenerateResult, WeightBucket
+from sglang_backend.api import GUIDANCE_KEY, TRACE_POLICY_PATH, GenerateRequest, GenerateResult, WeightBucket
 from sglang_backend.client_readmit import DeadServerReadmission
 from sglang_backend.http_errors import Retryable, RolloutError, error_message
 
@@ -369,6 +369,10 @@ class RolloutClient(DeadServerReadmission):
                 return False
 
         return all(self._each(ok))
+
+    def trace_policy(self, url: str) -> dict[str, Any]:
+        """`url`'s GET /trace_policy (api.TRACE_POLICY_PATH): its K/V formats, de-biased K, guided layers."""
+        return json.loads(self._call(url, TRACE_POLICY_PATH))
 
     def model_info(self, url: str | None = None) -> dict[str, Any]:
         """`url`'s /model_info, or the first live server's (all serve one model; see weight_versions)."""

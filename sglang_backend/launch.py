@@ -81,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-k-debias",
         action="store_true",
-        help="--backend local: the K cache holds K minus its rotated k_proj bias (quant.kv_k_debias)",
+        help="the K cache holds K minus its rotated k_proj bias (quant.kv_k_debias); --backend sglang reads it "
+        "through the plugin's plain path (torch_native attention)",
     )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--guidance-mode", choices=["full", "mantissa"], default="mantissa")
@@ -159,9 +160,10 @@ def kv_sides(args: argparse.Namespace) -> tuple[str, str]:
 def sglang_kv(args: argparse.Namespace, device: str) -> tuple[list[str], tuple[str, str] | None]:
     """SGLang's KV flags, and the (K, V) formats the plugin must serve itself (None: SGLang's flag says it)."""
     sides = kv_sides(args)
+    debias = args.kv_k_debias and sides[0] != "bf16"  # the per-side method de-biases K (plugin/kv_debias.py)
     if sides == ("bf16", "bf16"):
         return ["--kv-cache-dtype", args.kv_cache_dtype if args.kv_cache_dtype in SGLANG_KV else "bf16"], None
-    if sides == ("nvfp4", "nvfp4") or (sides == ("mxfp4", "mxfp4") and device != "cpu"):
+    if not debias and (sides == ("nvfp4", "nvfp4") or (sides == ("mxfp4", "mxfp4") and device != "cpu")):
         return ["--kv-cache-dtype", SGLANG_KV[sides[0]]], None
     flags = ["--kv-cache-dtype", "nvfp4"]
     if device != "cpu":  # the CPU flags select torch_native already
@@ -197,11 +199,6 @@ def _device(args: argparse.Namespace) -> str:
 
 def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) of the SGLang server for our parsed flags."""
-    if args.kv_k_debias:
-        raise ValueError(
-            "--kv-k-debias (quant.kv_k_debias) is served by --backend local only: the SGLang plugin's KV "
-            "pool does not know each slot's position, which adding RoPE_pos(bias) back needs"
-        )
     if args.quantization is not None and args.quantization not in SGLANG_QUANT:
         raise ValueError(
             f"--quantization {args.quantization} is served by --backend local only; SGLang takes "
@@ -230,7 +227,11 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> tuple[list[str
         str(args.weight_version),
     ]
     env = {"SGLANG_PLUGINS": PLUGIN_NAME}
-    plugin = {"guidance_mode": args.guidance_mode, "guided_layers": tuple(_resolve_guided_layers(args))}
+    plugin = {
+        "guidance_mode": args.guidance_mode,
+        "guided_layers": tuple(_resolve_guided_layers(args)),
+        "kv_k_debias": args.kv_k_debias,
+    }
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     if args.enable_return_routed_experts:

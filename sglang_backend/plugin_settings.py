@@ -53,6 +53,11 @@ class PluginSettings:
         None,
         "K and V cache formats when they differ from SGLang's one --kv-cache-dtype (plugin/kv_sides.py)",
     )
+    kv_k_debias: bool = _env(
+        "TRACE_KV_K_DEBIAS",
+        False,
+        "a quantized K cache holds K minus its rotated k_proj bias (quant.kv_k_debias; plugin/kv_debias.py)",
+    )
     kv_read_dtype: str = _env("TRACE_KV_READ_DTYPE", "float32", "the model dtype attention reads K/V in")
     fp4_kv: bool = _env(
         "TRACE_FP4_KV", True, "install the plugin's NVFP4 KV method (false keeps SGLang's, which records no guidance)"
@@ -128,7 +133,7 @@ def _parse(attr: str, raw: str):
                 f"{', '.join(SIDE_FORMATS)}; got {raw!r}"
             )
         return parts
-    if attr == "fp4_kv":
+    if attr in ("fp4_kv", "kv_k_debias"):
         if raw not in ("0", "1"):
             raise ValueError(f"{env_name(attr)} must be 0 or 1; got {raw!r}")
         return raw == "1"

@@ -151,18 +151,22 @@ def test_families_without_the_bias_refuse_it_and_exports_name_fp8():
 
 
 def test_servers_are_launched_and_checked_for_the_debiased_cache(outlier_ckpt, tmp_path):  # noqa: F811
-    """The launcher passes --kv-k-debias to the embedded engine and refuses it for SGLang; a trainer
-    with quant.kv_k_debias refuses a rollout server whose model_info does not report it (else TRACE
-    would guide K - RoPE(b) against a cache of plain K)."""
+    """The launcher passes --kv-k-debias to the embedded engine and to SGLang's plugin (through its
+    per-side KV method, read by torch_native); a trainer with quant.kv_k_debias refuses a rollout server
+    whose /trace_policy does not report it (else TRACE would guide K - RoPE(b) against a cache of plain K)."""
     from megatron_trace.rollout_checks import check_debiased_server
     from sglang_backend.launch import _policy, parser, sglang_command
 
     args = parser().parse_args(["--model-path", str(outlier_ckpt), "--kv-k", "nvfp4", "--kv-k-debias"])
     assert _policy(args).kv_k_debias is True and _policy(args).k_format == "nvfp4"
-    with pytest.raises(ValueError, match="--kv-k-debias .* --backend local only"):
-        sglang_command(
-            parser().parse_args(["--backend", "sglang", "--model-path", str(outlier_ckpt), "--kv-k-debias"]), []
-        )
+    for kv, sides in (
+        (["--kv-cache-dtype", "nvfp4"], "nvfp4,nvfp4"),
+        (["--kv-k", "fp8", "--kv-v", "nvfp4"], "fp8,nvfp4"),
+    ):
+        argv = ["--backend", "sglang", "--model-path", str(outlier_ckpt), "--device", "cpu", *kv, "--kv-k-debias"]
+        cmd, env = sglang_command(parser().parse_args(argv), [])
+        assert env["TRACE_KV_K_DEBIAS"] == "1" and env["TRACE_KV_SIDES"] == sides, env
+        assert cmd[cmd.index("--kv-cache-dtype") + 1] == "nvfp4"
     from sglang_backend.client import RolloutClient
     from sglang_backend.local.server import serve
 
@@ -173,12 +177,15 @@ def test_servers_are_launched_and_checked_for_the_debiased_cache(outlier_ckpt, t
         eng = Engine(str(outlier_ckpt), quant_policy=policy)
         srv = serve(eng, "127.0.0.1", 0)
         try:
-            info = RolloutClient([srv.url]).model_info()  # what train.py asks an HTTP rollout
+            client = RolloutClient([srv.url])
+            if ok:  # what train.py asks an HTTP rollout
+                check_debiased_server(client, srv.url)
+            else:
+                with pytest.raises(ValueError, match="does not serve a de-biased K cache"):
+                    check_debiased_server(client, srv.url)
         finally:
             srv.shutdown()
             eng.shutdown()
-        if ok:
-            check_debiased_server(info, "http://a:1")
-        else:
-            with pytest.raises(ValueError, match="does not serve a de-biased K cache"):
-                check_debiased_server(info, "http://a:1")
+    dead = RolloutClient(["http://127.0.0.1:9"], retries=0)
+    with pytest.raises(ValueError, match="kv_k_debias is 'unknown: "):
+        check_debiased_server(dead, "http://127.0.0.1:9")

@@ -118,6 +118,14 @@ def test_registration_serves_the_asked_sides_or_stops_the_pool(monkeypatch):
         monkeypatch.setenv(kv_sides.SIDES_ENV, "fp8,nvfp4")
         assert register.register_kv_method()
         assert mod.KV_CACHE_QUANT_REGISTRY["nvfp4"].side_formats == ("fp8", "nvfp4")
+        monkeypatch.setenv("TRACE_KV_K_DEBIAS", "1")
+        assert register.register_kv_method() and mod.KV_CACHE_QUANT_REGISTRY["nvfp4"].k_debias
+        monkeypatch.delenv(kv_sides.SIDES_ENV)  # de-biasing without the per-side method: refused, not dropped
+        assert not register.register_kv_method()
+        with pytest.raises(RuntimeError, match="TRACE_KV_K_DEBIAS=1 needs TRACE_KV_SIDES"):
+            mod.get_kv_cache_quant_method("nvfp4", num_layers=1, device="cpu", page_size=16)
+        monkeypatch.delenv("TRACE_KV_K_DEBIAS")
+        monkeypatch.setenv(kv_sides.SIDES_ENV, "fp8,nvfp4")
         monkeypatch.setenv("TRACE_FP4_KV", "0")
         assert not register.register_kv_method()
         with pytest.raises(RuntimeError, match="TRACE_FP4_KV=0 keeps SGLang's nvfp4 method"):
@@ -162,3 +170,64 @@ def test_quantized_sides_are_recorded_for_guidance_with_the_engine_page_bytes(pa
         assert torch.equal(got.scale, want.scale), (pair, side)
         want_gs = getattr(want, "global_scale", torch.tensor(1.0))  # MXFP4 pages have no global scale
         assert got.global_scale.dim() == 0 and float(got.global_scale) == float(want_gs), (pair, side)
+
+
+def _debiased_method(k_fmt: str, bias: torch.Tensor, theta: float = 10000.0):
+    """A de-biasing per-side method whose layers' k_proj bias is `bias` [HEADS, HEAD_DIM] (what the
+    plugin's forward hook binds from SGLang's Qwen2 attention: qkv_proj.bias, q_size, kv_size)."""
+    from types import SimpleNamespace
+
+    from sglang_backend.plugin import kv_debias
+
+    m = kv_sides.per_side_method_class((k_fmt, "nvfp4"), k_debias=True)(num_layers=LAYERS, device="cpu", page_size=16)
+    m.configure_attention_backends("torch_native", "torch_native")
+    bufs = m.create_buffers(SLOTS, HEADS, HEAD_DIM, LAYERS, "cpu")
+    q = torch.zeros(8 * HEAD_DIM)  # q's part of the fused bias: the K slice starts after it
+    attn = SimpleNamespace(
+        qkv_proj=SimpleNamespace(bias=torch.cat([q, bias.reshape(-1), torch.zeros(bias.numel())])),
+        q_size=q.numel(),
+        kv_size=bias.numel(),
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+    )
+    m.k_biases = {i: kv_debias.LayerKBias(attn, theta) for i in range(LAYERS)}
+    return m, bufs
+
+
+@pytest.mark.parametrize("k_fmt", ["nvfp4", "fp8"])
+def test_debiased_k_reads_equal_the_engines_debiased_pages(k_fmt):
+    """quant.kv_k_debias in SGLang: the store takes K - RoPE_pos(b) at the batch's positions (set by the
+    forward hook), the read adds RoPE_slotpos(b) back in fp32, and both the stored bytes (the guidance
+    site) and the values attention reads equal the embedded engine's de-biased pages
+    (sglang_backend/local/model.py: k.float() - k_bias_at(positions); read(...).float() + k_bias_at)."""
+    from megatron_trace.models.rope import rotated_bias
+    from sglang_backend.plugin import kv_debias
+
+    g = torch.Generator().manual_seed(5)
+    bias = torch.randn(HEADS, HEAD_DIM, generator=g) * 30  # Qwen2.5-sized: K's outliers come from it
+    m, bufs = _debiased_method(k_fmt, bias.to(torch.bfloat16).float())
+    tokens, layer = 7, 1
+    positions = torch.tensor([0, 1, 2, 3, 17, 18, 250])
+    k = torch.randn(tokens, HEADS, HEAD_DIM, generator=g) + rotated_bias(bias, positions, 10000.0)
+    v = torch.randn(tokens, HEADS, HEAD_DIM, generator=g)
+    loc = torch.randperm(SLOTS, generator=g)[:tokens]
+    args = [bufs[b][layer] for b in ("k_buffer", "v_buffer", "k_scale_buffer", "v_scale_buffer")]
+    scales = (m.k_scales_gpu[layer : layer + 1], m.v_scales_gpu[layer : layer + 1])
+    with pytest.raises(RuntimeError, match="outside ModelRunner.forward"):
+        m.quantize_and_store(*args, loc, k, v, *scales)
+    token = kv_debias._POSITIONS.set(positions)
+    try:
+        m.quantize_and_store(*args, loc, k, v, *scales)
+    finally:
+        kv_debias._POSITIONS.reset(token)
+    offset = rotated_bias(bias.to(torch.bfloat16), positions, 10000.0)
+    kv = _engine_pages((k_fmt, "nvfp4"))
+    kv.write(layer, 0, loc, k.float() - offset, return_values=False)
+    want_store = kv.quantize(layer, 0, k.float() - offset)
+    assert torch.equal(bufs["k_buffer"][layer][loc], want_store.data)
+    got = m.dequantize_kv_tensor(bufs["k_buffer"][layer], bufs["k_scale_buffer"][layer], layer)
+    assert torch.equal(got[loc], (kv.read(layer, 0, loc).float() + offset).to(got.dtype))
+    # the bias stays in: a de-biased read of a biased K is K again up to its quantization error
+    assert (got[loc] - k).abs().max() < 0.2 * k.abs().max()
+    with pytest.raises(NotImplementedError, match="positions are unknown"):
+        m.dequantize_prev_kv(*args[:1], args[2], args[1], args[3], layer)

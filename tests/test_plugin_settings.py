@@ -13,6 +13,7 @@ def test_round_trip_through_the_environment():
         guidance_dir="/tmp/g",
         quant_policy='{"a": 1}',
         kv_sides=("fp8", "nvfp4"),
+        kv_k_debias=True,
         kv_read_dtype="bfloat16",
         fp4_kv=False,
         fp4_native="0",
@@ -24,6 +25,7 @@ def test_round_trip_through_the_environment():
         "TRACE_GUIDANCE_DIR": "/tmp/g",
         "TRACE_QUANT_POLICY": '{"a": 1}',
         "TRACE_KV_SIDES": "fp8,nvfp4",
+        "TRACE_KV_K_DEBIAS": "1",
         "TRACE_KV_READ_DTYPE": "bfloat16",
         "TRACE_FP4_KV": "0",
         "TRACE_FP4_NATIVE": "0",
@@ -47,6 +49,7 @@ def test_defaults_and_unset_values():
         ({"TRACE_KV_SIDES": "fp8,int4"}, "TRACE_KV_SIDES must be '<K format>,<V format>' with each one of bf16, fp8"),
         ({"TRACE_GUIDANCE_MODE": "bits"}, "TRACE_GUIDANCE_MODE must be one of full, mantissa"),
         ({"TRACE_FP4_KV": "no"}, "TRACE_FP4_KV must be 0 or 1"),
+        ({"TRACE_KV_K_DEBIAS": "true"}, "TRACE_KV_K_DEBIAS must be 0 or 1"),
         ({"TRACE_FP4_NATIVE": "1"}, "TRACE_FP4_NATIVE must be one of auto, 0"),
     ],
 )

@@ -21,10 +21,12 @@ from sglang_backend.local import Engine
 from sglang_backend.local.quant_flags import policy_for
 from tests.test_sglang_real import PROMPTS, _agreement, _check, start_sglang
 
-# (launcher KV flags, K format, V format)
+# (launcher KV flags, K format, V format, K de-biased)
 SETTINGS = {
-    "nvfp4": (("--kv-cache-dtype", "nvfp4"), "nvfp4", "nvfp4"),
-    "fp8k_nvfp4v": (("--kv-k", "fp8", "--kv-v", "nvfp4"), "fp8", "nvfp4"),
+    "nvfp4": (("--kv-cache-dtype", "nvfp4"), "nvfp4", "nvfp4", False),
+    "fp8k_nvfp4v": (("--kv-k", "fp8", "--kv-v", "nvfp4"), "fp8", "nvfp4", False),
+    # K - RoPE_pos(k_proj bias) in the cache: the plugin's slot positions (plugin/kv_debias.py)
+    "debiased_nvfp4": (("--kv-cache-dtype", "nvfp4", "--kv-k-debias"), "nvfp4", "nvfp4", True),
 }
 
 
@@ -35,12 +37,14 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(SETTINGS))
 def setting(request, ckpt, tmp_path_factory):
-    flags, k_fmt, v_fmt = SETTINGS[request.param]
+    flags, k_fmt, v_fmt, debias = SETTINGS[request.param]
     gen = start_sglang(ckpt, tmp_path_factory, "--quantization", "nvfp4", "--guidance-mode", "full", *flags)
     url = next(gen)
     base = policy_for("nvfp4", "bf16", Path(ckpt)).to_dict()
     engine = Engine(
-        ckpt, quant_policy=QuantPolicy.from_dict({**base, "kv_k": k_fmt, "kv_v": v_fmt}), guidance_mode="full"
+        ckpt,
+        quant_policy=QuantPolicy.from_dict({**base, "kv_k": k_fmt, "kv_v": v_fmt, "kv_k_debias": debias}),
+        guidance_mode="full",
     )
     try:
         yield url, engine, (k_fmt, v_fmt)
@@ -52,6 +56,8 @@ def setting(request, ckpt, tmp_path_factory):
 def test_greedy_matches_the_embedded_engine_and_differs_from_bf16_pages(ckpt, setting):
     url, engine, sides = setting
     client = RolloutClient(url, retries=0)
+    served = client.trace_policy(url)
+    assert served["kv_k_debias"] == engine.policy.kv_k_debias and served["guided_layers"] == [2, 3], served
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     got = client.generate([GenerateRequest(p, params, rid=f"kv{i}") for i, p in enumerate(PROMPTS)])
     bf16_kv = Engine(ckpt, quantization="nvfp4")

@@ -25,8 +25,13 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple
 
 def rotated_bias(bias: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """RoPE_pos(b) in fp32 [T, G, D] for a K bias [G, D] (one vector per KV head) at positions [T]."""
+    cos, sin = rotary_tables(positions, bias.shape[-1], theta)
+    return rotate_bias(bias, cos, sin)
+
+
+def rotate_bias(bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE(b) [T, G, D] with fp32 tables [T, D] from `rotary_tables` (one table serves every layer's b)."""
     b = bias.detach().float()
-    cos, sin = rotary_tables(positions, b.shape[-1], theta)
     half = b.shape[-1] // 2
     turned = torch.cat((-b[..., half:], b[..., :half]), dim=-1)
     return b[None] * cos[:, None] + turned[None] * sin[:, None]

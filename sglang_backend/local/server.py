@@ -4,8 +4,8 @@
     srv.url  ->  "http://127.0.0.1:54321";  srv.shutdown()
 
 Endpoints (as sglang 0.5.x): POST /generate; GET /health, /health_generate; GET /model_info
-(/get_model_info); GET|POST /flush_cache; POST /pause_generation, /continue_generation,
-/update_weights_from_disk, /update_weights_from_tensor, /init_weights_update_group,
+(/get_model_info), /trace_policy (as the SGLang plugin's); GET|POST /flush_cache; POST /pause_generation,
+/continue_generation, /update_weights_from_disk, /update_weights_from_tensor, /init_weights_update_group,
 /update_weights_from_distributed, /destroy_weights_update_group, /update_weight_version;
 our extension POST /get_guidance {"rid"} -> application/octet-stream record bytes (404 JSON for an unknown
 or already-fetched rid), the same as the SGLang plugin's. A request asks for guidance with
@@ -40,7 +40,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, SamplingParams
+from sglang_backend.api import GUIDANCE_KEY, TRACE_POLICY_PATH, GenerateRequest, SamplingParams, trace_policy_of
 from sglang_backend.weight_group import WeightGroup
 
 from .engine import Engine
@@ -95,6 +95,7 @@ class RolloutServer(WeightUpdateRoutes):
             "/health_generate": ({"GET", "POST"}, self.health_generate),
             "/model_info": ({"GET"}, self.model_info),
             "/get_model_info": ({"GET"}, self.model_info),
+            TRACE_POLICY_PATH: ({"GET"}, self.trace_policy),
             "/flush_cache": ({"GET", "POST"}, self.flush_cache),
             "/pause_generation": ({"POST"}, self.pause),
             "/continue_generation": ({"POST"}, self.resume),
@@ -265,6 +266,15 @@ class RolloutServer(WeightUpdateRoutes):
         info = await self._blocking(self.engine.get_model_info)
         info.update(paused=self.paused, weight_update_groups=sorted(self.groups), max_body_bytes=self.max_body_bytes)
         return json_response(200, info)
+
+    async def trace_policy(self, request: Request) -> Response:
+        info = await self._blocking(self.engine.get_model_info)
+        return json_response(
+            200,
+            trace_policy_of(
+                info["kv_formats"], info["quant_policy"]["kv_k_debias"], info["guided_layers"], info["guidance_mode"]
+            ),
+        )
 
     # -- control ---------------------------------------------------------------------------------
     async def flush_cache(self, request: Request) -> Response:

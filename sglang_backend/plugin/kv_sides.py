@@ -32,7 +32,7 @@ import torch
 from megatron_trace.fp4 import fp8, mxfp4, nvfp4
 
 from .. import plugin_settings as settings
-from . import capture, kv_read
+from . import capture, kv_debias, kv_read
 from .kv_capture import quantize_kv, quantize_kv_fp8, sglang_nvfp4_base
 from .slot_capture import SlotCapture
 
@@ -125,18 +125,22 @@ def heads_all_max():
     return all_max
 
 
-def per_side_method_class(sides: tuple[str, str]):
-    """The plugin's NVFP4 method (kv_read) with K and V stored as `sides` (None without SGLang)."""
+def per_side_method_class(sides: tuple[str, str], k_debias: bool = False):
+    """The plugin's NVFP4 method (kv_read) with K and V stored as `sides` (None without SGLang);
+    `k_debias`: a quantized K side holds K - RoPE_pos(k_proj bias) (kv_debias.py)."""
     base = kv_read.plain_read_method_class()
     _, mod = sglang_nvfp4_base()
     if base is None:
         return None
     k_fmt, v_fmt = sides
+    debias = bool(k_debias) and k_fmt != "bf16"
     plain_kind = mod.KVCacheAttentionAccessKind.PLAIN
 
     class TracePerSideKVCacheMethod(base):
         side_formats = (k_fmt, v_fmt)
         records_guidance = True
+        k_debias = debias
+        k_biases = None  # {layer: kv_debias.LayerKBias}, bound from the model at its first forward
 
         def attention_accesses(self):
             return tuple(a for a in super().attention_accesses() if a.kind == plain_kind)
@@ -175,6 +179,7 @@ def per_side_method_class(sides: tuple[str, str]):
                 ]
             self._layer_of = {t.data_ptr(): i for i, t in enumerate(bufs["k_buffer"])}
             self._layer_of_v = {t.data_ptr(): i for i, t in enumerate(bufs["v_buffer"])}
+            self._slot_pos = kv_debias.SlotPositions(size, head_dim, device) if self.k_debias else None
             return {
                 **bufs,
                 "native_k_scale_buffer": None,
@@ -203,6 +208,9 @@ def per_side_method_class(sides: tuple[str, str]):
             loc = loc.to(torch.long)
             layer = self._layer_of.get(k_buffer.data_ptr())
             shape = (loc.shape[0], self._heads, self._head_dim)
+            if self.k_debias:  # in fp32, as the engine: K's bias is large, what is left of it small
+                positions = self._slot_pos.write(loc, kv_debias.current_positions())
+                cache_k = cache_k.reshape(shape).float() - self._slot_pos.offset(self._k_bias(layer), positions)
             for side, fmt, buf, sbuf, x, s_dec in (
                 ("k_cache", self.side_formats[0], k_buffer, k_scale_buffer, cache_k, k_scale),
                 ("v_cache", self.side_formats[1], v_buffer, v_scale_buffer, cache_v, v_scale),
@@ -224,12 +232,28 @@ def per_side_method_class(sides: tuple[str, str]):
                 return 1
             raise ValueError("dequantize_kv_tensor: the buffer is neither a K nor a V buffer of this pool")
 
+        def _k_bias(self, layer) -> kv_debias.LayerKBias:
+            if self.k_biases is None or layer not in self.k_biases:
+                raise RuntimeError(
+                    f"quant.kv_k_debias: no k_proj bias bound for KV layer {layer} (the plugin's forward hook binds "
+                    "them from the model; is the trace_fp4 plugin's capture hook registered?)"
+                )
+            return self.k_biases[layer]
+
         def dequantize_kv_tensor(self, fp4_tensor, scales, layer_id, dtype=None):
-            which = self._side_of(fp4_tensor)
+            which, dt = self._side_of(fp4_tensor), dtype or self._read_dtype()
             s_dec = (self.k_scales_gpu if which == 0 else self.v_scales_gpu)[layer_id]
-            return dequantize_side(self.side_formats[which], fp4_tensor, scales, s_dec, dtype or self._read_dtype())
+            out = dequantize_side(self.side_formats[which], fp4_tensor, scales, s_dec, dt)
+            if which == 0 and self.k_debias:  # the engine's read: cache dtype + RoPE_pos(b) in fp32
+                return (out.float() + self._slot_pos.offset(self._k_bias(layer_id))).to(dt)
+            return out
 
         def dequantize_prev_kv(self, k_fp4, k_scales, v_fp4, v_scales, layer_id, dtype=None):
+            if self.k_debias:
+                raise NotImplementedError(
+                    "quant.kv_k_debias: dequantize_prev_kv gets gathered rows without their slots, so their "
+                    "positions are unknown; the de-biased K cache serves the plain read path (torch_native) only"
+                )
             dt = dtype or self._read_dtype()
             return (
                 dequantize_side(self.side_formats[0], k_fp4, k_scales, self.k_scales_gpu[layer_id], dt),

@@ -14,9 +14,11 @@ SGLang lacks the hook:
 2. CLI: `sglang.srt.server_args.add_quantization_method_choices` (or QUANTIZATION_CHOICES).
 3. KV cache: SGLang's NVFP4 KV method with TRACE's quantize_and_store replaces the `nvfp4` entry
    of KV_CACHE_QUANT_REGISTRY (TRACE_FP4_KV=0 keeps SGLang's); with TRACE_KV_SIDES=<k>,<v> the
-   entry stores K and V in their own formats (kv_sides.py).
+   entry stores K and V in their own formats (kv_sides.py), K de-biased with TRACE_KV_K_DEBIAS=1
+   (kv_debias.py: an AROUND hook on ModelRunner.forward hands the store the batch's positions).
 4. HTTP: `POST /get_guidance {"rid"}` on `sglang.srt.entrypoints.http_server.app` (main process
-   only): the GuidanceRecord bytes, 404 JSON for an unknown or already-fetched rid.
+   only): the GuidanceRecord bytes, 404 JSON for an unknown or already-fetched rid; `GET /trace_policy`:
+   the K/V formats, de-biased K and guided layers this plugin serves (api.TRACE_POLICY_PATH).
 5. Capture (slot_capture.py, SGLang's state-capturer shape): an AROUND hook on ModelRunner.forward
    gives guided linears the batch's KV slots; an AFTER hook on the finish of each request
    (SchedulerBatchResultProcessor._maybe_collect_routed_experts) publishes its record.
@@ -34,7 +36,8 @@ import multiprocessing
 import sys
 
 from .. import plugin_settings as settings
-from . import kv_read, kv_sides, routed_experts_cpu, slot_capture, weight_check
+from ..api import TRACE_POLICY_PATH, trace_policy_of
+from . import kv_debias, kv_read, kv_sides, routed_experts_cpu, slot_capture, weight_check
 from .kv_capture import sglang_nvfp4_base
 from .online_quant import TraceMXFP4OnlineConfig, TraceNVFP4OnlineConfig
 from .quant_config import TraceFP4Config, set_active
@@ -119,7 +122,14 @@ def register_kv_method() -> bool:
         if mod is not None:
             mod.KV_CACHE_QUANT_REGISTRY["nvfp4"] = _refusing_kv_method(str(e))
         raise
-    per_side = sides is not None and sides != ("nvfp4", "nvfp4")
+    debias = settings.current().kv_k_debias
+    if debias and sides is None and mod is not None:
+        mod.KV_CACHE_QUANT_REGISTRY["nvfp4"] = _refusing_kv_method(
+            f"{settings.env_name('kv_k_debias')}=1 needs {kv_sides.SIDES_ENV}=<k>,<v> (the per-side method "
+            "de-biases K; sglang_backend.launch --kv-k-debias sets both)"
+        )
+        return False
+    per_side = sides is not None and (sides != ("nvfp4", "nvfp4") or debias)
     if not settings.current().fp4_kv:
         if per_side and mod is not None:
             mod.KV_CACHE_QUANT_REGISTRY["nvfp4"] = _refusing_kv_method(
@@ -130,7 +140,7 @@ def register_kv_method() -> bool:
         log.info("trace_fp4: %s=0, SGLang's nvfp4 KV method is kept", settings.env_name("fp4_kv"))
         return False
     # + plain dequantized reads for torch_native (kv_read.py); per-side formats: kv_sides.py
-    cls = kv_sides.per_side_method_class(sides) if per_side else kv_read.plain_read_method_class()
+    cls = kv_sides.per_side_method_class(sides, debias) if per_side else kv_read.plain_read_method_class()
     if mod is None or cls is None:
         log.warning(
             "trace_fp4: no KV_CACHE_QUANT_REGISTRY with an NVFP4 method in this SGLang; nvfp4 KV writes "
@@ -158,6 +168,14 @@ def guidance_answer(body) -> tuple[int, bytes | dict]:
         return 500, {"error": f"guidance of request {rid!r} was not captured: {e}"}
 
 
+def served_policy() -> dict:
+    """GET /trace_policy: what this server's plugin stores and records (the embedded server answers alike)."""
+    s = settings.current()
+    # without TRACE_KV_SIDES SGLang's one --kv-cache-dtype decides, which the plugin is not told
+    fmt = s.kv_sides or ("unknown", "unknown")
+    return trace_policy_of(fmt, s.kv_k_debias and s.kv_sides is not None, s.guided_layers, s.guidance_mode)
+
+
 def register_http_route(app=None) -> bool:
     if app is None:
         if multiprocessing.parent_process() is not None:
@@ -171,6 +189,7 @@ def register_http_route(app=None) -> bool:
         return False
     if any(getattr(r, "path", None) == "/get_guidance" for r in getattr(getattr(app, "router", None), "routes", [])):
         return True
+    app.get(TRACE_POLICY_PATH)(served_policy)
 
     async def get_guidance(request):
         from fastapi.responses import JSONResponse, Response
@@ -198,6 +217,7 @@ def register_capture_hook() -> bool:
         log.warning("trace_fp4: no HookRegistry in this SGLang; guidance is not captured")
         return False
     reg.register(FORWARD_TARGET, slot_capture.forward_with_capture, kinds.AROUND)
+    reg.register(FORWARD_TARGET, kv_debias.forward_with_positions, kinds.AROUND)
     reg.register(FINISH_TARGET, slot_capture.on_request_finished, kinds.AFTER)
     for target in kv_read.ARGS_HOOK_TARGETS:
         reg.register(target, kv_read.allow_plain_backends, kinds.AROUND)
