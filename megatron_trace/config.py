@@ -105,7 +105,10 @@ class QuantConfig(Section):
     # The rollout-quality gate (quality_gate.py): before step 0, on the run's eval prompts at its answer
     # length and dtype. 0.05 nats/token is what de-biased FP8 K + NVFP4 V + W4A4 may cost a real Qwen2.5
     # in bf16 (issue check); 2 of 16 greedy answers may flip under any perturbation, 3 may not.
-    quality_gate: bool = opt(True, "score the rollout's quantization against BF16 before step 0 (embedded engine)")
+    quality_gate: bool = opt(
+        True,
+        "score the rollout's quantization against BF16 before step 0 (embedded engine; rollout.backend=http: its server)",
+    )
     quality_prompts: int = opt(16, "eval prompts the gate decodes (greedy, rollout.max_new_tokens)", low=1)
     max_nll_increase: float = opt(0.05, "gate: NLL per token over BF16 allowed (nats)", low=0.0)
     max_accuracy_drop: float = opt(0.125, "gate: greedy accuracy lost against BF16 allowed (fraction)", low=0.0)

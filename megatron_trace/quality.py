@@ -174,12 +174,17 @@ def run(
     backend: str = "embedded",
     workdir: str | Path | None = None,
     reference: dict | None = None,
+    url: str | None = None,
+    api_key: str | None = None,
 ) -> dict:
     """The quality report (a JSON-friendly dict) of each setting against the BF16 reference, every
     setting (the reference too) served by `backend` (quality_backends: embedded | sglang).
-    `reference`: an earlier report on the same prompts whose BF16 row is reused, not decoded again."""
+    `reference`: an earlier report on the same prompts whose BF16 row is reused, not decoded again.
+    backend "http": the running server at `url` serves the one setting (the BF16 row comes from `reference`)."""
     from megatron_trace.quality_backends import open_scorer
 
+    if backend == "http" and reference is None:
+        raise ValueError("quality.run(backend='http') scores the server's own setting: pass the BF16 reference report")
     ref_setting = Setting.parse(REFERENCE)
     settings = [ref_setting] + [s for s in settings if s != ref_setting]
     ref_out: list[list[int]] | None = None
@@ -190,7 +195,9 @@ def run(
         results[REFERENCE] = reference["settings"][REFERENCE]
         ref_out, settings = results[REFERENCE]["outputs"], settings[1:]
     for s in settings:
-        scorer = open_scorer(backend, model_path, s, dtype=dtype, targets=targets, workdir=workdir)
+        scorer = open_scorer(
+            backend, model_path, s, dtype=dtype, targets=targets, workdir=workdir, url=url, api_key=api_key
+        )
         try:
             outs = scorer.greedy(prompts, max_new_tokens)
             ref_out = outs if ref_out is None else ref_out
@@ -204,7 +211,7 @@ def run(
         finally:
             scorer.close()
         mean = sum(nll) / max(len(nll), 1)
-        texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outs] if tokenizer else None
+        texts = [_decode(tokenizer, o) for o in outs] if tokenizer else None
         results[s.name] = {
             "setting": {"weights": s.weights, "k": s.k, "v": s.v},
             "nll_per_token": mean,
@@ -231,6 +238,13 @@ def run(
         "reference": REFERENCE,
         "settings": results,
     }
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    """A greedy answer as text; ids past the tokenizer's vocabulary (an untrained model's padded rows,
+    which a server does not mask) are dropped, as the rollout drops them."""
+    vocab = getattr(tokenizer, "vocab_size", None)
+    return tokenizer.decode([i for i in ids if vocab is None or i < vocab], skip_special_tokens=True)
 
 
 # ------------------------------------------------------------------ reports

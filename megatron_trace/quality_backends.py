@@ -7,9 +7,10 @@
 
 Both answer the same two questions with their own serving numerics: greedy decode, and a
 teacher-forced pass over prompt + continuation through the (quantized) KV cache. The embedded
-scorer does it in-process (one prefill over the engine's paged KV); the SGLang scorer launches
-`python -m sglang_backend.launch --backend sglang` with the setting's flags and asks SGLang's
-`/generate` for input-token logprobs (`logprob_start_len`, `top_logprobs_num=1`).
+scorer does it in-process (one prefill over the engine's paged KV); the served scorer asks a
+running SGLang server's `/generate` for input-token logprobs (`logprob_start_len`,
+`top_logprobs_num=1`): a server the SGLang scorer launches for the setting (`python -m
+sglang_backend.launch --backend sglang` with its flags), or a run's rollout server ("http").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-BACKENDS = ("embedded", "sglang")
+BACKENDS = ("embedded", "sglang")  # the CLI's; open_scorer also takes "http" (a running server)
 # weights of a setting -> the launcher's --quantization (online quantization inside SGLang)
 SGLANG_QUANTIZATION = {"bf16": None, "w4a4": "nvfp4", "w4a16": "w4a16_nvfp4"}
 
@@ -75,44 +76,25 @@ class EmbeddedScorer:
         self.engine.shutdown()
 
 
-class SGLangScorer:
-    """A real SGLang server (with the TRACE plugin) serving one setting, started for this scorer."""
+class ServedScorer:
+    """A running SGLang server (with the TRACE plugin) that serves one setting: the SGLang scorer's
+    own server, or a run's rollout server (the gate of rollout.backend=http). It must report the
+    setting's K/V at GET /trace_policy (a de-biased K the plugin dropped would be scored as asked)."""
 
-    def __init__(self, model_path, setting, dtype: str, workdir: str | Path, device: str = "cpu"):
+    def __init__(self, url: str, setting, model_path, dtype: str, *, api_key: str | None = None, server=None):
         import httpx
 
-        from sglang_backend.server_process import SGLangProcess
-
-        flags = [
-            "--dtype",
-            dtype,
-            "--kv-k",
-            setting.k.removesuffix("+debias"),
-            "--kv-v",
-            setting.v,
-            "--guided-layers",
-            "none",
-            "--max-total-tokens",
-            "8192",
-            "--max-running-requests",
-            "16",
-        ]
-        if setting.k.endswith("+debias"):  # K - RoPE_pos(k_proj bias) in the cache (plugin/kv_debias.py)
-            flags.append("--kv-k-debias")
-        quantization = SGLANG_QUANTIZATION[setting.weights]
-        if quantization is not None:
-            flags += ["--quantization", quantization]
-        log = Path(workdir) / f"sglang-{setting.name.replace(':', '_')}.log"
-        self.server = SGLangProcess(model_path, flags, log_path=log, device=device)
-        self.http = httpx.Client(base_url=self.server.url, timeout=600)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.server, self.url = server, url
+        self.http = httpx.Client(base_url=url, timeout=600, headers=headers)
         self.setting, self.model_path, self.dtype = setting, model_path, dtype
         self._check_served()
 
     def _check_served(self) -> None:
-        """The server stores what the setting names (a de-biased K the plugin dropped would be scored as asked)."""
         from sglang_backend.api import TRACE_POLICY_PATH
 
-        served = self.http.get(TRACE_POLICY_PATH).json()
+        r = self.http.get(TRACE_POLICY_PATH)
+        served = r.json() if r.status_code == 200 else {"error": f"GET {TRACE_POLICY_PATH}: {r.status_code}"}
         want_k = self.setting.k.removesuffix("+debias")
         formats = served.get("kv_formats")
         ok = served.get("kv_k_debias") == self.setting.k.endswith("+debias") and (
@@ -120,12 +102,17 @@ class SGLangScorer:
         )
         if not ok:
             self.close()
-            raise RuntimeError(f"setting {self.setting.name}: the SGLang server serves {served}, not the setting")
+            raise RuntimeError(
+                f"setting {self.setting.name}: the server at {self.url} serves {served}, not the setting"
+            )
+
+    def _log_tail(self) -> str:
+        return self.server.log_tail() if self.server is not None else ""
 
     def _generate(self, body: dict) -> dict:
         r = self.http.post("/generate", json=body)
         if r.status_code != 200:
-            raise RuntimeError(f"SGLang /generate answered {r.status_code}: {r.text[:500]}\n{self.server.log_tail()}")
+            raise RuntimeError(f"{self.url}/generate answered {r.status_code}: {r.text[:500]}\n{self._log_tail()}")
         return r.json()
 
     def greedy(self, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
@@ -165,12 +152,48 @@ class SGLangScorer:
 
     def close(self) -> None:
         self.http.close()
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
 
 
-def open_scorer(backend: str, model_path, setting, *, dtype: str, targets, workdir: str | Path | None = None):
+def sglang_scorer(model_path, setting, dtype: str, workdir: str | Path, device: str = "cpu") -> ServedScorer:
+    """A real SGLang server started for one setting (python -m sglang_backend.launch --backend sglang)."""
+    from sglang_backend.server_process import SGLangProcess
+
+    flags = [
+        "--dtype",
+        dtype,
+        "--kv-k",
+        setting.k.removesuffix("+debias"),
+        "--kv-v",
+        setting.v,
+        "--guided-layers",
+        "none",
+        "--max-total-tokens",
+        "8192",
+        "--max-running-requests",
+        "16",
+    ]
+    if setting.k.endswith("+debias"):  # K - RoPE_pos(k_proj bias) in the cache (plugin/kv_debias.py)
+        flags.append("--kv-k-debias")
+    quantization = SGLANG_QUANTIZATION[setting.weights]
+    if quantization is not None:
+        flags += ["--quantization", quantization]
+    log = Path(workdir) / f"sglang-{setting.name.replace(':', '_')}.log"
+    server = SGLangProcess(model_path, flags, log_path=log, device=device)
+    return ServedScorer(server.url, setting, model_path, dtype, server=server)
+
+
+def open_scorer(
+    backend: str, model_path, setting, *, dtype: str, targets, workdir=None, url=None, api_key=None
+) -> Scorer:
+    """backend "http": the running server at `url` serves `setting` (its targets are the server's)."""
     if backend == "embedded":
         return EmbeddedScorer(model_path, setting.policy(targets), dtype)
+    if backend == "http":
+        if url is None:
+            raise ValueError("the http quality backend scores a running server: pass its url")
+        return ServedScorer(url, setting, model_path, dtype, api_key=api_key)
     if backend != "sglang":
         raise ValueError(f"quality backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if targets is not None:
@@ -180,4 +203,4 @@ def open_scorer(backend: str, model_path, setting, *, dtype: str, targets, workd
         )
     if workdir is None:
         raise ValueError("the sglang quality backend needs a workdir for the server logs")
-    return SGLangScorer(model_path, setting, dtype, workdir)
+    return sglang_scorer(model_path, setting, dtype, workdir)

@@ -1,7 +1,8 @@
 """The run's rollout-quality gate: what its quantization does to the policy, measured before step 0.
 
     train.py  ── eval prompts, rollout dtype, max_new_tokens, the run's verifier ──▶  gate()
-                   │ quality.run: BF16 vs the run's WEIGHTS:K:V on the embedded engine
+                   │ quality.run: BF16 vs the run's WEIGHTS:K:V on the embedded engine, or for
+                   │ rollout.backend=http on its SGLang server (an embedded server: in-process)
                    ▼
               within quant.max_nll_increase and quant.max_accuracy_drop? ── yes ──▶ run (metrics logged)
                    │ no
@@ -116,10 +117,14 @@ def gate(
     tokenizer=None,
     score=None,
     log=print,
+    url: str | None = None,
+    api_key: str | None = None,
 ) -> GateResult | None:
     """The run's setting judged against BF16 on `prompts` ([{"ids", "text", "answer"}]); raises
     QualityGateError when it fails and `accept_loss` is off, after finding the cheapest candidate
-    that passes (at most MAX_CANDIDATES tried). None when the policy quantizes nothing."""
+    that passes (at most MAX_CANDIDATES tried). None when the policy quantizes nothing.
+    `url`: the run's setting is scored on that running rollout server (SGLang with the plugin), BF16
+    and the candidates on the embedded engine beside it."""
     arch = ModelArch.from_hf_config(model_path)
     setting = quality.Setting.of_policy(policy.for_arch(arch))
     if setting.name == quality.REFERENCE:
@@ -127,9 +132,16 @@ def gate(
         return None
     limits = (max_nll_increase, max_accuracy_drop)
     kw = dict(max_new_tokens=max_new_tokens, dtype=dtype, targets=policy.targets, tokenizer=tokenizer)
-    report = quality.run(model_path, prompts, [setting], **kw)
+    if url is None:
+        report = quality.run(model_path, prompts, [setting], **kw)
+    else:
+        ref = quality.run(model_path, prompts, [], **kw)
+        served = dict(kw, targets=None)  # the server quantizes what it was launched with
+        report = quality.run(
+            model_path, prompts, [setting], reference=ref, backend="http", url=url, api_key=api_key, **served
+        )
     res = _judge(report, setting.name, prompts, score, limits)
-    where = _where(prompts, dtype, max_new_tokens)
+    where = _where(prompts, dtype, max_new_tokens) + (f", served by {url}" if url else "")
     log(f"rollout quality gate ({where}): {_row(res)}")
     if res.passed:
         return res
@@ -203,17 +215,38 @@ def gate_run(cfg, model_path, tok, prompts, log=print) -> tuple[GateResult | Non
     if not q.quality_gate:
         log("WARNING: quant.quality_gate=false: nothing checks what FP4 does to this policy")
         return None, []
-    if rc.backend != "local":
-        log(
-            "note: the quality gate runs on the embedded engine only; measure the servers' quantization "
-            f"before a long run: python -m megatron_trace.quality --backend sglang --model-path {model_path} "
-            "--prompts YOUR.jsonl"
-        )
-        return None, []
     picked = prompts.eval_set(q.quality_prompts) or prompts.sample(q.quality_prompts, 0)
     rows = [{"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked]
     policy, kw = _run_inputs(cfg, log)
+    if rc.backend == "http":
+        kw.update(
+            url=_served_url(cfg, policy.for_arch(ModelArch.from_hf_config(model_path)), log), api_key=rc.api_key or None
+        )
     return gate(model_path, policy, rows, accept_loss=q.accept_quality_loss, tokenizer=tok, log=log, **kw), rows
+
+
+def _served_url(cfg, policy: QuantPolicy, log) -> str | None:
+    """rollout.backend=http: the server the gate scores (every server serves one model: the first),
+    or None when it is an embedded server, whose numerics the in-process engine has bit for bit: then
+    its policy must be the run's, checked here, or the gate would measure a look-alike."""
+    from sglang_backend.client import RolloutClient
+
+    url = cfg.rollout.urls[0]
+    client = RolloutClient([url], api_key=cfg.rollout.api_key or None)
+    try:
+        served = client.model_info(url).get("quant_policy")
+    finally:
+        client.close()
+    if served is None:  # SGLang: its own numerics, scored through its /generate
+        return url
+    # the gate measures per-token activation scales either way (_run_inputs)
+    if dataclasses.replace(QuantPolicy.from_dict(served), activation_scale=policy.activation_scale) != policy:
+        raise ValueError(
+            f"the rollout server {url} serves quant policy {served}, but the run's is {policy.to_dict()}: "
+            "restart it with the run's quant settings (python -m sglang_backend.launch ...)"
+        )
+    log(f"rollout quality gate: {url} is an embedded server with the run's policy; scored in-process")
+    return None
 
 
 def measure_after(cfg, model_path, run_dir, hf_sd: dict, rows: list[dict], tok, log=print) -> GateResult:

@@ -110,3 +110,26 @@ def test_a_bf16_rollout_has_nothing_to_gate(outlier_ckpt):
     bf16 = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="bf16")
     assert gate(outlier_ckpt, bf16, _prompts(), accept_loss=False, log=said.append, **LIMITS) is None
     assert said == ["rollout quality gate: the rollout quantizes nothing (BF16), nothing to measure"]
+
+
+def test_an_http_runs_embedded_server_must_serve_the_runs_policy(outlier_ckpt):
+    """rollout.backend=http on an embedded server: the gate scores in-process (the same numerics bit
+    for bit) only after the server's /model_info policy is the run's; another policy stops the run."""
+    from types import SimpleNamespace
+
+    from megatron_trace.quality_gate import _served_url
+    from sglang_backend.local import Engine
+    from sglang_backend.local.server import serve
+
+    arch = ModelArch.from_hf_config(outlier_ckpt)
+    eng = Engine(str(outlier_ckpt), quant_policy=KV_NVFP4)
+    srv = serve(eng, "127.0.0.1", 0)
+    try:
+        cfg = SimpleNamespace(rollout=SimpleNamespace(urls=[srv.url], api_key=""))
+        said = []
+        assert _served_url(cfg, KV_NVFP4.for_arch(arch), said.append) is None and "scored in-process" in said[0]
+        with pytest.raises(ValueError, match=f"rollout server {srv.url} serves quant policy .* but the run's is"):
+            _served_url(cfg, dataclasses.replace(KV_NVFP4, kv_k_debias=True).for_arch(arch), said.append)
+    finally:
+        srv.shutdown()
+        eng.shutdown()

@@ -182,7 +182,14 @@ def test_guided_rl_steps_through_real_sglang_fp4_experts(moe_ckpt, sglang_url, t
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_trace.train", "--config", "configs/tiny_moe_cpu.yaml"]
     cmd += [f"model.path={moe_ckpt}", "rollout.backend=http", f"rollout.urls=[{sglang_url}]", "rollout.dtype=float32"]
-    cmd += ["quant.kv=bf16", "trainer.qat_mode=guided", "trainer.routing_replay=on", "transfer.transport=disk"]
+    # the gate scores the server's FP4 experts (a random-init MoE loses more than its limits): run anyway
+    cmd += [
+        "quant.accept_quality_loss=true",
+        "quant.kv=bf16",
+        "trainer.qat_mode=guided",
+        "trainer.routing_replay=on",
+        "transfer.transport=disk",
+    ]
     cmd += ["rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.eval_prompts=0", "trainer.micro_batch_size=4"]
     cmd += ["trainer.steps=2", "trainer.save_every=0", "logging.progress=false", f"logging.run_dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)

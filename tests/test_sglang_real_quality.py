@@ -60,3 +60,33 @@ def test_targets_are_refused_on_sglang(outlier_ckpt, tmp_path):  # noqa: F811
                 "*.mlp.down_proj",
             ]
         )
+
+
+@pytest.fixture(scope="module")
+def nvfp4_kv_server(outlier_ckpt, tmp_path_factory):  # noqa: F811
+    """A run's rollout server serving NVFP4 K + NVFP4 V (what the planted K outlier breaks)."""
+    from tests.sglang_server import start_sglang
+
+    yield from start_sglang(outlier_ckpt, tmp_path_factory, "--kv-cache-dtype", "nvfp4", "--guided-layers", "none")
+
+
+def test_the_gate_of_an_http_run_scores_its_sglang_server(outlier_ckpt, nvfp4_kv_server, reports):  # noqa: F811
+    """rollout.backend=http: the run's setting is scored on the rollout server itself (BF16 and the
+    candidates on the embedded engine beside it); its loss is what the SGLang quality backend measured,
+    and the gate stops naming the cheapest candidate that passes."""
+    from megatron_trace.models import QuantPolicy
+    from megatron_trace.quality_gate import QualityGateError, gate
+
+    policy = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4")
+    limits = dict(max_nll_increase=0.6, max_accuracy_drop=0.125, max_new_tokens=12, dtype="float32")
+    res = gate(outlier_ckpt, policy, _prompts(3), accept_loss=True, url=nvfp4_kv_server, log=lambda m: None, **limits)
+    measured = reports["sglang"]["settings"]["bf16:nvfp4:nvfp4"]["nll_increase"]
+    assert res.report["backend"] == "http" and not res.passed
+    assert abs(res.nll_increase - measured) < 2e-3, (res.nll_increase, measured)
+    with pytest.raises(
+        QualityGateError, match=rf"served by {nvfp4_kv_server}(.|\n)*cheapest that passes is bf16:nvfp4\+debias"
+    ):
+        gate(outlier_ckpt, policy, _prompts(3), accept_loss=False, url=nvfp4_kv_server, log=lambda m: None, **limits)
+    debiased = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4", kv_k_debias=True)
+    with pytest.raises(RuntimeError, match="serves .* not the setting"):  # the server does not de-bias K
+        gate(outlier_ckpt, debiased, _prompts(3), accept_loss=True, url=nvfp4_kv_server, log=lambda m: None, **limits)
