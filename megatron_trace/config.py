@@ -107,7 +107,7 @@ class QuantConfig(Section):
     # in bf16 (issue check); 2 of 16 greedy answers may flip under any perturbation, 3 may not.
     quality_gate: bool = opt(
         True,
-        "score the rollout's quantization against BF16 before step 0 (embedded engine; rollout.backend=http: its server)",
+        "score the rollout's quantization against BF16 before step 0 (rollout.backend=http: on its server)",
     )
     quality_prompts: int = opt(16, "eval prompts the gate decodes (greedy, rollout.max_new_tokens)", low=1)
     max_nll_increase: float = opt(0.05, "gate: NLL per token over BF16 allowed (nats)", low=0.0)
