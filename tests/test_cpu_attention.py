@@ -125,3 +125,48 @@ def test_results_do_not_depend_on_the_thread_count(fmt):
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    seqs=st.integers(1, 3),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 7]),
+    d=st.sampled_from([16, 64]),
+    longest=LENGTHS,
+    bf16=st.booleans(),
+    k_fmt=st.sampled_from(["nvfp4", "fp8"]),
+)
+def test_a_k_offset_by_column_equals_attention_over_the_offset_rows(
+    seed, seqs, kv_heads, group, d, longest, bf16, k_fmt
+):
+    """k_add (a de-biased K cache's RoPE_pos(b)): the kernel's K at table column j is
+    (decoded.float() + k_add[j]).to(dtype), the engine's torch read, bit for bit."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    q, k, v, table, row_seq, row_len = _problem(seed, seqs, kv_heads, group, d, longest, dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    add = torch.randn(longest + 3, kv_heads, d, generator=g) * 30  # Qwen2.5-sized bias
+    if k_fmt == "nvfp4":
+        gk = torch.tensor(0.37)
+        qk = nvfp4.quantize(k, global_scale=gk)
+        kd, pages, sdec = nvfp4.dequantize(qk, dtype), (qk.data, qk.scale), float(nvfp4.decode_scale(gk))
+    else:
+        qk = fp8.quantize(k, dims=2)
+        kd, pages, sdec = fp8.dequantize(qk, dtype), (qk.data, qk.scale), 0.0
+    vd = v.to(dtype)
+    cols = torch.arange(longest)
+    dense_k = (kd[table].float() + add[cols][None]).to(dtype).reshape(-1, kv_heads, d)  # [seqs * longest]
+    dense_table = torch.arange(seqs * longest).view(seqs, longest)
+    want = cpu_attention.paged_attention(
+        q, dense_k, vd[table].reshape(-1, kv_heads, d), dense_table, row_seq, row_len, 0.2
+    )
+    # "bf16" names the model-dtype side (fp32 pages in an fp32 model)
+    got = cpu_attention.paged_attention_kv(
+        q, k_fmt, pages, sdec, "bf16", (vd, None), 1.0, table, row_seq, row_len, 0.2, k_add=add
+    )
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="k_add must be contiguous fp32"):
+        cpu_attention.paged_attention_kv(
+            q, k_fmt, pages, sdec, "bf16", (vd, None), 1.0, table, row_seq, row_len, 0.2, k_add=add[: longest - 1]
+        )

@@ -39,6 +39,9 @@ def test_auto_resolves_per_family(family, want):
         _ = p.k_format
     r = p.for_arch(arch)
     assert (r.k_format, r.v_format) == want and r.kv == "auto"
+    # K de-biased where it has a k_proj bias (Qwen2/2.5); an explicit kv_k keeps kv_k_debias as set
+    assert r.kv_k_debias == (family == "qwen2") and r.for_arch(arch) == r
+    assert not QuantPolicy(kv="auto", kv_k="fp8").for_arch(arch).kv_k_debias
     assert QuantPolicy(kv="auto", kv_v="bf16").for_arch(arch).v_format == "bf16"  # explicit side wins
     assert QuantPolicy(kv="nvfp4").for_arch(arch) == QuantPolicy(kv="nvfp4")  # explicit kv: no family rule
 

@@ -74,11 +74,14 @@ def paged_attention_kv(
     row_seq: torch.Tensor,
     row_len: torch.Tensor,
     scale: float,
+    k_add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with K and V in their own page formats (KV_ROW_FORMATS): each of k_pages /
     v_pages is (data, scales) of one layer as PagedKVCache keeps them (scales None for the model
     dtype; for fp8, fp32 [slots]); sdec_* is NVFP4's per-layer S_dec (ignored otherwise).
-    Elements decode exactly as the cache's torch read in q.dtype would."""
+    Elements decode exactly as the cache's torch read in q.dtype would. `k_add`: fp32 [>= max row_len,
+    Hkv, D], row j added to the K read at column j of a table row, then rounded to q.dtype (a
+    de-biased K cache's RoPE_pos(b): `(read.float() + k_add[j]).to(q.dtype)`)."""
     for name, fmt in (("K", k_fmt), ("V", v_fmt)):
         if fmt not in KV_ROW_FORMATS:
             raise ValueError(
@@ -91,6 +94,7 @@ def paged_attention_kv(
         k_pages[0],
         k_pages[1],
         sdec_k,
+        None if k_add is None else _check_add(k_add, row_len, k_pages[0].shape[-2], q.shape[-1]),
         KV_ROW_FORMATS[v_fmt],
         v_pages[0],
         v_pages[1],
@@ -104,3 +108,15 @@ def paged_attention_kv(
     ):
         raise MemoryError(f"paged_attention_kv: no memory for the scores of {q.shape[0]} rows")
     return out
+
+
+def _check_add(k_add: torch.Tensor, row_len: torch.Tensor, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The kernel reads k_add[j] for every column j < row_len unchecked: its shape is checked here."""
+    need = int(row_len.max()) if row_len.numel() else 0
+    ok = k_add.dtype == torch.float32 and k_add.is_contiguous() and k_add.dim() == 3
+    if not ok or k_add.shape[0] < need or tuple(k_add.shape[1:]) != (kv_heads, head_dim):
+        raise ValueError(
+            f"paged_attention_kv k_add must be contiguous fp32 [>= {need}, {kv_heads}, {head_dim}]; got "
+            f"{k_add.dtype} {tuple(k_add.shape)}"
+        )
+    return k_add

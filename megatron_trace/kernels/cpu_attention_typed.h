@@ -185,6 +185,11 @@ PREFETCH_FN void F(head_row)(const kv_side* p, const float* tab, int64_t slot, i
     }
 }
 
+/* row = dtype(row + add) over D values: the torch read of a de-biased K, (read.float() + RoPE_pos(b)).to(dtype). */
+static inline void F(add_row)(const float* add, int64_t D, float* row) {
+    for (int64_t i = 0; i < D; i++) row[i] = F(rnd)(row[i] + add[i]);
+}
+
 /* Scratch of one run of items: the query heads, accumulators, 8 decoded rows, scores, value tables. */
 typedef struct {
     float *qf, *acc, *rows, *sc;
@@ -205,11 +210,13 @@ PREFETCH_FN void F(attend)(const ELEM* q, const kv_side* k, const kv_side* v, co
         for (int r = 0; r < 8; r++) {
             if (j0 + PREFETCH + r < L) prefetch_head(k, es, tab[j0 + PREFETCH + r], Hkv, kh, D);
             F(head_row)(k, m->ktab, tab[j0 + r], Hkv, kh, D, m->lut, kr + r * D);
+            if (k->add) F(add_row)(k->add + ((j0 + r) * Hkv + kh) * D, D, kr + r * D);
         }
         scores8_rows(qf, kr, G, D, sc + j0, W);
     }
     for (int64_t j = j0; j < L; j++) {
         F(head_row)(k, m->ktab, tab[j], Hkv, kh, D, m->lut, kr);
+        if (k->add) F(add_row)(k->add + (j * Hkv + kh) * D, D, kr);
         for (int64_t g = 0; g < G; g++) sc[g * W + j] = dot_rows(qf + g * D, kr, D);
     }
     softmax_numerators(sc, G, W, L);
@@ -270,7 +277,7 @@ int F(paged_attention_items)(const ELEM* q, const kv_side* k, const kv_side* v, 
 int F(paged_attention)(const ELEM* q, const ELEM* kc, const ELEM* vc, const int64_t* table, int64_t ldt,
                        const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
                        int64_t D, float scale, ELEM* out) {
-    const kv_side k = {0, kc, 0, 0.f}, v = {0, vc, 0, 0.f};
+    const kv_side k = {0, kc, 0, 0.f, 0}, v = {0, vc, 0, 0.f, 0};
     return F(paged_attention_threaded)(q, &k, &v, table, ldt, row_seq, row_len, T, H, Hkv, D, scale, out);
 }
 
@@ -278,14 +285,14 @@ int F(paged_attention_nvfp4)(const ELEM* q, const uint8_t* kc, const uint8_t* ks
                              const uint8_t* vs, float sdec_k, float sdec_v, const int64_t* table, int64_t ldt,
                              const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
                              int64_t D, float scale, ELEM* out) {
-    const kv_side k = {1, kc, ks, sdec_k}, v = {1, vc, vs, sdec_v};
+    const kv_side k = {1, kc, ks, sdec_k, 0}, v = {1, vc, vs, sdec_v, 0};
     return F(paged_attention_threaded)(q, &k, &v, table, ldt, row_seq, row_len, T, H, Hkv, D, scale, out);
 }
 
-int F(paged_attention_kv)(const ELEM* q, int kfmt, const void* kd, const void* ks, float sdec_k, int vfmt,
-                          const void* vd, const void* vs, float sdec_v, const int64_t* table, int64_t ldt,
-                          const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv,
-                          int64_t D, float scale, ELEM* out) {
-    const kv_side k = {kfmt, kd, ks, sdec_k}, v = {vfmt, vd, vs, sdec_v};
+int F(paged_attention_kv)(const ELEM* q, int kfmt, const void* kd, const void* ks, float sdec_k,
+                          const float* k_add, int vfmt, const void* vd, const void* vs, float sdec_v,
+                          const int64_t* table, int64_t ldt, const int64_t* row_seq, const int64_t* row_len,
+                          int64_t T, int64_t H, int64_t Hkv, int64_t D, float scale, ELEM* out) {
+    const kv_side k = {kfmt, kd, ks, sdec_k, k_add}, v = {vfmt, vd, vs, sdec_v, 0};
     return F(paged_attention_threaded)(q, &k, &v, table, ldt, row_seq, row_len, T, H, Hkv, D, scale, out);
 }

@@ -21,12 +21,15 @@ extern "C" {
 /* One side (K or V) of a layer's pages for the attention kernels: fmt 0 the model dtype (data
    [slots, Hkv, D]), 1 NVFP4 (data: codes [slots, Hkv, D/2] low nibble first, scales: E4M3
    [slots, Hkv, D/16], sdec: the layer's S_dec), 2 FP8 (data: E4M3 [slots, Hkv, D], scales: one
-   fp32 S_dec per slot), 3 MXFP4 (NVFP4's layout with E8M0 scales per 16, no S_dec). */
+   fp32 S_dec per slot), 3 MXFP4 (NVFP4's layout with E8M0 scales per 16, no S_dec). add: NULL, or
+   fp32 [positions, Hkv, D] added to each decoded row at its position in the row (column j of the
+   table) and rounded to the model dtype again: a de-biased K cache's RoPE_pos(k_proj bias). */
 typedef struct {
     int fmt;
     const void* data;
     const void* scales;
     float sdec;
+    const float* add;
 } kv_side;
 
 /* Row argmax of fp32 logits [B, V] and the log-softmax there; 1 when out of memory. _parallel: the
@@ -47,8 +50,9 @@ int greedy_logprob_parallel(const float* x, int64_t B, int64_t V, int64_t* tok, 
                                     const uint8_t* vs, float sdec_k, float sdec_v, const int64_t* table, int64_t ldt, \
                                     const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H,           \
                                     int64_t Hkv, int64_t D, float scale, ELEM* out);                                \
-    int paged_attention_kv_##SFX(const ELEM* q, int kfmt, const void* kd, const void* ks, float sdec_k, int vfmt,   \
-                                 const void* vd, const void* vs, float sdec_v, const int64_t* table, int64_t ldt,   \
+    int paged_attention_kv_##SFX(const ELEM* q, int kfmt, const void* kd, const void* ks, float sdec_k,             \
+                                 const float* k_add, int vfmt, const void* vd, const void* vs, float sdec_v,        \
+                                 const int64_t* table, int64_t ldt,                                                  \
                                  const int64_t* row_seq, const int64_t* row_len, int64_t T, int64_t H, int64_t Hkv, \
                                  int64_t D, float scale, ELEM* out);                                                \
     int paged_attention_items_##SFX(const ELEM* q, const kv_side* k, const kv_side* v, const int64_t* table,        \

@@ -177,8 +177,8 @@ int run_item(const StageDesc& d, int64_t item, Scratch& s) {
         case kKv:
             return store_kv(a, s);
         case kAttention: {
-            const kv_side k = {(int)a->k_fmt, a->kc, a->ks, a->sdec_k};
-            const kv_side v = {(int)a->v_fmt, a->vc, a->vs, a->sdec_v};
+            const kv_side k = {(int)a->k_fmt, a->kc, a->ks, a->sdec_k, nullptr};
+            const kv_side v = {(int)a->v_fmt, a->vc, a->vs, a->sdec_v, nullptr};
             return paged_attention_items_bf16(s.q.data(), &k, &v, a->table, a->ldt, a->row_seq, a->row_len, a->T,
                                               a->heads, a->kv_heads, a->head_dim, a->attn_scale, s.att.data(), item,
                                               item + 1)

@@ -130,17 +130,18 @@ int paged_attention_nvfp4(const at::Tensor& q, const at::Tensor& kc, const at::T
 }
 
 int paged_attention_kv(const at::Tensor& q, int64_t k_fmt, const at::Tensor& kd, const Opt& ks, double sdec_k,
-                       int64_t v_fmt, const at::Tensor& vd, const Opt& vs, double sdec_v, const at::Tensor& table,
-                       const at::Tensor& row_seq, const at::Tensor& row_len, int64_t kv_heads, double scale,
-                       at::Tensor& out) {
+                       const Opt& k_add, int64_t v_fmt, const at::Tensor& vd, const Opt& vs, double sdec_v,
+                       const at::Tensor& table, const at::Tensor& row_seq, const at::Tensor& row_len, int64_t kv_heads,
+                       double scale, at::Tensor& out) {
     const int64_t t = q.size(0), h = q.size(1), d = q.size(2), ldt = table.stride(0);
+    const float* add = k_add.has_value() ? k_add->data_ptr<float>() : nullptr;
     if (bf16(q))
-        return paged_attention_kv_bf16(at_<uint16_t>(q), (int)k_fmt, kd.data_ptr(), at_<void>(ks), (float)sdec_k,
+        return paged_attention_kv_bf16(at_<uint16_t>(q), (int)k_fmt, kd.data_ptr(), at_<void>(ks), (float)sdec_k, add,
                                        (int)v_fmt, vd.data_ptr(), at_<void>(vs), (float)sdec_v, at_<int64_t>(table),
                                        ldt, at_<int64_t>(row_seq), at_<int64_t>(row_len), t, h, kv_heads, d,
                                        (float)scale, at_<uint16_t>(out));
-    return paged_attention_kv_f32(at_<float>(q), (int)k_fmt, kd.data_ptr(), at_<void>(ks), (float)sdec_k, (int)v_fmt,
-                                  vd.data_ptr(), at_<void>(vs), (float)sdec_v, at_<int64_t>(table), ldt,
+    return paged_attention_kv_f32(at_<float>(q), (int)k_fmt, kd.data_ptr(), at_<void>(ks), (float)sdec_k, add,
+                                  (int)v_fmt, vd.data_ptr(), at_<void>(vs), (float)sdec_v, at_<int64_t>(table), ldt,
                                   at_<int64_t>(row_seq), at_<int64_t>(row_len), t, h, kv_heads, d, (float)scale,
                                   at_<float>(out));
 }

@@ -163,8 +163,10 @@ class QuantPolicy:
     # ----------------------------------------------------------------- KV cache
     # How kv, kv_k and kv_v combine: kv_k (kv_v) when set, otherwise kv. kv="auto" resolves per
     # model family in for_arch(): families whose K has no per-head RMSNorm (Qwen2/2.5: q/k/v
-    # biases, outlier channels in K up to ~200 on a real checkpoint) get FP8 K + NVFP4 V; families
-    # with q/k norm (Qwen3, Qwen3-MoE) NVFP4 K and V. An explicit kv_k / kv_v still wins over auto.
+    # biases, outlier channels in K up to ~200 on a real checkpoint) get de-biased FP8 K + NVFP4 V
+    # (FP8 K with its bias in loses 6x more in bf16: docs/quality.md); families with q/k norm
+    # (Qwen3, Qwen3-MoE) NVFP4 K and V. An explicit kv_k / kv_v still wins over auto, and an
+    # explicit kv_k keeps kv_k_debias as set.
     def for_arch(self, arch: ModelArch) -> QuantPolicy:
         """This policy with kv="auto" resolved for `arch` (kv_k and kv_v made explicit); a policy
         without "auto" comes back unchanged. kv_k_debias on a family without a k_proj bias is an error."""
@@ -176,7 +178,10 @@ class QuantPolicy:
         if self.kv != "auto":
             return self
         k, v = auto_kv_formats(arch)
-        return QuantPolicy.from_dict({**self.to_dict(), "kv_k": self.kv_k or k, "kv_v": self.kv_v or v})
+        debias = self.kv_k_debias or (not self.kv_k and arch.qkv_bias and k != "bf16")
+        return QuantPolicy.from_dict(
+            {**self.to_dict(), "kv_k": self.kv_k or k, "kv_v": self.kv_v or v, "kv_k_debias": debias}
+        )
 
     def for_family(self, family: str) -> QuantPolicy:
         """`for_arch` for a model family name (qwen2 | qwen3 | qwen3_moe), when no checkpoint is at hand."""
@@ -281,8 +286,11 @@ def _group_of(module: str) -> str:
 
 
 def auto_kv_formats(arch: ModelArch) -> tuple[str, str]:
-    """(K, V) cache formats kv="auto" picks for `arch`. Without per-head q/k RMSNorm (Qwen2/2.5)
-    K carries outlier channels and NVFP4 K damages a real checkpoint (BENCHMARKS.md, Qwen2.5-Coder-
-    0.5B: NVFP4 K +0.26 nats/token, FP8 K +0.003), FP8 K does not; V is benign (+0.001). Qwen3's
-    choice is not measured on a real checkpoint here (docs/quality.md)."""
+    """(K, V) cache formats kv="auto" picks for `arch` (for_arch also de-biases K where it has a
+    k_proj bias). Without per-head q/k RMSNorm (Qwen2/2.5) K carries outlier channels and NVFP4 K
+    damages a real checkpoint (BENCHMARKS.md, Qwen2.5-Coder-0.5B: NVFP4 K +0.26 nats/token, FP8 K
+    +0.003 in fp32), FP8 K does not; V is benign (+0.001). In bf16 FP8 K needs the bias out (W4A4:
+    +0.126 biased on 16 GSM8K-style problems at 200 tokens; +0.022 de-biased on 16 word problems at
+    256 tokens, where de-biased NVFP4 K costs +0.041 and 0.13 of greedy accuracy). Qwen3's choice is
+    not measured on a real checkpoint here (docs/quality.md)."""
     return ("nvfp4", "nvfp4") if arch.qk_norm else ("fp8", "nvfp4")

@@ -9,6 +9,7 @@ reported to a capture function under its guidance site name.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from megatron_trace.kernels import cpu_attention, cpu_fused, onednn_linear
 from megatron_trace.models import ModelArch, QuantPolicy
-from megatron_trace.models.rope import rotated_bias
+from megatron_trace.models.rope import rotary_tables, rotate_bias, rotated_bias
 
 from . import attention, layer_c
 from .kv_cache import PagedKVCache
@@ -152,6 +153,13 @@ class _Layer(nn.Module):
         b = self.qkv.bias[a.q_size : a.q_size + a.kv_size].view(a.num_kv_heads, a.head_dim)
         return rotated_bias(b, positions, a.rope_theta).to(dtype)
 
+    def k_bias_columns(self, width: int) -> torch.Tensor:
+        """k_bias_at(arange(width), fp32), contiguous, from RoPE tables shared by every layer."""
+        a = self.arch
+        cos, sin = _column_tables(1 << max(width - 1, 0).bit_length(), a.head_dim, a.rope_theta)
+        b = self.qkv.bias[a.q_size : a.q_size + a.kv_size].view(a.num_kv_heads, a.head_dim)
+        return rotate_bias(b, cos[:width], sin[:width]).contiguous()
+
     def _store_kv(self, k, v, batch: ForwardBatch, kv: PagedKVCache, capture) -> None:
         for which, t in ((0, k), (1, v)):
             qt = None
@@ -248,15 +256,22 @@ class _Layer(nn.Module):
                 k = k.float() - self.k_bias_at(batch.positions, torch.float32)
             self._store_kv(k, v, batch, kv, capture)
         scale = a.head_dim**-0.5
-        if self.k_debias:  # the page kernels know no K offset: attend over rows read back with RoPE_pos(b)
-            attention.warn_debias_gathered()
-            flat = table[:, :width].reshape(-1)
-            kc = kv.read(self.idx, 0, flat).float().view(-1, width, a.num_kv_heads, a.head_dim)
-            kc = (kc + self.k_bias_at(torch.arange(width), torch.float32)[None]).to(qkv.dtype)
-            kc = kc.view(flat.numel(), a.num_kv_heads, a.head_dim)
-            vc = kv.read(self.idx, 1, flat)
-            out = cpu_attention.paged_attention(
-                q, kc, vc, torch.arange(flat.numel()).view(-1, width), row_seq, row_len, scale
+        if self.k_debias:  # the page kernel adds RoPE_j(b) to the K it decodes at column (position) j
+            sdec_k, sdec_v = batch.kv_decode_scales[self.idx] if batch.kv_decode_scales else (1.0, 1.0)
+            pages = kv.layer_pages[self.idx]
+            out = cpu_attention.paged_attention_kv(
+                q,
+                kv.k_fmt,
+                pages[:2],
+                sdec_k,
+                kv.v_fmt,
+                pages[2:],
+                sdec_v,
+                table,
+                row_seq,
+                row_len,
+                scale,
+                k_add=self.k_bias_columns(width),
             )
         elif kv.fmt == "nvfp4":  # attention decodes the pages itself
             sdec_k, sdec_v = batch.kv_decode_scales[self.idx]
@@ -273,6 +288,12 @@ class _Layer(nn.Module):
         else:
             out = cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, scale)
         return self.o_proj.forward_cpu(out.view(qkv.shape[0], a.q_size), capture)
+
+
+@functools.lru_cache(maxsize=4)
+def _column_tables(columns: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 RoPE tables of positions 0..columns-1 (decode widths grow by one: a power of two is kept)."""
+    return rotary_tables(torch.arange(columns), head_dim, theta)
 
 
 def _slot_sink(parts: list | None, tok: torch.Tensor, slot: torch.Tensor):
