@@ -1,6 +1,6 @@
 """Larger bf16 layers at decode widths run as one C call per run of layers (layer_c.run_stream,
 megatron_trace/kernels/cpu_layer_stream.cpp) and give the per-kernel path's bits: tokens, logprobs, KV pages and
-every guidance site, for BF16, W4A4 and W4A16 linears over BF16 or NVFP4 pages, per-token or
+every guidance site, for BF16, W4A4 and W4A16 linears over BF16 or NVFP4 pages (K de-biased too), per-token or
 static activation scales, batches up to the widest a streamed layer takes."""
 
 import pytest
@@ -10,7 +10,7 @@ from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.kernels import cpu_gemv
 from megatron_trace.models import DEFAULT_TARGETS, QuantPolicy, make_tiny_checkpoint
 from sglang_backend.local import Engine, layer_c
-from tests.test_engine_streaming import WIDE
+from tests.helpers import WIDE
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
 
@@ -66,6 +66,11 @@ POLICIES = {
     "w4a4+nvfp4kv": dict(format="nvfp4", weights="fp4", activations="fp4", kv="nvfp4"),
     "w4a4+fp8k+nvfp4v": dict(format="nvfp4", weights="fp4", activations="fp4", kv_k="fp8", kv_v="nvfp4"),
     "bf16+fp8kv": dict(format="bf16", weights="bf16", activations="bf16", kv="fp8"),
+    # de-biased K: the stream subtracts RoPE_pos(b) before the store and adds it to the K it attends over
+    "w4a4+debiased nvfp4kv": dict(format="nvfp4", weights="fp4", activations="fp4", kv="nvfp4", kv_k_debias=True),
+    "w4a4+debiased fp8k+nvfp4v": dict(
+        format="nvfp4", weights="fp4", activations="fp4", kv_k="fp8", kv_v="nvfp4", kv_k_debias=True
+    ),
     "w4a16": dict(format="nvfp4", weights="fp4", activations="bf16", kv="bf16"),
     "w4a4 all linears": dict(format="nvfp4", weights="fp4", activations="fp4", kv="bf16", targets=list(ALL_LINEARS)),
 }

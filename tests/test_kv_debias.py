@@ -14,14 +14,14 @@ from megatron_trace.models.rope import rotated_bias
 from megatron_trace.quality_backends import EmbeddedScorer
 from sglang_backend.local import Engine
 from sglang_backend.local.model import QwenEngineModel
-from tests.test_quality import _prompts
+from tests.helpers import random_prompts
 
 DEBIASED = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv_k="nvfp4", kv_v="nvfp4", kv_k_debias=True)
 
 
 def test_debiased_k_removes_the_planted_outlier_loss(outlier_ckpt):  # noqa: F811
     specs = ["bf16:nvfp4:bf16", "bf16:nvfp4+debias:bf16"]
-    rep = quality.run(outlier_ckpt, _prompts(), [quality.Setting.parse(s) for s in specs], max_new_tokens=24)
+    rep = quality.run(outlier_ckpt, random_prompts(), [quality.Setting.parse(s) for s in specs], max_new_tokens=24)
     r = rep["settings"]
     # measured +3.06 plain, +0.47 de-biased (NVFP4's own noise on this sharpened random model)
     assert r["bf16:nvfp4+debias:bf16"]["nll_increase"] < r["bf16:nvfp4:bf16"]["nll_increase"] / 4
@@ -36,13 +36,13 @@ def _generate(ckpt, policy, monkeypatch=None, fused=True):
             monkeypatch.setattr(QwenEngineModel, "uses_fused", lambda self, kv: False)
         assert eng.model.uses_fused(eng.kv) == fused
         out = eng.generate(
-            input_ids=[p["ids"] for p in _prompts(2)],
+            input_ids=[p["ids"] for p in random_prompts(2)],
             sampling_params={"temperature": 0, "max_new_tokens": 10},
             return_logprob=True,
         )
         scorer = EmbeddedScorer.__new__(EmbeddedScorer)  # teacher-forced prefill over this engine
         scorer.engine = eng
-        tf = [scorer.teacher_forced(p["ids"], o["output_ids"])[0] for p, o in zip(_prompts(2), out)]
+        tf = [scorer.teacher_forced(p["ids"], o["output_ids"])[0] for p, o in zip(random_prompts(2), out)]
     finally:
         eng.shutdown()
     return out, tf
@@ -189,3 +189,23 @@ def test_servers_are_launched_and_checked_for_the_debiased_cache(outlier_ckpt, t
     dead = RolloutClient(["http://127.0.0.1:9"], retries=0)
     with pytest.raises(ValueError, match="kv_k_debias is 'unknown: "):
         check_debiased_server(dead, "http://127.0.0.1:9")
+
+
+def test_the_kept_offset_table_follows_weight_updates(outlier_ckpt):  # noqa: F811
+    """k_bias_columns keeps RoPE_j(b) per power-of-two width; a weight update of k_proj.bias (what every
+    RL step pushes) must reach the next read, or the cache would add back the old bias."""
+    from safetensors.torch import load_file
+
+    eng = Engine(str(outlier_ckpt), quant_policy=DEBIASED)
+    try:
+        layer, arch = eng.model.layers[0], eng.arch
+        before = layer.k_bias_columns(5).clone()
+        bias = load_file(str(outlier_ckpt / "model.safetensors"))["model.layers.0.self_attn.k_proj.bias"]
+        ok, msg = eng.update_weights_from_tensor({"model.layers.0.self_attn.k_proj.bias": bias + 1.0})
+        assert ok, msg
+        after = layer.k_bias_columns(5)
+        b = (bias + 1.0).to(layer.qkv.bias.dtype).view(arch.num_kv_heads, arch.head_dim)
+        assert not torch.equal(before, after)
+        assert torch.equal(after, rotated_bias(b, torch.arange(5), arch.rope_theta))
+    finally:
+        eng.shutdown()

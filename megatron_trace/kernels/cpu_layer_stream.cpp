@@ -148,6 +148,9 @@ int store_kv(const layer_args* a, Scratch& s) {
         }
         float* xf = s.kvf.data() + which * T * n;
         for (int64_t i = 0; i < T * n; i++) xf[i] = bf16_to_f32(rows[i]);
+        if (which == 0 && a->k_off)  // a de-biased K cache stores K - RoPE_pos(b), in fp32 as the per-kernel path
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < n; i++) xf[t * n + i] -= a->k_off[a->pos[t] * n + i];
         if (fmt == 2) {
             fp8_quantize_to_slots(xf, T, n, a->write_slots, a->num_slots, static_cast<uint8_t*>(pd),
                                   static_cast<float*>(ps));
@@ -177,7 +180,7 @@ int run_item(const StageDesc& d, int64_t item, Scratch& s) {
         case kKv:
             return store_kv(a, s);
         case kAttention: {
-            const kv_side k = {(int)a->k_fmt, a->kc, a->ks, a->sdec_k, nullptr};
+            const kv_side k = {(int)a->k_fmt, a->kc, a->ks, a->sdec_k, a->k_off};
             const kv_side v = {(int)a->v_fmt, a->vc, a->vs, a->sdec_v, nullptr};
             return paged_attention_items_bf16(s.q.data(), &k, &v, a->table, a->ldt, a->row_seq, a->row_len, a->T,
                                               a->heads, a->kv_heads, a->head_dim, a->attn_scale, s.att.data(), item,

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def warn_debias_gathered() -> None:
     logging.getLogger(__name__).warning(
         "quant.kv_k_debias: attention reads K back through a dequantized gather plus RoPE_pos(k bias) (the "
-        "in-register page kernels take no K offset): same numbers, slower than plain FP4 pages"
+        "Triton page kernel takes no K offset; the CPU page kernels do): same numbers, slower than plain FP4 pages"
     )
 
 

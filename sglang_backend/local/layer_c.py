@@ -8,8 +8,11 @@
   parallel region for the whole run. Its results are the per-kernel path's bits (the same C
   functions on the same inputs); it exists because that path pays for a parallel region and a
   Python call per kernel.
-Everything else (MoE, MXFP4 activations or pages, the de-biased K, prefill widths of large layers,
-fp32 large layers, guided layers over an FP8 side) runs the per-kernel path (`cpu_fused`, `EngineLinear.forward_cpu`).
+A de-biased K (quant.kv_k_debias) streams with its offset table (`k_off`: RoPE_j(k bias) for the
+batch's positions, subtracted from K before the store and added to the K attention decodes).
+Everything else (MoE, MXFP4 activations or pages, the de-biased K of small layers, prefill widths of
+large layers, fp32 large layers, guided layers over an FP8 side) runs the per-kernel path (`cpu_fused`,
+`EngineLinear.forward_cpu`).
 
 The per-forward work here is filling one argument object per layer (`cpu_layer.new_args()`):
 pointers to the layer's weights (refreshed only after weight loads), its KV pages, the batch's
@@ -44,7 +47,7 @@ def _dense(layer, kv, stream: bool = False) -> bool:
     """A dense layer whose activations are BF16 or NVFP4 in whole blocks, over BF16 or NVFP4 pages
     (stream: each side BF16, NVFP4 or FP8, so FP8 K + NVFP4 V too)."""
     pages_ok = all(f in _SIDE_CODES for f in kv.side_fmt) if stream else kv.fmt in ("bf16", "nvfp4")
-    if layer.moe or layer.k_debias or not pages_ok:
+    if layer.moe or (layer.k_debias and not stream) or not pages_ok:  # decode_layer knows no K offset
         return False
     if not cpu_fused.available(layer.input_norm.dtype):
         return False
@@ -162,6 +165,7 @@ class _Plan:
         self.weights = tuple(lin.weight for lin in self.linears)
         self.layer, self.key, self.keep = layer, None, None
         self.capturing, self.cap_token = False, None  # cap_token: (log layout, KV scales) the addresses are for
+        self.k_off = None  # de-biased K: this forward's offset table, alive while args point at it
 
     def refresh(self) -> None:
         key = tuple((lin._generation, w._version) for lin, w in zip(self.linears, self.weights))
@@ -228,7 +232,9 @@ def _plan(layer, kv, stream: bool) -> _Plan:
 def _fill(plan: _Plan, layer, x: torch.Tensor, batch, kv, rot, capture):
     """The per-forward fields of one layer's arguments (all but the residual in / out)."""
     args = plan.args
-    table, row_seq, row_len, _ = batch.attention_layout()
+    table, row_seq, row_len, width = batch.attention_layout()
+    plan.k_off = layer.k_bias_columns(width) if layer.k_debias else None  # kept alive through the call
+    args.k_off = None if plan.k_off is None else plan.k_off.data_ptr()
     nvfp4_pages = "nvfp4" in kv.side_fmt
     _set_capture(plan, args, capture, batch.kv_global_scales[layer.idx] if nvfp4_pages else None)
     if nvfp4_pages:

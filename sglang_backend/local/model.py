@@ -100,6 +100,7 @@ class _Layer(nn.Module):
         )
         # quant.kv_k_debias: this layer's K cache holds K - RoPE_pos(k_proj bias) (models/rope.py)
         self.k_debias = policy.kv_k_debias and policy.kv_format(idx, arch.num_layers, "k") != "bf16"
+        self._k_columns = None  # (key, RoPE_j(b) table): k_bias_columns
         if self.k_debias and not arch.qkv_bias:
             raise ValueError(f"quant.kv_k_debias needs a k_proj bias; {arch.family} has none")
         self.o_proj = linear("self_attn.o_proj", "self_attn.o_proj", {"o": h}, arch.q_size, arch.o_bias)
@@ -154,11 +155,16 @@ class _Layer(nn.Module):
         return rotated_bias(b, positions, a.rope_theta).to(dtype)
 
     def k_bias_columns(self, width: int) -> torch.Tensor:
-        """k_bias_at(arange(width), fp32), contiguous, from RoPE tables shared by every layer."""
-        a = self.arch
-        cos, sin = _column_tables(1 << max(width - 1, 0).bit_length(), a.head_dim, a.rope_theta)
-        b = self.qkv.bias[a.q_size : a.q_size + a.kv_size].view(a.num_kv_heads, a.head_dim)
-        return rotate_bias(b, cos[:width], sin[:width]).contiguous()
+        """k_bias_at(arange(width), fp32), contiguous: rows of a table kept for a power-of-two width
+        until the bias changes (weight loads bump the linear's generation, load_state_dict its version)."""
+        a, bias = self.arch, self.qkv.bias
+        cap = 1 << max(width - 1, 0).bit_length()
+        key = (cap, bias.data_ptr(), bias._version, self.qkv._generation)
+        if self._k_columns is None or self._k_columns[0] != key:
+            cos, sin = _column_tables(cap, a.head_dim, a.rope_theta)
+            b = bias[a.q_size : a.q_size + a.kv_size].view(a.num_kv_heads, a.head_dim)
+            self._k_columns = (key, rotate_bias(b, cos, sin).contiguous())
+        return self._k_columns[1][:width]
 
     def _store_kv(self, k, v, batch: ForwardBatch, kv: PagedKVCache, capture) -> None:
         for which, t in ((0, k), (1, v)):
@@ -232,6 +238,8 @@ class _Layer(nn.Module):
         qkv = self.qkv.forward_cpu(h, capture)
         norms = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
         table, row_seq, row_len, width = batch.attention_layout()
+        # RoPE_j(b) of columns 0..width-1, which hold every position of this batch: the store's offset too
+        k_off = self.k_bias_columns(width) if self.k_debias else None
         if kv.fmt == "bf16":  # K and V go straight into their cache slots
             kc, vc = kv.layer_pages[self.idx]
             q = cpu_fused.qkv_rope(
@@ -252,11 +260,11 @@ class _Layer(nn.Module):
             q = cpu_fused.qkv_rope(
                 qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, batch.positions, *norms, a.rms_norm_eps, k, v, None
             )
-            if self.k_debias:
-                k = k.float() - self.k_bias_at(batch.positions, torch.float32)
+            if k_off is not None:
+                k = k.float() - k_off[batch.positions]
             self._store_kv(k, v, batch, kv, capture)
         scale = a.head_dim**-0.5
-        if self.k_debias:  # the page kernel adds RoPE_j(b) to the K it decodes at column (position) j
+        if k_off is not None:  # the page kernel adds RoPE_j(b) to the K it decodes at column (position) j
             sdec_k, sdec_v = batch.kv_decode_scales[self.idx] if batch.kv_decode_scales else (1.0, 1.0)
             pages = kv.layer_pages[self.idx]
             out = cpu_attention.paged_attention_kv(
@@ -271,7 +279,7 @@ class _Layer(nn.Module):
                 row_seq,
                 row_len,
                 scale,
-                k_add=self.k_bias_columns(width),
+                k_add=k_off,
             )
         elif kv.fmt == "nvfp4":  # attention decodes the pages itself
             sdec_k, sdec_v = batch.kv_decode_scales[self.idx]
