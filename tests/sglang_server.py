@@ -1,11 +1,13 @@
 """One real SGLang server process for a test module, started the way a user starts it
 (`python -m sglang_backend.launch --backend sglang`, through sglang_backend.server_process), stopped
-with its whole process group."""
+with its whole process group; the prompts and the guidance-agreement bar the real-SGLang modules share."""
 
 from __future__ import annotations
 
 import pytest
 
+from megatron_trace.guidance import GuidanceRecord
+from sglang_backend.api import SamplingParams
 from sglang_backend.server_process import ServerStartError, SGLangProcess
 
 
@@ -27,3 +29,36 @@ def start_sglang(
         yield srv.url
     finally:
         srv.stop()
+
+
+PREFIX = [7, 21, 33, 4, 90, 11, 2, 48, 16, 5]  # shared by several prompts: the radix cache reuses it
+PROMPTS = [[5, 6, 7, 8], PREFIX + [60, 61], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]]
+
+
+def greedy(n: int = 1, max_new_tokens: int = 8) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0, n=n, ignore_eos=True)
+
+
+def guidance_agreement(a: bytes, b: bytes) -> dict[str, float]:
+    """Two records of one sample: same sites, positions and shapes (asserted), and how far apart:
+    the fraction of equal code bytes and scale bytes, the largest relative S_enc difference."""
+    ra, rb = GuidanceRecord.from_bytes(a), GuidanceRecord.from_bytes(b)
+    # site order is each writer's first-write order (the engine's C and Python layers differ): compare sets
+    assert (ra.mode, ra.num_positions, sorted(ra.sites)) == (rb.mode, rb.num_positions, sorted(rb.sites))
+    eq = {"payload": [0, 0], "scale": [0, 0]}
+    rel = 0.0
+    for name, x in ra.sites.items():
+        y = rb.sites[name]
+        for field, (same, total) in eq.items():
+            u, v = getattr(x, field), getattr(y, field)
+            assert u.shape == v.shape, (name, field)
+            eq[field] = [same + int((u == v).sum()), total + u.numel()]
+        rel = max(rel, float(((x.global_scale - y.global_scale).abs() / y.global_scale.abs()).max()))
+    return {"codes": eq["payload"][0] / eq["payload"][1], "scales": eq["scale"][0] / eq["scale"][1], "s_enc_rel": rel}
+
+
+def check_agreement(stats: dict[str, float]) -> None:
+    # fp32 activations of SGLang's kernels (torch_native attention, its norms) and of the engine's C
+    # kernels agree to a few ulps, not bit for bit: a code at a rounding boundary may flip.
+    print("guidance agreement", stats)
+    assert stats["codes"] >= 0.999 and stats["scales"] >= 0.999 and stats["s_enc_rel"] <= 1e-5, stats

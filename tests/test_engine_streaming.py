@@ -8,19 +8,10 @@ import torch
 from megatron_trace.kernels import cpu_gemv
 from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.local import Engine, layer_c
+from tests.helpers import WIDE
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
 
-# hidden 512 x (2 x 4224) gate_up weights: above layer_c.ONE_CALL_MAX_WEIGHTS, one layer to stay quick
-WIDE = dict(
-    hidden_size=512,
-    intermediate_size=4224,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    tie_word_embeddings=False,
-)
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41]]
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 

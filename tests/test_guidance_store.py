@@ -13,19 +13,10 @@ from hypothesis import strategies as st
 from megatron_trace.fp4 import nvfp4
 from megatron_trace.guidance import GuidanceRecord, GuidanceStore, encode_records, make_site
 from megatron_trace.guidance.store import GuidanceStoreError
+from tests.helpers import make_record
 from tests.waiting import wait_until
 
 SITES = ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj")
-
-
-def make_record(sample_id: str, positions: int = 5, k: int = 64, mode: str = "full", seed: int = 0):
-    """A real record: NVFP4-quantized random activations, per-token global scale."""
-    g = torch.Generator().manual_seed(seed)
-    sites = {}
-    for name in SITES:
-        q = nvfp4.quantize(torch.randn(positions, k, generator=g), per_row_global=True)
-        sites[name] = make_site(q.scale, q.global_scale, q.data, mode)
-    return GuidanceRecord(sample_id, mode, positions, sites)
 
 
 def assert_same(a: GuidanceRecord, b: GuidanceRecord):

@@ -11,7 +11,7 @@ from megatron_trace.data import ArithmeticTask, CharTokenizer, get_reward_fn
 from megatron_trace.guidance import GuidanceStore
 from megatron_trace.loop import Rollout, StepRunner, StoredRecord, share_batch
 from sglang_backend.api import GenerateResult
-from tests.test_guidance_store import make_record
+from tests.helpers import make_record
 
 RESPONSE = [3, 4]
 

@@ -9,8 +9,8 @@ import torch
 
 from megatron_trace.fp4 import mxfp4, unpack_fp4
 from megatron_trace.models import make_tiny_checkpoint
+from tests.helpers import probe_in_process
 from tests.ports import free_port
-from tests.test_probe import _probe_in_process
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def _expert_agreement(mode_result) -> dict[str, float]:
 def test_fp32_rollout_and_trainer_round_expert_inputs_identically(moe_ckpt):
     """Both sides in fp32: round-to-nearest QAT gives the engine's codes at every expert site (the
     down_proj input once Megatron's routing weight is divided out; it was 75% at layer 0 before)."""
-    res = _probe_in_process(
+    res = probe_in_process(
         moe_ckpt, "--quantization", "mxfp4", "--kv-cache-dtype", "bf16", "--rollout-dtype", "float32"
     )
     rtn = _expert_agreement(res["modes"]["rtn"])
@@ -37,7 +37,7 @@ def test_fp32_rollout_and_trainer_round_expert_inputs_identically(moe_ckpt):
 def test_mxfp4_expert_sites_are_recorded_and_guided(moe_ckpt):
     """bf16 rollout: the engine records the MXFP4 expert sites, guided < rtn < off, and guided
     expert-site agreement >= 99.9% (rtn's is well below: bf16 vs fp32 noise flips codes)."""
-    res = _probe_in_process(moe_ckpt, "--quantization", "mxfp4", "--kv-cache-dtype", "bf16")
+    res = probe_in_process(moe_ckpt, "--quantization", "mxfp4", "--kv-cache-dtype", "bf16")
     m = res["modes"]
     assert res["guided_skipped"] is None and res["policy"]["format"] == "mxfp4"
     assert m["guided-full"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from megatron_trace.kernels import onednn_linear
 from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.local import Engine
-from tests.test_engine_streaming import WIDE  # above the one-call C layer: batches run the torch GEMMs
+from tests.helpers import WIDE  # above the one-call C layer: batches run the torch GEMMs
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason=f"{onednn_linear.unavailable_reason()}")
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from megatron_trace.models import make_tiny_checkpoint
+from tests.helpers import probe_in_process
 from tests.ports import free_port
 
 
@@ -99,17 +100,9 @@ def test_moe_experts_follow_the_rollout(tmp_path_factory, tmp_path):
     assert min(experts.values()) > 0.95 and sum(rtn_experts) / len(rtn_experts) < 0.8
 
 
-def _probe_in_process(ckpt, *flags):
-    from megatron_trace import probe
-
-    return probe.probe(
-        probe.parse_args(["--model-path", str(ckpt), "--num-prompts", "4", "--max-new-tokens", "12", *flags])
-    )
-
-
 def test_w4a16_with_nvfp4_kv_guides_k_and_v(ckpt):
     """W4A16 NVFP4 + NVFP4 KV: the only guided sites are K and V; guided < rtn < off there."""
-    res = _probe_in_process(ckpt, "--quantization", "w4a16_nvfp4", "--kv-cache-dtype", "nvfp4")
+    res = probe_in_process(ckpt, "--quantization", "w4a16_nvfp4", "--kv-cache-dtype", "nvfp4")
     m = res["modes"]
     assert res["guided_skipped"] is None
     assert m["guided-full"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
@@ -120,7 +113,7 @@ def test_w4a16_with_nvfp4_kv_guides_k_and_v(ckpt):
 def test_mxfp4_activations_and_kv_are_guided(ckpt):
     """MXFP4 W4A4 + MXFP4 KV: the rollout records E8M0 scales and codes at every FP4 site (linear
     inputs, K, V), and guided < rtn < off with every site's agreement >= 99.9%."""
-    res = _probe_in_process(ckpt, "--quantization", "mxfp4", "--kv-cache-dtype", "mxfp4")
+    res = probe_in_process(ckpt, "--quantization", "mxfp4", "--kv-cache-dtype", "mxfp4")
     m = res["modes"]
     assert res["guided_skipped"] is None and res["policy"]["format"] == "mxfp4"
     assert m["guided-full"]["mean_abs_dlogp"] < 0.1 * m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
@@ -132,7 +125,7 @@ def test_mxfp4_activations_and_kv_are_guided(ckpt):
 def test_mxfp4_weights_are_modelled_as_mxfp4_and_unguidable_runs_say_so(ckpt):
     """W4A16 MXFP4: plain QAT with the engine's MXFP4 weights closes most of the gap (NVFP4-modelled
     weights would not); the engine records no MXFP4 guidance, so the probe runs off/rtn and says why."""
-    res = _probe_in_process(ckpt, "--quantization", "w4a16_mxfp4", "--kv-cache-dtype", "bf16")
+    res = probe_in_process(ckpt, "--quantization", "w4a16_mxfp4", "--kv-cache-dtype", "bf16")
     m = res["modes"]
     assert sorted(m) == ["off", "rtn"] and "no guided modes" in res["guided_skipped"]
     assert m["rtn"]["mean_abs_dlogp"] < 0.2 * m["off"]["mean_abs_dlogp"]
@@ -145,11 +138,11 @@ def test_fp8_k_and_v_are_guided_sites(ckpt):
     guided < rtn < off in both modes, but FP8 resolves small elements finer than a bf16 rollout and an
     fp32 trainer agree (several E4M3 codewords near zero), so some codes stay more than one codeword
     apart, where neither one bit nor the nearer bracket reaches: agreement >= 90% and above rtn's."""
-    exact = _probe_in_process(
+    exact = probe_in_process(
         ckpt, "--quantization", "w4a16_nvfp4", "--kv-cache-dtype", "fp8", "--rollout-dtype", "float32"
     )
     assert min(exact["modes"]["guided-mantissa"]["agreement"].values()) == 1.0
-    res = _probe_in_process(ckpt, "--quantization", "w4a16_nvfp4", "--kv-cache-dtype", "fp8")
+    res = probe_in_process(ckpt, "--quantization", "w4a16_nvfp4", "--kv-cache-dtype", "fp8")
     m = res["modes"]
     assert res["guided_skipped"] is None
     for mode in ("guided-full", "guided-mantissa"):
@@ -164,7 +157,7 @@ def test_fp8_k_and_v_are_guided_sites(ckpt):
 def test_kv_only_policy_models_the_fp4_kv_cache(ckpt):
     """quant.format bf16 with NVFP4 K and V (--quantization none): the rollout records K/V guidance,
     and guided < rtn < off with K/V agreement >= 99.9%."""
-    res = _probe_in_process(ckpt, "--quantization", "none", "--kv-cache-dtype", "nvfp4")
+    res = probe_in_process(ckpt, "--quantization", "none", "--kv-cache-dtype", "nvfp4")
     m = res["modes"]
     assert res["policy"]["format"] == "bf16" and res["guided_skipped"] is None
     assert m["guided-full"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
@@ -176,7 +169,7 @@ def test_static_activation_scales_are_calibrated_and_guided(ckpt):
     """--activation-scale static: one calibrated S_enc per FP4-activation site, on both sides (the
     engine got it as input_scale, the trainer's QAT from the same amax); guided < rtn < off, and the
     guided trainer reproduces every rollout code (>= 99.9%) with the static scale."""
-    res = _probe_in_process(ckpt, "--activation-scale", "static")
+    res = probe_in_process(ckpt, "--activation-scale", "static")
     m = res["modes"]
     assert res["policy"]["activation_scale"] == "static" and res["guided_skipped"] is None
     assert m["guided-full"]["mean_abs_dlogp"] < m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]

@@ -4,19 +4,14 @@ as Qwen2.5 has): NVFP4 K loses, FP8 K does not; the CLI writes its table, JSON a
 import json
 
 import pytest
-import torch
 
 from megatron_trace import quality
-
-
-def _prompts(n=4):
-    g = torch.Generator().manual_seed(0)
-    return [{"ids": torch.randint(3, 320, (12,), generator=g).tolist(), "text": None, "answer": None} for _ in range(n)]
+from tests.helpers import random_prompts
 
 
 def test_nvfp4_k_loses_and_fp8_k_does_not(outlier_ckpt):
     specs = ["bf16:nvfp4:bf16", "bf16:fp8:bf16", "bf16:nvfp4:nvfp4", "bf16:fp8:nvfp4", "bf16:bf16:nvfp4"]
-    rep = quality.run(outlier_ckpt, _prompts(), [quality.Setting.parse(s) for s in specs], max_new_tokens=24)
+    rep = quality.run(outlier_ckpt, random_prompts(), [quality.Setting.parse(s) for s in specs], max_new_tokens=24)
     inc = {n: r["nll_increase"] for n, r in rep["settings"].items()}
     ref = rep["settings"][quality.REFERENCE]
     assert inc[quality.REFERENCE] == 0 and ref["top1_agreement"] == 1 and ref["same_greedy_answers"] == 1
@@ -37,7 +32,7 @@ def test_nvfp4_k_loses_and_fp8_k_does_not(outlier_ckpt):
 
 def test_cli_writes_table_json_png(outlier_ckpt, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"input_ids": p["ids"]}) + "\n" for p in _prompts(2)))
+    prompts.write_text("".join(json.dumps({"input_ids": p["ids"]}) + "\n" for p in random_prompts(2)))
     rc = quality.main(
         [
             "--model-path",
@@ -71,7 +66,7 @@ def test_bad_settings_and_prompts_are_named(tmp_path):
         quality.Setting.parse("w4a4")
     (tmp_path / "p.jsonl").write_text('{"question": "1+1"}\n')
     with pytest.raises(ValueError, match="p.jsonl:1: a prompt line needs 'prompt', 'messages' or 'input_ids'"):
-        quality.load_prompts(tmp_path / "p.jsonl", tmp_path)
+        quality.loadrandom_prompts(tmp_path / "p.jsonl", tmp_path)
 
 
 @pytest.mark.parametrize(

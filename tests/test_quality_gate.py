@@ -9,7 +9,7 @@ import pytest
 from megatron_trace import quality
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.quality_gate import QualityGateError, candidates, gate
-from tests.test_quality import _prompts
+from tests.helpers import random_prompts
 
 # A random-init toy: every FP4 site costs it 0.2-0.5 nats/token, the planted K outlier 2.9 (NVFP4 K).
 LIMITS = dict(max_nll_increase=0.6, max_accuracy_drop=0.125, max_new_tokens=12, dtype="float32")
@@ -19,7 +19,7 @@ KV_NVFP4 = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nv
 def test_a_failing_policy_stops_with_the_cheapest_that_passes(outlier_ckpt):
     said = []
     with pytest.raises(QualityGateError) as e:
-        gate(outlier_ckpt, KV_NVFP4, _prompts(), accept_loss=False, log=said.append, **LIMITS)
+        gate(outlier_ckpt, KV_NVFP4, random_prompts(), accept_loss=False, log=said.append, **LIMITS)
     msg = str(e.value)
     fails = float(msg.split("| bf16:nvfp4:nvfp4 | ")[1].split(" |")[0])
     assert fails > 2.0, msg  # NVFP4 K spends its scale on the planted K outlier
@@ -32,7 +32,7 @@ def test_a_failing_policy_stops_with_the_cheapest_that_passes(outlier_ckpt):
 
 def test_accepting_the_loss_runs_and_reports_it(outlier_ckpt):
     said = []
-    res = gate(outlier_ckpt, KV_NVFP4, _prompts(), accept_loss=True, log=said.append, **LIMITS)
+    res = gate(outlier_ckpt, KV_NVFP4, random_prompts(), accept_loss=True, log=said.append, **LIMITS)
     assert not res.passed and res.nll_increase > 2.0
     assert res.metrics() == {"quality/nll_increase": res.nll_increase, "quality/passed": 0.0}
     assert "WARNING" in said[-1] and "quant.accept_quality_loss=true" in said[-1]
@@ -46,7 +46,7 @@ class _IdsText:
 
 
 def test_a_passing_policy_shows_its_answers_beside_bf16s(outlier_ckpt):
-    tok, prompts = _IdsText(), _prompts()
+    tok, prompts = _IdsText(), random_prompts()
     ref = quality.run(outlier_ckpt, prompts, [], max_new_tokens=12, tokenizer=tok)["settings"][quality.REFERENCE]
     for p, text in zip(prompts, ref["texts"]):
         p["answer"], p["text"] = text, "q"
@@ -68,8 +68,8 @@ def test_the_gate_measures_the_runs_policy_not_a_look_alike(outlier_ckpt):
     """BF16 layer bands and FP4 targets change what is measured; candidates keep them."""
     w4a4 = QuantPolicy(kv="bf16")
     banded = QuantPolicy(kv="bf16", bf16_layers_start=3)
-    plain = gate(outlier_ckpt, w4a4, _prompts(), accept_loss=True, log=lambda m: None, **LIMITS)
-    band = gate(outlier_ckpt, banded, _prompts(), accept_loss=True, log=lambda m: None, **LIMITS)
+    plain = gate(outlier_ckpt, w4a4, random_prompts(), accept_loss=True, log=lambda m: None, **LIMITS)
+    band = gate(outlier_ckpt, banded, random_prompts(), accept_loss=True, log=lambda m: None, **LIMITS)
     assert band.nll_increase < plain.nll_increase / 2  # three of four layers' MLPs stay BF16
     arch = ModelArch.from_hf_config(outlier_ckpt)
     run = quality.Setting.of_policy(banded.for_arch(arch))
@@ -97,18 +97,18 @@ def test_candidates_fewest_bits_first_debiased_where_k_has_a_bias(outlier_ckpt):
 
 def test_a_reused_reference_gives_the_fresh_numbers(outlier_ckpt):
     s = [quality.Setting.parse("bf16:fp8:nvfp4")]
-    fresh = quality.run(outlier_ckpt, _prompts(), s, max_new_tokens=12)
-    ref_only = quality.run(outlier_ckpt, _prompts(), [], max_new_tokens=12)
-    reused = quality.run(outlier_ckpt, _prompts(), s, max_new_tokens=12, reference=ref_only)
+    fresh = quality.run(outlier_ckpt, random_prompts(), s, max_new_tokens=12)
+    ref_only = quality.run(outlier_ckpt, random_prompts(), [], max_new_tokens=12)
+    reused = quality.run(outlier_ckpt, random_prompts(), s, max_new_tokens=12, reference=ref_only)
     assert reused["settings"]["bf16:fp8:nvfp4"]["nll_increase"] == fresh["settings"]["bf16:fp8:nvfp4"]["nll_increase"]
     with pytest.raises(ValueError, match="same prompts and max_new_tokens"):
-        quality.run(outlier_ckpt, _prompts(), s, max_new_tokens=8, reference=ref_only)
+        quality.run(outlier_ckpt, random_prompts(), s, max_new_tokens=8, reference=ref_only)
 
 
 def test_a_bf16_rollout_has_nothing_to_gate(outlier_ckpt):
     said = []
     bf16 = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="bf16")
-    assert gate(outlier_ckpt, bf16, _prompts(), accept_loss=False, log=said.append, **LIMITS) is None
+    assert gate(outlier_ckpt, bf16, random_prompts(), accept_loss=False, log=said.append, **LIMITS) is None
     assert said == ["rollout quality gate: the rollout quantizes nothing (BF16), nothing to measure"]
 
 

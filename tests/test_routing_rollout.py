@@ -17,6 +17,7 @@ from megatron_trace.guidance import decode_routed_experts, encode_routed_experts
 from megatron_trace.models import ModelArch, make_tiny_checkpoint
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams
 from sglang_backend.local import Engine
+from tests.helpers import hf_topk
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [11, 12, 13]]
 NEW = 6
@@ -34,15 +35,6 @@ def engine(moe_ckpt):
     eng.shutdown()
 
 
-def _hf_topk(path, tokens: list[int], top_k: int) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf(torch.tensor([tokens]), output_router_logits=True)
-    return torch.stack([torch.topk(r.float().softmax(-1), top_k, -1).indices for r in out.router_logits], 1)
-
-
 def test_engine_routed_experts_are_hf_router_topk_at_every_position(moe_ckpt, engine):
     arch = ModelArch.from_hf_config(moe_ckpt)
     params = {"temperature": 1.0, "max_new_tokens": NEW, "ignore_eos": True, "n": 2, "sampling_seed": 5}
@@ -57,7 +49,7 @@ def test_engine_routed_experts_are_hf_router_topk_at_every_position(moe_ckpt, en
             arch.num_experts_per_tok,
             arch.num_experts,
         )
-        ref = _hf_topk(moe_ckpt, tokens[:-1], arch.num_experts_per_tok)  # [T, layers, k]
+        ref = hf_topk(moe_ckpt, tokens[:-1], arch.num_experts_per_tok)  # [T, layers, k]
         # same experts in the same top-k order (slot order names the down_proj guidance slot)
         assert torch.equal(ids, ref.to(torch.int32))
 

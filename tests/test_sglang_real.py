@@ -24,14 +24,7 @@ from sglang_backend.api import GUIDANCE_KEY, GenerateRequest, SamplingParams
 from sglang_backend.client import RolloutClient, RolloutError
 from sglang_backend.local import Engine
 from sglang_backend.local.server import serve
-from tests.sglang_server import start_sglang  # noqa: F401 - re-exported for test_sglang_real_kv
-
-PREFIX = [7, 21, 33, 4, 90, 11, 2, 48, 16, 5]  # shared by several prompts: the radix cache reuses it
-PROMPTS = [[5, 6, 7, 8], PREFIX + [60, 61], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]]
-
-
-def greedy(n: int = 1, max_new_tokens: int = 8) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0, n=n, ignore_eos=True)
+from tests.sglang_server import PREFIX, PROMPTS, check_agreement, greedy, guidance_agreement, start_sglang
 
 
 def _post(url: str, path: str, body: dict) -> tuple[int, bytes]:
@@ -117,31 +110,6 @@ def test_top_p_logprobs_are_the_sampled_distributions_on_both_stacks(clients, sg
     assert status == 200 and max(t[0] for t in json.loads(body)["meta_info"]["output_token_logprobs"]) < -1e-3
 
 
-def _agreement(a: bytes, b: bytes) -> dict[str, float]:
-    """Two records of one sample: same sites, positions and shapes (asserted), and how far apart:
-    the fraction of equal code bytes and scale bytes, the largest relative S_enc difference."""
-    ra, rb = GuidanceRecord.from_bytes(a), GuidanceRecord.from_bytes(b)
-    # site order is each writer's first-write order (the engine's C and Python layers differ): compare sets
-    assert (ra.mode, ra.num_positions, sorted(ra.sites)) == (rb.mode, rb.num_positions, sorted(rb.sites))
-    eq = {"payload": [0, 0], "scale": [0, 0]}
-    rel = 0.0
-    for name, x in ra.sites.items():
-        y = rb.sites[name]
-        for field, (same, total) in eq.items():
-            u, v = getattr(x, field), getattr(y, field)
-            assert u.shape == v.shape, (name, field)
-            eq[field] = [same + int((u == v).sum()), total + u.numel()]
-        rel = max(rel, float(((x.global_scale - y.global_scale).abs() / y.global_scale.abs()).max()))
-    return {"codes": eq["payload"][0] / eq["payload"][1], "scales": eq["scale"][0] / eq["scale"][1], "s_enc_rel": rel}
-
-
-def _check(stats: dict[str, float]) -> None:
-    # fp32 activations of SGLang's kernels (torch_native attention, its norms) and of the engine's C
-    # kernels agree to a few ulps, not bit for bit: a code at a rounding boundary may flip.
-    print("guidance agreement", stats)
-    assert stats["codes"] >= 0.999 and stats["scales"] >= 0.999 and stats["s_enc_rel"] <= 1e-5, stats
-
-
 def test_guidance_records_match_the_embedded_engine(clients, sglang_url):
     """n = 1 and n = 2, a prompt whose prefix the radix cache already holds: every sample's record
     has the embedded engine's sites, positions and layout, and its codes, E4M3 scales and per-token
@@ -171,7 +139,7 @@ def test_guidance_records_match_the_embedded_engine(clients, sglang_url):
     ref = emb.fetch_guidance(want.guidance_handle)
     got = sg.fetch_guidance("radix-1")
     assert GuidanceRecord.from_bytes(ref).num_positions == len(PREFIX) + 2 + 6 - 1
-    _check(_agreement(got, ref))
+    check_agreement(guidance_agreement(got, ref))
 
     reqs = [
         GenerateRequest(PROMPTS[0], greedy(n=2, max_new_tokens=5), rid="multi", return_guidance=True),
@@ -184,7 +152,7 @@ def test_guidance_records_match_the_embedded_engine(clients, sglang_url):
         rec = GuidanceRecord.from_bytes(mine)
         assert set(rec.sites) == {f"model.layers.{i}.mlp.{s}" for i in (2, 3) for s in ("gate_up_proj", "down_proj")}
         assert rec.sample_id == ra.rid  # SGLang names n > 1 samples with fresh uuids, the engine "<rid>-<i>"
-        _check(_agreement(mine, theirs))
+        check_agreement(guidance_agreement(mine, theirs))
 
 
 def test_get_guidance_unknown_or_fetched_rid_is_404_json(clients, sglang_url, embedded_url):

@@ -19,7 +19,7 @@ from sglang_backend.api import GenerateRequest, SamplingParams
 from sglang_backend.client import RolloutClient
 from sglang_backend.local import Engine
 from sglang_backend.local.quant_flags import policy_for
-from tests.test_sglang_real import PROMPTS, _agreement, _check, start_sglang
+from tests.sglang_server import PROMPTS, check_agreement, guidance_agreement, start_sglang
 
 # (launcher KV flags, K format, V format, K de-biased)
 SETTINGS = {
@@ -108,4 +108,4 @@ def test_guidance_records_carry_the_quantized_kv_sites_as_the_engine_does(settin
     assert kv_sites == {
         f"model.layers.{i}.self_attn.{n}_cache" for i in (2, 3) for n, f in zip("kv", sides) if f != "bf16"
     }
-    _check(_agreement(mine, theirs))
+    check_agreement(guidance_agreement(mine, theirs))

@@ -16,7 +16,7 @@ from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.api import GenerateRequest
 from sglang_backend.client import RolloutClient
 from sglang_backend.local import Engine
-from tests.test_sglang_real import PREFIX, PROMPTS, greedy, start_sglang
+from tests.sglang_server import PREFIX, PROMPTS, greedy, start_sglang
 
 GUIDED = (2, 3)  # the last half of the tiny model's four layers
 # the default policy quantizes the MLP; --kv-cache-dtype mxfp4 adds each guided layer's K and V pages

@@ -9,7 +9,7 @@ import pytest
 import sglang  # noqa: F401 - a missing SGLang fails this module, it is not skipped
 
 from megatron_trace import quality
-from tests.test_quality import _prompts
+from tests.helpers import random_prompts
 
 SETTINGS = ["bf16:nvfp4:nvfp4", "bf16:fp8:nvfp4", "bf16:nvfp4+debias:nvfp4"]
 
@@ -17,7 +17,7 @@ SETTINGS = ["bf16:nvfp4:nvfp4", "bf16:fp8:nvfp4", "bf16:nvfp4+debias:nvfp4"]
 @pytest.fixture(scope="module")
 def reports(outlier_ckpt, tmp_path_factory):  # noqa: F811 - the imported fixture
     settings = [quality.Setting.parse(s) for s in SETTINGS]
-    prompts = _prompts(3)
+    prompts = random_prompts(3)
     work = tmp_path_factory.mktemp("quality_sglang")
     return {
         b: quality.run(outlier_ckpt, prompts, settings, max_new_tokens=12, backend=b, workdir=work)
@@ -79,14 +79,32 @@ def test_the_gate_of_an_http_run_scores_its_sglang_server(outlier_ckpt, nvfp4_kv
 
     policy = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4")
     limits = dict(max_nll_increase=0.6, max_accuracy_drop=0.125, max_new_tokens=12, dtype="float32")
-    res = gate(outlier_ckpt, policy, _prompts(3), accept_loss=True, url=nvfp4_kv_server, log=lambda m: None, **limits)
+    res = gate(
+        outlier_ckpt, policy, random_prompts(3), accept_loss=True, url=nvfp4_kv_server, log=lambda m: None, **limits
+    )
     measured = reports["sglang"]["settings"]["bf16:nvfp4:nvfp4"]["nll_increase"]
     assert res.report["backend"] == "http" and not res.passed
     assert abs(res.nll_increase - measured) < 2e-3, (res.nll_increase, measured)
     with pytest.raises(
         QualityGateError, match=rf"served by {nvfp4_kv_server}(.|\n)*cheapest that passes is bf16:nvfp4\+debias"
     ):
-        gate(outlier_ckpt, policy, _prompts(3), accept_loss=False, url=nvfp4_kv_server, log=lambda m: None, **limits)
+        gate(
+            outlier_ckpt,
+            policy,
+            random_prompts(3),
+            accept_loss=False,
+            url=nvfp4_kv_server,
+            log=lambda m: None,
+            **limits,
+        )
     debiased = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4", kv_k_debias=True)
     with pytest.raises(RuntimeError, match="serves .* not the setting"):  # the server does not de-bias K
-        gate(outlier_ckpt, debiased, _prompts(3), accept_loss=True, url=nvfp4_kv_server, log=lambda m: None, **limits)
+        gate(
+            outlier_ckpt,
+            debiased,
+            random_prompts(3),
+            accept_loss=True,
+            url=nvfp4_kv_server,
+            log=lambda m: None,
+            **limits,
+        )

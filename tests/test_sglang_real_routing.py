@@ -15,8 +15,8 @@ from megatron_trace.models import ModelArch, make_tiny_checkpoint
 from sglang_backend.api import GenerateRequest, SamplingParams
 from sglang_backend.client import RolloutClient
 from sglang_backend.local import Engine, InProcessBackend
+from tests.helpers import hf_topk
 from tests.sglang_server import start_sglang
-from tests.test_routing_rollout import _hf_topk
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [40, 3, 99]]
 
@@ -50,7 +50,7 @@ def test_real_sglang_routed_experts_equal_the_engine_and_hf(moe_ckpt, sglang_url
             r.routed_experts, len(tokens) - 1, arch.num_layers, arch.num_experts_per_tok, arch.num_experts
         )
         mine = decode_routed_experts(o.routed_experts, len(tokens) - 1, arch.num_layers, arch.num_experts_per_tok)
-        ref = _hf_topk(moe_ckpt, tokens[:-1], arch.num_experts_per_tok).to(torch.int32)
+        ref = hf_topk(moe_ckpt, tokens[:-1], arch.num_experts_per_tok).to(torch.int32)
         assert torch.equal(ids, ref) and torch.equal(mine, ref)  # same experts, same top-k order
     plain = RolloutClient([sglang_url]).generate([GenerateRequest(PROMPTS[0], reqs[0].sampling_params)])[0]
     assert plain.routed_experts is None  # only when asked

@@ -178,7 +178,7 @@ def test_tp2_server_matches_the_embedded_engine(tp2_server):
     sample's record (n = 2 included) agrees with the engine's as the TP=1 server's does."""
     from sglang_backend.api import GenerateRequest, SamplingParams
     from sglang_backend.client import RolloutClient
-    from tests.test_sglang_real import PROMPTS, _agreement, _check  # the TP=1 server's agreement bar
+    from tests.sglang_server import PROMPTS, check_agreement, guidance_agreement  # the TP=1 server's agreement bar
 
     sg, emb = (RolloutClient(url, retries=0) for url in tp2_server)
     greedy = [SamplingParams(max_new_tokens=6, temperature=0, n=n, ignore_eos=True) for n in (1, 2)]
@@ -191,7 +191,9 @@ def test_tp2_server_matches_the_embedded_engine(tp2_server):
     worst = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.output_logprobs, rb.output_logprobs))
     assert worst <= 1e-5, worst
     for ra, rb in zip(a, b):
-        _check(_agreement(sg.fetch_guidance(ra.guidance_handle), emb.fetch_guidance(rb.guidance_handle)))
+        check_agreement(
+            guidance_agreement(sg.fetch_guidance(ra.guidance_handle), emb.fetch_guidance(rb.guidance_handle))
+        )
 
 
 @given(st.sampled_from([1, 2, 4, 8]), st.integers(0, 4))
