@@ -16,10 +16,11 @@ from torch import nn
 
 from megatron_trace.fp4 import nvfp4, swizzle_scales, to_modelopt_fused
 from megatron_trace.fp4.nvfp4 import decode_scale, encode_scale_from_amax
+from megatron_trace.guidance import GuidanceRecord
 from sglang_backend.local.kv_cache import PagedKVCache
 from sglang_backend.local.layers import EngineLinear
-from sglang_backend.plugin import capture, quant_config, register
-from sglang_backend.plugin.kv_capture import KVCaptureBuffer, TraceNVFP4KVMethod
+from sglang_backend.plugin import capture, quant_config, register, slot_capture
+from sglang_backend.plugin.kv_capture import TraceNVFP4KVMethod
 from sglang_backend.plugin.quant_config import TraceFP4Config, TraceMXFP4Config
 from sglang_backend.plugin.quant_method import TraceFP4LinearMethod, TraceMXFP4LinearMethod
 
@@ -74,23 +75,26 @@ def test_nvfp4_apply_matches_engine_linear(shards, k, input_amax):
     tensors = to_modelopt_fused(_weights(shards, k, 0), input_amax=input_amax)
     bias = torch.randn(sum(shards.values()))
     x = torch.randn(5, k) * 2
-    layer, method = _plugin(shards, k, tensors)
+    site = "model.layers.0.self_attn.qkv_proj"
+    layer, method = _plugin(shards, k, tensors, TraceFP4LinearMethod(TraceFP4Config(), site=site))
     eng = _engine(shards, k, tensors, bias)
     seen = []
-    want = eng(x, capture=lambda site, q: seen.append(q))
-    buf = capture.GuidanceCaptureBuffer({"site": k}, max_slots=4, max_tokens=8)
-    slots, pos = torch.tensor([0, 0, 0, 2, 2]), torch.tensor([0, 1, 2, 0, 1])
-    with capture.capture_batch(slots, pos, buf):
+    want = eng(x, capture=lambda _, q: seen.append(q))
+    cap = slot_capture.SlotCapture(8, "full", guided_layers=[0])
+    with capture.capture_batch(torch.tensor([4, 5, 6, 0, 1]), None, buffer=cap):  # two requests' KV slots
         got = method.apply(layer, x, bias)
     assert torch.equal(got, want)
-    q0 = buf.read(0, "site")
-    assert torch.equal(q0.data, seen[0].data[:3]) and torch.equal(q0.scale, seen[0].scale[:3])
+    first, second = (
+        GuidanceRecord.from_bytes(cap.record(r, s)).sites[site]
+        for r, s in (("a", torch.tensor([4, 5, 6])), ("b", torch.tensor([0, 1])))
+    )
+    assert torch.equal(first.payload, seen[0].data[:3]) and torch.equal(first.scale, seen[0].scale[:3])
     if input_amax is None:  # guidance: the per-token quantization of the input
         ref = nvfp4.quantize(x, per_row_global=True)
-        assert torch.equal(q0.data, ref.data[:3]) and torch.equal(q0.scale, ref.scale[:3])
-        assert torch.equal(q0.global_scale, ref.global_scale[:3])
-        assert torch.equal(buf.read(2, "site").data, ref.data[3:])
-    assert int(buf.lengths[1]) == 0 and method.apply(layer, x.unsqueeze(0), bias).shape == (1, 5, sum(shards.values()))
+        assert torch.equal(first.payload, ref.data[:3]) and torch.equal(first.scale, ref.scale[:3])
+        assert torch.equal(first.global_scale.reshape(-1), ref.global_scale.reshape(-1)[:3])
+        assert torch.equal(second.payload, ref.data[3:])
+    assert method.apply(layer, x.unsqueeze(0), bias).shape == (1, 5, sum(shards.values()))
 
 
 def test_weight_update_in_place_refreshes_derived():
@@ -163,8 +167,6 @@ def test_mxfp4_apply_matches_engine_linear_and_records_its_guidance():
     rows = torch.tensor([1, 2, 0])
     site_rec = make_site(q.scale[rows], torch.tensor(1.0), q.data[rows], "full")
     assert cap.record("r", torch.tensor([1, 2, 5])) == encode_records(["r"], "full", [3], {site: site_rec})[0]
-    with pytest.raises(TypeError, match="NVFP4 sites only; got MXFP4Tensor"):
-        capture.GuidanceCaptureBuffer({site: k}, max_slots=2, max_tokens=4).write(site, rows, rows, q)
 
 
 def test_kv_method_matches_paged_kv_cache():
@@ -180,23 +182,26 @@ def test_kv_method_matches_paged_kv_cache():
     cache.write(1, 1, slots, v)
     method = TraceNVFP4KVMethod(num_layers=2)
     bufs = method.create_buffers(16, heads, d, 2, "cpu")
-    method.capture = KVCaptureBuffer(num_layers=2, capacity=8, heads=heads, head_dim=d)
-    method.quantize_and_store(
-        bufs["k_buffer"][1],
-        bufs["v_buffer"][1],
-        bufs["k_scale_buffer"][1],
-        bufs["v_scale_buffer"][1],
-        slots,
-        k,
-        v,
-        k_scale=decode_scale(cache.global_scale[1, 0]),
-        v_scale=None,
-    )
+    cap = slot_capture.SlotCapture(8, "full", guided_layers=[1])  # slot 14 is past its capacity: dumped
+    with capture.capture_batch(slots, None, buffer=cap):
+        method.quantize_and_store(
+            bufs["k_buffer"][1],
+            bufs["v_buffer"][1],
+            bufs["k_scale_buffer"][1],
+            bufs["v_scale_buffer"][1],
+            slots,
+            k,
+            v,
+            k_scale=decode_scale(cache.global_scale[1, 0]),
+            v_scale=None,
+        )
+    rec = GuidanceRecord.from_bytes(cap.record("r", slots[:2]))
     for which, name in ((0, "k"), (1, "v")):
         assert torch.equal(bufs[f"{name}_buffer"][1][slots], cache.codes[1, which][slots])
         assert torch.equal(bufs[f"{name}_scale_buffer"][1][slots], cache.scales[1, which][slots])
-        cap = method.capture.read(1, which, slots[:2])  # slot 14 is past the capture's capacity
-        assert torch.equal(cap.data, cache.codes[1, which][slots[:2]])
+        recorded = rec.sites[f"model.layers.1.self_attn.{name}_cache"]
+        assert torch.equal(recorded.payload, cache.codes[1, which][slots[:2]])
+        assert torch.equal(recorded.scale, cache.scales[1, which][slots[:2]])
     assert not bufs["k_buffer"][0].any()
 
 

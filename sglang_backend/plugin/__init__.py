@@ -3,22 +3,19 @@
 import is guarded, and the layer methods are plain torch usable on CPU.
 """
 
-from .capture import GuidanceCaptureBuffer, capture_batch, load_published, set_capture_buffer
-from .kv_capture import KVCaptureBuffer, TraceNVFP4KVMethod, quantize_kv
+from .capture import capture_batch, set_capture_buffer
+from .kv_capture import TraceNVFP4KVMethod, quantize_kv
 from .quant_config import TraceFP4Config, TraceMXFP4Config
 from .quant_method import HAVE_SGLANG, TraceFP4LinearMethod, TraceMXFP4LinearMethod
 
 __all__ = [
     "HAVE_SGLANG",
-    "GuidanceCaptureBuffer",
-    "KVCaptureBuffer",
     "TraceFP4Config",
     "TraceFP4LinearMethod",
     "TraceMXFP4Config",
     "TraceMXFP4LinearMethod",
     "TraceNVFP4KVMethod",
     "capture_batch",
-    "load_published",
     "quantize_kv",
     "set_capture_buffer",
 ]

@@ -1,4 +1,4 @@
-"""NVFP4 KV cache writes with TRACE's quantizer, recorded into a preallocated capture buffer.
+"""NVFP4 KV cache writes with TRACE's quantizer, recorded into the batch's guidance capture (slot_capture).
 
 Targets SGLang 0.5.23's KV quant-method contract (python/sglang/srt/layers/quantization/
 fp4_kv_cache_quant_method.py, `KVCacheQuantMethodBase.quantize_and_store(k_buffer, v_buffer,
@@ -54,39 +54,13 @@ def quantize_kv_fp8(x: torch.Tensor, all_max=None) -> fp8.FP8Tensor:
     return fp8.quantize(x, dims=2, amax=all_max(amax))
 
 
-class KVCaptureBuffer:
-    """Codes/scales of K and V for `capacity` KV slots of each layer; slots >= capacity are skipped."""
-
-    def __init__(self, *, num_layers: int, capacity: int, heads: int, head_dim: int, device="cpu"):
-        if head_dim % 16:
-            raise ValueError(f"NVFP4 KV needs head_dim divisible by 16; got {head_dim}")
-        self.capacity = capacity
-        shape = (num_layers, 2, capacity + 1, heads)  # row `capacity` is the dump row
-        self.codes = torch.zeros(*shape, head_dim // 2, dtype=torch.uint8, device=device)
-        self.scales = torch.zeros(*shape, head_dim // 16, dtype=torch.uint8, device=device)
-        self.global_scale = torch.ones(num_layers, 2, dtype=torch.float32, device=device)
-
-    def write(self, layer: int, which: int, loc: torch.Tensor, q: nvfp4.NVFP4Tensor) -> None:
-        loc = loc.to(torch.long)
-        rows = torch.where((loc >= 0) & (loc < self.capacity), loc, torch.full_like(loc, self.capacity))
-        self.codes[layer, which].index_copy_(0, rows, q.data)
-        self.scales[layer, which].index_copy_(0, rows, q.scale)
-        self.global_scale[layer, which] = q.global_scale.reshape(())
-
-    def read(self, layer: int, which: int, loc: torch.Tensor) -> nvfp4.NVFP4Tensor:
-        return nvfp4.NVFP4Tensor(
-            self.codes[layer, which, loc], self.scales[layer, which, loc], self.global_scale[layer, which]
-        )
-
-
 class TraceKVQuantMixin:
-    """quantize_and_store with TRACE's NVFP4 rules, plus optional capture. Mix in before a base method.
-    Inside SGLang the K/V codes also go to the guidance capture of the batch (slot_capture), as sites
+    """quantize_and_store with TRACE's NVFP4 rules. Mix in before a base method. Inside SGLang the K/V
+    codes also go to the guidance capture of the batch (slot_capture), as sites
     model.layers.{i}.self_attn.k_cache / v_cache."""
 
     name = "nvfp4"
     SCALE_BLOCK_SIZE = 16
-    capture: KVCaptureBuffer | None = None
     records_guidance = True  # slot_capture refuses guidance with a KV method that does not
 
     def bind_layers(self, k_buffers, v_buffers=None) -> None:
@@ -130,9 +104,6 @@ class TraceKVQuantMixin:
         if native:
             self._store_native_scales(native_k_scale_buffer, native_v_scale_buffer, loc, qk.scale, qv.scale)
         layer = getattr(self, "_layer_of", {}).get(k_buffer.data_ptr())
-        if self.capture is not None and layer is not None:
-            self.capture.write(layer, 0, loc, qk)
-            self.capture.write(layer, 1, loc, qv)
         guidance = get_capture_buffer()
         if layer is not None and isinstance(guidance, SlotCapture):
             for side, q in (("k_cache", qk), ("v_cache", qv)):
