@@ -209,3 +209,40 @@ def test_the_kept_offset_table_follows_weight_updates(outlier_ckpt):  # noqa: F8
         assert torch.equal(after, rotated_bias(b, torch.arange(5), arch.rope_theta))
     finally:
         eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_head_outlier_ckpt(tmp_path_factory):
+    """conftest's outlier checkpoint with the +50 in K's bias planted in both KV heads: one token's
+    two outliers then sit between E4M3 codewords 32 apart, and FP8 K with the bias in loses them."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_trace.models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("outlier_k2"), "qwen2", seed=1)
+    f = path / "model.safetensors"
+    sd = load_file(f)
+    for i in range(4):
+        sd[f"model.layers.{i}.self_attn.k_proj.bias"].view(2, 16)[:, 7] += 50.0
+        sd[f"model.layers.{i}.self_attn.q_proj.weight"] *= 3.0
+    save_file(sd, f, metadata={"format": "pt"})
+    return path
+
+
+def test_the_qwen2_default_k_holds_in_bf16_and_fp32_alike(two_head_outlier_ckpt):
+    """kv=auto for Qwen2/2.5 stores FP8 K de-biased: on planted K outliers it keeps out the loss of FP8
+    K with the bias in (the earlier default), in a bf16 rollout as in fp32, and the two dtypes
+    measure it within 0.1 nats/token of each other (K alone: V in BF16; measured +0.071 bf16 / +0.025
+    fp32 de-biased against +0.867 / +0.869 with the bias in)."""
+    arch = ModelArch.from_hf_config(two_head_outlier_ckpt)
+    default = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="auto").for_arch(arch)
+    assert (default.k_format, default.v_format, default.kv_k_debias) == ("fp8", "nvfp4", True)
+    settings = [quality.Setting.parse(s) for s in ("bf16:fp8+debias:bf16", "bf16:fp8:bf16")]
+    inc = {}
+    for dtype in ("bfloat16", "float32"):
+        rep = quality.run(two_head_outlier_ckpt, random_prompts(), settings, max_new_tokens=24, dtype=dtype)
+        inc[dtype] = {n: r["nll_increase"] for n, r in rep["settings"].items()}
+    print("nll increase by dtype", inc)
+    for dtype, got in inc.items():
+        assert got["bf16:fp8+debias:bf16"] < got["bf16:fp8:bf16"] / 5, (dtype, got)
+    assert abs(inc["bfloat16"]["bf16:fp8+debias:bf16"] - inc["float32"]["bf16:fp8+debias:bf16"]) < 0.1, inc
