@@ -1,4 +1,5 @@
-"""Rotary position embedding facts both sides share (HF's non-interleaved rotate_half form, fp32).
+"""Rotary position embedding facts both sides share (HF's non-interleaved rotate_half form, fp32): the
+embedded engine's RoPE (sglang_backend/local/layers.py Rope) and the de-biased K cache's offsets.
 
 Used for K's de-biased cache (`quant.kv_k_debias`): Qwen2/2.5's k_proj bias b is one constant
 vector per KV head that RoPE turns with the position, and it is what puts K's outlier channels
@@ -29,9 +30,12 @@ def rotated_bias(bias: torch.Tensor, positions: torch.Tensor, theta: float) -> t
     return rotate_bias(bias, cos, sin)
 
 
+def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with cos/sin broadcast against x [..., D]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 def rotate_bias(bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE(b) [T, G, D] with fp32 tables [T, D] from `rotary_tables` (one table serves every layer's b)."""
-    b = bias.detach().float()
-    half = b.shape[-1] // 2
-    turned = torch.cat((-b[..., half:], b[..., :half]), dim=-1)
-    return b[None] * cos[:, None] + turned[None] * sin[:, None]
+    return apply(bias.detach().float()[None], cos[:, None], sin[:, None])

@@ -18,6 +18,7 @@ from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 from megatron_trace.kernels import cpu_gemv, onednn_linear
 from megatron_trace.kernels.dispatch import fp4_linear, fp4_linear_w4a4, nvfp4_quantize, nvfp4_quantize_dequantize
+from megatron_trace.models import rope
 
 # site name, quantized input (NVFP4Tensor), or None when the site is not captured
 CaptureFn = Callable[[str, nvfp4.NVFP4Tensor], None]
@@ -89,16 +90,13 @@ class Rope:
     """Non-interleaved rotary embedding (rotate_half), cos/sin computed in fp32 like HF."""
 
     def __init__(self, head_dim: int, theta: float, device: torch.device | str = "cpu"):
-        self.inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
-        )
+        self.head_dim, self.theta, self.device = head_dim, theta, torch.device(device)
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] of positions [T]: one forward computes them once for all layers."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = rope.rotary_tables(positions, self.head_dim, self.theta)
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def tables_upto(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin [>= n, D] of positions 0, 1, ... holding `tables`' values (rounded to dtype
@@ -106,16 +104,14 @@ class Rope:
         have = self._by_dtype.get(dtype)
         if have is None or have[0].shape[0] < n:
             size = max(64, 1 << max(n - 1, 1).bit_length())
-            cos, sin = self.tables(torch.arange(size, device=self.inv_freq.device), dtype)
+            cos, sin = self.tables(torch.arange(size, device=self.device), dtype)
             have = self._by_dtype[dtype] = (cos[:, 0].float().contiguous(), sin[:, 0].float().contiguous())
         return have
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] (q and k may share one call: the rotation is per head)."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return rope.apply(x, cos, sin)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D], positions [T]."""
