@@ -27,6 +27,7 @@ one prefill over the engine's paged, quantized KV cache, the numerics decode use
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -110,34 +111,22 @@ class Setting:
 
 # ------------------------------------------------------------------ prompts
 def load_prompts(path: str | Path, model_path: str | Path) -> list[dict]:
-    """[{"ids": [...], "text": str, "answer": str | None}] from a JSONL file (see module doc)."""
-    rows, tok = [], None
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        d = json.loads(line)
-        if "input_ids" in d:
-            ids, text = [int(t) for t in d["input_ids"]], None
-        else:
-            if "prompt" not in d and "messages" not in d:
-                raise ValueError(f"{path}:{n}: a prompt line needs 'prompt', 'messages' or 'input_ids'")
-            tok = tok or _tokenizer(model_path)
-            if "messages" in d:
-                ids = tok.apply_chat_template(d["messages"], add_generation_prompt=True, tokenize=True)
-                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-                text = d["messages"][-1].get("content", "")
-            else:
-                ids, text = tok(d["prompt"])["input_ids"], d["prompt"]
-        rows.append({"ids": ids, "text": text, "answer": d.get("answer")})
-    if not rows:
-        raise ValueError(f"{path}: no prompts")
+    """[{"ids": [...], "text": str | None, "answer": str | None}] from a JSONL file (data/jsonl.py's
+    prompt lines; text through the checkpoint's tokenizer)."""
+    from megatron_trace.data.jsonl import prompt_ids, read_lines
+
+    rows = []
+    for where, item in read_lines(path):
+        ids, text = prompt_ids(item, lambda: _tokenizer(str(model_path)), where)
+        rows.append({"ids": ids, "text": text, "answer": item.get("answer") if isinstance(item, dict) else None})
     return rows
 
 
-def _tokenizer(model_path):
+@functools.lru_cache(maxsize=2)
+def _tokenizer(model_path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_path))
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")

@@ -65,8 +65,8 @@ def test_bad_settings_and_prompts_are_named(tmp_path):
     with pytest.raises(ValueError, match="WEIGHTS:K:V"):
         quality.Setting.parse("w4a4")
     (tmp_path / "p.jsonl").write_text('{"question": "1+1"}\n')
-    with pytest.raises(ValueError, match="p.jsonl:1: a prompt line needs 'prompt', 'messages' or 'input_ids'"):
-        quality.loadrandom_prompts(tmp_path / "p.jsonl", tmp_path)
+    with pytest.raises(ValueError, match=r"p.jsonl:1: a prompt line is a list of token ids, .*got \['question'\]"):
+        quality.load_prompts(tmp_path / "p.jsonl", tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,11 @@ keys records by sample id and releases them per step.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass
+
+from .jsonl import read_lines
 
 
 @dataclass
@@ -160,13 +161,8 @@ class JsonlPrompts:
     ) -> None:
         self.path = os.fspath(path)
         self.tokenizer, self.shuffle_seed = tokenizer, shuffle_seed
-        lines: list[tuple[str, str, str]] = []  # (source id, prompt, answer)
-        with open(self.path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if line.strip():
-                    lines.append(self._parse(line, lineno))
-        if not lines:
-            raise ValueError(f"{self.path}: no prompts (the file is empty)")
+        # (source id, prompt, answer) of each line: read by the one JSONL reader (data/jsonl.py)
+        lines = [self._parse(obj, where) for where, obj in read_lines(self.path)]
         held = [in_eval_split("jsonl:" + prompt, eval_fraction) for _, prompt, _ in lines]
         self.items = [x for x, h in zip(lines, held) if not h]
         self.eval_items = [x for x, h in zip(lines, held) if h]
@@ -187,12 +183,7 @@ class JsonlPrompts:
         ids = self.tokenizer.encode_prompt(prompt) if self.tokenizer is not None else None
         return Prompt(pid, prompt, answer, ids)
 
-    def _parse(self, line: str, lineno: int) -> tuple[str, str, str]:
-        where = f"{self.path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    def _parse(self, obj, where: str) -> tuple[str, str, str]:
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: expected a JSON object with 'prompt' and 'answer'; got {type(obj).__name__}")
         for key in ("prompt", "answer"):
@@ -204,7 +195,7 @@ class JsonlPrompts:
         # Numeric answers are common in math sets; the verifier compares strings, so keep the text.
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise ValueError(f"{where}: 'answer' must be a string or a number; got {answer!r}")
-        return str(obj.get("id", f"L{lineno}")), prompt, str(answer)
+        return str(obj.get("id", "L" + where.rsplit(":", 1)[1])), prompt, str(answer)
 
     def __len__(self) -> int:
         return len(self.items)

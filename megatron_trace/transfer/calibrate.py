@@ -14,14 +14,12 @@ the live transfer uses.
 Routed experts (Qwen3-MoE) have no per-expert module in transformers 5: their inputs are
 recomputed from the fused experts module's own input and HF's routing (`calibrate_experts`).
 
-Prompts: `load_prompts(file, tokenizer_dir)` reads one prompt per line: a JSON list of token ids,
-`{"input_ids": [...]}`, `{"text": "..."}` or a JSON string (text needs the checkpoint's tokenizer;
-`{"messages": [...]}` goes through its chat template).
+Prompts: `load_prompts(file, tokenizer_dir)` reads one prompt per line (megatron_trace/data/jsonl.py:
+token ids, or text and chat messages through the checkpoint's tokenizer).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,40 +32,18 @@ log = logging.getLogger(__name__)
 
 
 def load_prompts(path: str | Path, tokenizer_dir: str | Path | None = None) -> list[list[int]]:
-    """Token-id prompts from a JSON-lines file (see the module docstring); empty lines skipped."""
-    tok = None
-    prompts: list[list[int]] = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e}); write one JSON value per line") from None
-        if isinstance(item, dict) and "input_ids" in item:
-            item = item["input_ids"]
-        if isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            ids = item
-        elif isinstance(item, (str, dict)):
-            if tok is None:
-                tok = _tokenizer(tokenizer_dir, f"{path}:{n}")
-            if isinstance(item, dict) and "messages" in item:
-                ids = tok.apply_chat_template(item["messages"], tokenize=True, add_generation_prompt=True)
-                ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # transformers 5: a BatchEncoding
-            elif isinstance(item, dict) and isinstance(item.get("text"), str):
-                ids = tok(item["text"])["input_ids"]
-            elif isinstance(item, str):
-                ids = tok(item)["input_ids"]
-            else:
-                raise ValueError(f"{path}:{n}: an object needs input_ids, text or messages; got keys {sorted(item)}")
-        else:
-            raise ValueError(f"{path}:{n}: expected token ids, text or messages; got {type(item).__name__}")
-        if not ids:
-            raise ValueError(f"{path}:{n}: empty prompt")
-        prompts.append([int(t) for t in ids])
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
+    """Token-id prompts from a JSON-lines file (data/jsonl.py's prompt lines; text needs the
+    checkpoint's tokenizer files in `tokenizer_dir`)."""
+    from megatron_trace.data.jsonl import prompt_ids, read_lines
+
+    tok = {}
+
+    def tokenizer(where: str):
+        if "t" not in tok:
+            tok["t"] = _tokenizer(tokenizer_dir, where)
+        return tok["t"]
+
+    return [prompt_ids(item, lambda w=where: tokenizer(w), where)[0] for where, item in read_lines(path)]
 
 
 def _tokenizer(tokenizer_dir, where: str):
