@@ -206,7 +206,7 @@ class Run:
         )
         if stats is not None:
             self.wire_bytes = stats.bytes
-        if hasattr(self.backend, "note_version"):  # a rollout server that died is re-admitted at this version
+        if self.backend is not None:  # a rollout server that died is re-admitted at this version
             self.backend.note_version(self.version)
         return time.perf_counter() - t
 
@@ -360,9 +360,7 @@ class Run:
         self.hub.close()
         if self.store is not None:
             self.store.close()
-        if hasattr(self.backend, "engine"):
-            self.backend.engine.shutdown()
-        if hasattr(self.backend, "close"):  # RolloutClient: stop probing dead servers
+        if self.backend is not None:  # the engine, or the client's probes of dead servers
             self.backend.close()
         return summary
 

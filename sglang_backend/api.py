@@ -218,3 +218,9 @@ class RolloutBackend(Protocol):
     def model_info(self) -> dict[str, Any]: ...
 
     def fetch_guidance(self, handle: str) -> bytes: ...
+
+    def note_version(self, version: int) -> None:
+        """The rollout now serves `version`, pushed past the backend (a transport of its own)."""
+
+    def close(self) -> None:
+        """Release what the backend holds (the engine, probe threads, connections)."""

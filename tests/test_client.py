@@ -209,3 +209,20 @@ def test_update_weights_version_check(client, ckpts, monkeypatch):
     monkeypatch.setattr(client, "weight_versions", lambda: {u: "7" for u in client.urls})  # a server that lied
     with pytest.raises(RolloutError, match="mismatch"):
         client.update_weights(bucket)
+
+
+def test_both_backends_implement_the_whole_rollout_contract():
+    """train.py calls only what api.RolloutBackend declares; the embedded backend and the HTTP client
+    both have every one of those methods, with the Protocol's parameters."""
+    import inspect
+
+    from sglang_backend.api import RolloutBackend
+    from sglang_backend.local.inprocess import InProcessBackend
+
+    declared = {n for n, v in vars(RolloutBackend).items() if callable(v) and not n.startswith("_")}
+    assert {"generate", "update_weights", "fetch_guidance", "note_version", "close"} <= declared
+    for impl in (InProcessBackend, RolloutClient):
+        for name in declared:
+            want = list(inspect.signature(getattr(RolloutBackend, name)).parameters)
+            got = list(inspect.signature(getattr(impl, name)).parameters)
+            assert got[: len(want)] == want, (impl.__name__, name, got, want)

@@ -48,3 +48,9 @@ class InProcessBackend:
 
     def fetch_guidance(self, handle: str) -> bytes:
         return self.engine.fetch_guidance(handle)
+
+    def note_version(self, version: int) -> None:
+        """Nothing to do: the in-process transport loads through update_weights, which sets the version."""
+
+    def close(self) -> None:
+        self.engine.shutdown()
