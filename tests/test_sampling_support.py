@@ -9,9 +9,8 @@ from hypothesis import strategies as st
 from megatron_trace.config import Config, RolloutConfig, TrainerConfig
 from megatron_trace.trainer.actor import Actor
 from megatron_trace.trainer.logprobs import VocabSpec, logprobs_from_logits
-from sglang_backend.api import SamplingParams
+from sglang_backend.api import SamplingParams, keep_mask, support_logprob
 from sglang_backend.local.sampling import sample_batch
-from sglang_backend.sampling_support import keep_mask, support_logprob
 
 
 def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:

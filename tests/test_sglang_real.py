@@ -93,7 +93,7 @@ def test_client_contract_on_real_sglang(clients, sglang_url):
 
 def test_top_p_logprobs_are_the_sampled_distributions_on_both_stacks(clients, sglang_url):
     """Under top-p the client records the logprob of the filtered distribution the token was drawn
-    from (SGLang: return_sampling_mask's "selected" logprob; the engine: sampling_support). With a
+    from (SGLang: return_sampling_mask's "selected" logprob; the engine: api.support_logprob). With a
     nucleus of one token both stacks must sample the greedy token with logprob exactly 0."""
     sg, emb = clients
     # top_k too: SGLang returns filtered logprobs only for top_k <= --sampling-mask-max-tokens (4096)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_trace.trainer.logprobs import VocabSpec, _support, chunked_logprobs
-from sglang_backend.sampling_support import keep_mask, needs_filter, support_logprob
+from sglang_backend.api import keep_mask, needs_filter, support_logprob
 
 H, V = 16, 96
 

@@ -10,7 +10,7 @@
 `layer_spec.LogprobHead` is GPTModel's output layer: Megatron's vocab-parallel linear, which on
 request returns its (TP-copied or SP-gathered) input instead of logits, so the actor feeds that to
 `chunked_logprobs`. At TP1 the chunk's log-softmax is torch's own, so identical logits give the
-rollout's numbers bit for bit (`sglang_backend.sampling_support`: ratio exactly 1). Imports
+rollout's numbers bit for bit (`sglang_backend.api`'s sampling support: ratio exactly 1). Imports
 nothing of Megatron.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sglang_backend.sampling_support import keep_mask, needs_filter
+from sglang_backend.api import keep_mask, needs_filter
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Batched per-request sampling and the logprob of each sampled token.
 
 The logprob is the one of the distribution the token was drawn from: log_softmax(logits / T),
-renormalized over what top-k/top-p/min-p keep (`sglang_backend.sampling_support`, which the
+renormalized over what top-k/top-p/min-p keep (`sglang_backend.api` (its sampling support), which the
 trainer's recompute shares; greedy: temperature 1, no filter). A sampled row draws exactly one
 uniform from its request's own generator per token and inverts the CDF of its filtered
 distribution, so a sample's tokens depend only on its seed and logits, never on which other
@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from megatron_trace.kernels import cpu_fused
-from sglang_backend.api import SamplingParams
-from sglang_backend.sampling_support import keep_mask, needs_filter, support_logprob
+from sglang_backend.api import SamplingParams, keep_mask, needs_filter, support_logprob
 
 
 def sample_batch(
