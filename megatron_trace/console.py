@@ -1,7 +1,8 @@
-"""What the train CLI prints before the progress bar: the run's plan, without third-party noise.
+"""What the train CLI prints: the run's plan (without third-party noise), its progress and its summary.
 
     quiet_third_party()  ─► known import-time warnings of Megatron/TE/Apex/HF filtered by message
     plan_lines(cfg)      ─► model, quantization, guidance, rollout, steps, where TensorBoard writes
+    progress_bar(n, on)  ─► the RL steps' bar;  print_summary(summary) ─► the run's end, after it
 Only warnings known to be harmless on the machines we run are filtered, each by its exact text,
 so a new warning from the same libraries still shows.
 """
@@ -67,3 +68,33 @@ def plan_lines(cfg) -> list[str]:
         f"prompts of the eval split ({r.eval_fraction:.0%} of the problems, never trained on)",
         f"logs:       {where} (tensorboard --logdir {where}; metrics.jsonl, summary.json, checkpoints/)",
     ]
+
+
+def progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="RL steps", dynamic_ncols=True)
+
+
+def print_summary(s: dict) -> None:
+    def fmt(v):
+        return "n/a" if v is None else f"{v:.3f}"
+
+    print("\n== summary ==")
+    size = s.get("eval_set_size")
+    print(f"eval set: {size or 0} problems of the eval split (never trained on)")
+    print(
+        f"eval reward (sampled, T=rollout): before {fmt(s['eval_reward_before'])} -> "
+        f"after {fmt(s['eval_reward_after'])}"
+    )
+    print(f"eval accuracy (greedy): before {fmt(s['eval_accuracy_before'])} -> after {fmt(s['eval_accuracy_after'])}")
+    print(f"reward (sampled): first step {fmt(s['reward_first_step'])} -> last step {fmt(s['reward_last_step'])}")
+    print(
+        f"mismatch: mean |dlogp| {s['mean_abs_dlogp']:.4f}, max {s['max_abs_dlogp']:.4f}, K3 KL {s['k3_kl']:.2e}, "
+        f"clipped {s['clipped_frac']:.2%}, guidance {s['guidance_bytes_per_token']:.0f} B/token"
+    )
+    split = ", ".join(f"{k.removesuffix('_s')} {v:.0%}" for k, v in s["time_split"].items())
+    parts = s["train_split"]
+    inner = ", ".join(f"{k} {v / (sum(parts.values()) or 1.0):.0%}" for k, v in parts.items())
+    print(f"time split: {split} ({inner} of train); wall {s['wall_s']:.0f} s")
+    print(f"peak memory: {s['peak_rss_gb']:.1f} GiB RSS (rank 0: rollout engine and trainer)")

@@ -232,7 +232,7 @@ class Run:
             self.hub.text(self.start_step, "eval/answers_before", shown)
         pool = async_executor() if cfg.algo.async_rollout and self.rank0 else None
         pending = pool.submit(self.produce, steps.start) if pool and len(steps) else None
-        bar = _progress(len(steps), self.rank0 and cfg.logging.progress)
+        bar = console.progress_bar(len(steps), self.rank0 and cfg.logging.progress)
         totals = {"rollout_s": 0.0, "train_s": 0.0, "transfer_s": 0.0}
         history = []
         for step in steps:
@@ -365,36 +365,6 @@ class Run:
         return summary
 
 
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, disable=not enabled, desc="RL steps", dynamic_ncols=True)
-
-
-def print_summary(s: dict) -> None:
-    def fmt(v):
-        return "n/a" if v is None else f"{v:.3f}"
-
-    print("\n== summary ==")
-    size = s.get("eval_set_size")
-    print(f"eval set: {size or 0} problems of the eval split (never trained on)")
-    print(
-        f"eval reward (sampled, T=rollout): before {fmt(s['eval_reward_before'])} -> "
-        f"after {fmt(s['eval_reward_after'])}"
-    )
-    print(f"eval accuracy (greedy): before {fmt(s['eval_accuracy_before'])} -> after {fmt(s['eval_accuracy_after'])}")
-    print(f"reward (sampled): first step {fmt(s['reward_first_step'])} -> last step {fmt(s['reward_last_step'])}")
-    print(
-        f"mismatch: mean |dlogp| {s['mean_abs_dlogp']:.4f}, max {s['max_abs_dlogp']:.4f}, K3 KL {s['k3_kl']:.2e}, "
-        f"clipped {s['clipped_frac']:.2%}, guidance {s['guidance_bytes_per_token']:.0f} B/token"
-    )
-    split = ", ".join(f"{k.removesuffix('_s')} {v:.0%}" for k, v in s["time_split"].items())
-    parts = s["train_split"]
-    inner = ", ".join(f"{k} {v / (sum(parts.values()) or 1.0):.0%}" for k, v in parts.items())
-    print(f"time split: {split} ({inner} of train); wall {s['wall_s']:.0f} s")
-    print(f"peak memory: {s['peak_rss_gb']:.1f} GiB RSS (rank 0: rollout engine and trainer)")
-
-
 def main(argv=None) -> int:
     cfg, resume = parse_args(argv)
     from megatron_trace.trainer.parallel import destroy
@@ -403,7 +373,7 @@ def main(argv=None) -> int:
         run = Run(cfg, resume)
         summary = run.run()
         if run.rank0:
-            print_summary(summary)
+            console.print_summary(summary)
             import json
 
             (Path(cfg.logging.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))

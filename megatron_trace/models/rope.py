@@ -39,3 +39,19 @@ def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def rotate_bias(bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE(b) [T, G, D] with fp32 tables [T, D] from `rotary_tables` (one table serves every layer's b)."""
     return apply(bias.detach().float()[None], cos[:, None], sin[:, None])
+
+
+class ColumnOffsets:
+    """RoPE_j(b) for columns j = 0..width-1 (a de-biased K cache's offsets by position), computed for a
+    power-of-two width and kept until the caller's key for b changes: decode widths grow by one a step."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.head_dim, self.theta, self._key, self._table = head_dim, theta, None, None
+
+    def rows(self, bias: torch.Tensor, width: int, key) -> torch.Tensor:
+        """fp32 [width, G, D], contiguous, for the bias [G, D] the caller names by `key`."""
+        cap = 1 << max(width - 1, 0).bit_length()
+        if self._key != (cap, key):
+            cos, sin = rotary_tables(torch.arange(cap), self.head_dim, self.theta)
+            self._key, self._table = (cap, key), rotate_bias(bias, cos, sin).contiguous()
+        return self._table[:width]

@@ -9,7 +9,6 @@ reported to a capture function under its guidance site name.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 
 from megatron_trace.kernels import cpu_attention, cpu_fused, onednn_linear
 from megatron_trace.models import ModelArch, QuantPolicy
-from megatron_trace.models.rope import rotary_tables, rotate_bias, rotated_bias
+from megatron_trace.models.rope import ColumnOffsets, rotated_bias
 
 from . import attention, layer_c
 from .kv_cache import PagedKVCache
@@ -100,7 +99,7 @@ class _Layer(nn.Module):
         )
         # quant.kv_k_debias: this layer's K cache holds K - RoPE_pos(k_proj bias) (models/rope.py)
         self.k_debias = policy.kv_k_debias and policy.kv_format(idx, arch.num_layers, "k") != "bf16"
-        self._k_columns = None  # (key, RoPE_j(b) table): k_bias_columns
+        self._k_columns = ColumnOffsets(arch.head_dim, arch.rope_theta)  # k_bias_columns' table
         if self.k_debias and not arch.qkv_bias:
             raise ValueError(f"quant.kv_k_debias needs a k_proj bias; {arch.family} has none")
         self.o_proj = linear("self_attn.o_proj", "self_attn.o_proj", {"o": h}, arch.q_size, arch.o_bias)
@@ -155,16 +154,11 @@ class _Layer(nn.Module):
         return rotated_bias(b, positions, a.rope_theta).to(dtype)
 
     def k_bias_columns(self, width: int) -> torch.Tensor:
-        """k_bias_at(arange(width), fp32), contiguous: rows of a table kept for a power-of-two width
-        until the bias changes (weight loads bump the linear's generation, load_state_dict its version)."""
+        """k_bias_at(arange(width), fp32), contiguous, kept until the bias changes (weight loads bump
+        the linear's generation, load_state_dict the bias's version)."""
         a, bias = self.arch, self.qkv.bias
-        cap = 1 << max(width - 1, 0).bit_length()
-        key = (cap, bias.data_ptr(), bias._version, self.qkv._generation)
-        if self._k_columns is None or self._k_columns[0] != key:
-            cos, sin = _column_tables(cap, a.head_dim, a.rope_theta)
-            b = bias[a.q_size : a.q_size + a.kv_size].view(a.num_kv_heads, a.head_dim)
-            self._k_columns = (key, rotate_bias(b, cos, sin).contiguous())
-        return self._k_columns[1][:width]
+        b = bias[a.q_size : a.q_size + a.kv_size].view(a.num_kv_heads, a.head_dim)
+        return self._k_columns.rows(b, width, (bias.data_ptr(), bias._version, self.qkv._generation))
 
     def _store_kv(self, k, v, batch: ForwardBatch, kv: PagedKVCache, capture) -> None:
         for which, t in ((0, k), (1, v)):
@@ -296,12 +290,6 @@ class _Layer(nn.Module):
         else:
             out = cpu_attention.paged_attention(q, kc, vc, table, row_seq, row_len, scale)
         return self.o_proj.forward_cpu(out.view(qkv.shape[0], a.q_size), capture)
-
-
-@functools.lru_cache(maxsize=4)
-def _column_tables(columns: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 RoPE tables of positions 0..columns-1 (decode widths grow by one: a power of two is kept)."""
-    return rotary_tables(torch.arange(columns), head_dim, theta)
 
 
 def _slot_sink(parts: list | None, tok: torch.Tensor, slot: torch.Tensor):
