@@ -33,22 +33,11 @@ from .kv_cache import PagedKVCache
 from .layers import EngineLinear, streaming_status
 from .loader import load_checkpoint, load_tensor
 from .model import QwenEngineModel
-from .quant_flags import policy_for
-from .scheduler import Group, Scheduler, guidance_bytes, to_result
+from .quant_flags import check_kv_bands, policy_for
+from .scheduler import Group, Scheduler, aborted_result, guidance_bytes, to_result
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _check_kv_bands(p: QuantPolicy) -> None:
-    """The trainer keeps a BF16 layer band's K/V in BF16 (QuantPolicy.kv_format); this cache holds one
-    format for every layer, so serving the band quantized would be a silent train/rollout mismatch."""
-    if (p.bf16_layers_start or p.bf16_layers_end) and (p.k_format, p.v_format) != ("bf16", "bf16"):
-        raise ValueError(
-            f"quant.bf16_layers_start={p.bf16_layers_start} / bf16_layers_end={p.bf16_layers_end} keep those "
-            f"layers' K/V in BF16, but the embedded engine's paged KV cache holds one format for every layer "
-            f"(K {p.k_format}, V {p.v_format}): set quant.kv=bf16 with the bands, or drop the bands"
-        )
 
 
 class Engine:
@@ -77,7 +66,7 @@ class Engine:
         if isinstance(quant_policy, dict):
             quant_policy = QuantPolicy.from_dict(quant_policy)
         self.policy = (quant_policy or policy_for(quantization, kv_cache_dtype, self.model_path)).for_arch(self.arch)
-        _check_kv_bands(self.policy)
+        check_kv_bands(self.policy)
         self.model = QwenEngineModel(self.arch, self.policy, _DTYPES[dtype])
         self._allocator = cpu_alloc.keep_freed_memory() if self.model.embed.device.type == "cpu" else None
         load_checkpoint(self.model, self.model_path)
@@ -154,12 +143,12 @@ class Engine:
             return to_result(s, self.weight_version, handle).to_sglang()
         except Exception as e:
             self._guidance.pop(s.rid, None)
-            return _aborted(s.rid, len(s.prompt), self.weight_version, f"engine error: {e}")
+            return aborted_result(s.rid, len(s.prompt), self.weight_version, f"engine error: {e}")
 
     def _abort_waiting(self, message: str) -> None:
         for g in self.scheduler.waiting:
             for rid in g.rids:
-                self._results[rid] = _aborted(rid, len(g.request.input_ids), self.weight_version, message)
+                self._results[rid] = aborted_result(rid, len(g.request.input_ids), self.weight_version, message)
         self.scheduler.waiting = []
 
     # -- generation ------------------------------------------------------------------------------
@@ -199,7 +188,7 @@ class Engine:
                         return [
                             self._results.pop(r)
                             if r in self._results
-                            else _aborted(r, 0, self.weight_version, "shutdown")
+                            else aborted_result(r, 0, self.weight_version, "shutdown")
                             for r in rids
                         ]
                     if drive and self._may_step():
@@ -400,17 +389,3 @@ def _freeze_gc(delta: int) -> None:
 
 
 _GC_LOCK = threading.Lock()
-
-
-def _aborted(rid: str, prompt_tokens: int, version: str, message: str) -> dict:
-    return {
-        "output_ids": [],
-        "meta_info": {
-            "id": rid,
-            "finish_reason": {"type": "abort", "message": message},
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": 0,
-            "weight_version": str(version),
-            "output_token_logprobs": [],
-        },
-    }

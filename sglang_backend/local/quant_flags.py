@@ -43,3 +43,14 @@ def _checkpoint_targets(model_path: Path):
         if targets:
             return tuple(targets)
     return QuantPolicy().targets
+
+
+def check_kv_bands(p: QuantPolicy) -> None:
+    """The trainer keeps a BF16 layer band's K/V in BF16 (QuantPolicy.kv_format); this cache holds one
+    format for every layer, so serving the band quantized would be a silent train/rollout mismatch."""
+    if (p.bf16_layers_start or p.bf16_layers_end) and (p.k_format, p.v_format) != ("bf16", "bf16"):
+        raise ValueError(
+            f"quant.bf16_layers_start={p.bf16_layers_start} / bf16_layers_end={p.bf16_layers_end} keep those "
+            f"layers' K/V in BF16, but the embedded engine's paged KV cache holds one format for every layer "
+            f"(K {p.k_format}, V {p.v_format}): set quant.kv=bf16 with the bands, or drop the bands"
+        )

@@ -346,3 +346,18 @@ def to_result(s: Sequence, version: str, guidance_handle: str | None) -> Generat
     return GenerateResult(
         s.rid, s.output_ids, s.logprobs, s.finish_reason, len(s.prompt), version, guidance_handle, s.routed_experts
     )
+
+
+def aborted_result(rid: str, prompt_tokens: int, version: str, message: str) -> dict:
+    """A request's result when it was aborted (engine error, shutdown): no tokens, the reason."""
+    return {
+        "output_ids": [],
+        "meta_info": {
+            "id": rid,
+            "finish_reason": {"type": "abort", "message": message},
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "weight_version": str(version),
+            "output_token_logprobs": [],
+        },
+    }
