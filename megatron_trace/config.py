@@ -4,7 +4,7 @@
 Every field has a default and a one-line help; unknown sections/keys, wrong types and values
 outside the allowed set are errors that name the key and what is allowed. The checks are the
 sections' own declarations: a section's constructor coerces and checks each field by its
-annotation and `opt(...)` metadata (one validator, `_coerce`), then runs the section's cross-field
+annotation and `opt(...)` metadata (one validator, config_fields.coerce), then runs the section's cross-field
 `check`, so a section built in code (`AlgoConfig(loss="tis")`) is as valid as a loaded one. The
 trainer, the loss and the actor read these sections directly.
 
@@ -16,7 +16,6 @@ without this tree; its settings are `sglang_backend/plugin_settings.py`.)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import typing
 from collections.abc import Mapping
@@ -26,36 +25,8 @@ from typing import Any, ClassVar
 
 import yaml
 
+from megatron_trace.config_fields import Raw, Section, build, hints_of, opt
 from megatron_trace.models import QuantPolicy
-
-
-def opt(default, help: str, choices: tuple | None = None, low: float | None = None):
-    """A field with its help text, allowed values and lower bound (checked at load)."""
-    meta = {"help": help, "choices": choices, "low": low}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-class Section:
-    """Base of the tree's sections: built = coerced and checked (see the module docstring)."""
-
-    SECTION: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        hints = _hints(type(self))
-        for f in dataclasses.fields(self):
-            key = f"{self.SECTION}.{f.name}"
-            setattr(self, f.name, _coerce(key, hints[f.name], f.metadata, getattr(self, f.name)))
-        self.check()
-
-    def check(self) -> None:
-        """Cross-field rules of the section (the per-field ones are declarations)."""
-
-
-@functools.cache
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
 
 
 @dataclass
@@ -81,7 +52,7 @@ class QuantConfig(Section):
     activations: str = opt("fp4", "activation precision (fp4 = W4A4, bf16 = W4A16)", ("fp4", "bf16"))
     kv: str = opt(
         "auto",
-        "KV cache format of K and V (auto: FP8 K + NVFP4 V without q/k norm, i.e. Qwen2/2.5; "
+        "KV cache format of K and V (auto: de-biased FP8 K + NVFP4 V without q/k norm, i.e. Qwen2/2.5; "
         "NVFP4 K and V with it, i.e. Qwen3)",
         ("auto", "nvfp4", "mxfp4", "fp8", "bf16"),
     )
@@ -99,7 +70,8 @@ class QuantConfig(Section):
     )
     calib_prompts: int = opt(16, "training prompts that calibrate static activation scales", low=1)
     kv_k_debias: bool = opt(
-        False, "K cache holds K minus its rotated k_proj bias (Qwen2/2.5: NVFP4 K without the outlier-channel loss)"
+        False,
+        "K cache holds K minus its rotated k_proj bias (Qwen2/2.5: K without its outlier channels; kv=auto sets it)",
     )
 
     # The rollout-quality gate (quality_gate.py): before step 0, on the run's eval prompts at its answer
@@ -316,7 +288,7 @@ class Config:
             raw.setdefault(section, {})
             if not isinstance(raw[section], dict):
                 raise ValueError(f"config section {section!r} must be a mapping")
-            raw[section][name] = _Raw(value)  # typed once the field's type is known
+            raw[section][name] = Raw(value)  # typed once the field's type is known
         return cls.from_dict(raw)
 
     @classmethod
@@ -325,61 +297,14 @@ class Config:
         unknown = sorted(set(raw) - set(sections))
         if unknown:
             raise ValueError(f"unknown config sections {unknown}; allowed: {sorted(sections)}")
-        hints = _hints(cls)
-        return cls(**{name: _build(name, hints[name], raw.get(name) or {}) for name in sections})
+        hints = hints_of(cls)
+        return cls(**{name: build(name, hints[name], raw.get(name) or {}) for name in sections})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-
-
-def _build(section: str, cls, values: dict):
-    if not isinstance(values, dict):
-        raise ValueError(f"config section {section!r} must be a mapping; got {type(values).__name__}")
-    fields_ = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields_))
-    if unknown:
-        raise ValueError(f"unknown keys {[f'{section}.{k}' for k in unknown]}; allowed: {sorted(fields_)}")
-    return cls(**values)  # the section's constructor coerces and checks every value
-
-
-class _Raw(str):
-    """A command-line value, parsed by the type of the field it lands in."""
-
-
-def _coerce(key: str, typ, meta, value):
-    """`value` as the field `key` declares it (annotation `typ`, metadata choices/low), or a
-    ValueError naming the key and what is allowed."""
-    if isinstance(value, _Raw):
-        value = str(value) if typ is str else (yaml.safe_load(value) if value else "")
-    if typ is str and isinstance(value, bool):  # YAML 1.1 reads off/on/yes/no as booleans
-        word = {False: "off", True: "on"}[value]
-        if meta.get("choices") and word in meta["choices"]:
-            value = word
-        else:
-            raise ValueError(f"{key} must be a string; YAML read {value!r} (quote it)")
-    if typ is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(f"{key} must be a number; got {value!r}") from None
-    if typ is Any:
-        pass
-    elif typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    elif typ is list and isinstance(value, tuple):
-        value = list(value)
-    elif not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ValueError(f"{key} must be {typ.__name__}; got {value!r} ({type(value).__name__})")
-    choices = meta.get("choices")
-    if choices and value not in choices:
-        raise ValueError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
-    low = meta.get("low")
-    if low is not None and value < low:
-        raise ValueError(f"{key} must be >= {low}; got {value!r}")
-    return value
 
 
 def parse_cli(ap, argv=None):
