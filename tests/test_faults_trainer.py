@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -78,7 +77,7 @@ def test_kill_mid_checkpoint_save_keeps_previous_and_resumes(tmp_path):
     assert not (ckpt / "step_1.tmp" / "meta.json").exists()
 
     # The half-written shard, were it ever pointed at, is refused by name and nothing is loaded.
-    from megatron_trace.trainer.actor import Actor
+    from megatron_trace.trainer import checkpoint
 
     bad = tmp_path / "bad"
     (bad / "step_1").mkdir(parents=True)
@@ -87,7 +86,7 @@ def test_kill_mid_checkpoint_save_keeps_previous_and_resumes(tmp_path):
     (bad / "step_1" / "meta.json").write_text(json.dumps({"step": 1, "world_size": 1}))
     (bad / "latest").write_text("step_1")
     with pytest.raises(ValueError, match=r"step_1/rank_00000\.pt is unreadable"):
-        Actor.load_checkpoint(SimpleNamespace(), bad)  # fails before touching the (absent) model
+        checkpoint.load(bad, None, None)  # fails before touching the (absent) model and optimizer
 
     # --resume loads step_0 (latest) and continues: step 1 is trained and saved again.
     res = subprocess.run(

@@ -1,0 +1,77 @@
+"""The trainer's checkpoints: root/step_N holds one shard per rank (model, optimizer, RNG) and
+meta.json; root/latest names the newest. Saves are atomic (written as step_N.tmp, renamed by rank
+0), so a crash mid-save leaves the previous checkpoint as latest; a load checks the world size."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_trace import faults
+
+
+def save(root: str | os.PathLike, step: int, model, optimizer, extra: dict | None = None) -> Path:
+    """Write root/step_N atomically: every rank writes into step_N.tmp, then rank 0 renames it
+    and points root/latest at it. A crash mid-save leaves the previous checkpoint as latest."""
+    root = Path(root)
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+        },
+        tmp / f"rank_{rank:05d}.pt",
+    )
+    faults.hit("checkpoint.shard_written", step=step, rank=rank)
+    _barrier()
+    if rank == 0:
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": _world(), **(extra or {})}))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = root / "latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, root / "latest")
+    _barrier()
+    return final
+
+
+def load(root: str | os.PathLike, model, optimizer) -> dict:
+    """Load root/latest; returns its meta (step and what the caller stored)."""
+    root = Path(root)
+    pointer = root / "latest"
+    if not pointer.exists():
+        raise FileNotFoundError(f"no checkpoint under {root} (missing 'latest')")
+    ckpt = root / pointer.read_text().strip()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    if meta.get("world_size") != _world():
+        raise ValueError(f"checkpoint {ckpt} was saved by {meta.get('world_size')} ranks; this run has {_world()}")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        state = torch.load(ckpt / f"rank_{rank:05d}.pt", weights_only=False)
+    except Exception as e:
+        raise ValueError(f"checkpoint shard {ckpt}/rank_{rank:05d}.pt is unreadable: {e}") from None
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return meta
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
