@@ -28,8 +28,6 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -319,7 +317,6 @@ def main(argv=None) -> int:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--cpu-check needs TRITON_INTERPRET=1 before triton is imported")
         os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, ROOT)
     import warnings
 
     import torch

@@ -30,17 +30,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_vs_hf, also when loaded from a file path
 
 import torch  # noqa: E402
-from engine_vs_hf import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
+
+from megatron_trace.bench.engine_vs_hf import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
 
 GOAL_SPEEDUP = 3.0  # engine / HF at the batch size, both configs
 GOAL_KV_RATIO = 3.5  # BF16 / NVFP4 KV bytes per token

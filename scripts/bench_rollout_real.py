@@ -32,17 +32,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_anchors import gguf_step_bytes, start_anchors  # noqa: E402
-from engine_vs_hf import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
+
+from megatron_trace.bench.anchors import gguf_step_bytes, start_anchors  # noqa: E402
+from megatron_trace.bench.engine_vs_hf import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
 
 QWEN25_05B = dict(
     hidden_size=896,

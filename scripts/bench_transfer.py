@@ -21,14 +21,11 @@ tests/test_transfer.py, not timed. Reported, as a markdown table:
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint  # noqa: E402
 from megatron_trace.transfer.bucket import BucketStats, pack_buckets  # noqa: E402

@@ -28,8 +28,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def _percentile(xs: list[float], q: float) -> float:
     if not xs:

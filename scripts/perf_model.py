@@ -26,10 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from perf_step_tables import step_tables  # noqa: E402
 from perf_tables import fmt_s, fx, kl, table  # noqa: E402

@@ -24,9 +24,7 @@ SCRIPT = Path(__file__).parent / "mp_scripts" / "moe_parallel_check.py"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from sglang_backend.local import Engine
-
-    sys.path.insert(0, str(SCRIPT.parent))
-    from moe_parallel_check import POLICY
+    from tests.mp_scripts.moe_parallel_check import POLICY
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("moe"), "qwen3_moe", seed=3)
     arch = ModelArch.from_hf_config(ckpt)

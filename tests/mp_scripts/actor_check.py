@@ -8,13 +8,11 @@ checks the reloaded model gives the same logprobs.
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
 from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
 from megatron_trace.trainer.actor import Actor, Sample  # noqa: E402

@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, when run as a script
 
 from megatron_trace.models import ModelArch  # noqa: E402
 from megatron_trace.trainer import gpt, parallel  # noqa: E402

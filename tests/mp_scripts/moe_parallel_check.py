@@ -9,12 +9,10 @@ every rank's codeword agreement per site, unguided rows and routing agreement.
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
 from megatron_trace.guidance import GuidanceRecord, decode_routed_experts  # noqa: E402
 from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402

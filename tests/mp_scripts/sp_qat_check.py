@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, when run as a script
 
 from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
 from megatron_trace.guidance import GuidanceRecord  # noqa: E402

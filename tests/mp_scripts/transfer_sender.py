@@ -9,11 +9,7 @@ first bucket is on the wire it prints SENT_ONE and stalls, so the test can SIGKI
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_trace.models import QuantPolicy  # noqa: E402
 from megatron_trace.transfer.export import load_hf_dir  # noqa: E402

