@@ -225,6 +225,15 @@ def gate_run(cfg, model_path, tok, prompts, log=print) -> tuple[GateResult | Non
     return gate(model_path, policy, rows, accept_loss=q.accept_quality_loss, tokenizer=tok, log=log, **kw), rows
 
 
+def _numerics(p: QuantPolicy) -> tuple:
+    """What a policy does to the rollout: its formats per site (kv="auto" or a shorthand resolved into
+    K and V), not how it was written; activation scales aside (the gate measures per-token ones)."""
+    return (p.format, p.weights, p.activations, p.k_format, p.v_format, p.kv_k_debias, tuple(p.targets)) + (
+        p.bf16_layers_start,
+        p.bf16_layers_end,
+    )
+
+
 def _served_url(cfg, policy: QuantPolicy, log) -> str | None:
     """rollout.backend=http: the server the gate scores (every server serves one model: the first),
     or None when it is an embedded server, whose numerics the in-process engine has bit for bit: then
@@ -239,8 +248,7 @@ def _served_url(cfg, policy: QuantPolicy, log) -> str | None:
         client.close()
     if served is None:  # SGLang: its own numerics, scored through its /generate
         return url
-    # the gate measures per-token activation scales either way (_run_inputs)
-    if dataclasses.replace(QuantPolicy.from_dict(served), activation_scale=policy.activation_scale) != policy:
+    if _numerics(QuantPolicy.from_dict(served)) != _numerics(policy):
         raise ValueError(
             f"the rollout server {url} serves quant policy {served}, but the run's is {policy.to_dict()}: "
             "restart it with the run's quant settings (python -m sglang_backend.launch ...)"

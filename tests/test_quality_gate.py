@@ -128,6 +128,9 @@ def test_an_http_runs_embedded_server_must_serve_the_runs_policy(outlier_ckpt):
         cfg = SimpleNamespace(rollout=SimpleNamespace(urls=[srv.url], api_key=""))
         said = []
         assert _served_url(cfg, KV_NVFP4.for_arch(arch), said.append) is None and "scored in-process" in said[0]
+        # the same numerics written another way (kv=auto with both sides named) is the same policy
+        written = dataclasses.replace(KV_NVFP4, kv="auto", kv_k="nvfp4", kv_v="nvfp4").for_arch(arch)
+        assert _served_url(cfg, written, said.append) is None
         with pytest.raises(ValueError, match=f"rollout server {srv.url} serves quant policy .* but the run's is"):
             _served_url(cfg, dataclasses.replace(KV_NVFP4, kv_k_debias=True).for_arch(arch), said.append)
     finally:
