@@ -27,6 +27,8 @@ SCRIPT = ROOT / "scripts" / "run_qwen_72b.sh"
 STEPS = 2
 JOB_TIMEOUT_S = 400  # ~95 s on 2 busy cores; the bound is for a crowded machine
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "munged")
+# where scripts/slurm_ci/install.sh makes the eight fake GPU device nodes
+SLURM_DEV_DIR = Path(os.environ.get("TRACE_SLURM_DEV_DIR", "/var/lib/megatron-trace/slurm-dev"))
 
 
 def _clean_env(**extra) -> dict:
@@ -122,28 +124,24 @@ def test_script_is_shellcheck_clean():
 
 
 # -- a one-node Slurm cluster ------------------------------------------------------------------------
-def _install_slurm() -> None:
-    if all(shutil.which(d) for d in DAEMONS):
-        return
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip("Slurm/munge are not installed and cannot be: needs root and apt-get")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", "slurmctld", "slurmd", "slurm-client", "munge"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if res.returncode != 0:  # a stale package index: refresh once
-        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, env=env, timeout=600)
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if res.returncode != 0 or not all(shutil.which(d) for d in DAEMONS):
-        pytest.skip(f"cannot install Slurm with apt-get: {res.stderr[-500:]}")
+def _require_slurm() -> Path:
+    """The host side of the cluster, installed by the test command (scripts/slurm_ci/install.sh): the
+    daemons, munge and the fake GPU device nodes; a test never installs anything itself."""
+    missing = [d for d in DAEMONS if not shutil.which(d)]
+    devices = [SLURM_DEV_DIR / f"nvidia{i}" for i in range(8)]
+    absent = [str(p) for p in devices if not p.is_char_device()]
+    if missing or absent:
+        pytest.skip(
+            f"the Slurm test cluster's host side is missing ({', '.join(missing + absent[:1])}): "
+            "bash scripts/slurm_ci/install.sh installs it (root and apt-get; scripts/test.sh runs it)"
+        )
+    return SLURM_DEV_DIR
 
 
-def _write_conf(d: Path, munge_socket: Path) -> Path:
+def _write_conf(d: Path, munge_socket: Path, dev_dir: Path) -> Path:
     node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
     name = re.search(r"NodeName=(\S+)", node).group(1)
-    (d / "dev").mkdir()
-    for i in range(8):
-        os.mknod(d / "dev" / f"nvidia{i}", 0o666 | 0o020000, os.makedev(1, 3))  # fake GPUs (char devices)
-    (d / "gres.conf").write_text(f"NodeName={name} Name=gpu File={d}/dev/nvidia[0-7]\n")
+    (d / "gres.conf").write_text(f"NodeName={name} Name=gpu File={dev_dir}/nvidia[0-7]\n")  # fake GPUs
     for sub in ("state", "spool"):
         (d / sub).mkdir()
     conf = d / "slurm.conf"
@@ -201,7 +199,7 @@ def _own_processes(marker: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    _install_slurm()
+    dev_dir = _require_slurm()
     d = tmp_path_factory.mktemp("slurm")
     d.chmod(0o755)
     munge_dir = d / "munge"
@@ -230,7 +228,7 @@ def slurm(tmp_path_factory):
             )
         )
         _until(lambda: sock.exists(), 15, lambda: f"munged did not start: {_tail(munge_dir / 'munged.log')}")
-        _write_conf(d, sock)
+        _write_conf(d, sock, dev_dir)
         for daemon in ("slurmctld", "slurmd"):
             procs.append(
                 subprocess.Popen(
