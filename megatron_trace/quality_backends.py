@@ -20,6 +20,8 @@ from typing import Protocol
 
 import torch
 
+from megatron_trace.quality import DEBIASED
+
 BACKENDS = ("embedded", "sglang")  # the CLI's; open_scorer also takes "http" (a running server)
 # weights of a setting -> the launcher's --quantization (online quantization inside SGLang)
 SGLANG_QUANTIZATION = {"bf16": None, "w4a4": "nvfp4", "w4a16": "w4a16_nvfp4"}
@@ -95,9 +97,9 @@ class ServedScorer:
 
         r = self.http.get(TRACE_POLICY_PATH)
         served = r.json() if r.status_code == 200 else {"error": f"GET {TRACE_POLICY_PATH}: {r.status_code}"}
-        want_k = self.setting.k.removesuffix("+debias")
+        want_k = self.setting.k.removesuffix(DEBIASED)
         formats = served.get("kv_formats")
-        ok = served.get("kv_k_debias") == self.setting.k.endswith("+debias") and (
+        ok = served.get("kv_k_debias") == self.setting.k.endswith(DEBIASED) and (
             formats == ["unknown", "unknown"] or formats == [want_k, self.setting.v]
         )
         if not ok:
@@ -146,7 +148,7 @@ class ServedScorer:
 
         arch = ModelArch.from_hf_config(Path(self.model_path))
         row, wide = arch.num_kv_heads * arch.head_dim, torch.finfo(getattr(torch, self.dtype)).bits
-        k_fmt = self.setting.k.removesuffix("+debias")  # de-biasing stores no more than the format
+        k_fmt = self.setting.k.removesuffix(DEBIASED)  # de-biasing stores no more than the format
         pair = kv_side_bits(k_fmt, row, wide) + kv_side_bits(self.setting.v, row, wide)
         return arch.num_layers * row * pair / 8
 
@@ -164,7 +166,7 @@ def sglang_scorer(model_path, setting, dtype: str, workdir: str | Path, device: 
         "--dtype",
         dtype,
         "--kv-k",
-        setting.k.removesuffix("+debias"),
+        setting.k.removesuffix(DEBIASED),
         "--kv-v",
         setting.v,
         "--guided-layers",
@@ -174,7 +176,7 @@ def sglang_scorer(model_path, setting, dtype: str, workdir: str | Path, device: 
         "--max-running-requests",
         "16",
     ]
-    if setting.k.endswith("+debias"):  # K - RoPE_pos(k_proj bias) in the cache (plugin/kv_debias.py)
+    if setting.k.endswith(DEBIASED):  # K - RoPE_pos(k_proj bias) in the cache (plugin/kv_debias.py)
         flags.append("--kv-k-debias")
     quantization = SGLANG_QUANTIZATION[setting.weights]
     if quantization is not None:

@@ -79,32 +79,18 @@ def test_the_gate_of_an_http_run_scores_its_sglang_server(outlier_ckpt, nvfp4_kv
 
     policy = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4")
     limits = dict(max_nll_increase=0.6, max_accuracy_drop=0.125, max_new_tokens=12, dtype="float32")
-    res = gate(
-        outlier_ckpt, policy, random_prompts(3), accept_loss=True, url=nvfp4_kv_server, log=lambda m: None, **limits
-    )
+
+    def served_gate(p, accept_loss):
+        prompts = random_prompts(3)
+        return gate(outlier_ckpt, p, prompts, accept_loss=accept_loss, url=nvfp4_kv_server, log=print, **limits)
+
+    res = served_gate(policy, accept_loss=True)
     measured = reports["sglang"]["settings"]["bf16:nvfp4:nvfp4"]["nll_increase"]
     assert res.report["backend"] == "http" and not res.passed
     assert abs(res.nll_increase - measured) < 2e-3, (res.nll_increase, measured)
-    with pytest.raises(
-        QualityGateError, match=rf"served by {nvfp4_kv_server}(.|\n)*cheapest that passes is bf16:nvfp4\+debias"
-    ):
-        gate(
-            outlier_ckpt,
-            policy,
-            random_prompts(3),
-            accept_loss=False,
-            url=nvfp4_kv_server,
-            log=lambda m: None,
-            **limits,
-        )
+    served = rf"served by {nvfp4_kv_server}(.|\n)*cheapest that passes is bf16:nvfp4\+debias"
+    with pytest.raises(QualityGateError, match=served):
+        served_gate(policy, accept_loss=False)
     debiased = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4", kv_k_debias=True)
     with pytest.raises(RuntimeError, match="serves .* not the setting"):  # the server does not de-bias K
-        gate(
-            outlier_ckpt,
-            debiased,
-            random_prompts(3),
-            accept_loss=True,
-            url=nvfp4_kv_server,
-            log=lambda m: None,
-            **limits,
-        )
+        served_gate(debiased, accept_loss=True)
