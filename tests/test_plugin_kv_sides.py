@@ -196,10 +196,10 @@ def _debiased_method(k_fmt: str, bias: torch.Tensor, theta: float = 10000.0):
 
 @pytest.mark.parametrize("k_fmt", ["nvfp4", "fp8"])
 def test_debiased_k_reads_equal_the_engines_debiased_pages(k_fmt):
-    """quant.kv_k_debias in SGLang: the store takes K - RoPE_pos(b) at the batch's positions (set by the
-    forward hook), the read adds RoPE_slotpos(b) back in fp32, and both the stored bytes (the guidance
-    site) and the values attention reads equal the embedded engine's de-biased pages
-    (sglang_backend/local/model.py: k.float() - k_bias_at(positions); read(...).float() + k_bias_at)."""
+    """quant.kv_k_debias in SGLang: the store takes RoPE(x W_k) (qkv_proj holds b out) and records the
+    batch's positions (set by the forward hook), the read adds RoPE_slotpos(b) back in fp32, and both
+    the stored bytes (the guidance site) and the values attention reads equal the embedded engine's
+    de-biased pages (sglang_backend/local/model.py: k.float(); read(...).float() + k_bias_at)."""
     from megatron_trace.models.rope import rotated_bias
     from sglang_backend.plugin import kv_debias
 
@@ -208,7 +208,7 @@ def test_debiased_k_reads_equal_the_engines_debiased_pages(k_fmt):
     m, bufs = _debiased_method(k_fmt, bias.to(torch.bfloat16).float())
     tokens, layer = 7, 1
     positions = torch.tensor([0, 1, 2, 3, 17, 18, 250])
-    k = torch.randn(tokens, HEADS, HEAD_DIM, generator=g) + rotated_bias(bias, positions, 10000.0)
+    k = torch.randn(tokens, HEADS, HEAD_DIM, generator=g)  # RoPE(x W_k): the bias never went in
     v = torch.randn(tokens, HEADS, HEAD_DIM, generator=g)
     loc = torch.randperm(SLOTS, generator=g)[:tokens]
     args = [bufs[b][layer] for b in ("k_buffer", "v_buffer", "k_scale_buffer", "v_scale_buffer")]
@@ -222,12 +222,47 @@ def test_debiased_k_reads_equal_the_engines_debiased_pages(k_fmt):
         kv_debias._POSITIONS.reset(token)
     offset = rotated_bias(bias.to(torch.bfloat16), positions, 10000.0)
     kv = _engine_pages((k_fmt, "nvfp4"))
-    kv.write(layer, 0, loc, k.float() - offset, return_values=False)
-    want_store = kv.quantize(layer, 0, k.float() - offset)
+    kv.write(layer, 0, loc, k.float(), return_values=False)
+    want_store = kv.quantize(layer, 0, k.float())
     assert torch.equal(bufs["k_buffer"][layer][loc], want_store.data)
     got = m.dequantize_kv_tensor(bufs["k_buffer"][layer], bufs["k_scale_buffer"][layer], layer)
     assert torch.equal(got[loc], (kv.read(layer, 0, loc).float() + offset).to(got.dtype))
-    # the bias stays in: a de-biased read of a biased K is K again up to its quantization error
-    assert (got[loc] - k).abs().max() < 0.2 * k.abs().max()
+    # the read holds the bias: the biased K up to the remainder's quantization error
+    biased = k + rotated_bias(bias, positions, 10000.0)
+    assert (got[loc] - biased).abs().max() < 0.3 * k.abs().max() < 0.1 * biased.abs().max()
     with pytest.raises(NotImplementedError, match="positions are unknown"):
         m.dequantize_prev_kv(*args[:1], args[2], args[1], args[3], layer)
+
+
+def test_held_out_k_bias_leaves_b_out_of_k_only():
+    """kv_debias.hold_out_k_bias: qkv_proj's K rows come out as x W_k (one linear call, no bf16 add
+    and subtract of b), its Q and V rows keep their bias, a later bias load reaches the next call, and
+    the module's own bias parameter is back in place after each forward (weight loaders write there)."""
+    from types import SimpleNamespace
+
+    from sglang_backend.plugin import kv_debias
+
+    class Qkv(torch.nn.Module):  # SGLang's QKVParallelLinear: forward returns (output, output_bias)
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(12, 5, dtype=torch.bfloat16), requires_grad=False)
+            self.bias = torch.nn.Parameter(torch.randn(12, dtype=torch.bfloat16) * 40, requires_grad=False)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight, self.bias), None
+
+    qkv = Qkv()
+    attn = SimpleNamespace(qkv_proj=qkv, q_size=4, kv_size=4)
+    x = torch.randn(3, 5, dtype=torch.bfloat16)
+    kv_debias.hold_out_k_bias(attn)
+    kv_debias.hold_out_k_bias(attn)  # binding twice is one hold-out
+    real = qkv.bias
+    masked = real.detach().clone()
+    masked[4:8] = 0
+    assert torch.equal(qkv(x)[0], torch.nn.functional.linear(x, qkv.weight, masked))
+    assert qkv.bias is real
+    real.data[4:8] += 1.0  # a weight update of k_proj.bias: the K rows still hold it out
+    real.data[0] += 1.0  # ... and of q_proj.bias: the Q rows take it
+    masked = real.detach().clone()
+    masked[4:8] = 0
+    assert torch.equal(qkv(x)[0], torch.nn.functional.linear(x, qkv.weight, masked))

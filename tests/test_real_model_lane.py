@@ -41,8 +41,9 @@ def test_the_shipped_qwen25_policy_passes_the_quality_gate_in_bf16(cfg, real_qwe
 
 def test_trace_guides_every_site_and_beats_plain_qat_on_the_real_model(real_qwen):
     """The probe with the config's policy: a bf16 rollout against the fp32 trainer. Guided (full and
-    mantissa) < rtn < off; K and V are guided sites; the FP4 sites of layers past the first agree on
-    >= 99.5% of their codes (layer 0's de-biased K: docs/quality.md)."""
+    mantissa) < rtn < off; K and V are guided sites and agree on >= 99.9% of their codes in full mode
+    (FP8 through fp8.GUIDE_REACH, de-biased K computed without its bias), the FP4 sites on >= 99.5%
+    (measured 99.9% at 8 x 64 tokens: docs/quality.md)."""
     from megatron_trace import probe
 
     args = ["--model-path", str(real_qwen), "--dataset", "word_problems", "--num-prompts", "4"]
@@ -54,7 +55,8 @@ def test_trace_guides_every_site_and_beats_plain_qat_on_the_real_model(real_qwen
         assert m[mode]["mean_abs_dlogp"] < 0.5 * m["rtn"]["mean_abs_dlogp"] < m["off"]["mean_abs_dlogp"]
     agree = m["guided-full"]["agreement"]
     assert {"k_cache", "v_cache", "gate_up_proj", "down_proj"} == {k.rsplit(".", 1)[1] for k in agree}
-    fp4 = [v for k, v in agree.items() if not k.endswith("k_cache") and not k.startswith("model.layers.0.")]
-    assert min(fp4) >= 0.995, sorted(agree.items(), key=lambda kv: kv[1])[:4]
+    print("lowest agreement", sorted(agree.items(), key=lambda kv: kv[1])[:4])
+    kv = [v for k, v in agree.items() if k.endswith("_cache")]
+    assert min(kv) >= 0.999 and min(agree.values()) >= 0.995, sorted(agree.items(), key=lambda kv: kv[1])[:4]
     rtn = m["rtn"]["agreement"]
     assert all(agree[k] > rtn[k] for k in agree if k.endswith("k_cache"))  # FP8 K follows the record

@@ -93,6 +93,14 @@ def quantize_dequantize(
     return dequantize(quantize(x, dims, amax), dtype or x.dtype)
 
 
+# How far (on the +-448 scale, i.e. after S_enc) full guidance may move an element to the rollout's
+# codeword: half the E4M3 step at the top of the scale, the error round-to-nearest already allows the
+# row's largest element. Near zero E4M3 resolves far finer than a bf16 rollout and an fp32 trainer
+# agree: their K differs by ~0.3% of the token's amax (a few units here), several codewords apart
+# for small elements, so a one-codeword bracket would leave ~5% of a real Qwen's FP8 K unguided.
+GUIDE_REACH = 16.0
+
+
 def guided_quantize(
     x: torch.Tensor,
     s_enc: torch.Tensor,
@@ -103,9 +111,9 @@ def guided_quantize(
     """Quantize x [..., *row] with the rollout's per-row S_enc [...] (its row shape follows from
     s_enc's), rounding each element as the rollout did: z = x * S_enc, the quantizer's arithmetic,
     bracketed by the two adjacent E4M3 codewords lo <= z <= hi (clipped to +-448). Full guidance
-    (`codes`, the rollout's bytes shaped like x) keeps the bracket nearer the rollout's codeword,
-    its exact byte when it is one of them (a z on a grid point brackets its two neighbours);
-    mantissa guidance (`mantissa`, the bytes' lowest bits packed 8 per byte along the last dim)
+    (`codes`, the rollout's bytes shaped like x) takes the rollout's byte when it is one of them (a z
+    on a grid point brackets its two neighbours) or lies within GUIDE_REACH of z, else the bracket
+    nearer it; mantissa guidance (`mantissa`, the bytes' lowest bits packed 8 per byte along the last dim)
     keeps the bracket whose lowest bit matches. NaN stays NaN (0x7F)."""
     x = as_float32(x)
     if (codes is None) == (mantissa is None):
@@ -134,7 +142,8 @@ def guided_quantize(
         lo = torch.where(on_grid, (lo - 1).clamp_min(-_MAX_INDEX), lo)
         hi = torch.where(on_grid, (hi + 1).clamp_max(_MAX_INDEX), hi)
         pick = torch.maximum(torch.minimum(r, hi), lo)
-        out = torch.where(pick == r, codes, _codes_from_index(pick, negative))
+        near = (e4m3_decode(codes) - zc).abs() <= GUIDE_REACH
+        out = torch.where((pick == r) | near, codes, _codes_from_index(pick, negative))
     else:
         bit = unpack_mantissa_bits(mantissa).to(torch.int16)
         pick = torch.where((hi.abs() & 1) == bit, hi, lo)

@@ -28,7 +28,7 @@
     X(const int64_t*, table) X(const int64_t*, row_seq) X(const int64_t*, row_len)                  \
     X(const float*, cos) X(const float*, sin) /* RoPE tables [positions, D], read at row pos[t] */  \
     X(const int64_t*, pos) X(void*, x) X(const void*, res_in) X(void*, res_out)                    \
-    X(const float*, k_off) /* stream, de-biased K: fp32 RoPE_j(k bias) [>= width, Hkv, D], or 0 */
+    X(const float*, k_off) /* stream, de-biased K: fp32 RoPE_j(k bias) [>= width, Hkv, D] added at read, or 0 */
 
 /* X(type, name, n): arrays of numbers, one per linear (qkv, o, gate_up, down).
    act_mode: 0 none, 1 NVFP4 per token, 2 static S_enc (act_gs).

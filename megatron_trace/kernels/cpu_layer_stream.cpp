@@ -148,9 +148,6 @@ int store_kv(const layer_args* a, Scratch& s) {
         }
         float* xf = s.kvf.data() + which * T * n;
         for (int64_t i = 0; i < T * n; i++) xf[i] = bf16_to_f32(rows[i]);
-        if (which == 0 && a->k_off)  // a de-biased K cache stores K - RoPE_pos(b), in fp32 as the per-kernel path
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t i = 0; i < n; i++) xf[t * n + i] -= a->k_off[a->pos[t] * n + i];
         if (fmt == 2) {
             fp8_quantize_to_slots(xf, T, n, a->write_slots, a->num_slots, static_cast<uint8_t*>(pd),
                                   static_cast<float*>(ps));

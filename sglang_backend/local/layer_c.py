@@ -9,7 +9,7 @@
   functions on the same inputs); it exists because that path pays for a parallel region and a
   Python call per kernel.
 A de-biased K (quant.kv_k_debias) streams with its offset table (`k_off`: RoPE_j(k bias) for the
-batch's positions, subtracted from K before the store and added to the K attention decodes).
+batch's positions, added to the K attention decodes; the qkv linear leaves the bias out of K).
 Everything else (MoE, MXFP4 activations or pages, the de-biased K of small layers, prefill widths of
 large layers, fp32 large layers, guided layers over an FP8 side) runs the per-kernel path (`cpu_fused`,
 `EngineLinear.forward_cpu`).

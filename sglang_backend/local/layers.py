@@ -144,6 +144,7 @@ class EngineLinear(nn.Module):
         dtype: torch.dtype,
         site: str | None = None,
         mx_rule: str = "floor",
+        bias_held_out: str | None = None,
     ):
         super().__init__()
         self.shards = dict(shards)
@@ -155,6 +156,16 @@ class EngineLinear(nn.Module):
         self.weight_fmt, self.act_fmt, self.site, self.mx_rule = weight_fmt, act_fmt, site, mx_rule
         self.weight = nn.Parameter(torch.zeros(off, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(off, dtype=dtype), requires_grad=False) if bias else None
+        # A shard whose bias this linear loads but does not add (its rows of `bias` stay zero): K's under
+        # quant.kv_k_debias, whose cache holds RoPE(x W_k) and adds RoPE(b) at read. Adding b in bf16 and
+        # taking it away again would leave bf16's rounding of the large biased K in the small remainder.
+        self.bias_held_out = bias_held_out
+        self.held_bias = None
+        if bias_held_out is not None:
+            if not bias or bias_held_out not in self.offsets:
+                raise ValueError(f"{site}: cannot hold out the bias of shard {bias_held_out!r} (bias={bias})")
+            a, b = self.offsets[bias_held_out]
+            self.held_bias = nn.Parameter(torch.zeros(b - a, dtype=dtype), requires_grad=False)
         self.qweight: nvfp4.NVFP4Tensor | mxfp4.MXFP4Tensor | None = None
         # BF16 source rows of an FP4 linear: a later update of one shard re-quantizes the group
         # from sources, never from already-dequantized values.
@@ -175,7 +186,8 @@ class EngineLinear(nn.Module):
         a, b = self._rows(shard)
         if kind == "bias":
             _check_shape(self.bias is not None and self.bias[a:b], tensor, f"{self.site}:{shard}.bias")
-            self.bias.data[a:b] = tensor.to(self.bias.dtype)
+            dst = self.held_bias.data if shard == self.bias_held_out else self.bias.data[a:b]
+            dst.copy_(tensor.to(self.bias.dtype))
         elif kind == "weight":
             _check_shape(self.weight[a:b], tensor, f"{self.site}:{shard}.weight")
             if self.weight_fmt is not None:

@@ -83,25 +83,29 @@ class _Layer(nn.Module):
         self.kv_sites = (p + "self_attn.k_cache", p + "self_attn.v_cache")
         h, d = arch.hidden_size, arch.head_dim
 
-        def linear(hf_module, site, shards, k, bias=False):
+        def linear(hf_module, site, shards, k, bias=False, held_out=None):
             # The policy decides per HF module; fused groups were checked to be all-or-none.
             fp4 = policy.enabled and policy.linear_is_fp4(p + hf_module, arch.num_layers)
             wfmt = policy.format if fp4 and policy.weights == "fp4" else None
             afmt = policy.format if fp4 and policy.activations == "fp4" else None
-            return EngineLinear(shards, k, bias=bias, weight_fmt=wfmt, act_fmt=afmt, dtype=dtype, site=p + site)
+            return EngineLinear(
+                shards, k, bias=bias, weight_fmt=wfmt, act_fmt=afmt, dtype=dtype, site=p + site, bias_held_out=held_out
+            )
 
+        # quant.kv_k_debias: this layer's K cache holds RoPE_pos(x W_k), K without its k_proj bias b, and
+        # attention adds RoPE_pos(b) back in fp32 at read (models/rope.py); the linear never adds b to K
+        self.k_debias = policy.kv_k_debias and policy.kv_format(idx, arch.num_layers, "k") != "bf16"
+        if self.k_debias and not arch.qkv_bias:
+            raise ValueError(f"quant.kv_k_debias needs a k_proj bias; {arch.family} has none")
         self.qkv = linear(
             "self_attn.q_proj",
             "self_attn.qkv_proj",
             {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size},
             h,
             arch.qkv_bias,
+            "k" if self.k_debias else None,
         )
-        # quant.kv_k_debias: this layer's K cache holds K - RoPE_pos(k_proj bias) (models/rope.py)
-        self.k_debias = policy.kv_k_debias and policy.kv_format(idx, arch.num_layers, "k") != "bf16"
         self._k_columns = ColumnOffsets(arch.head_dim, arch.rope_theta)  # k_bias_columns' table
-        if self.k_debias and not arch.qkv_bias:
-            raise ValueError(f"quant.kv_k_debias needs a k_proj bias; {arch.family} has none")
         self.o_proj = linear("self_attn.o_proj", "self_attn.o_proj", {"o": h}, arch.q_size, arch.o_bias)
         self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
         self.post_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
@@ -136,8 +140,8 @@ class _Layer(nn.Module):
         else:  # one rotation over q's and k's heads together (elementwise: same values)
             qk = Rope.apply(qkv[:, : a.q_size + a.kv_size].reshape(-1, a.num_heads + a.num_kv_heads, a.head_dim), *rot)
             q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
-        if self.k_debias:  # in fp32: K's bias is large, what is left of it is small (no bf16 cancellation)
-            k = k.float() - self.k_bias_at(batch.positions, torch.float32)
+        if self.k_debias:  # the linear left b out: k is RoPE(x W_k), what the cache stores
+            k = k.float()
         self._store_kv(k, v, batch, kv, capture)
         k_add = self.k_bias_at if self.k_debias else None
         out = (
@@ -150,14 +154,13 @@ class _Layer(nn.Module):
     def k_bias_at(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """RoPE_pos(k_proj bias) [T, kv_heads, D]: what a de-biased K cache leaves out of K."""
         a = self.arch
-        b = self.qkv.bias[a.q_size : a.q_size + a.kv_size].view(a.num_kv_heads, a.head_dim)
-        return rotated_bias(b, positions, a.rope_theta).to(dtype)
+        return rotated_bias(self.qkv.held_bias.view(a.num_kv_heads, a.head_dim), positions, a.rope_theta).to(dtype)
 
     def k_bias_columns(self, width: int) -> torch.Tensor:
         """k_bias_at(arange(width), fp32), contiguous, kept until the bias changes (weight loads bump
         the linear's generation, load_state_dict the bias's version)."""
-        a, bias = self.arch, self.qkv.bias
-        b = bias[a.q_size : a.q_size + a.kv_size].view(a.num_kv_heads, a.head_dim)
+        a, bias = self.arch, self.qkv.held_bias
+        b = bias.view(a.num_kv_heads, a.head_dim)
         return self._k_columns.rows(b, width, (bias.data_ptr(), bias._version, self.qkv._generation))
 
     def _store_kv(self, k, v, batch: ForwardBatch, kv: PagedKVCache, capture) -> None:
@@ -232,7 +235,7 @@ class _Layer(nn.Module):
         qkv = self.qkv.forward_cpu(h, capture)
         norms = (self.q_norm, self.k_norm) if a.qk_norm else (None, None)
         table, row_seq, row_len, width = batch.attention_layout()
-        # RoPE_j(b) of columns 0..width-1, which hold every position of this batch: the store's offset too
+        # RoPE_j(b) of columns 0..width-1, which hold every position of this batch: added to K at read
         k_off = self.k_bias_columns(width) if self.k_debias else None
         if kv.fmt == "bf16":  # K and V go straight into their cache slots
             kc, vc = kv.layer_pages[self.idx]
@@ -254,8 +257,8 @@ class _Layer(nn.Module):
             q = cpu_fused.qkv_rope(
                 qkv, a.num_heads, a.num_kv_heads, a.head_dim, *rot, batch.positions, *norms, a.rms_norm_eps, k, v, None
             )
-            if k_off is not None:
-                k = k.float() - k_off[batch.positions]
+            if k_off is not None:  # RoPE(x W_k): the linear left b out
+                k = k.float()
             self._store_kv(k, v, batch, kv, capture)
         scale = a.head_dim**-0.5
         if k_off is not None:  # the page kernel adds RoPE_j(b) to the K it decodes at column (position) j

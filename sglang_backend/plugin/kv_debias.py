@@ -6,12 +6,15 @@ the one function both stacks and the trainer use). SGLang's pool knows each toke
 not its position, so the per-side method (kv_sides.py) keeps one position per slot:
 
     ModelRunner.forward (AROUND hook) ── forward_batch.positions ──► current_positions()
-    quantize_and_store(loc, cache_k):  slot_pos[loc] = positions;  K - RoPE_positions(b_layer) ─► quantized
+    qkv_proj (held_out_k_bias):        x W + b with b's K rows zero, so K = RoPE(x W_k) in the read dtype
+    quantize_and_store(loc, cache_k):  slot_pos[loc] = positions;  RoPE(x W_k) ─► quantized
     dequantize_kv_tensor(K, layer):    dequantized K (read dtype) + RoPE_slot_pos(b_layer) in fp32 ─► read dtype
 
-The biases are read from each attention's live `qkv_proj.bias` at every use (a weight update loads
-into it), found on the runner's model at its first forward. A layout this does not know (no bias,
-a rotary that is not the plain neox form over the whole head) is refused by name.
+Leaving b out of the projection, rather than adding it in bf16 and taking it away again, keeps bf16's
+rounding of the large biased K out of the small remainder the cache resolves (the engine's
+EngineLinear.bias_held_out). The biases are read from each attention's live `qkv_proj.bias` at every
+use (a weight update loads into it), found on the runner's model at its first forward. A layout this
+does not know (no bias, a rotary that is not the plain neox form over the whole head) is refused by name.
 """
 
 from __future__ import annotations
@@ -56,10 +59,36 @@ def k_biases_of(model: torch.nn.Module) -> dict[int, LayerKBias]:
                 f"{getattr(rot, 'is_neox_style', None)}, rotary_dim {getattr(rot, 'rotary_dim', None)} of "
                 f"{m.head_dim}); the de-biased cache knows the plain neox RoPE over the whole head only"
             )
+        hold_out_k_bias(m)
         out[int(attn.layer_id)] = LayerKBias(m, float(rot.base))
     if not out:
         raise ValueError("quant.kv_k_debias: the served model has no attention with a qkv_proj bias and a layer_id")
     return out
+
+
+def hold_out_k_bias(attention: torch.nn.Module) -> None:
+    """attention.qkv_proj adds b with its K rows zero from now on: a persistent masked copy (graph
+    capture keeps its address) refreshed from the live bias at every call, swapped in around SGLang's
+    own forward so its TP and sequence-parallel paths stay as they are."""
+    qkv = attention.qkv_proj
+    if getattr(qkv, "trace_k_bias_held_out", False):
+        return
+    a, b = attention.q_size, attention.q_size + attention.kv_size
+    masked = torch.nn.Parameter(qkv.bias.detach().clone(), requires_grad=False)
+    original = qkv.forward
+
+    def forward(*args, **kwargs):
+        live = qkv._parameters["bias"]
+        masked.data.copy_(live.data)
+        masked.data[a:b].zero_()
+        qkv._parameters["bias"] = masked
+        try:
+            return original(*args, **kwargs)
+        finally:
+            qkv._parameters["bias"] = live
+
+    qkv.forward = forward
+    qkv.trace_k_bias_held_out = True
 
 
 def current_positions() -> torch.Tensor | None:
@@ -89,7 +118,7 @@ class SlotPositions:
         self.head_dim = head_dim
         self._tables: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def write(self, loc: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def write(self, loc: torch.Tensor, positions: torch.Tensor | None) -> None:
         if positions is None:
             raise RuntimeError(
                 "quant.kv_k_debias: a K store ran outside ModelRunner.forward, so the slots' positions are "
@@ -103,12 +132,9 @@ class SlotPositions:
         if not torch.equal(self.pos[loc], positions):
             self.pos.index_copy_(0, loc, positions)
             self._tables.clear()
-        return positions
 
-    def offset(self, k_bias: LayerKBias, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """RoPE_pos(b) fp32 [T, heads, D] at `positions`, or at every slot's position when None."""
-        if positions is not None:
-            return rotate_bias(k_bias.bias(), *rotary_tables(positions, self.head_dim, k_bias.theta))
+    def offset(self, k_bias: LayerKBias) -> torch.Tensor:
+        """RoPE_pos(b) fp32 [slots, heads, D] at every slot's position."""
         if k_bias.theta not in self._tables:
             self._tables[k_bias.theta] = rotary_tables(self.pos, self.head_dim, k_bias.theta)
         return rotate_bias(k_bias.bias(), *self._tables[k_bias.theta])

@@ -208,9 +208,10 @@ def per_side_method_class(sides: tuple[str, str], k_debias: bool = False):
             loc = loc.to(torch.long)
             layer = self._layer_of.get(k_buffer.data_ptr())
             shape = (loc.shape[0], self._heads, self._head_dim)
-            if self.k_debias:  # in fp32, as the engine: K's bias is large, what is left of it small
-                positions = self._slot_pos.write(loc, kv_debias.current_positions())
-                cache_k = cache_k.reshape(shape).float() - self._slot_pos.offset(self._k_bias(layer), positions)
+            if self.k_debias:  # cache_k is RoPE(x W_k): qkv_proj left b out (kv_debias.hold_out_k_bias)
+                self._slot_pos.write(loc, kv_debias.current_positions())
+                self._k_bias(layer)  # bound, so qkv_proj holds b out
+                cache_k = cache_k.reshape(shape).float()
             for side, fmt, buf, sbuf, x, s_dec in (
                 ("k_cache", self.side_formats[0], k_buffer, k_scale_buffer, cache_k, k_scale),
                 ("v_cache", self.side_formats[1], v_buffer, v_scale_buffer, cache_v, v_scale),
