@@ -54,7 +54,7 @@ def _check_checkpoint_dirs(cfg: Config) -> None:
         if not (Path(path) / needs).exists() if needs else not Path(path).exists():
             raise FileNotFoundError(
                 f"{key}={path}: no HF checkpoint directory there (wanted {needs or 'a tokenizer directory'}). Give "
-                f"{key}=DIR of a Qwen2/2.5/3 HF checkpoint; scripts/quality_real_model.py --fetch-only builds "
+                f"{key}=DIR of a Qwen2/2.5/3 HF checkpoint; `python -m megatron_trace.models.real_qwen` builds "
                 "Qwen2.5-Coder-0.5B-Instruct into ~/.cache/megatron_trace/qwen2.5-coder-0.5b/hf"
             )
 

@@ -1,4 +1,4 @@
-"""scripts/bench_kernels.py --cpu-check: every kernel path, check and table row on tiny shapes."""
+"""benchmarks/fp4_kernels.py --cpu-check: every kernel path, check and table row on tiny shapes."""
 
 import os
 import subprocess
@@ -16,7 +16,7 @@ def test_cpu_check_runs_every_path(tmp_path):
     out = tmp_path / "table.md"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "bench_kernels.py"), "--cpu-check", "--out", str(out)],
+        [sys.executable, os.path.join(ROOT, "benchmarks", "fp4_kernels.py"), "--cpu-check", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,

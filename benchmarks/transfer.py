@@ -1,6 +1,6 @@
 """Weight-transfer benchmark on CPU: quantize + bucket + send throughput, bytes on the wire, memory.
 
-    .venv/bin/python scripts/bench_transfer.py [--hidden 256 --layers 4 --vocab 2048 --bucket-mb 4 --repeats 5]
+    .venv/bin/python benchmarks/transfer.py [--hidden 256 --layers 4 --vocab 2048 --bucket-mb 4 --repeats 5]
 
 A tiny-but-not-trivial BF16 Qwen3 (hidden 256, 4 layers, MLP 1024) is streamed in HF order
 through `transfer.quantize` and `transfer.bucket` into an InProcessTransport whose receiver

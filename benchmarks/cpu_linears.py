@@ -1,7 +1,7 @@
 """One linear at the real Qwen2.5-0.5B widths, per path the engine may take, across batch rows.
 
-    .venv/bin/python scripts/bench_cpu_linears.py --threads 2            # gate_up, down, qkv
-    .venv/bin/python scripts/bench_cpu_linears.py --rows 32 --shapes 9728x896
+    .venv/bin/python benchmarks/cpu_linears.py --threads 2            # gate_up, down, qkv
+    .venv/bin/python benchmarks/cpu_linears.py --rows 32 --shapes 9728x896
 
 Contenders for y = x . W^T (W [N, K]), each on --layers distinct weight copies cycled in turn
 (a decode step meets each layer's weights once, so they come from memory, not cache):

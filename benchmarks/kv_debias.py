@@ -1,6 +1,6 @@
 """Decode throughput of the embedded engine with a de-biased K cache against the same K format plain.
 
-    .venv/bin/python scripts/bench_kv_debias.py --model-path HF_DIR      # a Qwen2/2.5 (it has a k_proj bias)
+    .venv/bin/python benchmarks/kv_debias.py --model-path HF_DIR      # a Qwen2/2.5 (it has a k_proj bias)
 
 Every contender is NVFP4 W4A4 + NVFP4 V in bfloat16, greedy with EOS off, --batch prompts of
 --prompt-len tokens decoding --new-tokens: K as NVFP4 or FP8, plain or de-biased (quant.kv_k_debias:

@@ -1,4 +1,4 @@
-"""Plain-text or markdown tables and the number formats of scripts/perf_model.py's report."""
+"""Plain-text or markdown tables and the number formats of benchmarks/perf_model.py's report."""
 
 from __future__ import annotations
 

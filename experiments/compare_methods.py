@@ -1,6 +1,6 @@
 """Same seeds and prompts, several ways to train with FP4 rollout; a table and curves of the result.
 
-    .venv/bin/python scripts/compare_methods.py --out results/compare --steps 200 --seeds 0,1
+    .venv/bin/python experiments/compare_methods.py --out results/compare --steps 200 --seeds 0,1
         [--config configs/tiny_cpu.yaml] [--resume] [base overrides ...]
 
 Methods (each a run of `python -m megatron_trace.train --config CONFIG` per seed):

@@ -1,7 +1,7 @@
 """Throughput of the FP4 reference quantizers on CPU, as GB/s of input and as a ratio to
 torch.clone of the same tensor measured in the same run (this machine is shared and noisy).
 
-    .venv/bin/python scripts/bench_fp4.py [--size 4096] [--repeats 7]
+    .venv/bin/python benchmarks/fp4.py [--size 4096] [--repeats 7]
 """
 
 from __future__ import annotations

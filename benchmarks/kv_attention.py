@@ -1,8 +1,8 @@
 """Decode attention over BF16 pages against NVFP4 / MXFP4 pages: time and bytes read, one run.
 
-    .venv/bin/python scripts/bench_kv_attention.py                    # 4K context, batch 8, Qwen2.5-0.5B heads
-    .venv/bin/python scripts/bench_kv_attention.py --layers 24         # every layer of a decode step
-    .venv/bin/python scripts/bench_kv_attention.py --context 512 --quick
+    .venv/bin/python benchmarks/kv_attention.py                    # 4K context, batch 8, Qwen2.5-0.5B heads
+    .venv/bin/python benchmarks/kv_attention.py --layers 24         # every layer of a decode step
+    .venv/bin/python benchmarks/kv_attention.py --context 512 --quick
 
 A decode step's attention in --layers layers (default 1), each over its own pages, so with 24 the
 pages of the whole step (403 MB of BF16 at the defaults) come from memory as in decode instead of

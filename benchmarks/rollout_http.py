@@ -1,7 +1,7 @@
 """The embedded rollout engine over loopback HTTP (server + RolloutClient) against in-process calls.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_http.py --threads 1
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_http.py --quick      # smoke test, a few seconds
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rollout_http.py --threads 1
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rollout_http.py --quick      # smoke test, a few seconds
 
 The project's tiny qwen2 (the shape bench_rollout.py uses), 16 prompt + 64 new tokens, greedy,
 fp32, return_logprob=True. For each engine config (BF16-equivalent; NVFP4 W4A4 + NVFP4 KV), one

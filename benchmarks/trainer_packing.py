@@ -1,7 +1,7 @@
 """Train-step throughput and peak memory on a long-tailed batch: packed THD micro-batches vs the
 right-padded layout, side by side in one process (a benchmark, not a test).
 
-    .venv/bin/python scripts/bench_trainer_packing.py [--samples 64] [--min-len 100] [--max-len 4000]
+    .venv/bin/python benchmarks/trainer_packing.py [--samples 64] [--min-len 100] [--max-len 4000]
         [--rounds 2] [--hidden 256] [--layers 4] [--vocab 32000] [--json out.json]
 
 The batch: `--samples` sequences whose lengths follow a long tail (log-uniform between --min-len
