@@ -172,9 +172,10 @@ def test_trainer_qat_kv_equals_the_engine_pages(k_fmt, v_fmt):
 def test_plugin_kv_writes_equal_the_engine_pages_and_trainer_qat():
     """FP8 K + NVFP4 V: the SGLang plugin's quantizers, the engine's pages and the trainer's QAT
     hold the same bits for the same K and V."""
+    from megatron_trace.kernels import kv_codec
     from megatron_trace.models import ModelArch, QuantPolicy, tiny_hf_config
     from megatron_trace.trainer.qat import QATState
-    from sglang_backend.plugin.kv_capture import quantize_kv, quantize_kv_fp8
+    from sglang_backend.plugin.kv_capture import quantize_kv
 
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(8, 2, 32, generator=g) * 40, torch.randn(8, 2, 32, generator=g)
@@ -183,7 +184,7 @@ def test_plugin_kv_writes_equal_the_engine_pages_and_trainer_qat():
     kv.write(0, 0, slots, k, return_values=False)
     kv.write(0, 1, slots, v, return_values=False)
     kd, ks, vd, vs = kv.layer_pages[0]
-    pk, pv = quantize_kv_fp8(k), quantize_kv(v, 1.0)  # SGLang's v_scale 1.0 = the engine's S_enc 1.0
+    pk, pv = kv_codec.quantize("fp8", k), quantize_kv(v, 1.0)  # SGLang's v_scale 1.0 = the engine's S_enc 1.0
     assert torch.equal(pk.data, kd[slots]) and torch.equal(pk.scale, ks[slots])
     assert torch.equal(pv.data, vd[slots]) and torch.equal(pv.scale, vs[slots])
     st = QATState(ModelArch.from_hf_config(tiny_hf_config("qwen2")), QuantPolicy(kv_k="fp8", kv_v="nvfp4"), "rtn")

@@ -268,7 +268,7 @@ def test_cuda_route_runs_the_triton_kernels_with_the_reference_bits(monkeypatch,
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not importable")
-    from megatron_trace.kernels import dispatch
+    from megatron_trace.kernels import dispatch, kv_codec
     from megatron_trace.trainer import qat
 
     if not importlib.import_module("megatron_trace.kernels.nvfp4_quantize").INTERPRETED:
@@ -301,6 +301,9 @@ def test_cuda_route_runs_the_triton_kernels_with_the_reference_bits(monkeypatch,
 
     monkeypatch.setattr(qat, "nvfp4_quantize", forced(dispatch.nvfp4_quantize))
     monkeypatch.setattr(qat, "nvfp4_guided_quantize", forced(dispatch.nvfp4_guided_quantize))
+    # K goes through the KV codec, whose NVFP4 route off CPU is dispatch.nvfp4_quantize
+    to_triton = forced(dispatch.nvfp4_quantize)
+    monkeypatch.setattr(kv_codec, "nvfp4_quantize_dequantize", lambda x, **kw: (to_triton(x, **kw), None))
     got = run()
     for a, b in zip(got, want):
         assert torch.equal(a, b)

@@ -40,6 +40,7 @@ from megatron_trace.fp4 import (
     straight_through,
     unpack_fp4,
 )
+from megatron_trace.kernels import kv_codec
 from megatron_trace.kernels.dispatch import mantissa_bits_packed, nvfp4_guided_quantize, nvfp4_quantize
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.rope import rotated_bias
@@ -168,12 +169,7 @@ class QATState:
         back in fp32, so a large offset cancels without bf16 rounding."""
         x = t.detach().float() if offset is None else t.detach().float() - offset
         rows = x.reshape(-1, t.shape[-2], t.shape[-1])
-        if fmt == "fp8":
-            q = fp8.quantize(rows, dims=2, amax=self._all_max(nvfp4.nan_free_amax(rows.reshape(rows.shape[0], -1), -1)))
-        elif fmt == "mxfp4":
-            q = mxfp4.quantize(rows, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
-        else:
-            q = nvfp4_quantize(rows, global_scale=torch.tensor(KV_SCALE))
+        q = kv_codec.quantize(fmt, rows, nvfp4_scale=KV_SCALE, all_max=self._all_max)
         groups = t.shape[-2]
         g0 = self.tp_rank() * groups
         out = self._guide(rows, q, site, None, heads=slice(g0, g0 + groups)).reshape(t.shape)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_trace.fp4 import fp8, mxfp4, nvfp4
-from megatron_trace.kernels import dispatch
+from megatron_trace.fp4 import nvfp4
+from megatron_trace.kernels import dispatch, kv_codec
+from megatron_trace.models.quant_policy import kv_side_bits
 
-KV_DTYPES = ("auto", "bf16", "nvfp4", "mxfp4", "fp8")
-SIDE_FORMATS = ("bf16", "nvfp4", "mxfp4", "fp8")
-MX_KV_BLOCK, MX_KV_RULE = mxfp4.KV_BLOCK, mxfp4.KV_RULE
+KV_DTYPES = ("auto", *kv_codec.FORMATS)
+SIDE_FORMATS = kv_codec.FORMATS
 _PAIRED = ("bf16", "nvfp4", "mxfp4")  # formats whose K and V share one array when both sides use them
 
 
@@ -104,12 +104,8 @@ class PagedKVCache:
     # -- accounting --------------------------------------------------------------------------
     def bits_per_element(self, which: int) -> float:
         """Stored bits per K (which=0) or V element, scales included."""
-        fmt = self.side_fmt[which]
-        if fmt == "bf16":
-            return torch.tensor([], dtype=self.dtype).element_size() * 8
-        if fmt == "fp8":
-            return 8 + 32 / (self.kv_heads * self.head_dim)  # one fp32 scale per token over its KV heads
-        return 4.5  # E2M1 + an 8-bit scale per 16
+        bf16_bits = torch.tensor([], dtype=self.dtype).element_size() * 8
+        return kv_side_bits(self.side_fmt[which], self.kv_heads * self.head_dim, bf16_bits)
 
     def bytes_per_token(self) -> float:
         """K and V of one token across all layers, as stored."""
@@ -136,13 +132,7 @@ class PagedKVCache:
     def quantize(self, layer: int, which: int, x: torch.Tensor):
         """x [T, kv_heads, head_dim] -> the quantized form written to the cache (None for bf16)."""
         fmt = self.side_fmt[which]
-        if fmt == "nvfp4":
-            return dispatch.nvfp4_quantize_dequantize(x, global_scale=self.global_scale[layer, which])[0]
-        if fmt == "mxfp4":
-            return mxfp4.quantize(x, rule=MX_KV_RULE, block=MX_KV_BLOCK)
-        if fmt == "fp8":
-            return fp8.quantize(x, dims=2)
-        return None
+        return None if fmt == "bf16" else kv_codec.quantize(fmt, x, nvfp4_scale=self.global_scale[layer, which])
 
     def write(
         self, layer: int, which: int, slots: torch.Tensor, x: torch.Tensor, q=None, return_values: bool = True
@@ -175,12 +165,8 @@ class PagedKVCache:
         return self._dequant(layer, which, data[slots], scale[layer][slots])
 
     def _dequant(self, layer: int, which: int, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        fmt = self.side_fmt[which]
-        if fmt == "nvfp4":
-            return nvfp4.dequantize(nvfp4.NVFP4Tensor(data, scale, self.global_scale[layer, which]), self.dtype)
-        if fmt == "fp8":
-            return fp8.dequantize(fp8.FP8Tensor(data, scale), self.dtype)
-        return mxfp4.dequantize(mxfp4.MXFP4Tensor(data, scale, MX_KV_BLOCK), self.dtype)
+        q = kv_codec.stored(self.side_fmt[which], data, scale, self.global_scale[layer, which])
+        return kv_codec.dequantize(q, self.dtype)
 
     def scales_as_floats(self) -> tuple[list, list]:
         """NVFP4: per layer [S_dec of K, S_dec of V] and (S_enc of K, S_enc of V) as Python floats,

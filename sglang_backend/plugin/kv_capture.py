@@ -20,9 +20,9 @@ import importlib
 
 import torch
 
-from megatron_trace.fp4 import fp8, nvfp4
+from megatron_trace.fp4 import nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
-from megatron_trace.kernels.dispatch import nvfp4_quantize_dequantize
+from megatron_trace.kernels import kv_codec
 
 from .capture import get_capture_buffer
 from .slot_capture import SlotCapture
@@ -33,25 +33,16 @@ KV_METHOD_MODULES = (
 )
 
 
-def quantize_kv(x: torch.Tensor, global_scale_dec) -> nvfp4.NVFP4Tensor:
-    """x [T, heads, head_dim] -> NVFP4 (data [T, H, D/2], scale [T, H, D/16], S_enc 0-d)."""
-    s_dec = torch.as_tensor(1.0 if global_scale_dec is None else global_scale_dec, dtype=torch.float32)
-    s_enc = encode_scale_from_decode(s_dec.detach().reshape(-1)[:1].reshape(()).cpu()).to(x.device)
-    return nvfp4_quantize_dequantize(x, global_scale=s_enc)[
-        0
-    ]  # C on CPU, Triton on CUDA (megatron_trace.kernels.dispatch)
+def s_enc_of(s_dec, device) -> torch.Tensor:
+    """NVFP4's per-layer S_enc (0-d) from SGLang's k_scale / v_scale, an S_dec (None is 1.0)."""
+    s_dec = torch.as_tensor(1.0 if s_dec is None else s_dec, dtype=torch.float32)
+    return encode_scale_from_decode(s_dec.detach().reshape(-1)[:1].reshape(()).cpu()).to(device)
 
 
-def quantize_kv_fp8(x: torch.Tensor, all_max=None) -> fp8.FP8Tensor:
-    """FP8 K (quant.kv_k=fp8): x [T, heads, head_dim] -> E4M3 bytes [T, H, D] and one fp32 S_dec per
-    token over its heads [T], the bits of the engine's pages and the trainer's QAT (inside SGLang the
-    per-side method, kv_sides.py, quantizes FP8 sides the same way); with TP the heads of a token span
-    ranks, and the row amax must be MAX-reduced over them: `all_max` (a MAX all-reduce over the ranks
-    that split the heads) does that."""
-    if all_max is None:
-        return fp8.quantize(x, dims=2)
-    amax = nvfp4.nan_free_amax(x.float().reshape(x.shape[0], -1), dim=-1)  # fp8.quantize's row amax
-    return fp8.quantize(x, dims=2, amax=all_max(amax))
+def quantize_kv(x: torch.Tensor, s_dec) -> nvfp4.NVFP4Tensor:
+    """x [T, heads, head_dim] -> NVFP4 (data [T, H, D/2], scale [T, H, D/16], S_enc 0-d): the
+    codec the engine's pages and the trainer's QAT use (megatron_trace.kernels.kv_codec)."""
+    return kv_codec.quantize("nvfp4", x, nvfp4_scale=s_enc_of(s_dec, x.device))
 
 
 class TraceKVQuantMixin:
@@ -152,8 +143,8 @@ class _PlainNVFP4KVBase:
 
     def dequantize_prev_kv(self, k_fp4, k_scales, v_fp4, v_scales, layer_id: int, dtype=torch.bfloat16):
         def dq(data, scale, s_dec):
-            s_enc = encode_scale_from_decode(s_dec.cpu()).to(data.device)
-            return nvfp4.dequantize(nvfp4.NVFP4Tensor(data.view(torch.uint8), scale.view(torch.uint8), s_enc), dtype)
+            q = kv_codec.stored("nvfp4", data.view(torch.uint8), scale.view(torch.uint8), s_enc_of(s_dec, data.device))
+            return kv_codec.dequantize(q, dtype)
 
         return dq(k_fp4, k_scales, self.k_scales_gpu[layer_id]), dq(v_fp4, v_scales, self.v_scales_gpu[layer_id])
 

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_trace.fp4 import fp8, mxfp4, nvfp4
+from megatron_trace.kernels import kv_codec
 
 from .. import plugin_settings as settings
 from . import capture, kv_debias, kv_read
-from .kv_capture import quantize_kv, quantize_kv_fp8, sglang_nvfp4_base
+from .kv_capture import s_enc_of, sglang_nvfp4_base
 from .slot_capture import SlotCapture
 
 SIDES_ENV = settings.env_name("kv_sides")
@@ -67,14 +67,8 @@ def quantize_side(fmt: str, x: torch.Tensor, s_dec, dtype: torch.dtype, all_max=
             torch.zeros(x.shape[0], 1, dtype=torch.uint8, device=x.device),
             None,
         )
-    if fmt == "fp8":
-        q = quantize_kv_fp8(x, all_max)
-        return q.data, q.scale.reshape(-1, 1).view(torch.uint8), q
-    if fmt == "mxfp4":
-        q = mxfp4.quantize(x, rule=mxfp4.KV_RULE, block=mxfp4.KV_BLOCK)
-        return q.data, q.scale, q
-    q = quantize_kv(x, s_dec)
-    return q.data, q.scale, q
+    q = kv_codec.quantize(fmt, x, nvfp4_scale=s_enc_of(s_dec, x.device) if fmt == "nvfp4" else None, all_max=all_max)
+    return q.data, (q.scale.reshape(-1, 1).view(torch.uint8) if fmt == "fp8" else q.scale), q
 
 
 def dequantize_side(fmt: str, data: torch.Tensor, scale: torch.Tensor, s_dec, dtype: torch.dtype) -> torch.Tensor:
@@ -82,14 +76,10 @@ def dequantize_side(fmt: str, data: torch.Tensor, scale: torch.Tensor, s_dec, dt
     data, scale = data.view(torch.uint8), scale.view(torch.uint8)
     if fmt == "bf16":
         return data.reshape(data.shape[0], data.shape[1], -1).view(dtype)
-    if fmt == "fp8":
-        return fp8.dequantize(fp8.FP8Tensor(data, scale.contiguous().view(torch.float32).reshape(-1)), dtype)
-    if fmt == "mxfp4":
-        return mxfp4.dequantize(mxfp4.MXFP4Tensor(data, scale, mxfp4.KV_BLOCK), dtype)
-    from megatron_trace.fp4.modelopt import encode_scale_from_decode
-
-    s_enc = encode_scale_from_decode(torch.as_tensor(s_dec).detach().float().cpu()).to(data.device)
-    return nvfp4.dequantize(nvfp4.NVFP4Tensor(data, scale, s_enc), dtype)
+    if fmt == "fp8":  # one fp32 scale per token, stored as its 4 bytes
+        scale = scale.contiguous().view(torch.float32).reshape(-1)
+    s_enc = s_enc_of(s_dec, data.device) if fmt == "nvfp4" else None
+    return kv_codec.dequantize(kv_codec.stored(fmt, data, scale, s_enc), dtype)
 
 
 def side_bytes(fmt: str, heads: int, head_dim: int, itemsize: int) -> int:
