@@ -9,7 +9,7 @@ Contenders for y = x . W^T (W [N, K]), each on --layers distinct weight copies c
   onednn packed   the same GEMM over the weight packed once (megatron_trace/kernels/onednn_linear.py): what the
                   engine's BF16 linears, W4A16 and the LM head run above decode widths
   w4a4 tiles      megatron_trace/kernels/cpu_gemv_w4a4.c: the decode row tiles, codes x codes in integers, weights
-                  read as stored (the engine's W4A4 up to layers.W4A4_STREAM_MAX_ROWS)
+                  read as stored (the engine's W4A4 up to run_plan.W4A4_STREAM_MAX_ROWS)
 Rounds are interleaved (--runs), the median per contender; GMAC/s = rows x N x K / time. (An
 exact-integer W4A4 panel GEMM for 17-64 rows, rows in the vector lanes, was tried and removed: it
 ran at 0.5-0.7x the packed oneDNN GEMM; see BENCHMARKS.md.)

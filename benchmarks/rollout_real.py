@@ -119,22 +119,20 @@ def read_bandwidth(gib: float = 1.0) -> float:
 
 def step_weight_bytes(engine, rows: int) -> int:
     """Weight bytes one decode step of `rows` sequences reads: each linear as the path at that width
-    reads it (layers.EngineLinear.forward_cpu streams packed NVFP4, W4A4 up to
-    layers.W4A4_STREAM_MAX_ROWS; the one-call C layer of small
-    models and torch's GEMM read the dequantized copy) and the LM head."""
+    reads it (EngineLinear.forward_cpu streams packed NVFP4 up to run_plan.linear_stream_rows; the
+    one-call C layer of small models and torch's GEMM read the dequantized copy) and the LM head."""
     from megatron_trace.kernels import cpu_gemv
-    from sglang_backend.local import layer_c, layers
+    from sglang_backend.local import layers, run_plan
 
-    stream = rows <= layers.STREAM_MAX_ROWS and cpu_gemv.available()
+    plan = engine.model.run_plan(engine.kv)
     total = engine.model.lm_head.numel() * engine.model.lm_head.element_size()
-    for layer in engine.model.layers:
-        one_call = layer_c.supports(layer, engine.kv)
+    for layer, lp in zip(engine.model.layers, plan.layers):
+        one_call = lp.mode == "one_call"
         for lin in layer.modules():
             if not isinstance(lin, layers.EngineLinear):
                 continue
             n, k = lin.out_features, lin.in_features
-            w4a4 = lin.act_fmt == "nvfp4" and rows <= layers.W4A4_STREAM_MAX_ROWS and cpu_gemv.available()
-            packed = (stream or w4a4) and not one_call
+            packed = rows <= run_plan.linear_stream_rows(lin) and cpu_gemv.available() and not one_call
             total += (
                 n * k // 2 + n * k // 16 + 4 * n
                 if packed and lin.weight_fmt == "nvfp4"

@@ -10,7 +10,7 @@ from megatron_trace.guidance import GuidanceRecord, make_site
 
 GUIDANCE_SITES = ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj")
 
-# hidden 512 x (2 x 4224) gate_up weights: above layer_c.ONE_CALL_MAX_WEIGHTS, one layer to stay quick
+# hidden 512 x (2 x 4224) gate_up weights: above run_plan.ONE_CALL_MAX_WEIGHTS, one layer to stay quick
 WIDE = dict(
     hidden_size=512,
     intermediate_size=4224,

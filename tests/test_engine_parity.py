@@ -55,7 +55,7 @@ def test_greedy_tokens_and_logprobs_match_hf(ckpt):
 def test_fused_cpu_path_equals_the_torch_reference_path(ckpt, kv, quant, monkeypatch):
     """The C-kernel forward (the CPU default) against the model's torch ops (CUDA and fallback)."""
     from megatron_trace.kernels import cpu_fused
-    from sglang_backend.local.model import QwenEngineModel
+    from sglang_backend.local import run_plan
 
     if not cpu_fused.available():
         pytest.skip("no C compiler here")
@@ -63,10 +63,10 @@ def test_fused_cpu_path_equals_the_torch_reference_path(ckpt, kv, quant, monkeyp
     runs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(QwenEngineModel, "uses_fused", lambda self, kv: False)
+            monkeypatch.setattr(run_plan, "fused", lambda model, kv: False)
         eng = Engine(str(ckpt), kv_cache_dtype=kv, quantization=quant)
         try:
-            assert eng.model.uses_fused(eng.kv) == fused
+            assert eng.model.run_plan(eng.kv).fused == fused
             runs.append(eng.generate(input_ids=PROMPTS, sampling_params=sp, return_logprob=True))
         finally:
             eng.shutdown()
@@ -82,14 +82,14 @@ def test_guidance_from_the_c_layer_equals_the_torch_path(ckpt, mode, monkeypatch
     quantizer outputs: same sites, positions and scales; codes agree but for rounding-boundary ties."""
     from megatron_trace.guidance import GuidanceRecord
     from megatron_trace.kernels import cpu_fused
-    from sglang_backend.local.model import QwenEngineModel
+    from sglang_backend.local import run_plan
 
     if not cpu_fused.available():
         pytest.skip("no C compiler here")
     recs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(QwenEngineModel, "uses_fused", lambda self, kv: False)
+            monkeypatch.setattr(run_plan, "fused", lambda model, kv: False)
         eng = Engine(str(ckpt), quantization="nvfp4", kv_cache_dtype="nvfp4", guidance_mode=mode, guided_layers="all")
         try:
             outs = eng.generate(
@@ -115,13 +115,14 @@ def test_guidance_from_the_c_layer_equals_the_torch_path(ckpt, mode, monkeypatch
 
 
 @pytest.mark.parametrize("static_act", [False, True], ids=["per-token-act", "static-act"])
-def test_c_layer_guidance_through_log_growth_and_per_row_scales(ckpt, static_act):
+def test_c_layer_guidance_through_log_growth_and_per_row_scales(ckpt, static_act, monkeypatch):
     """The C layer caches the log's row-0 addresses and offsets by the step's row: records stay
     equal to the torch path's while the log grows from 4 rows, and when a site under a static
     scale (KV; activations with static input scales) holds one S_enc per row (here: it was first
     opened under another scale) the C layer fills those rows with the scale."""
     from megatron_trace.guidance import GuidanceRecord
     from megatron_trace.kernels import cpu_fused
+    from sglang_backend.local import run_plan
     from sglang_backend.local.guidance_log import GuidanceLog
 
     if not cpu_fused.available():
@@ -131,7 +132,7 @@ def test_c_layer_guidance_through_log_growth_and_per_row_scales(ckpt, static_act
         eng = Engine(str(ckpt), quantization="nvfp4", kv_cache_dtype="nvfp4", guidance_mode="full", guided_layers="all")
         try:
             if not fused:
-                eng.model.uses_fused = lambda kv: False
+                monkeypatch.setattr(run_plan, "fused", lambda model, kv: False)
             log = eng.scheduler.log = GuidanceLog("full", capacity=4)
             a, wrong = eng.arch, torch.tensor(-1.0)
             for layer in eng.model.layers:

@@ -9,12 +9,12 @@ import torch
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.kernels import cpu_gemv
 from megatron_trace.models import DEFAULT_TARGETS, QuantPolicy, make_tiny_checkpoint
-from sglang_backend.local import Engine, layer_c
+from sglang_backend.local import Engine, layer_c, run_plan
 from tests.helpers import WIDE
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
 
-# test_engine_streaming's wide layer (gate_up above layer_c.ONE_CALL_MAX_WEIGHTS), twice: a run of two
+# test_engine_streaming's wide layer (gate_up above run_plan.ONE_CALL_MAX_WEIGHTS), twice: a run of two
 # layers hands a residual on
 WIDE2 = dict(WIDE, num_hidden_layers=2)
 GREEDY = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
@@ -39,7 +39,7 @@ def _generate(path, policy: dict, prompts, stream: bool, monkeypatch):
 
             m.setattr(layer_c, "run_stream", counted)
         else:
-            m.setattr(layer_c, "streams", lambda layer, kv: False)
+            m.setattr(run_plan, "_streams", lambda layer, kv: False)
         eng = Engine(
             str(path),
             dtype="bfloat16",

@@ -7,7 +7,7 @@ import torch
 
 from megatron_trace.kernels import cpu_gemv
 from megatron_trace.models import make_tiny_checkpoint
-from sglang_backend.local import Engine, layer_c
+from sglang_backend.local import Engine, layer_c, run_plan
 from tests.helpers import WIDE
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
@@ -24,7 +24,6 @@ def wide(request, tmp_path_factory):
 
 
 def _run(path, dtype, quant, monkeypatch, fused: bool):
-    from sglang_backend.local.model import QwenEngineModel
 
     calls = {"nvfp4_linear": 0, "w4a4_linear": 0, "bf16_linear": 0, "run_stream": 0}
     with monkeypatch.context() as m:
@@ -37,10 +36,10 @@ def _run(path, dtype, quant, monkeypatch, fused: bool):
                 lambda *a, _real=real, _n=name, **k: (calls.__setitem__(_n, calls[_n] + 1), _real(*a, **k))[1],
             )
         if not fused:
-            m.setattr(QwenEngineModel, "uses_fused", lambda self, kv: False)
+            m.setattr(run_plan, "fused", lambda model, kv: False)
         eng = Engine(str(path), dtype=dtype, quantization=quant)
         try:
-            assert not any(layer_c.supports(layer, eng.kv) for layer in eng.model.layers)
+            assert "one_call" not in {lp.mode for lp in eng.model.run_plan(eng.kv).layers}
             assert eng.get_model_info()["cpu_linear"].startswith("cpu_gemv/")
             outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
         finally:

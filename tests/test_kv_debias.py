@@ -12,8 +12,7 @@ from megatron_trace import quality
 from megatron_trace.models import ModelArch, QuantPolicy, tiny_hf_config
 from megatron_trace.models.rope import rotated_bias
 from megatron_trace.quality_backends import EmbeddedScorer
-from sglang_backend.local import Engine
-from sglang_backend.local.model import QwenEngineModel
+from sglang_backend.local import Engine, run_plan
 from tests.helpers import random_prompts
 
 DEBIASED = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv_k="nvfp4", kv_v="nvfp4", kv_k_debias=True)
@@ -33,8 +32,8 @@ def _generate(ckpt, policy, monkeypatch=None, fused=True):
     eng = Engine(str(ckpt), quant_policy=policy, guidance_mode="full")
     try:
         if not fused:
-            monkeypatch.setattr(QwenEngineModel, "uses_fused", lambda self, kv: False)
-        assert eng.model.uses_fused(eng.kv) == fused
+            monkeypatch.setattr(run_plan, "fused", lambda model, kv: False)
+        assert eng.model.run_plan(eng.kv).fused == fused
         out = eng.generate(
             input_ids=[p["ids"] for p in random_prompts(2)],
             sampling_params={"temperature": 0, "max_new_tokens": 10},

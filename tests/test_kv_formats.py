@@ -112,8 +112,7 @@ def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_both_sides(tmp_
     from megatron_trace.guidance import GuidanceRecord
     from megatron_trace.kernels import cpu_fused
     from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
-    from sglang_backend.local import Engine
-    from sglang_backend.local.model import QwenEngineModel
+    from sglang_backend.local import Engine, run_plan
 
     if not cpu_fused.available():
         pytest.skip("no C compiler here")
@@ -123,10 +122,10 @@ def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_both_sides(tmp_
     runs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(QwenEngineModel, "uses_fused", lambda self, kv: False)
+            monkeypatch.setattr(run_plan, "fused", lambda model, kv: False)
         eng = Engine(str(ckpt), quant_policy=policy, guidance_mode="full", guided_layers="all")
         try:
-            assert eng.kv.side_fmt == ("fp8", "nvfp4") and eng.model.uses_fused(eng.kv) == fused
+            assert eng.kv.side_fmt == ("fp8", "nvfp4") and eng.model.run_plan(eng.kv).fused == fused
             out = eng.generate(
                 input_ids=[[1, 2, 3, 4, 5], [9, 8]], sampling_params=sp, return_logprob=True, return_guidance=True
             )

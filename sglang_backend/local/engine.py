@@ -28,7 +28,6 @@ from megatron_trace.kernels import cpu_alloc
 from megatron_trace.models import ModelArch, QuantPolicy
 from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
 
-from . import layer_c
 from .kv_cache import PagedKVCache
 from .layers import EngineLinear, streaming_status
 from .loader import load_checkpoint, load_tensor
@@ -354,8 +353,8 @@ class Engine:
             # what CPU decode linears run on: cpu_gemv/<isa>, or torch (why the kernels are missing)
             "cpu_linear": streaming_status() if self.model.embed.device.type == "cpu" else None,
             "cpu_allocator": self._allocator,
-            # how decode runs each layer (layer_c): a layout the C calls do not take shows as "per kernel"
-            "cpu_layers": layer_c.describe(self.model.layer_modes(self.kv)) if self._allocator else None,
+            # how decode runs each layer (run_plan): a layout the C calls do not take shows as "per kernel"
+            "cpu_layers": self.model.run_plan(self.kv).describe() if self._allocator else None,
         }
 
     def is_alive(self) -> bool:

@@ -162,3 +162,22 @@ class GuidanceLog:
                 s.drop_front(cut, used)
             self.base = keep_from
         return sites, lens
+
+
+class LoggedCapture:
+    """What the layers receive to record one step's guidance into a GuidanceLog: called with (site,
+    quantized input) by torch and per-kernel paths; the C layers write straight into the log from
+    `row` on (run_plan sends a layer whose capture is not one of these down the per-kernel path).
+    `layers`: the guided layers; the model hands the others no capture at all."""
+
+    def __init__(self, log: GuidanceLog, first: int, layers) -> None:
+        self.log, self.first, self.layers = log, first, frozenset(layers)
+        self.row = first - log.base  # the row in the log's arrays, where the C quantizers start
+        self._guided: dict[str, bool] = {}
+
+    def __call__(self, site: str, q) -> None:
+        g = self._guided.get(site)
+        if g is None:
+            g = self._guided[site] = int(site.split(".")[2]) in self.layers
+        if g:
+            self.log.store(site, self.first, q)

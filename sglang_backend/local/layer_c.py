@@ -1,18 +1,16 @@
-"""Runs dense decoder layers as single C calls (`megatron_trace/kernels/cpu_layer.py`) on CPU, two ways:
+"""Runs dense decoder layers as single C calls (`megatron_trace/kernels/cpu_layer.py`) on CPU, in the
+modes run_plan.py picks (this module decides nothing):
 
-- small layers (`supports`): one call per layer, `decode_layer`, whose single-threaded GEMM reads a
-  transposed dequantized copy of each weight (the engine's tiny test models, any batch);
-- larger bf16 layers (and small ones over FP8 or mixed pages) at decode widths (`streams`,
-  `stream_rows`): a run of consecutive layers in one call, `decode_layers_stream`, whose linears
-  read the weights as stored through the decode GEMVs (megatron_trace/kernels/cpu_gemv) on torch's threads, one
-  parallel region for the whole run. Its results are the per-kernel path's bits (the same C
+- "one_call": one call per layer, `decode_layer`, whose single-threaded GEMM reads a transposed
+  dequantized copy of each weight (the engine's tiny test models, any batch);
+- "stream": a run of consecutive layers in one call, `decode_layers_stream`, whose linears read the
+  weights as stored through the decode GEMVs (megatron_trace/kernels/cpu_gemv) on torch's threads,
+  one parallel region for the whole run. Its results are the per-kernel path's bits (the same C
   functions on the same inputs); it exists because that path pays for a parallel region and a
-  Python call per kernel.
-A de-biased K (quant.kv_k_debias) streams with its offset table (`k_off`: RoPE_j(k bias) for the
-batch's positions, added to the K attention decodes; the qkv linear leaves the bias out of K).
-Everything else (MoE, MXFP4 activations or pages, the de-biased K of small layers, prefill widths of
-large layers, fp32 large layers, guided layers over an FP8 side) runs the per-kernel path (`cpu_fused`,
-`EngineLinear.forward_cpu`).
+  Python call per kernel. A de-biased K (quant.kv_k_debias) streams with its offset table (`k_off`:
+  RoPE_j(k bias) for the batch's positions, added to the K attention decodes; the qkv linear leaves
+  the bias out of K);
+- "kernels": `_Layer.forward_fused` (`cpu_fused`, `EngineLinear.forward_cpu`).
 
 The per-forward work here is filling one argument object per layer (`cpu_layer.new_args()`):
 pointers to the layer's weights (refreshed only after weight loads), its KV pages, the batch's
@@ -22,116 +20,32 @@ step, which the quantizers write into.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from megatron_trace.fp4 import nvfp4
-from megatron_trace.kernels import cpu_fused, cpu_gemv, cpu_layer
+from megatron_trace.kernels import cpu_layer
 
-from .layers import STREAM_MAX_ROWS, W4A4_STREAM_MAX_ROWS
-
-_LINEARS = ("qkv", "o_proj", "gate_up", "down")
-
-
-# Above this many MLP weights per layer the layer runs kernel by kernel, whose linears stream the
-# weights as stored across torch's threads at decode (megatron_trace/kernels/cpu_gemv) and use torch's GEMM for
-# prefill; this kernel's own GEMM is single-threaded and reads dequantized weights, which only
-# small models (where one call saves more than threads would) should pay.
-ONE_CALL_MAX_WEIGHTS = 1 << 22
-
-
-# kv_side.fmt (cpu_fused.h) of each page format decode_layers_stream writes and reads
-_SIDE_CODES = {"bf16": 0, "nvfp4": 1, "fp8": 2}
-
-
-def _dense(layer, kv, stream: bool = False) -> bool:
-    """A dense layer whose activations are BF16 or NVFP4 in whole blocks, over BF16 or NVFP4 pages
-    (stream: each side BF16, NVFP4 or FP8, so FP8 K + NVFP4 V too)."""
-    pages_ok = all(f in _SIDE_CODES for f in kv.side_fmt) if stream else kv.fmt in ("bf16", "nvfp4")
-    if layer.moe or (layer.k_debias and not stream) or not pages_ok:  # decode_layer knows no K offset
-        return False
-    if not cpu_fused.available(layer.input_norm.dtype):
-        return False
-    return all(lin.act_fmt in (None, "nvfp4") and not (lin.act_fmt and lin.in_features % 16) for lin in _linears(layer))
+from .run_plan import LINEARS, SIDE_CODES
 
 
 def _linears(layer):
-    return [getattr(layer, n) for n in _LINEARS]
+    return [getattr(layer, n) for n in LINEARS]
 
 
-def _small(layer) -> bool:
-    return layer.gate_up.in_features * layer.gate_up.out_features <= ONE_CALL_MAX_WEIGHTS
-
-
-def supports(layer, kv) -> bool:
-    """Whether `layer` (a model._Layer) runs as one `decode_layer` call over this KV cache."""
-    return _dense(layer, kv) and _small(layer)
-
-
-def streams(layer, kv) -> bool:
-    """Whether `layer` runs in `decode_layers_stream` at widths up to `stream_rows(layer)`: a bf16
-    layer whose linears hold BF16 or NVFP4 weights (what forward_cpu streams) that `decode_layer`
-    does not take (larger layers; small ones over FP8 or mixed pages)."""
-    if not _dense(layer, kv, stream=True) or layer.input_norm.dtype != torch.bfloat16 or not cpu_gemv.available():
-        return False
-    if supports(layer, kv):
-        return False
-    return all(
-        lin.weight_fmt is None or (lin.weight_fmt == "nvfp4" and isinstance(lin.qweight, nvfp4.NVFP4Tensor))
-        for lin in _linears(layer)
-    )
-
-
-def stream_rows(layer) -> int:
-    """The most rows (tokens) a streamed layer takes: where every one of its linears would stream in
-    EngineLinear.forward_cpu (W4A4 up to W4A4_STREAM_MAX_ROWS, the others up to STREAM_MAX_ROWS)."""
-    return min(W4A4_STREAM_MAX_ROWS if _w4a4(lin) else STREAM_MAX_ROWS for lin in _linears(layer))
-
-
-def _w4a4(lin) -> bool:
-    return lin.weight_fmt == "nvfp4" and lin.act_fmt == "nvfp4"
-
-
-def layer_modes(layers, kv) -> list[tuple[str | None, int]]:
-    """Per layer, how it runs as C calls over kv: ("gemm", any width), ("stream", the widest batch it
-    takes) or (None, 0): the per-kernel path."""
-    return [
-        ("gemm", 1 << 62)
-        if supports(layer, kv)
-        else (("stream", stream_rows(layer)) if streams(layer, kv) else (None, 0))
-        for layer in layers
-    ]
-
-
-def describe(modes) -> str:
-    """What model_info reports of layer_modes: how many layers run which way, e.g. "24 streamed
-    (<= 4 rows; wider: per kernel)" or "2 one-call GEMM, 2 per kernel"."""
-    counts: dict[str, int] = {}
-    for m, rows in modes:
-        key = {"gemm": "one-call GEMM", "stream": f"streamed (<= {rows} rows; wider: per kernel)"}.get(m, "per kernel")
-        counts[key] = counts.get(key, 0) + 1
-    return ", ".join(f"{n} {k}" for k, n in counts.items())
-
-
-def run_layers(layers, modes, x, batch, kv, rot, caps) -> torch.Tensor:
-    """Every layer of a fused CPU forward (model.py), each as `modes` and the batch width allow:
-    runs of consecutive streamed layers in one call each; returns the last layer's pending residual.
-    A capture fn without the guidance log's `.log` sends its layer down the per-kernel path, and so
-    does capture over an FP8 side (the C quantizers log FP4 K/V only; forward_fused logs FP8 too)."""
-    residual, i, t = None, 0, x.shape[0]
-    c_captures = "fp8" not in kv.side_fmt
-    mode = [
-        m if t <= rows and (cap is None or (c_captures and hasattr(cap, "log"))) else None
-        for (m, rows), cap in zip(modes, caps)
-    ]
+def run_layers(layers, modes: list[str], x, batch, kv, rot, caps) -> torch.Tensor:
+    """Every layer of a fused CPU forward (model.py) in its mode for this batch (RunPlan.modes):
+    runs of consecutive "stream" layers in one call each; returns the last layer's pending residual."""
+    residual, i = None, 0
     while i < len(layers):
-        if mode[i] == "stream":
+        if modes[i] == "stream":
             j = i
-            while j < len(layers) and mode[j] == "stream":
+            while j < len(layers) and modes[j] == "stream":
                 j += 1
             residual = run_stream(layers[i:j], x, residual, batch, kv, rot, caps[i:j])
             i = j
             continue
-        if mode[i] == "gemm":
+        if modes[i] == "one_call":
             residual = run_layer(layers[i], x, residual, batch, kv, rot, caps[i])
         else:
             residual = layers[i].forward_fused(x, residual, batch, kv, rot, caps[i])
@@ -145,7 +59,7 @@ def _static_args(layer, kv):
     args.inter, args.qkv_n = layer.gate_up.out_features // 2, layer.qkv.out_features
     args.eps, args.attn_scale, args.kv_fmt = a.rms_norm_eps, a.head_dim**-0.5, int(kv.fmt == "nvfp4")
     args.num_slots = kv.num_pages * kv.page_size
-    args.k_fmt, args.v_fmt = (_SIDE_CODES.get(f, -1) for f in kv.side_fmt)
+    args.k_fmt, args.v_fmt = (SIDE_CODES.get(f, -1) for f in kv.side_fmt)
     pages = kv.layer_pages[layer.idx]
     if kv.fmt == "bf16":
         args.kc, args.vc = pages[0].data_ptr(), pages[1].data_ptr()
@@ -154,7 +68,7 @@ def _static_args(layer, kv):
     return args
 
 
-class _Plan:
+class _CArgs:
     """A layer's C arguments and the Python objects they point into, refreshed only when a weight
     load (finalize) or load_state_dict changed one of its linears. stream: the streamed linears'
     fields (lin_*), else the GEMM's transposed copies (*_wt)."""
@@ -168,7 +82,7 @@ class _Plan:
         self.k_off = None  # de-biased K: this forward's offset table, alive while args point at it
 
     def refresh(self) -> None:
-        key = tuple((lin._generation, w._version) for lin, w in zip(self.linears, self.weights))
+        key = tuple((lin.generation, w._version) for lin, w in zip(self.linears, self.weights))
         if key == self.key:
             return
         layer, args = self.layer, self.args
@@ -210,7 +124,7 @@ class _Plan:
                 t = (lin.weight.detach().contiguous(), None, None)
             else:
                 q = lin.qweight
-                t = (q.data.contiguous(), q.scale.contiguous().view(torch.uint8), lin._global_decode())
+                t = (q.data.contiguous(), q.scale.contiguous().view(torch.uint8), lin.global_decode())
             b = None if lin.bias is None else lin.bias.detach().float().contiguous()
             kinds.append(1 if lin.weight_fmt is None else 2)
             for dst, v in zip((w, sc, gdec, bias), (*t, b)):
@@ -221,15 +135,18 @@ class _Plan:
         return keep
 
 
-def _plan(layer, kv, stream: bool) -> _Plan:
-    plan = layer.__dict__.get("_c_plan")
+_C_ARGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its _CArgs
+
+
+def _plan(layer, kv, stream: bool) -> _CArgs:
+    plan = _C_ARGS.get(layer)
     if plan is None or plan.kv is not kv or plan.stream != stream:
-        plan = layer.__dict__["_c_plan"] = _Plan(layer, kv, stream)
+        plan = _C_ARGS[layer] = _CArgs(layer, kv, stream)
     plan.refresh()
     return plan
 
 
-def _fill(plan: _Plan, layer, x: torch.Tensor, batch, kv, rot, capture):
+def _fill(plan: _CArgs, layer, x: torch.Tensor, batch, kv, rot, capture):
     """The per-forward fields of one layer's arguments (all but the residual in / out)."""
     args = plan.args
     table, row_seq, row_len, width = batch.attention_layout()
@@ -278,7 +195,7 @@ def run_stream(layers, x: torch.Tensor, residual: torch.Tensor | None, batch, kv
     return residual
 
 
-def _set_capture(plan: _Plan, args, capture, kv_scales) -> None:
+def _set_capture(plan: _CArgs, args, capture, kv_scales) -> None:
     """Point the quantizers at the guidance log for this step, or at nothing. `capture` must offer
     `.log` and `.row` (the scheduler's does; the model sends others down the per-kernel path).
     kv_scales: this layer's [S_enc of K, S_enc of V] as floats (NVFP4 KV)."""
@@ -295,7 +212,7 @@ def _set_capture(plan: _Plan, args, capture, kv_scales) -> None:
         plan.capturing, plan.cap_token = False, None
 
 
-def _point_at_log(plan: _Plan, args, log, kv_scales) -> None:
+def _point_at_log(plan: _CArgs, args, log, kv_scales) -> None:
     """Row-0 addresses of every captured site of this layer in the guidance log (None: not captured)."""
     data, scale, gs = list(args.cap_data), list(args.cap_scale), list(args.cap_gs)
     for i, site, rows, static, value in plan.act_sites:

@@ -20,16 +20,10 @@ from megatron_trace.kernels import cpu_gemv, onednn_linear
 from megatron_trace.kernels.dispatch import fp4_linear, fp4_linear_w4a4, nvfp4_quantize, nvfp4_quantize_dequantize
 from megatron_trace.models import rope
 
+from . import run_plan
+
 # site name, quantized input (NVFP4Tensor), or None when the site is not captured
 CaptureFn = Callable[[str, nvfp4.NVFP4Tensor], None]
-
-# Up to this many rows (decode batches), the CPU path streams the weights as stored through
-# megatron_trace/kernels/cpu_gemv (bytes read bound decode); above it, torch's GEMM over the dequantized copy with
-# the weight packed once for oneDNN (prefill, large batches: compute bound, where oneDNN's blocked
-# GEMM is faster), except W4A4 up to W4A4_STREAM_MAX_ROWS: its integer row tiles stay ahead there
-# (benchmarks/cpu_linears.py on the 0.5B widths: level with the packed GEMM at 8 rows, behind at 16).
-STREAM_MAX_ROWS = 4
-W4A4_STREAM_MAX_ROWS = 8
 
 
 def streaming_status() -> str:
@@ -45,7 +39,7 @@ def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, packed: onednn_linear.
     (fp32 accumulation rounded to bf16, as torch's bf16 linear), wider ones through `packed` (the
     same bits as F.linear), everything else F.linear."""
     cpu_bf16 = h.device.type == "cpu" and weight.dtype == torch.bfloat16 and h.dtype == torch.bfloat16
-    if cpu_bf16 and h.shape[0] <= STREAM_MAX_ROWS and _streaming():
+    if cpu_bf16 and h.shape[0] <= run_plan.STREAM_MAX_ROWS and _streaming():
         return cpu_gemv.bf16_linear(h, weight).float()
     if packed is not None and onednn_linear.usable(h, weight):
         return packed.linear(h, weight, None, (weight.data_ptr(), weight._version)).float()
@@ -172,7 +166,7 @@ class EngineLinear(nn.Module):
         self.master = torch.zeros(off, in_features, dtype=torch.float32) if weight_fmt else None
         self._modelopt_rows: dict[str, dict[str, torch.Tensor]] = {}
         self.input_global_scale: torch.Tensor | None = None  # static activation S_enc
-        self._generation, self._wt_key, self._wt = 0, None, None  # weight_t() cache
+        self.generation, self._wt_key, self._wt = 0, None, None  # bumped by every load (finalize); weight_t() cache
         self._packed = onednn_linear.PackedWeight()  # _torch_linear's cache
 
     # -- loading -----------------------------------------------------------------------------
@@ -202,7 +196,7 @@ class EngineLinear(nn.Module):
 
     def finalize(self) -> None:
         """Quantize (or adopt pre-quantized) weights once all shards are loaded."""
-        self._generation += 1  # shard loads write through .data, which no version counter sees
+        self.generation += 1  # shard loads write through .data, which no version counter sees
         if self.weight_fmt is None:
             if self._modelopt_rows:
                 raise ValueError(f"{self.site}: checkpoint holds FP4 tensors but the policy keeps it BF16")
@@ -256,7 +250,7 @@ class EngineLinear(nn.Module):
         """x . weight^T + bias by torch: bf16 on CPU through the oneDNN-packed weight (same bits)."""
         w = self.weight
         if onednn_linear.usable(x, w):
-            key = (w.data_ptr(), w._version, self._generation)  # as weight_t(): loads, load_state_dict
+            key = (w.data_ptr(), w._version, self.generation)  # as weight_t(): loads, load_state_dict
             return self._packed.linear(x, w, self.bias, key)
         _warn_unpacked(x, w)
         return nn.functional.linear(x, w, self.bias)
@@ -283,17 +277,14 @@ class EngineLinear(nn.Module):
         return fp4_linear(x, self.qweight, self.bias, backend=self.gemm_backend)
 
     def forward_cpu(self, x: torch.Tensor, capture: CaptureFn | None = None, site: str | None = None) -> torch.Tensor:
-        """The C-kernel forward's linear: decode widths (<= STREAM_MAX_ROWS rows) read the weights
-        as stored (NVFP4 codes + scales, or BF16) through cpu_gemv, after the same activation
+        """The C-kernel forward's linear: decode widths (run_plan.linear_stream_rows) read the
+        weights as stored (NVFP4 codes + scales, or BF16) through cpu_gemv, after the same activation
         quantization (and capture) as `forward`; W4A4 multiplies the activation codes themselves
         (fp4's dequantized values exactly, where `forward` rounds them to the model dtype first).
-        W4A4 keeps the integer row tiles up to W4A4_STREAM_MAX_ROWS rows. Other widths, MXFP4 and
-        fp32 weights: `forward`."""
-        if x.device.type != "cpu":
+        Other widths, MXFP4 and fp32 weights: `forward`."""
+        if x.device.type != "cpu" or x.shape[0] > run_plan.linear_stream_rows(self):
             return self.forward(x, capture, site)
-        w4a4 = self.weight_fmt == "nvfp4" and self.act_fmt == "nvfp4" and isinstance(self.qweight, nvfp4.NVFP4Tensor)
-        if x.shape[0] > (W4A4_STREAM_MAX_ROWS if w4a4 else STREAM_MAX_ROWS):
-            return self.forward(x, capture, site)
+        w4a4 = run_plan.is_w4a4(self)
         if self.weight_fmt == "nvfp4" and isinstance(self.qweight, nvfp4.NVFP4Tensor) and _streaming():
             w = self.qweight
             if w4a4:  # fp4 codes on both sides, exact integer block products
@@ -307,22 +298,22 @@ class EngineLinear(nn.Module):
                     nvfp4.decode_scale(q.global_scale),
                     w.data,
                     w.scale,
-                    self._global_decode(),
+                    self.global_decode(),
                     self.bias,
                     out_dtype=x.dtype,
                 )
             return cpu_gemv.nvfp4_linear(
-                self._matmul_input(x, capture, site), w.data, w.scale, self._global_decode(), self.bias
+                self._matmul_input(x, capture, site), w.data, w.scale, self.global_decode(), self.bias
             )
         if self.weight_fmt is None and self.weight.dtype == torch.bfloat16 and _streaming():
             return cpu_gemv.bf16_linear(self._matmul_input(x, capture, site), self.weight, self.bias)
         return self.forward(x, capture, site)
 
-    def _global_decode(self) -> torch.Tensor:
+    def global_decode(self) -> torch.Tensor:
         """fp32 S_dec [N] of the NVFP4 weight (what fp4's dequantize multiplies by), per finalize."""
-        if getattr(self, "_gdec_for", None) != (self._generation, id(self.qweight)):
+        if getattr(self, "_gdec_for", None) != (self.generation, id(self.qweight)):
             self._gdec = nvfp4.decode_scale(self.qweight.global_scale).float().expand(self.out_features).contiguous()
-            self._gdec_for = (self._generation, id(self.qweight))
+            self._gdec_for = (self.generation, id(self.qweight))
         return self._gdec
 
     def _matmul_input(self, x: torch.Tensor, capture: CaptureFn | None, site: str | None) -> torch.Tensor:
@@ -343,7 +334,7 @@ class EngineLinear(nn.Module):
         """The weight transposed to [in, out] (what the CPU layer kernel's GEMM reads), rebuilt
         whenever the weight changed: a new tensor or any in-place write bumps its version."""
         w = self.weight
-        key = (w.data_ptr(), w._version, self._generation)  # loads bump _generation, load_state_dict _version
+        key = (w.data_ptr(), w._version, self.generation)  # loads bump generation, load_state_dict _version
         if self._wt_key != key:
             self._wt, self._wt_key = w.detach().t().contiguous(), key
         return self._wt

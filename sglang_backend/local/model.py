@@ -19,7 +19,8 @@ from megatron_trace.kernels import cpu_attention, cpu_fused, onednn_linear
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.rope import ColumnOffsets, rotated_bias
 
-from . import attention, layer_c
+from . import attention, layer_c, run_plan
+from .guidance_log import LoggedCapture
 from .kv_cache import PagedKVCache
 from .layers import CaptureFn, EngineLinear, Rope, lm_head_logits, rms_norm
 
@@ -161,7 +162,7 @@ class _Layer(nn.Module):
         the linear's generation, load_state_dict the bias's version)."""
         a, bias = self.arch, self.qkv.held_bias
         b = bias.view(a.num_kv_heads, a.head_dim)
-        return self._k_columns.rows(b, width, (bias.data_ptr(), bias._version, self.qkv._generation))
+        return self._k_columns.rows(b, width, (bias.data_ptr(), bias._version, self.qkv.generation))
 
     def _store_kv(self, k, v, batch: ForwardBatch, kv: PagedKVCache, capture) -> None:
         for which, t in ((0, k), (1, v)):
@@ -227,7 +228,7 @@ class _Layer(nn.Module):
         if self.moe:
             return self._moe(h, capture, batch.routed_experts)
         # .forward_cpu, not __call__: module hooks cost more than these small GEMMs on a tiny model;
-        # decode widths stream the weights as stored (layers.STREAM_MAX_ROWS)
+        # decode widths stream the weights as stored (run_plan.linear_stream_rows)
         return self.down.forward_cpu(cpu_fused.silu_mul(self.gate_up.forward_cpu(h, capture)), capture)
 
     def attention_fused(self, h, batch: ForwardBatch, kv: PagedKVCache, rot, capture) -> torch.Tensor:
@@ -344,21 +345,12 @@ class QwenEngineModel(nn.Module):
     def linears(self):
         return [m for m in self.modules() if isinstance(m, EngineLinear)]
 
-    def layer_modes(self, kv: PagedKVCache) -> list[tuple[str | None, int]]:
-        """layer_c.layer_modes of the layers over kv, decided once per cache."""
-        cached = self.__dict__.get("_one_call_for")
+    def run_plan(self, kv: PagedKVCache) -> run_plan.RunPlan:
+        """How each layer runs over kv (run_plan.py), decided once per cache."""
+        cached = self.__dict__.get("_plan_for")
         if cached is None or cached[0] is not kv:
-            cached = self.__dict__["_one_call_for"] = (kv, layer_c.layer_modes(self.layers, kv))
+            cached = self.__dict__["_plan_for"] = (kv, run_plan.plan_for(self, kv))
         return cached[1]
-
-    def uses_fused(self, kv: PagedKVCache) -> bool:
-        """The C kernels serve CPU float32/bfloat16 runs whose KV pages share the model's dtype."""
-        return (
-            self.embed.device.type == "cpu"
-            and cpu_fused.available(self.dtype)
-            and (kv.fmt != "bf16" or kv.values.dtype == self.dtype)
-            and kv.dtype == self.dtype
-        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, capture: CaptureFn | None = None) -> torch.Tensor:
@@ -371,14 +363,15 @@ class QwenEngineModel(nn.Module):
             else (batch.logits_rows if batch.logits_rows is not None else [e - 1 for _, e in batch.spans])
         )
         eps = self.arch.rms_norm_eps
-        # A capture fn may name the layers it records (`.layers`); the others skip capture work.
-        wanted = getattr(capture, "layers", None)
+        # The guidance log's capture names the layers it records; the others skip capture work.
+        wanted = capture.layers if isinstance(capture, LoggedCapture) else None
         caps = [capture if wanted is None or i in wanted else None for i in range(len(self.layers))]
-        if self.uses_fused(kv):
+        plan = self.run_plan(kv)
+        if plan.fused:
             rot = self.rope.tables_upto(batch.attention_layout()[3], x.dtype)  # the kernels index by position
             if "nvfp4" in kv.side_fmt:
                 batch.kv_decode_scales, batch.kv_global_scales = kv.scales_as_floats()
-            residual = layer_c.run_layers(self.layers, self.layer_modes(kv), x, batch, kv, rot, caps)
+            residual = layer_c.run_layers(self.layers, plan.modes(x.shape[0], caps), x, batch, kv, rot, caps)
             if all_rows:
                 h = cpu_fused.add_rmsnorm(x, residual, self.final_norm, eps)
             else:

@@ -19,7 +19,7 @@ from megatron_trace import faults
 from megatron_trace.guidance import encode_records, encode_routed_experts
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams
 
-from .guidance_log import GuidanceLog
+from .guidance_log import GuidanceLog, LoggedCapture
 from .kv_cache import PagedKVCache
 from .model import ForwardBatch, QwenEngineModel
 from .sampling import sample_batch
@@ -79,7 +79,6 @@ class Scheduler:
         self.in_flight: list[Sequence] = []  # admitted for this step's prefill: neither waiting nor running
         self.seed_counter = itertools.count(seed * 1_000_003)
         self.log = GuidanceLog(guidance_mode)
-        self._guided_site: dict[str, bool] = {}
         self._table_cache: tuple[list[Sequence], torch.Tensor, list] | None = None
 
     # -- admission ---------------------------------------------------------------------------
@@ -178,19 +177,8 @@ class Scheduler:
         """capture fn and a commit fn that logs the step's sites and each sample's rows."""
         if not any(s.want_guidance for seqs, _, _ in seqs_rows for s in seqs):
             return None, None
-        log, guided = self.log, self._guided_site
-        first = log.reserve(num_rows)
-
-        def capture(site: str, q) -> None:
-            g = guided.get(site)
-            if g is None:
-                g = guided[site] = int(site.split(".")[2]) in self.guided_layers
-            if g:
-                log.store(site, first, q)
-
-        capture.layers = self.guided_layers  # the model skips capture work in the other layers
-        # the C layer writes its quantizers' outputs straight into the log's arrays, from this row on
-        capture.log, capture.row = log, first - log.base
+        first = self.log.reserve(num_rows)
+        capture = LoggedCapture(self.log, first, self.guided_layers)
 
         def commit() -> None:
             for seqs, a, b in seqs_rows:
