@@ -44,65 +44,58 @@ class ModelConfig(Section):
             self.tokenizer = os.path.expanduser(self.tokenizer)
 
 
-@dataclass
-class QuantConfig(Section):
-    SECTION: ClassVar[str] = "quant"
-    format: str = opt("nvfp4", "FP4 format of the rollout", ("nvfp4", "mxfp4", "bf16"))
-    weights: str = opt("fp4", "weight precision of targeted linears", ("fp4", "bf16"))
-    activations: str = opt("fp4", "activation precision (fp4 = W4A4, bf16 = W4A16)", ("fp4", "bf16"))
-    kv: str = opt(
-        "auto",
-        "KV cache format of K and V (auto: de-biased FP8 K + NVFP4 V without q/k norm, i.e. Qwen2/2.5; "
-        "NVFP4 K and V with it, i.e. Qwen3)",
-        ("auto", "nvfp4", "mxfp4", "fp8", "bf16"),
-    )
-    kv_k: str = opt("", "K cache format; empty follows kv", ("", "nvfp4", "mxfp4", "fp8", "bf16"))
-    kv_v: str = opt("", "V cache format; empty follows kv", ("", "nvfp4", "mxfp4", "fp8", "bf16"))
-    targets: list = opt(
-        ["*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj", "*.mlp.experts.*"], "module patterns that are FP4"
-    )
-    bf16_layers_start: int = opt(0, "first N layers stay BF16", low=0)
-    bf16_layers_end: int = opt(0, "last N layers stay BF16", low=0)
-    activation_scale: str = opt(
-        "per_token",
-        "activation global scale (static: calibrated at start, synced with the weights)",
-        ("per_token", "static"),
-    )
-    calib_prompts: int = opt(16, "training prompts that calibrate static activation scales", low=1)
-    kv_k_debias: bool = opt(
-        False,
-        "K cache holds K minus its rotated k_proj bias (Qwen2/2.5: K without its outlier channels; kv=auto sets it)",
-    )
+def _quant_policy_fields() -> list[tuple]:
+    """The `quant` section's policy keys, generated from QuantPolicy's own declarations (default,
+    help, allowed values): the policy is declared once. targets is a YAML list here, a tuple there."""
+    hints, out = typing.get_type_hints(QuantPolicy), []
+    for f in dataclasses.fields(QuantPolicy):
+        m = f.metadata
+        if f.name == "targets":
+            out.append((f.name, list, opt(list(f.default), m["help"])))
+        else:
+            out.append((f.name, hints[f.name], opt(f.default, m["help"], m["choices"], m["low"])))
+    return out
 
-    # The rollout-quality gate (quality_gate.py): before step 0, on the run's eval prompts at its answer
-    # length and dtype. 0.05 nats/token is what de-biased FP8 K + NVFP4 V + W4A4 may cost a real Qwen2.5
-    # in bf16 (issue check); 2 of 16 greedy answers may flip under any perturbation, 3 may not.
-    quality_gate: bool = opt(
-        True,
-        "score the rollout's quantization against BF16 before step 0 (rollout.backend=http: on its server)",
-    )
-    quality_prompts: int = opt(16, "eval prompts the gate decodes (greedy, rollout.max_new_tokens)", low=1)
-    max_nll_increase: float = opt(0.05, "gate: NLL per token over BF16 allowed (nats)", low=0.0)
-    max_accuracy_drop: float = opt(0.125, "gate: greedy accuracy lost against BF16 allowed (fraction)", low=0.0)
-    accept_quality_loss: bool = opt(False, "run although the gate fails; the loss is logged under quality/*")
-    quality_after: bool = opt(True, "after training, the gate's measurement again on the trained weights")
 
-    RUN_KEYS: ClassVar[tuple[str, ...]] = (
-        "calib_prompts",
+# The rollout-quality gate (quality_gate.py): before step 0, on the run's eval prompts at its answer
+# length and dtype. 0.05 nats/token is what de-biased FP8 K + NVFP4 V + W4A4 may cost a real Qwen2.5
+# in bf16 (issue check); 2 of 16 greedy answers may flip under any perturbation, 3 may not.
+_QUANT_RUN_FIELDS = [
+    ("calib_prompts", int, opt(16, "training prompts that calibrate static activation scales", low=1)),
+    (
         "quality_gate",
-        "quality_prompts",
-        "max_nll_increase",
-        "max_accuracy_drop",
-        "accept_quality_loss",
-        "quality_after",
-    )
+        bool,
+        opt(True, "score the rollout's quantization against BF16 before step 0 (rollout.backend=http: on its server)"),
+    ),
+    ("quality_prompts", int, opt(16, "eval prompts the gate decodes (greedy, rollout.max_new_tokens)", low=1)),
+    ("max_nll_increase", float, opt(0.05, "gate: NLL per token over BF16 allowed (nats)", low=0.0)),
+    ("max_accuracy_drop", float, opt(0.125, "gate: greedy accuracy lost against BF16 allowed (fraction)", low=0.0)),
+    ("accept_quality_loss", bool, opt(False, "run although the gate fails; the loss is logged under quality/*")),
+    ("quality_after", bool, opt(True, "after training, the gate's measurement again on the trained weights")),
+]
 
-    def policy(self) -> QuantPolicy:
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RUN_KEYS}  # run keys, no policy
-        return QuantPolicy.from_dict({**fields, "targets": tuple(self.targets)})
 
-    def check(self) -> None:
-        self.policy()  # the policy's own cross-field rules (W16A4 is not a policy, ...)
+def _policy(self) -> QuantPolicy:
+    return QuantPolicy(**{f.name: getattr(self, f.name) for f in dataclasses.fields(QuantPolicy)})
+
+
+def _check_policy(self) -> None:
+    self.policy()  # the policy's own cross-field rules (W16A4 is not a policy, ...)
+
+
+# quant: QuantPolicy's keys, then the run's (what the gate and calibration do with it).
+QuantConfig = dataclasses.make_dataclass(
+    "QuantConfig",
+    _quant_policy_fields() + _QUANT_RUN_FIELDS,
+    bases=(Section,),
+    namespace={
+        "SECTION": "quant",
+        "RUN_KEYS": tuple(name for name, _, _ in _QUANT_RUN_FIELDS),
+        "policy": _policy,
+        "check": _check_policy,
+    },
+)
+QuantConfig.__module__, QuantConfig.__qualname__ = __name__, "QuantConfig"
 
 
 @dataclass

@@ -55,7 +55,7 @@ def _check_checkpoint_dirs(cfg: Config) -> None:
             raise FileNotFoundError(
                 f"{key}={path}: no HF checkpoint directory there (wanted {needs or 'a tokenizer directory'}). Give "
                 f"{key}=DIR of a Qwen2/2.5/3 HF checkpoint; `python -m megatron_trace.models.real_qwen` builds "
-                "Qwen2.5-Coder-0.5B-Instruct into ~/.cache/megatron_trace/qwen2.5-coder-0.5b/hf"
+                "Qwen2.5-Coder-0.5B-Instruct into ~/.cache/megatron_trace/qwen2.5-coder-0.5b/hf_bf16"
             )
 
 

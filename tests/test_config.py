@@ -89,7 +89,8 @@ def test_checkpoint_paths_expand_home_and_a_missing_one_is_named(tmp_path, monke
     assert cfg.model.path == str(tmp_path / ".cache/megatron_trace/qwen2.5-coder-0.5b/hf_bf16")
     assert cfg.model.tokenizer == cfg.model.path
     with pytest.raises(
-        FileNotFoundError, match=r"model.path=.*hf_bf16: no HF checkpoint directory there .*--fetch-only"
+        FileNotFoundError,
+        match=r"model.path=.*hf_bf16: no HF checkpoint directory there .*python -m megatron_trace.models.real_qwen",
     ):
         _check_checkpoint_dirs(cfg)
     (Path(cfg.model.path)).mkdir(parents=True)

@@ -135,7 +135,7 @@ def test_modelopt_checkpoint_loads_to_the_same_weights(ckpt, tmp_path, fp4_engin
 
     hf = load_file(str(ckpt / "model.safetensors"))
     arch = ModelArch.from_hf_config(ckpt)
-    policy = QuantPolicy()
+    policy = QuantPolicy(kv="bf16")
     out = dict(hf)
     for group in sorted(set(policy.fused_groups(arch).values())):
         parent, leaf = group.rsplit(".", 1)

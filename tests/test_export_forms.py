@@ -110,7 +110,7 @@ def test_real_sglang_modelopt_config_keeps_bf16_modules_excluded(exported, tmp_p
     nested = _sglang_quant_config(legacy)
     assert isinstance(nested, ModelOptFp4Config) and nested.exclude_modules == cfg.exclude_modules
     arch = ModelArch.from_hf_config(out)
-    policy = QuantPolicy(bf16_layers_end=1)
+    policy = QuantPolicy(kv="bf16", bf16_layers_end=1)
     fp4 = set(policy.quantized_linears(arch))
     assert fp4 and len(fp4) < len(arch.hf_linear_modules()) - 1  # both kinds are present
     kinds = {
@@ -162,7 +162,7 @@ def test_w4a4_export_has_calibrated_input_scales(exported):
     src, out, _ = exported
     prompts = [PROMPTS[0], PROMPTS[1]["input_ids"]]
     arch = ModelArch.from_hf_config(out)
-    fp4 = QuantPolicy(bf16_layers_end=1).quantized_linears(arch)
+    fp4 = QuantPolicy(kv="bf16", bf16_layers_end=1).quantized_linears(arch)
     ref = _reference_amax(src, prompts, fp4)
     sd = load_file(str(out / "model.safetensors"))
     for m in fp4:

@@ -15,7 +15,9 @@ from megatron_trace.quality_backends import EmbeddedScorer
 from sglang_backend.local import Engine, run_plan
 from tests.helpers import random_prompts
 
-DEBIASED = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv_k="nvfp4", kv_v="nvfp4", kv_k_debias=True)
+DEBIASED = QuantPolicy(
+    kv="bf16", format="bf16", weights="bf16", activations="bf16", kv_k="nvfp4", kv_v="nvfp4", kv_k_debias=True
+)
 
 
 def test_debiased_k_removes_the_planted_outlier_loss(outlier_ckpt):  # noqa: F811
@@ -146,7 +148,7 @@ def test_families_without_the_bias_refuse_it_and_exports_name_fp8():
     assert DEBIASED.for_family("qwen2") is DEBIASED
     assert DEBIASED.kv_cache_quant_algo() == "FP8"  # a stock engine would keep the bias in: the finer side
     with pytest.raises(ValueError, match="kv_k_debias must be true or false"):
-        QuantPolicy(kv_k_debias="yes")
+        QuantPolicy(kv="bf16", kv_k_debias="yes")
 
 
 def test_servers_are_launched_and_checked_for_the_debiased_cache(outlier_ckpt, tmp_path):  # noqa: F811

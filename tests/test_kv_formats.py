@@ -155,7 +155,9 @@ def test_trainer_qat_kv_equals_the_engine_pages(k_fmt, v_fmt):
     from megatron_trace.models import ModelArch, QuantPolicy, tiny_hf_config
     from megatron_trace.trainer.qat import QATState
 
-    st = QATState(ModelArch.from_hf_config(tiny_hf_config("qwen2")), QuantPolicy(kv_k=k_fmt, kv_v=v_fmt), "guided")
+    st = QATState(
+        ModelArch.from_hf_config(tiny_hf_config("qwen2")), QuantPolicy(kv="bf16", kv_k=k_fmt, kv_v=v_fmt), "guided"
+    )
     kv = _cache(k_fmt, v_fmt)
     g = torch.Generator().manual_seed(1)
     for which, fmt in ((0, k_fmt), (1, v_fmt)):
@@ -186,7 +188,9 @@ def test_plugin_kv_writes_equal_the_engine_pages_and_trainer_qat():
     pk, pv = kv_codec.quantize("fp8", k), quantize_kv(v, 1.0)  # SGLang's v_scale 1.0 = the engine's S_enc 1.0
     assert torch.equal(pk.data, kd[slots]) and torch.equal(pk.scale, ks[slots])
     assert torch.equal(pv.data, vd[slots]) and torch.equal(pv.scale, vs[slots])
-    st = QATState(ModelArch.from_hf_config(tiny_hf_config("qwen2")), QuantPolicy(kv_k="fp8", kv_v="nvfp4"), "rtn")
+    st = QATState(
+        ModelArch.from_hf_config(tiny_hf_config("qwen2")), QuantPolicy(kv="bf16", kv_k="fp8", kv_v="nvfp4"), "rtn"
+    )
     assert torch.equal(st.kv(k.reshape(4, 2, 2, 32), "k", "fp8").reshape(8, 2, 32), fp8.dequantize(pk))
     assert torch.equal(st.kv(v.reshape(4, 2, 2, 32), "v", "nvfp4").reshape(8, 2, 32), nvfp4.dequantize(pv))
 
@@ -216,7 +220,7 @@ def test_trainer_qat_follows_the_engine_fp8_k_record(mode):
     trainer_k = k * (1 + 3e-3 * torch.randn(k.shape, generator=g))
     arch = ModelArch.from_hf_config(tiny_hf_config("qwen2"))
     for qat_mode in ("guided", "rtn"):
-        st = QATState(arch, QuantPolicy(kv_k="fp8", kv_v="nvfp4"), qat_mode)
+        st = QATState(arch, QuantPolicy(kv="bf16", kv_k="fp8", kv_v="nvfp4"), qat_mode)
         st.set_micro_batch(MicroBatchGuidance.padded(records, S), None)
         got = st.kv(trainer_k, site, "fp8").detach()
         assert torch.equal(got, pages) == (qat_mode == "guided")

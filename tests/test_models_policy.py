@@ -15,7 +15,8 @@ L = DENSE.num_layers
 
 def test_defaults_quantize_mlp_only():
     p = QuantPolicy()
-    assert (p.format, p.weights, p.activations, p.kv, p.targets) == ("nvfp4", "fp4", "fp4", "bf16", DEFAULT_TARGETS)
+    # the config's defaults (config.QuantConfig is generated from this class): KV per model family
+    assert (p.format, p.weights, p.activations, p.kv, p.targets) == ("nvfp4", "fp4", "fp4", "auto", DEFAULT_TARGETS)
     for leaf in ("gate_proj", "up_proj", "down_proj"):
         assert p.linear_is_fp4(f"model.layers.0.mlp.{leaf}", L)
         assert p.weight_is_fp4(f"model.layers.0.mlp.{leaf}", L)
@@ -41,12 +42,12 @@ def test_defaults_quantize_mlp_only():
     ],
 )
 def test_never_fp4_even_with_catch_all_targets(name):
-    p = QuantPolicy(targets=("*", "*.mlp.gate*", "lm_head", "model.embed_tokens"))
+    p = QuantPolicy(kv="bf16", targets=("*", "*.mlp.gate*", "lm_head", "model.embed_tokens"))
     assert not p.linear_is_fp4(name, L)
 
 
 def test_router_never_matches_gate_proj_pattern():
-    p = QuantPolicy()
+    p = QuantPolicy(kv="bf16")
     names = p.quantized_linears(MOE)
     assert not any(n.endswith(".mlp.gate") for n in names)
     assert "model.layers.0.mlp.experts.0.gate_proj" in names
@@ -55,7 +56,9 @@ def test_router_never_matches_gate_proj_pattern():
 
 
 def test_attention_opt_in_and_fused_groups():
-    p = QuantPolicy(targets=DEFAULT_TARGETS + ("*.self_attn.*_proj",), bf16_layers_start=1, bf16_layers_end=1)
+    p = QuantPolicy(
+        kv="bf16", targets=DEFAULT_TARGETS + ("*.self_attn.*_proj",), bf16_layers_start=1, bf16_layers_end=1
+    )
     groups = p.fused_groups(MOE)
     assert set(groups) == set(p.quantized_linears(MOE))
     assert {int(n.split(".")[2]) for n in groups} == {1, 2}
@@ -71,24 +74,24 @@ def test_attention_opt_in_and_fused_groups():
 
 
 def test_partial_fused_group_is_an_error():
-    p = QuantPolicy(targets=("*.self_attn.q_proj",))
+    p = QuantPolicy(kv="bf16", targets=("*.self_attn.q_proj",))
     with pytest.raises(ValueError, match=r"fused group model\.layers\.0\.self_attn\.qkv_proj.*k_proj"):
         p.fused_groups(DENSE)
     with pytest.raises(ValueError, match="gate_up_proj"):
-        QuantPolicy(targets=("*.experts.*.gate_proj",)).quantized_linears(MOE)
+        QuantPolicy(kv="bf16", targets=("*.experts.*.gate_proj",)).quantized_linears(MOE)
 
 
 def test_bf16_modes():
-    assert QuantPolicy(format="bf16").quantized_linears(DENSE) == []
-    assert QuantPolicy(weights="bf16", activations="bf16").quantized_linears(DENSE) == []
-    w4a16 = QuantPolicy(activations="bf16")
+    assert QuantPolicy(kv="bf16", format="bf16").quantized_linears(DENSE) == []
+    assert QuantPolicy(kv="bf16", weights="bf16", activations="bf16").quantized_linears(DENSE) == []
+    w4a16 = QuantPolicy(kv="bf16", activations="bf16")
     name = "model.layers.1.mlp.down_proj"
     assert w4a16.linear_is_fp4(name, L) and w4a16.weight_is_fp4(name, L) and not w4a16.activation_is_fp4(name, L)
-    assert QuantPolicy(format="mxfp4").linear_is_fp4(name, L)
+    assert QuantPolicy(kv="bf16", format="mxfp4").linear_is_fp4(name, L)
 
 
 def test_kv():
-    assert not any(QuantPolicy().kv_is_fp4(i, L) for i in range(L))
+    assert not any(QuantPolicy(kv="bf16").kv_is_fp4(i, L) for i in range(L))
     p = QuantPolicy(kv="nvfp4", bf16_layers_start=1, bf16_layers_end=2)
     assert [p.kv_is_fp4(i, L) for i in range(L)] == [False, True, False, False]
     assert QuantPolicy(format="bf16", kv="mxfp4").kv_is_fp4(0, L)  # KV-only experiment
@@ -109,7 +112,7 @@ def test_bf16_layer_band(start, end, kv):
 @pytest.mark.parametrize(
     "kw,msg",
     [
-        (dict(kv="fp4"), "quant.kv must be one of nvfp4, mxfp4, fp8, bf16, auto; got 'fp4'"),
+        (dict(kv="fp4"), "quant.kv must be one of auto, nvfp4, mxfp4, fp8, bf16; got 'fp4'"),
         (dict(kv_v="int8"), "quant.kv_v must be one of , nvfp4, mxfp4, fp8, bf16; got 'int8'"),
         (dict(format="fp8"), "quant.format must be one of nvfp4, mxfp4, bf16; got 'fp8'"),
         (dict(weights="int4"), "quant.weights must be one of fp4, bf16; got 'int4'"),

@@ -67,7 +67,7 @@ def test_config_default_is_auto_and_explicit_kv_is_both():
     ],
 )
 def test_export_kv_algo_names_the_finer_side(k, v, algo):
-    assert QuantPolicy(kv_k=k, kv_v=v).kv_cache_quant_algo() == algo
+    assert QuantPolicy(kv="bf16", kv_k=k, kv_v=v).kv_cache_quant_algo() == algo
 
 
 def test_export_names_the_policy_kv_algo(tmp_path):
@@ -76,7 +76,7 @@ def test_export_names_the_policy_kv_algo(tmp_path):
 
     src = make_tiny_checkpoint(tmp_path / "src", "qwen2", seed=0)
     arch, sd, cfg = load_hf_dir(src)
-    amax = {m: 4.0 for m in QuantPolicy().quantized_linears(arch)}
+    amax = {m: 4.0 for m in QuantPolicy(kv="bf16").quantized_linears(arch)}
     out = export_checkpoint(sd, arch, tmp_path / "out", policy=QuantPolicy(kv="auto"), input_amax=amax, hf_config=cfg)
     import json
 

@@ -66,7 +66,9 @@ def test_weighted_expert_input_is_quantized_unweighted():
     torch.manual_seed(0)
     h = torch.randn(64, 96)
     w = torch.rand(64) * 0.9 + 0.05
-    state = QATState(ModelArch.from_hf_config(tiny_hf_config("qwen3_moe")), QuantPolicy(format="mxfp4"), "rtn")
+    state = QATState(
+        ModelArch.from_hf_config(tiny_hf_config("qwen3_moe")), QuantPolicy(kv="bf16", format="mxfp4"), "rtn"
+    )
     got = state.activation(
         (h * w[:, None])[:, None], "model.layers.0.mlp.experts.down_proj", None, select=_WeightedRows(w)
     )

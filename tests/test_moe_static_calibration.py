@@ -12,7 +12,7 @@ from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
 from megatron_trace.transfer.static_calibration import calibrate_static_amax
 
 ROOT = Path(__file__).resolve().parents[1]
-STATIC = QuantPolicy(format="nvfp4", activation_scale="static")
+STATIC = QuantPolicy(kv="bf16", format="nvfp4", activation_scale="static")
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ def test_static_site_scales_are_per_expert():
     from megatron_trace.trainer.static_scales import static_site_scales
 
     arch = ModelArch.from_hf_config(tiny_hf_config("qwen3_moe"))
-    policy = QuantPolicy(activation_scale="static")
+    policy = QuantPolicy(kv="bf16", activation_scale="static")
     amax = {}
     for layer in range(arch.num_layers):
         for e in range(arch.num_experts):
@@ -91,7 +91,7 @@ def test_trainer_rounds_expert_rows_with_that_experts_static_scale():
     arch = ModelArch.from_hf_config(tiny_hf_config("qwen3_moe"))
     g = torch.Generator().manual_seed(5)
     h, w = torch.randn(32, 64, generator=g), torch.rand(32, generator=g) * 0.9 + 0.05
-    st = QATState(arch, QuantPolicy(activation_scale="static"), "rtn")
+    st = QATState(arch, QuantPolicy(kv="bf16", activation_scale="static"), "rtn")
     s_enc = torch.tensor(700.0)
     st.set_static_activation_scales({"model.layers.0.mlp.experts.2.down_proj": s_enc})
     got = st.activation((h * w[:, None])[:, None], "model.layers.0.mlp.experts.down_proj", None, select=_Expert(w))[

@@ -38,18 +38,18 @@ def _policy_env(monkeypatch, policy: QuantPolicy, num_layers: int = 2) -> None:
 
 @pytest.mark.parametrize("config", [TraceNVFP4OnlineConfig, TraceMXFP4OnlineConfig])
 def test_online_configs_give_fp4_experts_where_the_policy_says(monkeypatch, config):
-    _policy_env(monkeypatch, QuantPolicy(format=config.FMT))
+    _policy_env(monkeypatch, QuantPolicy(kv="bf16", format=config.FMT))
     method = config().get_quant_method(_ExpertsProbe(4), PREFIX)
     assert isinstance(method, TraceFP4MoEMethod) and method.fmt == config.FMT and method.site == PREFIX
     # BF16 experts by the policy: SGLang's own method (None), as the engine keeps them BF16
-    _policy_env(monkeypatch, QuantPolicy(format=config.FMT, targets=("*.mlp.gate_proj",)))
+    _policy_env(monkeypatch, QuantPolicy(kv="bf16", format=config.FMT, targets=("*.mlp.gate_proj",)))
     assert config().get_quant_method(_ExpertsProbe(4), PREFIX) is None
     # static per-expert input scales never reach a FusedMoE: refused, not rounded per token
-    _policy_env(monkeypatch, QuantPolicy(format=config.FMT, activation_scale="static"))
+    _policy_env(monkeypatch, QuantPolicy(kv="bf16", format=config.FMT, activation_scale="static"))
     with pytest.raises(NotImplementedError, match="activation_scale=static"):
         config().get_quant_method(_ExpertsProbe(4), PREFIX)
     # a layer whose experts are partly FP4 cannot be one FusedMoE
-    _policy_env(monkeypatch, QuantPolicy(format=config.FMT, targets=("*.mlp.experts.0.*",)))
+    _policy_env(monkeypatch, QuantPolicy(kv="bf16", format=config.FMT, targets=("*.mlp.experts.0.*",)))
     with pytest.raises(ValueError, match="only some routed-expert linears FP4"):
         config().get_quant_method(_ExpertsProbe(4), PREFIX)
 
@@ -85,7 +85,7 @@ def test_experts_equal_the_engine_layer_bit_for_bit(tmp_path, fmt):
     output and its two expert guidance sites equal the engine's (QwenEngineModel layer 1, W4A4)."""
     ckpt = make_tiny_checkpoint(tmp_path, "qwen3_moe", seed=5)
     arch = ModelArch.from_hf_config(ckpt)
-    model = QwenEngineModel(arch, QuantPolicy(format=fmt), torch.float32)
+    model = QwenEngineModel(arch, QuantPolicy(kv="bf16", format=fmt), torch.float32)
     load_checkpoint(model, ckpt)
     layer = model.layers[1]
     state = {}
@@ -149,10 +149,12 @@ def _launch(*argv):
 
 
 def test_launcher_refuses_fp4_experts_the_plugin_cannot_serve(moe_ckpt, tmp_path, capsys):
-    export = _as_export(moe_ckpt, tmp_path / "fp4", QuantPolicy(format="nvfp4"))
+    export = _as_export(moe_ckpt, tmp_path / "fp4", QuantPolicy(kv="bf16", format="nvfp4"))
     assert _launch("--model-path", export) == 2
     assert "model.layers.0.mlp.experts holds ModelOpt NVFP4 routed experts" in capsys.readouterr().err
-    dense_only = _as_export(moe_ckpt, tmp_path / "attn", QuantPolicy(format="nvfp4", targets=("*.self_attn.o_proj",)))
+    dense_only = _as_export(
+        moe_ckpt, tmp_path / "attn", QuantPolicy(kv="bf16", format="nvfp4", targets=("*.self_attn.o_proj",))
+    )
     assert _launch("--model-path", dense_only) == 0  # BF16 experts by the checkpoint: SGLang's method is right
     capsys.readouterr()
     assert _launch("--model-path", str(moe_ckpt), "--quantization", "nvfp4", "--tp-size", "2") == 2

@@ -82,7 +82,7 @@ def actor(moe_ckpt):
     arch = ModelArch.from_hf_config(moe_ckpt)
     yield Actor(
         arch,
-        QuantPolicy(),
+        QuantPolicy(kv="bf16"),
         TrainerConfig(qat_mode="off", routing_replay="on", lr=1e-5, micro_batch_size=4),
         hf_path=moe_ckpt,
     )

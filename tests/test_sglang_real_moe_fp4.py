@@ -149,7 +149,9 @@ def test_trainer_push_of_packed_nvfp4_experts(sglang_url, tmp_path):
     client = RolloutClient([sglang_url], retries=0)
     try:
         before = client.generate(reqs)
-        stats = push_hf_state_dict(sd, arch, QuantPolicy(format="nvfp4"), DiskTransport(client, tmp_path / "w", cfg), 2)
+        stats = push_hf_state_dict(
+            sd, arch, QuantPolicy(kv="bf16", format="nvfp4"), DiskTransport(client, tmp_path / "w", cfg), 2
+        )
         assert stats.tensors > len(sd)  # every FP4 expert linear went as codes + scales + weight_scale_2
         assert client.weight_versions() == {sglang_url: "2"}
         real = client.generate(reqs)

@@ -59,7 +59,7 @@ def exports(tmp_path_factory):
     out = {}
     for name, seed in (("a", 0), ("b", 1)):
         arch, sd, cfg = load_hf_dir(make_tiny_checkpoint(root / f"src_{name}", "qwen2", seed=seed))
-        amax = dict.fromkeys(QuantPolicy().quantized_linears(arch), 4.0)
+        amax = dict.fromkeys(QuantPolicy(kv="bf16").quantized_linears(arch), 4.0)
         out[name] = export_checkpoint(sd, arch, root / f"exp_{name}", input_amax=amax, hf_config=cfg)
     return out
 

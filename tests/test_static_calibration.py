@@ -8,7 +8,7 @@ from megatron_trace.transfer.export import load_hf_dir
 from megatron_trace.transfer.static_calibration import calibrate_static_amax, static_amax_modules
 
 PROMPTS = [[1, 5, 9, 2], [7, 3, 3, 8, 4]]
-STATIC = QuantPolicy(format="nvfp4", activation_scale="static")
+STATIC = QuantPolicy(kv="bf16", format="nvfp4", activation_scale="static")
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,8 @@ def test_amax_is_the_exporters_calibration_of_every_fp4_activation_linear(dense)
 @pytest.mark.parametrize(
     "policy, message",
     [
-        (QuantPolicy(format="nvfp4"), "activation_scale='per_token'"),
-        (QuantPolicy(format="nvfp4", activations="bf16", activation_scale="static"), "nothing to calibrate"),
+        (QuantPolicy(kv="bf16", format="nvfp4"), "activation_scale='per_token'"),
+        (QuantPolicy(kv="bf16", format="nvfp4", activations="bf16", activation_scale="static"), "nothing to calibrate"),
     ],
 )
 def test_refuses_a_policy_with_nothing_static(dense, policy, message):
@@ -49,14 +49,14 @@ def test_engine_says_which_static_linears_still_run_per_token(caplog, tmp_path):
 
     ckpt = make_tiny_checkpoint(tmp_path / "ck", "qwen2", seed=0)
     with caplog.at_level(logging.WARNING, logger="sglang_backend.local.engine"):
-        eng = Engine(str(ckpt), quant_policy=QuantPolicy(activation_scale="static"))
+        eng = Engine(str(ckpt), quant_policy=QuantPolicy(kv="bf16", activation_scale="static"))
     try:
         missing = eng.get_model_info()["static_scales_missing"]
         assert missing and all(s.startswith("model.layers.") for s in missing)
         assert "no input_scale yet" in caplog.text
     finally:
         eng.shutdown()
-    plain = Engine(str(ckpt), quant_policy=QuantPolicy())
+    plain = Engine(str(ckpt), quant_policy=QuantPolicy(kv="bf16"))
     try:
         assert plain.get_model_info()["static_scales_missing"] == []
     finally:

@@ -23,7 +23,7 @@ def _records(xs, mode):
 
 
 def test_rtn_activation_and_weight_match_reference():
-    st = QATState(ARCH, QuantPolicy(), "rtn")
+    st = QATState(ARCH, QuantPolicy(kv="bf16"), "rtn")
     x = torch.randn(5, 2, 64, requires_grad=True)
     y = st.activation(x, SITE, None)
     ref = nvfp4.dequantize(nvfp4.quantize(x.detach().reshape(-1, 64), per_row_global=True)).reshape(5, 2, 64)
@@ -45,7 +45,7 @@ def test_guided_micro_batch_reproduces_rollout_codes_in_seq_batch_layout():
         x_train[: lens[j], j] = xr * (1 + 0.02 * torch.randn(xr.shape, generator=g))
     out = {}
     for mode in ("rtn", "guided"):
-        st = QATState(ARCH, QuantPolicy(), mode)
+        st = QATState(ARCH, QuantPolicy(kv="bf16"), mode)
         st.guidance = MicroBatchGuidance.padded(recs, s)
         out[mode] = st.activation(x_train, SITE, None)
         out[mode + "_agree"] = st.agreement()[SITE]
@@ -61,7 +61,7 @@ def test_row_parallel_slice_matches_full_width():
     g = torch.Generator().manual_seed(1)
     x_roll = torch.randn(6, 64, generator=g)
     recs = _records([x_roll], "mantissa")
-    st = QATState(ARCH, QuantPolicy(), "guided")
+    st = QATState(ARCH, QuantPolicy(kv="bf16"), "guided")
     st.guidance = MicroBatchGuidance.padded(recs, 6)
     full = st.guidance.site(SITE, None, "cpu")[0]
     half = st.guidance.site(SITE, slice(32, 64), "cpu")[0]
@@ -102,13 +102,13 @@ def test_sequence_parallel_rank_rows_equal_the_unsliced_result():
     for j, xr in enumerate(xs_roll):
         x[: lens[j], j] = xr * (1 + 0.02 * torch.randn(xr.shape, generator=g))
     for mode in ("rtn", "guided"):
-        whole = QATState(ARCH, QuantPolicy(), mode)
+        whole = QATState(ARCH, QuantPolicy(kv="bf16"), mode)
         whole.guidance = MicroBatchGuidance.padded(recs, s)
         want = whole.activation(x, SITE, None)
         per_rank, counts = [], [0, 0]
         n = (s // tp) * len(lens)
         for r in range(tp):
-            st = QATState(ARCH, QuantPolicy(), mode)
+            st = QATState(ARCH, QuantPolicy(kv="bf16"), mode)
             st.guidance = MicroBatchGuidance.padded(recs, s)
             per_rank.append(
                 st.activation(x[r * s // tp : (r + 1) * s // tp], SITE, None, rows=slice(r * n, (r + 1) * n))
@@ -118,7 +118,7 @@ def test_sequence_parallel_rank_rows_equal_the_unsliced_result():
         assert torch.equal(torch.cat(per_rank), want), mode
         assert counts == whole.agree[SITE], mode
     # Unsliced guidance against one rank's rows is a layout error, not a silent round-to-nearest.
-    st = QATState(ARCH, QuantPolicy(), "guided")
+    st = QATState(ARCH, QuantPolicy(kv="bf16"), "guided")
     st.guidance = MicroBatchGuidance.padded(recs, s)
     with pytest.raises(
         ValueError, match=r"QAT site model\.layers\.3\.mlp\.down_proj: the guidance has 24 rows .* has 12 rows"
@@ -137,9 +137,9 @@ def test_mxfp4_policy_weights_and_activations_are_the_engines_mxfp4():
     eng = EngineLinear({"w": 48}, 128, bias=False, weight_fmt="mxfp4", act_fmt="mxfp4", dtype=torch.float32, site=SITE)
     eng.load_shard("w", w)
     eng.finalize()
-    st = QATState(ARCH, QuantPolicy(format="mxfp4"), "rtn")
+    st = QATState(ARCH, QuantPolicy(kv="bf16", format="mxfp4"), "rtn")
     assert torch.equal(st.weight(w), eng.weight.data)
-    assert not torch.equal(st.weight(w), QATState(ARCH, QuantPolicy(), "rtn").weight(w))
+    assert not torch.equal(st.weight(w), QATState(ARCH, QuantPolicy(kv="bf16"), "rtn").weight(w))
     assert torch.equal(st.weight(w[:, 64:]), eng.weight.data[:, 64:])
     want = eng._matmul_input(x, None, None)
     assert torch.equal(st.activation(x.reshape(3, 2, 128), SITE, None).reshape(6, 128), want)
@@ -161,7 +161,7 @@ def test_guided_mxfp4_follows_the_rollouts_e8m0_scales_and_codes(mode):
     x = torch.stack([xr * (1 + 0.02 * torch.randn(xr.shape, generator=g)) for xr in xs_roll], dim=1)
     out = {}
     for qat_mode in ("rtn", "guided"):
-        st = QATState(ARCH, QuantPolicy(format="mxfp4"), qat_mode)
+        st = QATState(ARCH, QuantPolicy(kv="bf16", format="mxfp4"), qat_mode)
         st.guidance = MicroBatchGuidance.padded(_mx_records(xs_roll, mode), 5)
         out[qat_mode] = st.activation(x, SITE, None)
         out[qat_mode + "_override"] = st.override_rate()
@@ -175,7 +175,7 @@ def test_guided_mxfp4_follows_the_rollouts_e8m0_scales_and_codes(mode):
     if mode == "full":
         assert out["guided_agree"] == 1.0 and out["rtn_agree"] < 1.0
     # A row-parallel K slice takes whole 32-blocks of the guidance.
-    st = QATState(ARCH, QuantPolicy(format="mxfp4"), "guided")
+    st = QATState(ARCH, QuantPolicy(kv="bf16", format="mxfp4"), "guided")
     st.guidance = MicroBatchGuidance.padded(_mx_records(xs_roll, mode), 5)
     half = st.activation(x[..., 64:], SITE, slice(64, 128))
     assert torch.equal(half, out["guided"][..., 64:])
@@ -187,10 +187,10 @@ def test_static_activation_scale_is_used_in_rtn_and_for_uncovered_guided_rows():
     s_enc = nvfp4.encode_scale_from_amax(torch.tensor(5.0))
     ref = nvfp4.dequantize(nvfp4.quantize(x.reshape(-1, 64), global_scale=s_enc)).reshape(4, 2, 64)
     for mode in ("rtn", "guided"):
-        st = QATState(ARCH, QuantPolicy(), mode)
+        st = QATState(ARCH, QuantPolicy(kv="bf16"), mode)
         st.set_static_activation_scales({SITE: s_enc})
         assert torch.equal(st.activation(x, SITE, None), ref), mode
-    per_token = QATState(ARCH, QuantPolicy(), "rtn").activation(x, SITE, None)
+    per_token = QATState(ARCH, QuantPolicy(kv="bf16"), "rtn").activation(x, SITE, None)
     assert not torch.equal(per_token, ref)
     with pytest.raises(ValueError, match="finite S_enc > 0"):
         st.set_static_activation_scales({SITE: 0.0})
@@ -237,7 +237,7 @@ def test_static_scales_from_calibrated_amax_match_the_engine_reading_the_checkpo
         for kind, v in t.items():
             eng.load_shard(shard, v, "weight_packed" if kind == "weight" else kind)
     eng.finalize()
-    policy = QuantPolicy(activation_scale="static")
+    policy = QuantPolicy(kv="bf16", activation_scale="static")
     scales = static_site_scales(
         {
             f"model.layers.{i}.mlp.{m}": a
@@ -285,7 +285,7 @@ def test_cuda_route_runs_the_triton_kernels_with_the_reference_bits(monkeypatch,
     w = torch.randn(32, 64, generator=g)
 
     def run():
-        st = QATState(ARCH, QuantPolicy(), "guided")
+        st = QATState(ARCH, QuantPolicy(kv="bf16"), "guided")
         st.guidance = MicroBatchGuidance.padded(recs, 6)
         return st.weight(w), st.activation(x, SITE, None), st.kv(k, k_site)
 
@@ -319,7 +319,7 @@ def test_guided_site_missing_from_a_guided_layer_stops_instead_of_rounding_to_ne
     g = torch.Generator().manual_seed(4)
     x = torch.randn(6, 1, 64, generator=g)
     recs = MicroBatchGuidance.padded(_records([x[:, 0]], "full"), 6)
-    st = QATState(ARCH, QuantPolicy(), "guided")
+    st = QATState(ARCH, QuantPolicy(kv="bf16"), "guided")
     st.guidance = recs
     other = "model.layers.3.mlp.gate_up_proj"
     with pytest.raises(ValueError, match=r"mlp\.gate_up_proj is FP4 in the trainer.*hold no such site.*down_proj"):
@@ -327,6 +327,6 @@ def test_guided_site_missing_from_a_guided_layer_stops_instead_of_rounding_to_ne
     unguided_layer = "model.layers.0.mlp.down_proj"
     ref = nvfp4.dequantize(nvfp4.quantize(x.reshape(-1, 64), per_row_global=True)).reshape(x.shape)
     assert torch.equal(st.activation(x, unguided_layer, None), ref)  # layer 0 is not guided: rtn
-    rtn = QATState(ARCH, QuantPolicy(), "rtn")
+    rtn = QATState(ARCH, QuantPolicy(kv="bf16"), "rtn")
     rtn.guidance = recs
     assert torch.equal(rtn.activation(x, other, None), ref)  # rtn only measures against records

@@ -113,7 +113,7 @@ def test_distributed_transfer_from_tp2_pp2(ckpts, dist_run, tmp_path):
     hf = load_file(str(ckpts / "qwen3" / "model.safetensors"))
     arch = ModelArch.from_hf_config(ckpts / "qwen3")
     assert_fp4_equals(engine, hf, arch)
-    amax = dict.fromkeys(QuantPolicy().quantized_linears(arch), 4.0)  # a W4A4 export needs static scales
+    amax = dict.fromkeys(QuantPolicy(kv="bf16").quantized_linears(arch), 4.0)  # a W4A4 export needs static scales
     exported = Engine(
         str(export_checkpoint(hf, arch, tmp_path / "exp", hf_config=arch.to_hf_config(), input_amax=amax))
     )
@@ -167,10 +167,10 @@ def test_interrupted_transfer_keeps_previous_version(ckpts, tmp_path):
         bad["model.layers.3.mlp.down_proj.weight"] = sd["model.layers.3.mlp.down_proj.weight"].clone()
         bad["model.layers.3.mlp.down_proj.weight"][1, 2] = float("nan")
         with pytest.raises(NonFiniteWeightError, match=r"model\.layers\.3\.mlp\.down_proj\.weight"):
-            push_hf_state_dict(bad, arch, QuantPolicy(), t, 6, bucket_mb=0.02)
+            push_hf_state_dict(bad, arch, QuantPolicy(kv="bf16"), t, 6, bucket_mb=0.02)
         assert engine.weight_version == "0"
         # The next complete transfer is accepted (the transport re-creates the group).
-        stats = push_hf_state_dict(sd, arch, QuantPolicy(), t, 6, bucket_mb=0.02)
+        stats = push_hf_state_dict(sd, arch, QuantPolicy(kv="bf16"), t, 6, bucket_mb=0.02)
         assert stats.buckets > 3 and engine.weight_version == "6"
         assert_fp4_equals(engine, sd, arch)
         t.close()
@@ -187,15 +187,15 @@ def test_inprocess_http_disk_transports(ckpts, tmp_path):
         sd_b = {k: v * 1.5 for k, v in sd_a.items()}
         client = RolloutClient(server.url, api_key=KEY)
         s1 = push_hf_state_dict(
-            sd_b, arch, QuantPolicy(), InProcessTransport(InProcessBackend(engine)), 1, bucket_mb=0.05
+            sd_b, arch, QuantPolicy(kv="bf16"), InProcessTransport(InProcessBackend(engine)), 1, bucket_mb=0.05
         )
         assert engine.weight_version == "1" and s1.buckets > 1
         assert_fp4_equals(engine, sd_b, arch)
-        s2 = push_hf_state_dict(sd_a, arch, QuantPolicy(), HttpTransport(client), 2, bucket_mb=0.05)
+        s2 = push_hf_state_dict(sd_a, arch, QuantPolicy(kv="bf16"), HttpTransport(client), 2, bucket_mb=0.05)
         assert engine.weight_version == "2" and s2.bytes > 0
         assert_fp4_equals(engine, sd_a, arch)
         disk = DiskTransport(client, tmp_path / "versions", arch.to_hf_config())
-        push_hf_state_dict(sd_b, arch, QuantPolicy(), disk, 3, bucket_mb=0.05)
+        push_hf_state_dict(sd_b, arch, QuantPolicy(kv="bf16"), disk, 3, bucket_mb=0.05)
         assert engine.weight_version == "3"
         assert_fp4_equals(engine, sd_b, arch)
         # NaN: nothing reaches the rollout, the error names the parameter.
@@ -204,7 +204,7 @@ def test_inprocess_http_disk_transports(ckpts, tmp_path):
             sd_a["model.layers.1.mlp.experts.2.up_proj.weight"], float("inf")
         )
         with pytest.raises(NonFiniteWeightError, match=r"experts\.2\.up_proj"):
-            push_hf_state_dict(bad, arch, QuantPolicy(), HttpTransport(client), 4)
+            push_hf_state_dict(bad, arch, QuantPolicy(kv="bf16"), HttpTransport(client), 4)
         assert engine.weight_version == "3"
     finally:
         server.shutdown()
@@ -213,7 +213,7 @@ def test_inprocess_http_disk_transports(ckpts, tmp_path):
 
 def test_static_input_scales_arrive_every_transfer(ckpts):
     arch, sd, _ = load_hf_dir(ckpts / "qwen3")
-    policy = QuantPolicy(targets=ALL_LINEARS, activation_scale="static")
+    policy = QuantPolicy(kv="bf16", targets=ALL_LINEARS, activation_scale="static")
     engine = Engine(str(ckpts / "qwen3"), quant_policy=policy)
     try:
         t = InProcessTransport(InProcessBackend(engine))
@@ -247,7 +247,7 @@ def test_static_input_scales_arrive_every_transfer(ckpts):
 @pytest.mark.parametrize("budget", [3000, 20000, 10**9])
 def test_buckets_respect_budget_and_keep_groups(ckpts, budget):
     arch, sd, _ = load_hf_dir(ckpts / "qwen3_moe")
-    policy = QuantPolicy(targets=ALL_LINEARS)
+    policy = QuantPolicy(kv="bf16", targets=ALL_LINEARS)
     units = list(rollout_tensors(hf_state_dict_stream(sd, arch), arch, policy))
     unit_of = {n: i for i, u in enumerate(units) for n, _ in u}
     stats = BucketStats()

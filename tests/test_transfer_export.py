@@ -43,7 +43,7 @@ def test_export_cli_loads_and_matches(ckpts, tmp_path):
     (src / "tokenizer_config.json").write_text("{}")
     arch = ModelArch.from_hf_config(src)
     amax_file = tmp_path / "amax.json"
-    amax_file.write_text(json.dumps(dict.fromkeys(QuantPolicy().quantized_linears(arch), 3.0)))
+    amax_file.write_text(json.dumps(dict.fromkeys(QuantPolicy(kv="bf16").quantized_linears(arch), 3.0)))
     out = tmp_path / "nvfp4"
     r = subprocess.run(
         [

@@ -7,9 +7,9 @@ The rollout engine, the trainer's QAT and the checkpoint exporter all ask this o
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .arch import ModelArch
@@ -18,7 +18,7 @@ FORMATS = ("nvfp4", "mxfp4", "bf16")
 PRECISIONS = ("fp4", "bf16")
 KV_FORMATS = ("nvfp4", "mxfp4", "fp8", "bf16")
 # `kv` is the shorthand for both K and V; "auto" picks per model family (`for_arch`).
-KV_SHORTHANDS = (*KV_FORMATS, "auto")
+KV_SHORTHANDS = ("auto", *KV_FORMATS)
 # kv_k / kv_v: "" follows `kv`; a format overrides that side.
 KV_SIDE_FORMATS = ("", *KV_FORMATS)
 ACTIVATION_SCALES = ("per_token", "static")
@@ -51,9 +51,11 @@ _FUSED = {
 }
 
 
-def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"quant.{name} must be one of {', '.join(allowed)}; got {value!r}")
+def _field(default, help: str, choices: tuple | None = None, low: float | None = None):
+    """A policy field: its default, help text and allowed values. The config tree's `quant` section
+    is generated from these (megatron_trace/config.py), so they are declared here only; the metadata
+    keys are the tree's (config_fields.opt)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "low": low})
 
 
 def _module_name(name: str) -> str:
@@ -71,28 +73,37 @@ def _layer_index(module: str) -> int | None:
 
 @dataclass
 class QuantPolicy:
-    format: str = "nvfp4"
-    weights: str = "fp4"
-    activations: str = "fp4"
-    kv: str = "bf16"
-    kv_k: str = ""
-    kv_v: str = ""
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-    bf16_layers_start: int = 0
-    bf16_layers_end: int = 0
-    activation_scale: str = "per_token"
+    format: str = _field("nvfp4", "FP4 format of the rollout", FORMATS)
+    weights: str = _field("fp4", "weight precision of targeted linears", PRECISIONS)
+    activations: str = _field("fp4", "activation precision (fp4 = W4A4, bf16 = W4A16)", PRECISIONS)
+    kv: str = _field(
+        "auto",
+        "KV cache format of K and V (auto: de-biased FP8 K + NVFP4 V without q/k norm, i.e. Qwen2/2.5; "
+        "NVFP4 K and V with it, i.e. Qwen3)",
+        KV_SHORTHANDS,
+    )
+    kv_k: str = _field("", "K cache format; empty follows kv", KV_SIDE_FORMATS)
+    kv_v: str = _field("", "V cache format; empty follows kv", KV_SIDE_FORMATS)
+    targets: tuple[str, ...] = _field(DEFAULT_TARGETS, "module patterns that are FP4")
+    bf16_layers_start: int = _field(0, "first N layers stay BF16", low=0)
+    bf16_layers_end: int = _field(0, "last N layers stay BF16", low=0)
+    activation_scale: str = _field(
+        "per_token",
+        "activation global scale (static: calibrated at start, synced with the weights)",
+        ACTIVATION_SCALES,
+    )
     # The K cache stores K minus its rotated k_proj bias (models/rope.py), 4.5 bits for NVFP4 K that
     # keep a Qwen2.5's outlier channels out of the blocks: Qwen2/2.5 only (they have the bias).
-    kv_k_debias: bool = False
+    kv_k_debias: bool = _field(
+        False,
+        "K cache holds K minus its rotated k_proj bias (Qwen2/2.5: K without its outlier channels; kv=auto sets it)",
+    )
 
     def __post_init__(self) -> None:
-        _one_of("format", self.format, FORMATS)
-        _one_of("weights", self.weights, PRECISIONS)
-        _one_of("activations", self.activations, PRECISIONS)
-        _one_of("kv", self.kv, KV_SHORTHANDS)
-        _one_of("kv_k", self.kv_k, KV_SIDE_FORMATS)
-        _one_of("kv_v", self.kv_v, KV_SIDE_FORMATS)
-        _one_of("activation_scale", self.activation_scale, ACTIVATION_SCALES)
+        for f in fields(self):
+            allowed = f.metadata.get("choices")
+            if allowed is not None and getattr(self, f.name) not in allowed:
+                raise ValueError(f"quant.{f.name} must be one of {', '.join(allowed)}; got {getattr(self, f.name)!r}")
         if not isinstance(self.kv_k_debias, bool):
             raise ValueError(f"quant.kv_k_debias must be true or false; got {self.kv_k_debias!r}")
         if self.activations == "fp4" and self.weights == "bf16":

@@ -186,9 +186,9 @@ def export_checkpoint(
 
     if fmt not in ("nvfp4", "bf16"):
         raise ValueError(f"format must be nvfp4 or bf16; got {fmt!r}")
-    policy = policy or QuantPolicy()
+    policy = policy or QuantPolicy(kv="bf16")  # an export names a KV format only when its policy does
     if fmt == "bf16":
-        policy = QuantPolicy(format="bf16", weights="bf16", activations="bf16")
+        policy = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="bf16")
     elif policy.format != "nvfp4" or not policy.enabled:
         raise ValueError(f"--format nvfp4 needs an nvfp4 policy with FP4 weights; got {policy.to_dict()}")
     elif policy.activations != "fp4":
@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("pass --calib-prompts or --input-amax, not both")
         amax = json.loads(Path(args.input_amax).read_text()) if args.input_amax else None
         kw = dict(
+            kv="bf16",  # the export CLI writes weights; it names no KV cache format
             bf16_layers_start=args.bf16_layers_start,
             bf16_layers_end=args.bf16_layers_end,
             activation_scale="static" if amax or args.calib_prompts else "per_token",

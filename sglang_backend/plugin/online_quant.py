@@ -38,7 +38,7 @@ POLICY_ENV = settings.env_name("quant_policy")
 def policy_from_env(fmt: str) -> tuple[QuantPolicy, int | None]:
     raw = settings.current().quant_policy
     if not raw:
-        return QuantPolicy(format=fmt), None
+        return QuantPolicy(format=fmt, kv="bf16"), None  # linears only: the KV method has its own settings
     try:
         d = json.loads(raw)
         policy, num_layers = QuantPolicy.from_dict(d["policy"]), d.get("num_layers")

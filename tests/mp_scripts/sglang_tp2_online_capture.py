@@ -83,7 +83,7 @@ def column_slice(y1: torch.Tensor, tp2, shards, rank: int, world: int) -> torch.
 def main(out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.environ["TRACE_QUANT_POLICY"] = json.dumps(
-        {"policy": QuantPolicy(targets=ALL_LINEARS).to_dict(), "num_layers": 1}
+        {"policy": QuantPolicy(kv="bf16", targets=ALL_LINEARS).to_dict(), "num_layers": 1}
     )
     base.setup(rank, world)
     from sglang_backend.plugin.online_quant import TraceNVFP4OnlineConfig, TraceNVFP4OnlineLinearMethod
@@ -209,7 +209,7 @@ def mxfp4_guidance_check(rank: int, world: int, inputs) -> dict:
     from sglang_backend.plugin.quant_method import TraceMXFP4LinearMethod
 
     os.environ["TRACE_QUANT_POLICY"] = json.dumps(
-        {"policy": QuantPolicy(format="mxfp4", targets=ALL_LINEARS).to_dict(), "num_layers": 1}
+        {"policy": QuantPolicy(kv="bf16", format="mxfp4", targets=ALL_LINEARS).to_dict(), "num_layers": 1}
     )
     cfg, gen = TraceMXFP4OnlineConfig(), torch.Generator().manual_seed(2)
     layers2, layers1 = {}, {}

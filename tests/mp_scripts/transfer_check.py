@@ -68,7 +68,9 @@ def main() -> None:
                 transport = DistributedTransport(args.url, args.api_key, "127.0.0.1", args.master_port)
             bstats = BucketStats()
             # A small budget forces many buckets into the one version.
-            stats = push_weights(chunks, arch, QuantPolicy(), transport, version=7, bucket_mb=0.05, bucket_stats=bstats)
+            stats = push_weights(
+                chunks, arch, QuantPolicy(kv="bf16"), transport, version=7, bucket_mb=0.05, bucket_stats=bstats
+            )
             if transport is not None:
                 transport.close()
                 (out / "send_stats.json").write_text(json.dumps({**stats.__dict__, **bstats.__dict__}))

@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     arch, sd, _ = load_hf_dir(args.ckpt)
     t = _StallAfterOne(args.url, args.api_key, "127.0.0.1", args.port)
-    push_hf_state_dict(sd, arch, QuantPolicy(), t, args.version, bucket_mb=0.02)
+    push_hf_state_dict(sd, arch, QuantPolicy(kv="bf16"), t, args.version, bucket_mb=0.02)
 
 
 if __name__ == "__main__":
