@@ -1,6 +1,7 @@
-"""Backend selection: the Triton kernels (CUDA), the CPU engine's C kernels (megatron_trace/kernels/cpu_quant.py,
-built by megatron_trace/kernels/cpu_build.py) and the torch references of megatron_trace.fp4. This module is
-the one place that picks among them.
+"""Backend selection for the quantizers and FP4 GEMMs: the Triton kernels (CUDA), the CPU engine's C
+kernels (megatron_trace/kernels/cpu_quant.py, built by megatron_trace/kernels/cpu_build.py) and the
+torch references of megatron_trace.fp4, picked per call by device. (How the embedded engine runs a
+whole layer on CPU, one C call or kernel by kernel, is sglang_backend/local/run_plan.py's choice.)
 
 triton is imported lazily (first `triton_available()` or kernel call), never at import time.
 """
