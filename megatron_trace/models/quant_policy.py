@@ -302,6 +302,7 @@ def auto_kv_formats(arch: ModelArch) -> tuple[str, str]:
     damages a real checkpoint (BENCHMARKS.md, Qwen2.5-Coder-0.5B: NVFP4 K +0.26 nats/token, FP8 K
     +0.003 in fp32), FP8 K does not; V is benign (+0.001). In bf16 FP8 K needs the bias out (W4A4:
     +0.126 biased on 16 GSM8K-style problems at 200 tokens; +0.022 de-biased on 16 word problems at
-    256 tokens, where de-biased NVFP4 K costs +0.041 and 0.13 of greedy accuracy). Qwen3's choice is
+    256 tokens, where de-biased NVFP4 K costs +0.035 and its layer-0 MLP input agrees with the
+    trainer on 99.7%, below the 99.9% the probe asks). Qwen3's choice is
     not measured on a real checkpoint here (docs/quality.md)."""
     return ("nvfp4", "nvfp4") if arch.qk_norm else ("fp8", "nvfp4")
