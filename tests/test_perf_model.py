@@ -144,7 +144,7 @@ def test_measured_numbers_override_and_are_labelled():
 def test_cli_runs(tmp_path):
     f = tmp_path / "m.json"
     f.write_text(json.dumps({"h200": {"copy_bw_tbs": 4.3}}))
-    script = Path(__file__).resolve().parents[1] / "scripts" / "perf_model.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "perf_model.py"
     out = subprocess.run(
         [sys.executable, str(script), "--model", "qwen2.5-72b", "--gpu", "h200", "--measured", str(f), "--markdown"],
         capture_output=True,
