@@ -26,11 +26,8 @@ import torch
 
 from megatron_trace.kernels import cpu_layer
 
-from .run_plan import LINEARS, SIDE_CODES
-
-
-def _linears(layer):
-    return [getattr(layer, n) for n in LINEARS]
+from .run_plan import SIDE_CODES
+from .run_plan import linears as _linears
 
 
 def run_layers(layers, modes: list[str], x, batch, kv, rot, caps) -> torch.Tensor:

@@ -85,7 +85,7 @@ def plan_for(model, kv) -> RunPlan:
         if _one_call(layer, kv):
             layers.append(LayerPlan("one_call", 1 << 62))
         elif _streams(layer, kv):
-            layers.append(LayerPlan("stream", min(linear_stream_rows(lin) for lin in _linears(layer))))
+            layers.append(LayerPlan("stream", min(linear_stream_rows(lin) for lin in linears(layer))))
         else:
             layers.append(LayerPlan("kernels"))
     return RunPlan(True, tuple(layers), "fp8" not in kv.side_fmt)
@@ -110,7 +110,8 @@ def linear_stream_rows(lin) -> int:
     return W4A4_STREAM_MAX_ROWS if is_w4a4(lin) else STREAM_MAX_ROWS
 
 
-def _linears(layer):
+def linears(layer) -> list:
+    """A dense layer's four EngineLinears, in the C arguments' order."""
     return [getattr(layer, n) for n in LINEARS]
 
 
@@ -122,7 +123,7 @@ def _dense(layer, kv, stream: bool = False) -> bool:
         return False
     if not cpu_fused.available(layer.input_norm.dtype):
         return False
-    return all(lin.act_fmt in (None, "nvfp4") and not (lin.act_fmt and lin.in_features % 16) for lin in _linears(layer))
+    return all(lin.act_fmt in (None, "nvfp4") and not (lin.act_fmt and lin.in_features % 16) for lin in linears(layer))
 
 
 def _one_call(layer, kv) -> bool:
@@ -136,5 +137,5 @@ def _streams(layer, kv) -> bool:
         return False
     return all(
         lin.weight_fmt is None or (lin.weight_fmt == "nvfp4" and isinstance(lin.qweight, nvfp4.NVFP4Tensor))
-        for lin in _linears(layer)
+        for lin in linears(layer)
     )
