@@ -19,6 +19,7 @@ from megatron_trace.kernels import cpu_attention, cpu_fused, onednn_linear
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.rope import ColumnOffsets, rotated_bias
 
+from ..routed_experts import routed_experts, slot_record, swiglu
 from . import attention, layer_c, run_plan
 from .guidance_log import LoggedCapture
 from .kv_cache import PagedKVCache
@@ -175,9 +176,7 @@ class _Layer(nn.Module):
 
     def mlp(self, x, capture, batch: ForwardBatch) -> torch.Tensor:
         if not self.moe:
-            gu = self.gate_up(x, capture)
-            half = gu.shape[-1] // 2
-            return self.down(F.silu(gu[:, :half]) * gu[:, half:], capture)
+            return self.down(swiglu(self.gate_up(x, capture)), capture)
         return self._moe(x, capture, batch.routed_experts)
 
     def _moe(self, x, capture, routed: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,7 +188,6 @@ class _Layer(nn.Module):
         if a.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
         site_gu = self.experts_gate_up[0].site
         # Static input scales are per expert: a token's gate_up input is then quantized differently by
         # each of its experts, and the site is recorded per (token, slot) like down_proj's.
@@ -200,18 +198,17 @@ class _Layer(nn.Module):
             capture(site_gu, self.experts_gate_up[0].quantize_input(x))
         gu_parts = [] if capture is not None and gu_per_slot else None
         down_parts = [] if capture is not None else None
-        for e in range(a.num_experts):
-            tok, slot = torch.where(experts == e)
-            if tok.numel() == 0:
-                continue
-            gu = self.experts_gate_up[e](x[tok], _slot_sink(gu_parts, tok, slot))
-            half = gu.shape[-1] // 2
-            h = F.silu(gu[:, :half]) * gu[:, half:]
-            y = self.experts_down[e](h, _slot_sink(down_parts, tok, slot))
-            out.index_add_(0, tok, y * weights[tok, slot, None])
+        out = routed_experts(
+            x,
+            weights,
+            experts,
+            a.num_experts,
+            lambda e, rows, tok, slot: self.experts_gate_up[e](rows, _slot_sink(gu_parts, tok, slot)),
+            lambda e, h, tok, slot: self.experts_down[e](h, _slot_sink(down_parts, tok, slot)),
+        )
         for site, parts in ((site_gu, gu_parts), (self.experts_down[0].site, down_parts)):
             if parts:
-                capture(site, _scatter_slots(parts, x.shape[0], a.num_experts_per_tok))
+                capture(site, slot_record(parts, x.shape[0], a.num_experts_per_tok))
         return out
 
     def forward(self, x, batch, kv, rot, capture) -> torch.Tensor:
@@ -305,26 +302,6 @@ def _slot_sink(parts: list | None, tok: torch.Tensor, slot: torch.Tensor):
         parts.append((tok, slot, q))
 
     return sink
-
-
-def _scatter_slots(parts, num_tokens: int, top_k: int):
-    """Per-expert quantized down inputs -> one [T, top_k, K] record: NVFP4 (with each row's S_enc)
-    or MXFP4 (E8M0 32-blocks, no global scale)."""
-    from megatron_trace.fp4.mxfp4 import MXFP4Tensor
-    from megatron_trace.fp4.nvfp4 import NVFP4Tensor
-
-    q0 = parts[0][2]
-    data = torch.zeros(num_tokens, top_k, q0.data.shape[-1], dtype=torch.uint8)
-    scale = torch.zeros(num_tokens, top_k, q0.scale.shape[-1], dtype=torch.uint8)
-    if isinstance(q0, MXFP4Tensor):
-        for tok, slot, q in parts:
-            data[tok, slot], scale[tok, slot] = q.data, q.scale
-        return MXFP4Tensor(data, scale, q0.block)
-    gs = torch.ones(num_tokens, top_k, dtype=torch.float32)
-    for tok, slot, q in parts:
-        data[tok, slot], scale[tok, slot] = q.data, q.scale
-        gs[tok, slot] = q.global_scale if q.global_scale.dim() else q.global_scale.expand(tok.numel())
-    return NVFP4Tensor(data, scale, gs)
 
 
 class QwenEngineModel(nn.Module):

@@ -40,6 +40,7 @@ from torch import nn
 from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.kernels.dispatch import nvfp4_quantize_dequantize
 
+from ..routed_experts import routed_experts, slot_record
 from . import capture, moe_packed
 from .layer_tp import set_derived, sglang_attr
 
@@ -173,40 +174,18 @@ class TraceFP4MoEMethod(_MoEBase):
         top_k = ids.shape[1]
         q_in, x_deq = self.quantize_input(x)  # per-row scaling: row t's bits do not depend on the other rows
         capture.record(self.site + ".gate_up_proj", q_in)
-        capturing = capture.get_capture_buffer() is not None  # record() is a no-op without one
-        down_parts = []
-        out = torch.zeros_like(x)
-        for e in range(w13.shape[0]):
-            tok, slot = torch.where(ids == e)
-            if tok.numel() == 0:
-                continue
-            gu = F.linear(x_deq[tok], w13[e])
-            half = gu.shape[-1] // 2
-            h = F.silu(gu[:, :half]) * gu[:, half:]
+        down_parts = [] if capture.get_capture_buffer() is not None else None  # record() is a no-op without one
+
+        def down(e, h, tok, slot):
             q_h, h_deq = self.quantize_input(h)
-            if capturing:
+            if down_parts is not None:
                 down_parts.append((tok, slot, q_h))
-            out.index_add_(0, tok, F.linear(h_deq, w2[e]) * weights[tok, slot, None])
-        if capturing and down_parts:
-            capture.record(self.site + ".down_proj", scatter_slots(down_parts, x.shape[0], top_k))
+            return F.linear(h_deq, w2[e])
+
+        out = routed_experts(x_deq, weights, ids, w13.shape[0], lambda e, rows, tok, slot: F.linear(rows, w13[e]), down)
+        if down_parts:
+            capture.record(self.site + ".down_proj", slot_record(down_parts, x.shape[0], top_k))
         return out
-
-
-def scatter_slots(parts, num_tokens: int, top_k: int):
-    """Per-expert quantized rows [(tok, slot, q)] -> one [T, top_k, K] tensor (the engine's record layout:
-    NVFP4 with each row's S_enc [T, top_k], MXFP4 with its E8M0 32-block scales). A slot no expert
-    filled (a padded token) keeps zero codes and S_enc 1."""
-    q0 = parts[0][2]
-    data = torch.zeros(num_tokens, top_k, q0.data.shape[-1], dtype=torch.uint8, device=q0.data.device)
-    scale = torch.zeros(num_tokens, top_k, q0.scale.shape[-1], dtype=torch.uint8, device=q0.data.device)
-    for tok, slot, q in parts:
-        data[tok, slot], scale[tok, slot] = q.data, q.scale
-    if isinstance(q0, mxfp4.MXFP4Tensor):
-        return mxfp4.MXFP4Tensor(data, scale, q0.block)
-    gs = torch.ones(num_tokens, top_k, dtype=torch.float32, device=q0.data.device)
-    for tok, slot, q in parts:
-        gs[tok, slot] = q.global_scale.reshape(-1).to(torch.float32)
-    return nvfp4.NVFP4Tensor(data, scale, gs)
 
 
 def check_layer_supported(layer: nn.Module, site: str, hidden: int, inter: int, block: int) -> None:
