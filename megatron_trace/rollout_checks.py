@@ -3,7 +3,7 @@ assumes (its weight version, a de-biased K cache when asked), or the run stops n
 
 from __future__ import annotations
 
-from sglang_backend.api import version_step
+from sglang_backend.api import serves_version
 from sglang_backend.client import RolloutError
 
 
@@ -13,11 +13,7 @@ def check_server_versions(client, expected: int) -> None:
     and the mismatch would only show as a large |logp gap| in the metrics."""
     for url in client.urls:
         served = client.model_info(url).get("weight_version")
-        try:
-            ok = version_step(served) == expected
-        except ValueError:
-            ok = False
-        if not ok:
+        if not serves_version(served, expected):
             raise ValueError(
                 f"rollout server {url} serves weight version {served!r}, but the trainer starts at version "
                 f"{expected}: it holds other weights than the trainer's (another run's, or a later step's). "

@@ -49,6 +49,22 @@ def version_step(v: str | int) -> int:
     raise ValueError(f"weight version {v!r} is not one the trainer set (a decimal step number or {DEFAULT_VERSION!r})")
 
 
+def wire_version(step: int | str) -> str:
+    """What a server is told and reports for the trainer's version `step` (SGLang's weight_version is a
+    string): 7 -> "7". Versions are the trainer's step numbers everywhere; this and `version_step` are
+    the only conversions to and from the wire."""
+    return str(version_step(step))
+
+
+def serves_version(served, step: int | str) -> bool:
+    """Whether a server's reported weight_version is the trainer's version `step` (a version the
+    trainer never set, e.g. another run's name, is not)."""
+    try:
+        return version_step(served) == version_step(step)
+    except ValueError:
+        return False
+
+
 @dataclass
 class SamplingParams:
     """SGLang's sampling_params subset we honour; unknown keys are rejected, as SGLang does."""
@@ -128,8 +144,9 @@ class GenerateResult:
     def completion_tokens(self) -> int:
         return len(self.output_ids)
 
-    def to_sglang(self) -> dict[str, Any]:
-        """SGLang's /generate response shape for one request."""
+    def to_sglang(self, logprobs: bool = True) -> dict[str, Any]:
+        """SGLang's /generate response shape for one request (without output_token_logprobs when the
+        request did not ask for them, as SGLang answers)."""
         meta = {
             "id": self.rid,
             "finish_reason": self.finish_reason,
@@ -139,6 +156,8 @@ class GenerateResult:
             "weight_version": str(self.weight_version),
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(self.output_logprobs, self.output_ids)],
         }
+        if not logprobs:
+            del meta["output_token_logprobs"]
         if self.guidance_handle is not None:
             meta["guidance_handle"] = self.guidance_handle
         if self.routed_experts is not None:

@@ -31,7 +31,15 @@ from typing import Any
 import httpx
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from sglang_backend.api import GUIDANCE_KEY, TRACE_POLICY_PATH, GenerateRequest, GenerateResult, WeightBucket
+from sglang_backend.api import (
+    GUIDANCE_KEY,
+    TRACE_POLICY_PATH,
+    GenerateRequest,
+    GenerateResult,
+    WeightBucket,
+    serves_version,
+    wire_version,
+)
 from sglang_backend.client_readmit import DeadServerReadmission
 from sglang_backend.http_errors import Retryable, RolloutError, error_message
 
@@ -277,7 +285,7 @@ class RolloutClient(DeadServerReadmission):
 
     def _check_versions(self, version: int | str, urls: list[str] | None = None) -> None:
         got = self.weight_versions()
-        wrong = {u: v for u, v in got.items() if v != str(version) and (urls is None or u in urls)}
+        wrong = {u: v for u, v in got.items() if not serves_version(v, version) and (urls is None or u in urls)}
         if wrong:
             raise RolloutError(f"weight version mismatch after update: expected {version}, servers report {wrong}")
 
@@ -317,7 +325,7 @@ class RolloutClient(DeadServerReadmission):
             self._last_push = ("tensor", (path, raw)) if self.keep_last_weights else None
 
     def update_weights_from_disk(self, path: str, version: int | str, *, flush_cache: bool = True) -> None:
-        payload = {"model_path": str(path), "weight_version": str(version), "flush_cache": flush_cache}
+        payload = {"model_path": str(path), "weight_version": wire_version(version), "flush_cache": flush_cache}
         with self._weights_lock:
             done = self._weight_call("/update_weights_from_disk", payload)
             self._check_versions(version, done)
@@ -340,7 +348,7 @@ class RolloutClient(DeadServerReadmission):
         re-admitted server must report it; with nothing to replay and no `readmit_hook`, a stale
         server stays out (never serves old weights) until a later push through the client."""
         with self._weights_lock:
-            if self._version is None or str(version) != str(self._version):
+            if self._version is None or not serves_version(version, self._version):
                 self._version, self._last_push = version, None
 
     # -- lifecycle -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sglang_backend.api import serves_version
 from sglang_backend.http_errors import Retryable, RolloutError
 
 
@@ -77,7 +78,7 @@ class DeadServerReadmission:
             version, push = self._version, self._last_push
             if version is not None:
                 got = self._served_version(url)
-                if got != str(version):
+                if not serves_version(got, version):
                     if self.readmit_hook is not None:
                         self.readmit_hook(url, version)
                     elif push is not None:
@@ -89,7 +90,7 @@ class DeadServerReadmission:
                             "no weights to replay (keep_last_weights=False and no readmit_hook)"
                         )
                     got = self._served_version(url)
-                    if got != str(version):
+                    if not serves_version(got, version):
                         raise RolloutError(f"after catch-up the server reports version {got}, expected {version}")
             with self._lock:
                 self._dead.discard(url)

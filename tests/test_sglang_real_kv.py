@@ -102,7 +102,7 @@ def test_guidance_records_carry_the_quantized_kv_sites_as_the_engine_does(settin
     res = client.generate([req])[0]
     mine = client.fetch_guidance(res.guidance_handle)
     out = engine.wait(engine.submit(req))[0]
-    assert out["output_ids"] == res.output_ids
+    assert out.output_ids == res.output_ids
     theirs = engine.fetch_guidance(req.rid)
     kv_sites = {s for s in GuidanceRecord.from_bytes(mine).sites if s.endswith(("k_cache", "v_cache"))}
     assert kv_sites == {

@@ -52,7 +52,7 @@ def test_greedy_matches_the_embedded_engine(stacks):
     got = client.generate(reqs)
     sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     want = engine.generate(input_ids=PROMPTS, sampling_params=sp, return_logprob=True)
-    assert [r.output_ids for r in got] == [w["output_ids"] for w in want]
+    assert [r.output_ids for r in got] == [w.output_ids for w in want]
     diffs = [
         abs(r.output_logprobs[j] - w["meta_info"]["output_token_logprobs"][j][0])
         for r, w in zip(got, want)
@@ -91,7 +91,7 @@ def test_guidance_records_equal_the_engines_for_every_mxfp4_site(stacks):
     got = client.generate(reqs)
     rids = [rid for group in engine.submit_all(reqs) for rid in group]
     want = engine.wait(rids)
-    assert len(got) == len(want) == 3 and [r.output_ids for r in got] == [w["output_ids"] for w in want]
+    assert len(got) == len(want) == 3 and [r.output_ids for r in got] == [w.output_ids for w in want]
     for r, rid, n_pos in zip(got, rids, (len(PREFIX) + 2 + 5, len(PREFIX) + 2 + 5, len(PROMPTS[2]) + 4)):
         mine, theirs = client.fetch_guidance(r.guidance_handle), engine.fetch_guidance(rid)
         rec = GuidanceRecord.from_bytes(mine)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import time
 
+from sglang_backend.api import serves_version, wire_version
+
 from .transports import TransferError, TransferStats, Transport, _get_json, _merge, _post
 
 
@@ -90,7 +92,7 @@ class SGLangTensorTransport(Transport):
         body = {
             "serialized_named_tensors": [payload] * self.tp_size,
             "flush_cache": True,
-            "weight_version": str(version),
+            "weight_version": wire_version(version),
         }
         opened = begin_sessions(self.urls, self.api_key, self.timeout_s)
         try:
@@ -104,8 +106,8 @@ class SGLangTensorTransport(Transport):
         del named  # the servers have loaded: the shared tensors may go
         if bad:
             raise TransferError(f"version {version} refused: {bad}")
-        got = {u: str(_get_json(u, "/model_info", self.api_key).get("weight_version")) for u in self.urls}
-        if any(v != str(version) for v in got.values()):
+        got = {u: _get_json(u, "/model_info", self.api_key).get("weight_version") for u in self.urls}
+        if not all(serves_version(v, version) for v in got.values()):
             raise TransferError(f"servers report versions {got} after sending {version}")
         stats.bytes, stats.seconds = merged.nbytes(), time.perf_counter() - t0
         return stats

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from sglang_backend.api import WeightBucket
+from sglang_backend.api import WeightBucket, serves_version, wire_version
 
 from .quantize import NonFiniteWeightError
 
@@ -101,7 +101,7 @@ class InProcessTransport(Transport):
         stats.bytes = merged.nbytes()
         self.backend.update_weights(merged)
         info = getattr(self.backend, "model_info", None)
-        if info is not None and str(info().get("weight_version")) != str(version):
+        if info is not None and not serves_version(info().get("weight_version"), version):
             raise TransferError(f"rollout reports version {info().get('weight_version')} after sending {version}")
         stats.seconds = time.perf_counter() - t0
         return stats
@@ -275,7 +275,7 @@ class DistributedTransport(Transport):
             "dtypes": dtypes,
             "shapes": [list(m[2]) for m in manifest],
             "group_name": self.group_name,
-            "weight_version": str(version),
+            "weight_version": wire_version(version),
             "flush_cache": True,
         }
         calls = [
@@ -321,8 +321,8 @@ class DistributedTransport(Transport):
         return stats
 
     def _check(self, version: int) -> None:
-        got = {u: str(_get_json(u, "/model_info", self.api_key).get("weight_version")) for u in self.urls}
-        if any(v != str(version) for v in got.values()):  # versions are strings, as SGLang's
+        got = {u: _get_json(u, "/model_info", self.api_key).get("weight_version") for u in self.urls}
+        if not all(serves_version(v, version) for v in got.values()):
             raise TransferError(f"servers report versions {got} after sending {version}")
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ import torch
 from megatron_trace.guidance import resolve_guided_layers
 from megatron_trace.kernels import cpu_alloc
 from megatron_trace.models import ModelArch, QuantPolicy
-from sglang_backend.api import GenerateRequest, SamplingParams, WeightBucket
+from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams, WeightBucket
 
 from .kv_cache import PagedKVCache
 from .layers import EngineLinear, streaming_status
@@ -96,7 +96,7 @@ class Engine:
         )
         self.weight_version = "0"  # a string, as SGLang's (our launcher starts SGLang with --weight-version 0 too)
         self._guidance: dict[str, bytes] = {}
-        self._results: dict[str, dict] = {}
+        self._results: dict[str, GenerateResult] = {}
         self._cv = threading.Condition()
         self._driven: set[str] = set()  # rids whose waiting caller runs the steps (the worker leaves them)
         self._paused = False
@@ -132,14 +132,14 @@ class Engine:
         if finished:  # waking the waiters every step would make them fight this thread for the GIL
             self._cv.notify_all()
 
-    def _result(self, s) -> dict:
+    def _result(self, s) -> GenerateResult:
         """A finished sequence's result; a failure here aborts that request, never the worker."""
         try:
             handle = None
             if s.want_guidance and s.finish_reason.get("type") != "abort":
                 self._guidance[s.rid] = guidance_bytes(s)
                 handle = s.rid
-            return to_result(s, self.weight_version, handle).to_sglang()
+            return to_result(s, self.weight_version, handle)
         except Exception as e:
             self._guidance.pop(s.rid, None)
             return aborted_result(s.rid, len(s.prompt), self.weight_version, f"engine error: {e}")
@@ -176,7 +176,7 @@ class Engine:
             self._cv.notify_all()
         return [g.rids for g in groups]
 
-    def wait(self, rids: list[str], timeout: float | None = None) -> list[dict]:
+    def wait(self, rids: list[str], timeout: float | None = None) -> list[GenerateResult]:
         """The results of rids (submitted by this thread with drive=True: steps run here meanwhile)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         drive = any(r in self._driven for r in rids)
@@ -255,10 +255,7 @@ class Engine:
             for ids, p, r in zip(batch, params, rids)
         ]
         all_rids = self.submit_all(reqs, drive=True)
-        out = self.wait([r for rs in all_rids for r in rs])
-        if not return_logprob:
-            for o in out:
-                o["meta_info"].pop("output_token_logprobs", None)
+        out = [r.to_sglang(return_logprob) for r in self.wait([r for rs in all_rids for r in rs])]
         return out[0] if single and len(out) == 1 else out
 
     def fetch_guidance(self, handle: str) -> bytes:

@@ -17,8 +17,7 @@ class InProcessBackend:
         # One submission, so every run admits the same groups together: batch composition, hence
         # every rounding, is reproducible. This thread runs the steps (Engine: drive).
         rids = self.engine.submit_all(requests, drive=True)
-        flat = self.engine.wait([r for rs in rids for r in rs])
-        return [GenerateResult.from_sglang(d) for d in flat]
+        return self.engine.wait([r for rs in rids for r in rs])
 
     def update_weights(self, bucket: WeightBucket, *, flush_cache: bool = True) -> None:
         """Pause, load, flush, resume: the version moves only if the whole bucket loaded."""

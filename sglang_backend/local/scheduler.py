@@ -336,16 +336,6 @@ def to_result(s: Sequence, version: str, guidance_handle: str | None) -> Generat
     )
 
 
-def aborted_result(rid: str, prompt_tokens: int, version: str, message: str) -> dict:
+def aborted_result(rid: str, prompt_tokens: int, version: str, message: str) -> GenerateResult:
     """A request's result when it was aborted (engine error, shutdown): no tokens, the reason."""
-    return {
-        "output_ids": [],
-        "meta_info": {
-            "id": rid,
-            "finish_reason": {"type": "abort", "message": message},
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": 0,
-            "weight_version": str(version),
-            "output_token_logprobs": [],
-        },
-    }
+    return GenerateResult(rid, [], [], {"type": "abort", "message": message}, prompt_tokens, version)

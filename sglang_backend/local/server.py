@@ -222,12 +222,9 @@ class RolloutServer(WeightUpdateRoutes):
             raise HTTPError(400, str(e), "text") from None
         # While paused the engine queues these; this pool thread waits for resume, as SGLang's does.
         try:
-            out = self.engine.wait(submitted, timeout=self.request_timeout_s)
+            out = [r.to_sglang(ret_lp) for r in self.engine.wait(submitted, timeout=self.request_timeout_s)]
         except TimeoutError as e:
             raise HTTPError(504, str(e), "text") from None
-        if not ret_lp:
-            for o in out:
-                o["meta_info"].pop("output_token_logprobs", None)
         return json_response(200, out if batch or len(out) > 1 else out[0])
 
     async def get_guidance(self, request: Request) -> Response:
@@ -258,7 +255,7 @@ class RolloutServer(WeightUpdateRoutes):
         try:
             rids = self.engine.submit(GenerateRequest([0], SamplingParams(max_new_tokens=1), return_logprob=False))
             res = self.engine.wait(rids, timeout=30)
-            return res[0]["meta_info"]["finish_reason"].get("type") != "abort"
+            return res[0].finish_reason.get("type") != "abort"
         except Exception:
             return False
 
