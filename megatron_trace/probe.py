@@ -142,7 +142,7 @@ def probe(args) -> dict:
         activation_scale=args.activation_scale,
     )
     if policy.activation_scale == "static":  # every rank, before rank 0 calibrates and the others wait
-        from megatron_trace.transfer.static_calibration import check_calibratable
+        from megatron_trace.transfer.static_scales import check_calibratable
 
         check_calibratable(arch, policy)
     init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, seed=args.seed)
@@ -165,7 +165,7 @@ def probe(args) -> dict:
             hf_path=args.model_path,
         )
         if amax is not None:  # the S_enc the engine quantized with, per site (per expert for MoE)
-            from megatron_trace.trainer.static_scales import static_site_scales
+            from megatron_trace.transfer.static_scales import static_site_scales
 
             actor.qat.set_static_activation_scales(static_site_scales(amax, arch, policy))
         replay = replay_enabled(args.routing_replay, arch)

@@ -85,7 +85,7 @@ def rollout(args, policy: QuantPolicy) -> tuple[list[dict], dict[str, float] | N
 def _push_static_scales(args, arch: ModelArch, policy: QuantPolicy, eng, prompts) -> dict[str, float]:
     from megatron_trace.transfer.export import load_hf_dir
     from megatron_trace.transfer.pipeline import push_hf_state_dict
-    from megatron_trace.transfer.static_calibration import calibrate_static_amax
+    from megatron_trace.transfer.static_scales import calibrate_static_amax
     from megatron_trace.transfer.transports import InProcessTransport
     from sglang_backend.local import InProcessBackend
 

@@ -140,13 +140,12 @@ class Run:
     def _static_activation_amax(self, model_path: Path, tok, prompts) -> dict[str, float] | None:
         """quant.activation_scale=static: each FP4-activation linear's input amax, calibrated once on
         quant.calib_prompts training prompts (rank 0, fp32 HF forward of the starting checkpoint; why
-        that forward: transfer/static_calibration.py), shared with every rank. The trainer's QAT rounds
+        that forward: transfer/static_scales.py), shared with every rank. The trainer's QAT rounds
         with the S_enc it gives and every weight sync sends it as input_scale, so both sides agree."""
         if self.cfg.quant.activation_scale != "static":
             return None
         from megatron_trace.trainer.comm import broadcast_json
-        from megatron_trace.trainer.static_scales import static_site_scales
-        from megatron_trace.transfer.static_calibration import calibrate_static_amax, check_calibratable
+        from megatron_trace.transfer.static_scales import calibrate_static_amax, check_calibratable, static_site_scales
 
         policy = self.cfg.quant.policy()
         check_calibratable(self.arch, policy)  # every rank: none waits below for a rank 0 that refused

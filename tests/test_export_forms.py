@@ -137,7 +137,7 @@ def test_real_sglang_modelopt_config_keeps_bf16_modules_excluded(exported, tmp_p
 
 
 def _reference_amax(src, prompts: list[list[int]], modules: list[str]) -> dict[str, float]:
-    """Independent of transfer.calibrate: transformers' from_pretrained + plain hooks."""
+    """Independent of transfer.static_scales: transformers' from_pretrained + plain hooks."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
@@ -188,7 +188,7 @@ def test_chat_template_travels_with_the_export(exported):
 
 
 def test_calibration_prompts_text_and_chat(tmp_path):
-    from megatron_trace.transfer.calibrate import load_prompts
+    from megatron_trace.transfer.static_scales import load_prompts
 
     _tokenizer_into(tmp_path / "tok")
     f = tmp_path / "p.jsonl"

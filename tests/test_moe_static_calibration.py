@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
-from megatron_trace.transfer.static_calibration import calibrate_static_amax
+from megatron_trace.transfer.static_scales import calibrate_static_amax
 
 ROOT = Path(__file__).resolve().parents[1]
 STATIC = QuantPolicy(kv="bf16", format="nvfp4", activation_scale="static")
@@ -94,7 +94,7 @@ def test_an_expert_no_prompt_reaches_is_calibrated_on_all_its_layers_tokens(moe,
     prompts = [[1, 5, 9, 2], [7, 3, 3, 8, 4]]
     want, unreached = _reference(moe, prompts)
     assert any(unreached.values()) and not all(unreached.values())
-    with caplog.at_level(logging.WARNING, logger="megatron_trace.transfer.calibrate"):
+    with caplog.at_level(logging.WARNING, logger="megatron_trace.transfer.static_scales"):
         got = calibrate_static_amax(moe, arch, STATIC, prompts)
     assert got == want
     assert "no calibration token was routed to" in caplog.text

@@ -49,7 +49,7 @@ def test_engine_records_gate_up_with_each_experts_static_scale(engine):
 
 def test_static_site_scales_are_per_expert():
     """{HF module: amax} -> one S_enc per expert site: max(gate, up) for gate_up, down's own."""
-    from megatron_trace.trainer.static_scales import static_site_scales
+    from megatron_trace.transfer.static_scales import static_site_scales
 
     arch = ModelArch.from_hf_config(tiny_hf_config("qwen3_moe"))
     policy = QuantPolicy(kv="bf16", activation_scale="static")

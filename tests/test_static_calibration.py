@@ -1,11 +1,10 @@
-"""transfer.static_calibration: the static-scale calibration a run makes at start, and its refusals."""
+"""transfer.static_scales: the static-scale calibration a run makes at start, and its refusals."""
 
 import pytest
 
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
-from megatron_trace.transfer.calibrate import calibrate_input_amax
 from megatron_trace.transfer.export import load_hf_dir
-from megatron_trace.transfer.static_calibration import calibrate_static_amax, static_amax_modules
+from megatron_trace.transfer.static_scales import calibrate_input_amax, calibrate_static_amax, static_amax_modules
 
 PROMPTS = [[1, 5, 9, 2], [7, 3, 3, 8, 4]]
 STATIC = QuantPolicy(kv="bf16", format="nvfp4", activation_scale="static")

@@ -216,7 +216,7 @@ def test_static_scales_from_calibrated_amax_match_the_engine_reading_the_checkpo
     """input amax -> ModelOpt input_scale -> the engine's static S_enc, and the trainer's rtn input
     of the fused gate/up site equals the engine's quantize-dequantize under it."""
     from megatron_trace.fp4.modelopt import to_modelopt_fused
-    from megatron_trace.trainer.static_scales import static_site_scales
+    from megatron_trace.transfer.static_scales import static_site_scales
     from sglang_backend.local.layers import EngineLinear
 
     g = torch.Generator().manual_seed(8)

@@ -1,6 +1,6 @@
 """The one reader of JSON-lines prompt files: training prompts (`rollout.prompts=FILE`,
 data/prompts.JsonlPrompts), the quality probe's (`megatron_trace.quality --prompts`) and the
-static-scale calibration's (`transfer.calibrate`).
+static-scale calibration's (`transfer.static_scales`).
 
     for where, item in read_lines(path): ...          # "path:N" and the parsed JSON of each line
     ids, text = prompt_ids(item, tokenizer, where)    # one prompt line as token ids

@@ -231,7 +231,7 @@ class ExpertRows:
 
     def expert_site(self, site: str) -> str:
         """model.layers.L.mlp.experts.gate_up_proj -> model.layers.L.mlp.experts.E.gate_up_proj
-        (the key of this expert's static activation scale, static_scales.static_site_scales)."""
+        (the key of this expert's static activation scale, transfer.static_scales.static_site_scales)."""
         return site.replace(".mlp.experts.", f".mlp.experts.{self.global_expert}.", 1)
 
     def _rows_of_expert(self) -> tuple[torch.Tensor, int] | None:

@@ -5,7 +5,7 @@
         (--calib-prompts prompts.jsonl | --input-amax amax.json) [--hf-config DIR]
 
 An NVFP4 export is W4A4 and carries static `input_scale`s (stock engines quantize activations with
-them): from a calibration pass over `--calib-prompts` (transfer/calibrate.py) or a measured
+them): from a calibration pass over `--calib-prompts` (transfer/static_scales.py) or a measured
 `--input-amax` table. Without either it refuses.
 
 `--load` is an HF checkpoint directory (config.json + *.safetensors), or an `Actor` checkpoint
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             kw["targets"] = tuple(args.quant_targets)
         policy = QuantPolicy(**kw)
         if args.calib_prompts and args.format == "nvfp4":
-            from .calibrate import calibrate_input_amax, load_prompts
+            from .static_scales import calibrate_input_amax, load_prompts
 
             amax = calibrate_input_amax(sd, cfg, load_prompts(args.calib_prompts, tok), policy.quantized_linears(arch))
         out = export_checkpoint(

@@ -50,7 +50,7 @@ def sync_weights(
     if policy.activation_scale == "static" and transport is not None and input_amax is None:
         raise ValueError(
             "quant.activation_scale=static: the weight sync needs the run's calibrated input amax "
-            "(Run calibrates it at start; megatron_trace.transfer.static_calibration)"
+            "(Run calibrates it at start; megatron_trace.transfer.static_scales)"
         )
     return push_weights(
         model_chunks, arch, policy, transport, version, bucket_mb=cfg.transfer.bucket_mb, input_amax=input_amax
