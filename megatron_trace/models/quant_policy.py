@@ -41,14 +41,9 @@ DEFAULT_TARGETS = ("*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj", "*.mlp
 _LINEAR_LEAVES = frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
-# Modules the rollout engine fuses into one GEMM with one global (per-tensor) scale.
-_FUSED = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-}
+# Modules the rollout engine fuses into one GEMM with one global (per-tensor) scale, in its shard order.
+_FUSED_MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED = {leaf: group for group, leaves in _FUSED_MEMBERS.items() for leaf in leaves}
 
 
 def _field(default, help: str, choices: tuple | None = None, low: float | None = None):
@@ -273,7 +268,7 @@ class QuantPolicy:
         -> `...gate_up_proj`; any other module is its own group. Raises if targets quantize only
         part of a group, since the rollout engine runs the group as one GEMM.
         """
-        return {m: _group_of(m) for m in self.quantized_linears(arch)}
+        return {m: fused_group_of(m) for m in self.quantized_linears(arch)}
 
     def _check_fused_groups(self, names: list[str]) -> None:
         chosen = set(names)
@@ -281,7 +276,7 @@ class QuantPolicy:
         for m in names:
             parent, leaf = m.rsplit(".", 1)
             if leaf in _FUSED:
-                members.setdefault(_group_of(m), [f"{parent}.{x}" for x, g in _FUSED.items() if g == _FUSED[leaf]])
+                members.setdefault(fused_group_of(m), fused_members(fused_group_of(m)))
         for group, expected in members.items():
             missing = [m for m in expected if m not in chosen]
             if missing:
@@ -291,9 +286,16 @@ class QuantPolicy:
                 )
 
 
-def _group_of(module: str) -> str:
-    parent, leaf = module.rsplit(".", 1)
+def fused_group_of(module: str) -> str:
+    """The fused GEMM a linear runs in (…qkv_proj / …gate_up_proj), or the module itself."""
+    parent, _, leaf = module.rpartition(".")
     return f"{parent}.{_FUSED[leaf]}" if leaf in _FUSED else module
+
+
+def fused_members(group: str) -> list[str]:
+    """The linears of a fused GEMM in the engine's shard order ([group] for an unfused module)."""
+    parent, _, leaf = group.rpartition(".")
+    return [f"{parent}.{x}" for x in _FUSED_MEMBERS[leaf]] if leaf in _FUSED_MEMBERS else [group]
 
 
 def auto_kv_formats(arch: ModelArch) -> tuple[str, str]:

@@ -23,18 +23,10 @@ import torch
 
 from ..fp4.modelopt import to_modelopt_fused
 from ..models import ModelArch, QuantPolicy
+from ..models.quant_policy import fused_group_of, fused_members
 
 Unit = list[tuple[str, torch.Tensor]]
 
-# Leaf -> fused group leaf, and each group's members in the engine's shard order.
-_FUSED = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-}
-_MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 MODELOPT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
 
@@ -63,9 +55,7 @@ def module_of(name: str) -> tuple[str, str]:
 
 def group_key(name: str) -> str:
     """The fused group (…qkv_proj / …gate_up_proj) or the module a parameter belongs to."""
-    module, _ = module_of(name)
-    parent, _, leaf = module.rpartition(".")
-    return f"{parent}.{_FUSED[leaf]}" if leaf in _FUSED else module
+    return fused_group_of(module_of(name)[0])
 
 
 def group_units(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Unit]:
@@ -132,8 +122,7 @@ def quantize_unit(
     quantized: dict[str, dict[str, torch.Tensor]] = {}
     if fp4:
         group = group_key(fp4[0] + ".weight")
-        parent, _, leaf = group.rpartition(".")
-        members = [f"{parent}.{x}" for x in _MEMBERS[leaf]] if leaf in _MEMBERS else [group]
+        members = fused_members(group)
         missing = [m for m in members if m not in fp4]
         if missing:  # the policy refuses partial groups; this catches an out-of-order stream
             raise ValueError(f"fused group {group} arrived without {missing}: cannot share one global scale")

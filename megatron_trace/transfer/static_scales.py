@@ -37,6 +37,7 @@ import torch
 
 from ..fp4.modelopt import encode_scale_from_decode, input_scale_from_amax
 from ..models import ModelArch, QuantPolicy
+from ..models.quant_policy import fused_members
 from .calibrate_experts import ExpertInputAmax, fuse_hf_experts, is_expert_module
 
 log = logging.getLogger(__name__)
@@ -176,26 +177,14 @@ def check_calibratable(arch: ModelArch, policy: QuantPolicy) -> list[str]:
     return modules
 
 
-# trainer site (HF names under model.layers.N.) -> the HF linears whose input it is
-_SITE_MEMBERS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
-
-
-def _site_members(arch: ModelArch) -> dict[str, tuple[str, ...]]:
-    """The sites of one layer. A routed expert E has its own input_scale, so its scale sites are
-    mlp.experts.E.gate_up_proj / down_proj (what `ExpertRows.expert_site` names; every layer of a
-    Qwen3-MoE is an MoE layer)."""
+def _sites(arch: ModelArch) -> list[str]:
+    """The trainer's input sites of one layer (under model.layers.N.). A routed expert E has its own
+    input_scale, so its sites are mlp.experts.E.gate_up_proj / down_proj (what `ExpertRows.expert_site`
+    names; every layer of a Qwen3-MoE is an MoE layer)."""
+    attn = ["self_attn.qkv_proj", "self_attn.o_proj"]
     if not arch.is_moe:
-        return _SITE_MEMBERS
-    sites = {k: v for k, v in _SITE_MEMBERS.items() if k.startswith("self_attn.")}
-    for e in range(arch.num_experts):
-        p = f"mlp.experts.{e}."
-        sites[p + "gate_up_proj"], sites[p + "down_proj"] = (p + "gate_proj", p + "up_proj"), (p + "down_proj",)
-    return sites
+        return [*attn, "mlp.gate_up_proj", "mlp.down_proj"]
+    return attn + [f"mlp.experts.{e}.{leaf}" for e in range(arch.num_experts) for leaf in ("gate_up_proj", "down_proj")]
 
 
 def static_site_scales(input_amax: dict[str, float], arch: ModelArch, policy: QuantPolicy) -> dict[str, torch.Tensor]:
@@ -206,8 +195,8 @@ def static_site_scales(input_amax: dict[str, float], arch: ModelArch, policy: Qu
     out = {}
     for layer in range(arch.num_layers):
         prefix = f"model.layers.{layer}."
-        for site, members in _site_members(arch).items():
-            names = [prefix + m for m in members if policy.activation_is_fp4(prefix + m, arch.num_layers)]
+        for site in _sites(arch):
+            names = [m for m in fused_members(prefix + site) if policy.activation_is_fp4(m, arch.num_layers)]
             if not names:
                 continue
             missing = [n for n in names if n not in input_amax]

@@ -122,9 +122,7 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
         self._common(layer, k, output_partition_sizes, input_size, params_dtype)
         rows = sum(output_partition_sizes)
         self._param(layer, "weight", torch.zeros(rows, k, dtype=params_dtype))
-        self._param(layer, "weight_scale", torch.zeros(rows, k // 16, dtype=torch.float8_e4m3fn))
-        self._param(layer, "weight_scale_2", torch.zeros(parts, dtype=torch.float32))
-        self._param(layer, "input_scale", torch.zeros(parts, dtype=torch.float32))
+        self.modelopt_scales(layer, rows, k, parts)
         packed = nn.Parameter(torch.zeros(rows, k // 2, dtype=torch.uint8), requires_grad=False)
         packed.trace_name = "weight"  # the rows _load_rows writes; not a checkpoint name of its own
         layer.trace_packed_weight = packed.data

@@ -120,7 +120,11 @@ class TraceFP4LinearMethod(_TraceLinearBase):
         k, n, parts = input_size_per_partition, sum(output_partition_sizes), len(output_partition_sizes)
         self._common(layer, k, output_partition_sizes, input_size, params_dtype)
         self._param(layer, "weight", torch.zeros(n, k // 2, dtype=torch.uint8))
-        self._param(layer, "weight_scale", torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn))
+        self.modelopt_scales(layer, n, k, parts)
+
+    def modelopt_scales(self, layer: nn.Module, rows: int, k: int, parts: int) -> None:
+        """The ModelOpt NVFP4 scale tensors a checkpoint or an update loads into."""
+        self._param(layer, "weight_scale", torch.zeros(rows, k // 16, dtype=torch.float8_e4m3fn))
         self._param(layer, "weight_scale_2", torch.zeros(parts, dtype=torch.float32))
         self._param(layer, "input_scale", torch.zeros(parts, dtype=torch.float32))  # 0 = absent: per-token scaling
 
