@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_trace.config import Config
-from megatron_trace.guidance import GuidanceRecord, decode_routed_experts
+from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.guidance.routing import sample_routed_experts
 from megatron_trace.rl import mismatch_metrics
 from megatron_trace.trainer.actor import Sample
 from megatron_trace.trainer.comm import broadcast_blobs, broadcast_json
@@ -323,17 +324,7 @@ class StepRunner:
 
     def _routed(self, s: dict) -> torch.Tensor | None:
         """A sample's routed experts [T, layers, top_k] (None when the rollout sent none)."""
-        if s.get("routed_experts") is None:
-            return None
-        a = self.actor.arch
-        return decode_routed_experts(
-            s["routed_experts"],
-            len(s["prompt"]) + len(s["response"]) - 1,
-            a.num_layers,
-            a.num_experts_per_tok,
-            a.num_experts,
-            sample=s["sample_id"],
-        )
+        return sample_routed_experts(s, self.actor.arch)
 
 
 def async_executor() -> ThreadPoolExecutor:

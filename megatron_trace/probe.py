@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_trace.data import BUILTIN_PROMPTS
-from megatron_trace.guidance import GuidanceRecord, decode_routed_experts
+from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.guidance.routing import sample_routed_experts
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.probe_rollout import guidance_skipped, rollout
 from megatron_trace.rl import mismatch_metrics
@@ -169,18 +170,7 @@ def probe(args) -> dict:
 
             actor.qat.set_static_activation_scales(static_site_scales(amax, arch, policy))
         replay = replay_enabled(args.routing_replay, arch)
-        routed = [
-            None
-            if s["routed_experts"] is None
-            else decode_routed_experts(
-                s["routed_experts"],
-                len(s["prompt"]) + len(s["response"]) - 1,
-                arch.num_layers,
-                arch.num_experts_per_tok,
-                arch.num_experts,
-            )
-            for s in samples
-        ]
+        routed = [sample_routed_experts(s, arch) for s in samples]
         rollout_lp = [s["logprobs"] for s in samples]
         results = {}
         modes = ("off", "rtn") if skipped else PROBE_MODES + ((NO_REPLAY,) if replay else ())

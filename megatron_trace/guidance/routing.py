@@ -54,3 +54,18 @@ def decode_routed_experts(
             f"the model has experts 0..{num_experts - 1}"
         )
     return ids
+
+
+def sample_routed_experts(sample: dict, arch) -> torch.Tensor | None:
+    """A rollout sample's routed experts [prompt + response - 1, layers, top_k] for `arch` (a
+    `models.ModelArch`), checked as decode_routed_experts does; None when the rollout sent none."""
+    if sample.get("routed_experts") is None:
+        return None
+    return decode_routed_experts(
+        sample["routed_experts"],
+        len(sample["prompt"]) + len(sample["response"]) - 1,
+        arch.num_layers,
+        arch.num_experts_per_tok,
+        arch.num_experts,
+        sample=str(sample.get("sample_id", "?")),
+    )
