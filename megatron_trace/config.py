@@ -188,6 +188,7 @@ class TrainerConfig(Section):
     distributed_optimizer: bool = opt(False, "GPU/TE only: shard optimizer state across data-parallel ranks")
     steps: int = opt(20, "RL steps", low=0)
     save_every: int = opt(10, "checkpoint every N steps (0: only at the end)", low=0)
+    keep_checkpoints: int = opt(0, "keep the newest N checkpoints, deleting older ones after each save (0: all)", low=0)
     warm_start_steps: int = opt(0, "supervised steps on the task before RL (cached by config)", low=0)
     warm_start_lr: float = opt(3e-3, "learning rate of the warm start", low=0)
     seed: int = opt(0, "seed of data order, sampling and init")

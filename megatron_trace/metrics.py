@@ -81,6 +81,24 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+def resumed_part(run_dir: str | Path, start_step: int) -> tuple[list[dict], dict | None]:
+    """What a run resumed at `start_step` did before: its step rows (the newest row of each step below
+    start_step: a run killed after its last checkpoint logged steps it now repeats) and its "before"
+    eval (the eval row at step 0), from metrics.jsonl. A line cut short by a kill is skipped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    steps, before = {}, None
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "rollout/reward_mean" in row and row["step"] < start_step:
+            steps[row["step"]] = row
+        elif before is None and row.get("step") == 0 and "eval/accuracy" in row:
+            before = {k: v for k, v in row.items() if k != "step"}
+    return [steps[k] for k in sorted(steps)], before
+
+
 class JsonlLogger:
     """metrics.jsonl in the run dir: one line per step, what scripts and tests read back."""
 

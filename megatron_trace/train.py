@@ -24,7 +24,13 @@ console.quiet_third_party()  # before the imports below pull in Megatron, which 
 
 from megatron_trace.config import Config, describe, parse_cli  # noqa: E402
 from megatron_trace.loop import Rollout, RolloutBatch, StepRunner, async_executor, share_batch  # noqa: E402
-from megatron_trace.metrics import JsonlLogger, MetricsHub, TensorBoardLogger, mismatch_scalars  # noqa: E402
+from megatron_trace.metrics import (  # noqa: E402
+    JsonlLogger,
+    MetricsHub,
+    TensorBoardLogger,
+    mismatch_scalars,
+    resumed_part,
+)
 from megatron_trace.rollout_checks import check_debiased_server, check_server_versions  # noqa: E402
 
 
@@ -225,15 +231,18 @@ class Run:
             self.hub.log(self.start_step, self.gate.metrics())
             n = cfg.logging.samples_per_step
             self.hub.text(self.start_step, "quality/answers_vs_bf16", self.gate.answers(self.gate_rows, n))
-        if self.rank0 and cfg.rollout.eval_prompts:
+        # a resumed run's summary covers the whole run: its earlier steps and the eval it started with
+        history, before = resumed_part(self.run_dir, self.start_step) if self.rank0 and self.start_step else ([], None)
+        if before is not None:
+            evals["before"] = before
+        elif self.rank0 and cfg.rollout.eval_prompts:
             evals["before"], shown = self.rollout.evaluate(cfg.rollout.eval_prompts)
             self.hub.log(self.start_step, evals["before"])
             self.hub.text(self.start_step, "eval/answers_before", shown)
         pool = async_executor() if cfg.algo.async_rollout and self.rank0 else None
         pending = pool.submit(self.produce, steps.start) if pool and len(steps) else None
         bar = console.progress_bar(len(steps), self.rank0 and cfg.logging.progress)
-        totals = {"rollout_s": 0.0, "train_s": 0.0, "transfer_s": 0.0}
-        history = []
+        totals = {k: sum(h.get(f"perf/{k}", 0.0) for h in history) for k in ("rollout_s", "train_s", "transfer_s")}
         for step in steps:
             t_step = time.perf_counter()
             batch = pending.result() if pending else self.produce(step)

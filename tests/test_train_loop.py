@@ -206,11 +206,21 @@ def test_kill_mid_weight_sync_then_resume_matches_uninterrupted(runs, main_run):
 def test_kill_mid_step_then_resume_matches_uninterrupted(runs, main_run):
     full, cut = main_run[0], runs / "cut"
     # Step 2 trained but neither synced nor checkpointed: the kill loses it, resume redoes it.
-    _train(cut, *MAIN, kill_at="train.done:step=2")
+    keep = "trainer.keep_checkpoints=1"
+    _train(cut, *MAIN, keep, kill_at="train.done:step=2")
     assert (cut / "checkpoints" / "latest").read_text() == "step_1"
     assert sorted(_metrics(cut)) == [0, 1]
-    _train(cut, *MAIN, "--resume")
+    _train(cut, *MAIN, keep, "--resume")
     a, b = _metrics(full), _metrics(cut)
     for step in (2, 3):
         for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "mismatch/mean_abs_dlogp"):
             assert b[step][key] == a[step][key], (step, key)
+    # keep_checkpoints=1: the newest only; the uninterrupted run keeps both
+    assert sorted(p.name for p in (cut / "checkpoints").glob("step_*")) == ["step_3"]
+    assert sorted(p.name for p in (full / "checkpoints").glob("step_*")) == ["step_1", "step_3"]
+    # the resumed run's summary is the whole run's: its 4 steps and the eval it started with
+    whole, resumed = (json.loads((d / "summary.json").read_text()) for d in (full, cut))
+    assert resumed["steps"] == whole["steps"] == 4
+    for key in ("eval_accuracy_before", "eval_reward_before", "eval_accuracy_after", "reward_first_step", "k3_kl"):
+        assert resumed[key] == whole[key], key
+    assert resumed["mean_abs_dlogp"] == pytest.approx(whole["mean_abs_dlogp"], rel=1e-12)

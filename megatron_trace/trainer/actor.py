@@ -340,7 +340,7 @@ class Actor:
 
     # -- checkpoints (trainer/checkpoint.py) --------------------------------------------------------
     def save_checkpoint(self, root: str | os.PathLike, step: int, extra: dict | None = None) -> Path:
-        return checkpoint.save(root, step, _unwrap(self.ddp), self.optimizer, extra)
+        return checkpoint.save(root, step, _unwrap(self.ddp), self.optimizer, extra, keep=self.cfg.keep_checkpoints)
 
     def load_checkpoint(self, root: str | os.PathLike) -> dict:
         return checkpoint.load(root, _unwrap(self.ddp), self.optimizer)

@@ -15,9 +15,11 @@ import torch.distributed as dist
 from megatron_trace import faults
 
 
-def save(root: str | os.PathLike, step: int, model, optimizer, extra: dict | None = None) -> Path:
+def save(root: str | os.PathLike, step: int, model, optimizer, extra: dict | None = None, keep: int = 0) -> Path:
     """Write root/step_N atomically: every rank writes into step_N.tmp, then rank 0 renames it
-    and points root/latest at it. A crash mid-save leaves the previous checkpoint as latest."""
+    and points root/latest at it. A crash mid-save leaves the previous checkpoint as latest. With
+    keep > 0, only the newest `keep` checkpoints stay (older ones are deleted once latest names
+    the new one: a crash before that keeps them all)."""
     root = Path(root)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -43,8 +45,17 @@ def save(root: str | os.PathLike, step: int, model, optimizer, extra: dict | Non
         latest_tmp = root / "latest.tmp"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, root / "latest")
+        if keep:
+            _prune(root, keep)
     _barrier()
     return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` step_N directories (by step number)."""
+    saved = sorted((int(p.name[5:]), p) for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+    for _, old in saved[:-keep]:
+        shutil.rmtree(old)
 
 
 def load(root: str | os.PathLike, model, optimizer) -> dict:
