@@ -10,8 +10,9 @@ Methods (each a run of `python -m megatron_trace.train --config CONFIG` per seed
   fp4_tis         FP4 rollout, BF16 trainer, truncated importance sampling
   trace_full      FP4 rollout, TRACE guided QAT with full codes
   trace_mantissa  FP4 rollout, TRACE guided QAT with 1 mantissa bit per element
-Every figure is the mean over seeds with the spread (min..max) as a band. Writes <out>/table.md,
-<out>/curves.png (sampled reward, mean and max |dlogp| over steps), <out>/summary.json and the
+Every figure is the mean over seeds with the spread (min..max) as a band. Writes <out>/table.md
+(eval before/after, rewards, |dlogp|; then K3 KL, entropy, response length, step time and its split),
+<out>/curves.png (sampled reward, mean and max |dlogp|, entropy and response length over steps), <out>/summary.json and the
 raw runs under <out>/runs/<method>/seed<k>/. --resume keeps runs that reached --steps and continues
 the others from their last checkpoint, so a long comparison can grow over several sessions.
 Every run passes quant.accept_quality_loss=true: the methods are compared on the policy given, and each
@@ -46,7 +47,10 @@ CURVES = (
     ("rollout/reward_mean", "sampled reward (5-step mean)", False),
     ("mismatch/mean_abs_dlogp", "mean |logp_rollout - logp_train|", True),
     ("mismatch/max_abs_dlogp", "max |logp_rollout - logp_train|", True),
+    ("train/entropy", "policy entropy (nats/token)", False),
+    ("rollout/response_len_mean", "response length (tokens)", False),
 )
+STEP_PARTS = ("rollout_s", "train_s", "transfer_s")
 
 
 def run_method(name: str, seed: int, out: Path, steps: int, base: list[str], config: str, resume: bool = False) -> Path:
@@ -108,7 +112,17 @@ def summarize(runs: list[tuple[list[dict], dict]]) -> dict:
         "max_abs_dlogp": per_seed(lambda r, s: max(x.get("mismatch/max_abs_dlogp", 0.0) for x in r)),
         "guidance_bytes_per_token": per_seed(lambda r, s: s["guidance_bytes_per_token"]),
         "eval_set_size": runs[0][1].get("eval_set_size"),
+        "k3_kl": per_seed(lambda r, s: _mean(r, "mismatch/k3_kl")),
+        "entropy": per_seed(lambda r, s: _mean(r, "train/entropy")),
+        "response_len": per_seed(lambda r, s: _mean(r, "rollout/response_len_mean")),
+        "step_s": per_seed(lambda r, s: _mean(r, "perf/step_s")),
+        **{k: per_seed(lambda r, s, k=k: _mean(r, f"perf/{k}")) for k in STEP_PARTS},
+        "steps": per_seed(lambda r, s: len(r)),
     }
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    return statistics.fmean(x.get(key, 0.0) for x in rows) if rows else 0.0
 
 
 def table(summary: dict[str, dict]) -> str:
@@ -124,6 +138,17 @@ def table(summary: dict[str, dict]) -> str:
             f"| {_spread(s['train_reward_last10'], '.3f')} | {_spread(s['mean_abs_dlogp'], '.4f')} / "
             f"{_spread(s['mean_abs_dlogp_last10'], '.4f')} | {_spread(s['max_abs_dlogp'], '.3f')} "
             f"| {statistics.fmean(s['guidance_bytes_per_token']):.0f} |"
+        )
+    lines += [
+        "",
+        "| method | steps | K3 KL | entropy | response tokens | step s | rollout / train / transfer s |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, s in summary.items():
+        split = " / ".join(f"{statistics.fmean(s[k]):.0f}" for k in STEP_PARTS)
+        lines.append(
+            f"| {name} | {min(s['steps'])} | {_spread(s['k3_kl'], '.2e')} | {_spread(s['entropy'], '.3f')} "
+            f"| {_spread(s['response_len'], '.0f')} | {_spread(s['step_s'], '.0f')} | {split} |"
         )
     return "\n".join(lines)
 
