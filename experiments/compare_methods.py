@@ -35,6 +35,9 @@ METHODS = {
         "quant.weights=bf16",
         "quant.activations=bf16",
         "quant.kv=bf16",
+        "quant.kv_k=bf16",  # a config that names each side (the real-model one) would keep its KV formats
+        "quant.kv_v=bf16",
+        "quant.kv_k_debias=false",
         "trainer.qat_mode=off",
     ],
     "naive_fp4": ["trainer.qat_mode=off", "algo.loss=none"],
