@@ -112,7 +112,13 @@ class ServedScorer:
         return self.server.log_tail() if self.server is not None else ""
 
     def _generate(self, body: dict) -> dict:
-        r = self.http.post("/generate", json=body)
+        # A batch decodes its answers together: its time grows with their length (a CPU server at 1,024
+        # tokens takes well over the 600 s that suffice for one short request). 2 s per token bounds a
+        # server that stopped making progress without cutting off a slow one.
+        import httpx
+
+        read_s = 600 + 2.0 * body.get("sampling_params", {}).get("max_new_tokens", 0)
+        r = self.http.post("/generate", json=body, timeout=httpx.Timeout(600, read=read_s))
         if r.status_code != 200:
             raise RuntimeError(f"{self.url}/generate answered {r.status_code}: {r.text[:500]}\n{self._log_tail()}")
         return r.json()
