@@ -12,9 +12,10 @@ Methods (each a run of `python -m megatron_trace.train --config CONFIG` per seed
   trace_mantissa  FP4 rollout, TRACE guided QAT with 1 mantissa bit per element
 Every figure is the mean over seeds with the spread (min..max) as a band. Writes <out>/table.md
 (eval before/after, rewards, |dlogp|; then K3 KL, entropy, response length, step time and its split),
-<out>/curves.png (sampled reward, mean and max |dlogp|, entropy and response length over steps), <out>/summary.json and the
-raw runs under <out>/runs/<method>/seed<k>/. --resume keeps runs that reached --steps and continues
-the others from their last checkpoint, so a long comparison can grow over several sessions.
+<out>/curves.png (sampled reward, mean and max |dlogp|, entropy and response length over steps),
+<out>/summary.json and the raw runs under <out>/runs/<method>/seed<k>/. --resume keeps runs that
+reached --steps and continues the others from their last checkpoint, so a long comparison can grow
+over several sessions.
 Every run passes quant.accept_quality_loss=true: the methods are compared on the policy given, and each
 run's quality gate still measures it against BF16 (quality/* in its metrics, a WARNING when it fails).
 """
