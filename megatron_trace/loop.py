@@ -324,7 +324,7 @@ class StepRunner:
 
     def _routed(self, s: dict) -> torch.Tensor | None:
         """A sample's routed experts [T, layers, top_k] (None when the rollout sent none)."""
-        return sample_routed_experts(s, self.actor.arch)
+        return None if s.get("routed_experts") is None else sample_routed_experts(s, self.actor.arch)
 
 
 def async_executor() -> ThreadPoolExecutor:

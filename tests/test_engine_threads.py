@@ -42,7 +42,7 @@ def test_generate_runs_every_step_on_the_callers_thread(eng, step_threads):
 def test_undriven_requests_run_on_the_worker(eng, step_threads):
     rids = eng.submit(GenerateRequest([4, 5], SamplingParams(**GREEDY)))
     out = eng.wait(rids)  # a plain wait (the HTTP server's) does not step
-    assert len(out[0]["output_ids"]) == 3
+    assert len(out[0].output_ids) == 3
     assert step_threads and set(step_threads) == {eng._worker.ident}
 
 
@@ -54,6 +54,6 @@ def test_a_driver_finishing_hands_the_rest_to_the_worker(eng, step_threads):
         mine = eng.submit_all([GenerateRequest([3], SamplingParams(**GREEDY))], drive=True)[0]
     finally:
         eng.continue_generation()
-    assert len(eng.wait(mine)[0]["output_ids"]) == 3
-    assert len(eng.wait(other)[0]["output_ids"]) == 6
+    assert len(eng.wait(mine)[0].output_ids) == 3
+    assert len(eng.wait(other)[0].output_ids) == 6
     assert threading.get_ident() in step_threads

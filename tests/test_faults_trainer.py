@@ -102,4 +102,5 @@ def test_kill_mid_checkpoint_save_keeps_previous_and_resumes(tmp_path):
     meta = json.loads((ckpt / "step_1" / "meta.json").read_text())
     assert meta["step"] == 1 and meta["version"] == 2
     m = _metrics(run_dir)
-    assert set(m) == {0, 1} and json.loads((run_dir / "summary.json").read_text())["steps"] == 1
+    # the resumed run's summary is the whole run's: step 0 (before the kill) and step 1
+    assert set(m) == {0, 1} and json.loads((run_dir / "summary.json").read_text())["steps"] == 2

@@ -52,7 +52,7 @@ def test_greedy_matches_the_embedded_engine(stacks):
     got = client.generate(reqs)
     sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     want = engine.generate(input_ids=PROMPTS, sampling_params=sp, return_logprob=True)
-    assert [r.output_ids for r in got] == [w.output_ids for w in want]
+    assert [r.output_ids for r in got] == [w["output_ids"] for w in want]
     diffs = [
         abs(r.output_logprobs[j] - w["meta_info"]["output_token_logprobs"][j][0])
         for r, w in zip(got, want)
