@@ -104,9 +104,12 @@ class Actor:
         model = chunks[0]
         model.config.finalize_model_grads_func = finalize_model_grads  # TP-replicated grads (q/k norms)
         dist_opt = cfg.distributed_optimizer
-        self.ddp = DistributedDataParallel(
-            model.config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt), model
+        # bf16 params: grads accumulate and reduce in fp32 (Megatron's advice for bf16), which also
+        # lets the optimizer use the fp32 buffer as its main grads instead of copying it
+        ddp_cfg = DistributedDataParallelConfig(
+            use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=dtype == torch.bfloat16
         )
+        self.ddp = DistributedDataParallel(model.config, ddp_cfg, model)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",

@@ -32,6 +32,10 @@ place where Megatron assumes a GPU even though the computation itself is device-
    state beside the CPU one (`_get_cuda_rng_state` / `_set_cuda_rng_state`): without CUDA there is
    none, so they save and restore nothing (the CPU generator and the tracker's named CPU states
    are still saved and restored).
+9. The bf16 optimizer (`Float16OptimizerWithFloat16Params`, fp32 main copies of bf16 params: what
+   `trainer.dtype=bfloat16` runs) sorts params by `param.type()`, accepting only the
+   `torch.cuda.*Tensor` names. Its `__init__` runs with `Tensor.type()` naming a CPU tensor by its
+   CUDA twin (`torch.BFloat16Tensor` -> `torch.cuda.BFloat16Tensor`); nothing else changes.
 
 Limits that are configuration, not patches (see `gpt.build_model`): the alltoall MoE token
 dispatcher needs CUDA streams (use "allgather") and `use_distributed_optimizer=True` rejects CPU
@@ -228,6 +232,28 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_deco
             g.mul_(clip_coeff)
 
 
+def _cuda_named_float16_init(init: Any) -> Any:
+    """Item 9: run the bf16 optimizer's `__init__` with CPU tensors typed by their CUDA names."""
+
+    def cpu_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_type = torch.Tensor.type
+
+        def cuda_name(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+            name = real_type(t, *a, **k)
+            if a or k or t.is_cuda:
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
+
+        torch.Tensor.type = cuda_name  # type: ignore[method-assign]
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = real_type  # type: ignore[method-assign]
+
+    cpu_init.cpu_shim = True  # type: ignore[attr-defined]
+    return cpu_init
+
+
 @contextlib.contextmanager
 def _compile_as_identity():
     """Item 7: `torch.compile(fn)` and `@torch.compile(...)` return the function unchanged."""
@@ -292,6 +318,11 @@ def apply_cpu_workarounds() -> bool:
     # 8. Recompute's CUDA generator state.
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    # 9. The bf16 optimizer's CUDA-only parameter type check.
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as F16
+
+    if not getattr(F16.__init__, "cpu_shim", False):
+        F16.__init__ = _cuda_named_float16_init(F16.__init__)
     # 6. Router GEMM without Transformer Engine.
     from megatron.core.transformer.moe import moe_utils
 

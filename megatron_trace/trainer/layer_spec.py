@@ -73,7 +73,7 @@ class RMSNorm(torch.nn.RMSNorm):
             raise ValueError(
                 f"the project's layer spec has RMSNorm only; config.normalization is {config.normalization!r}"
             )
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
 
 
