@@ -10,8 +10,9 @@ Methods (each a run of `python -m megatron_trace.train --config CONFIG` per seed
   fp4_tis         FP4 rollout, BF16 trainer, truncated importance sampling
   trace_full      FP4 rollout, TRACE guided QAT with full codes
   trace_mantissa  FP4 rollout, TRACE guided QAT with 1 mantissa bit per element
-Every figure is the mean over seeds with the spread (min..max) as a band. Writes <out>/table.md
-(eval before/after, rewards, |dlogp|; then K3 KL, entropy, response length, step time and its split),
+Every figure is the mean over seeds with the spread (min..max) as a band (one seed: the value alone).
+Writes <out>/table.md (eval before/after, rewards, |dlogp|; then K3 KL, entropy, response length, step
+time and its split),
 <out>/curves.png (sampled reward, mean and max |dlogp|, entropy and response length over steps),
 <out>/summary.json and the raw runs under <out>/runs/<method>/seed<k>/. --resume keeps runs that
 reached --steps and continues the others from their last checkpoint, so a long comparison can grow
@@ -93,7 +94,9 @@ def load(run_dir: Path) -> tuple[list[dict], dict]:
 
 
 def _spread(values: list[float], fmt: str) -> str:
-    """mean ± half the min..max range over seeds."""
+    """mean ± half the min..max range over seeds; one seed has no spread to show."""
+    if len(values) == 1:
+        return format(values[0], fmt)
     half = (max(values) - min(values)) / 2
     return f"{format(statistics.fmean(values), fmt)} ± {format(half, fmt)}"
 
