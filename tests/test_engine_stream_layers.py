@@ -147,3 +147,25 @@ def test_static_activation_scales_stream_and_log_every_row(wide2, monkeypatch):
         for site, sa in ra.sites.items():
             for field in ("scale", "global_scale", "payload"):
                 assert torch.equal(getattr(sa, field), getattr(rb.sites[site], field)), (site, field)
+
+
+@pytest.mark.parametrize("mode", ["stream", "one_call"])
+def test_a_shut_down_engine_frees_its_layers(wide2, tmp_path, mode):
+    """layer_c caches each layer's C arguments in a WeakKeyDictionary; a plan that held its layer
+    strongly kept every engine ever built alive (the quality gate's BF16 and FP4 engines: 5 GB of
+    weights and KV pages under the 0.5B trainer). Once shut down and dropped, nothing keeps a layer."""
+    import gc
+    import weakref
+
+    # one_call: a layer small enough for the single-threaded GEMM (the wide one streams)
+    path = wide2 if mode == "stream" else make_tiny_checkpoint(tmp_path, "qwen2", seed=3, dtype="bfloat16")
+    eng = Engine(str(path), dtype="bfloat16", quant_policy=QuantPolicy.from_dict(POLICIES["w4a4+nvfp4kv"]))
+    eng.generate(input_ids=[[1, 2, 3]], sampling_params=GREEDY)
+    assert eng.model.run_plan(eng.kv).modes(1, [None] * len(eng.model.layers))[0] == mode
+    planned = [layer for layer in eng.model.layers if layer in layer_c._C_ARGS]
+    assert len(planned) == len(eng.model.layers)  # the C path ran and cached every layer's plan
+    refs = [weakref.ref(layer) for layer in planned] + [weakref.ref(eng.kv)]
+    eng.shutdown()
+    del eng, planned
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)

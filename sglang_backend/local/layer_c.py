@@ -74,7 +74,9 @@ class _CArgs:
         self.kv, self.stream, self.args = kv, stream, _static_args(layer, kv)
         self.linears = tuple(_linears(layer))
         self.weights = tuple(lin.weight for lin in self.linears)
-        self.layer, self.key, self.keep = layer, None, None
+        # weak: _C_ARGS maps layer -> plan weakly, and a plan holding its layer would keep every
+        # engine ever built (weights, KV pages) alive: the quality gate's two engines were 5 GB
+        self.layer, self.key, self.keep = weakref.ref(layer), None, None
         self.capturing, self.cap_token = False, None  # cap_token: (log layout, KV scales) the addresses are for
         self.k_off = None  # de-biased K: this forward's offset table, alive while args point at it
 
@@ -82,7 +84,7 @@ class _CArgs:
         key = tuple((lin.generation, w._version) for lin, w in zip(self.linears, self.weights))
         if key == self.key:
             return
-        layer, args = self.layer, self.args
+        layer, args = self.layer(), self.args
         keep = self._stream_weights() if self.stream else self._gemm_weights()
         args.in_norm, args.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
         if layer.arch.qk_norm:
@@ -216,7 +218,7 @@ def _point_at_log(plan: _CArgs, args, log, kv_scales) -> None:
         data[i], scale[i], gs[i] = log.pointers(site, *rows, static_gs=static, static_value=value)
     args.cap_data, args.cap_scale, args.cap_gs = data, scale, gs
     if "nvfp4" in plan.kv.side_fmt:
-        layer, kv, kv_gs = plan.layer, list(args.cap_kv), list(args.cap_kv_gs)
+        layer, kv, kv_gs = plan.layer(), list(args.cap_kv), list(args.cap_kv_gs)
         for which in (w for w in (0, 1) if plan.kv.side_fmt[w] == "nvfp4"):  # FP8 sides: per-kernel path
             kv[2 * which], kv[2 * which + 1], kv_gs[which] = log.pointers(
                 layer.kv_sites[which],
