@@ -56,3 +56,11 @@ def test_step_changes_the_policy_and_checkpoint_reloads_exactly(results):
     assert r["before"] == r["step"]  # the train step's forward is the pre-update recompute
     assert r["after"] != r["before"]
     assert r["reloaded"] == r["after"]
+
+
+def test_finish_training_frees_the_optimizer_and_keeps_the_weights(results):
+    """What a run does before its measurement after training (the 0.5B config's peak phase)."""
+    for r in results.values():
+        assert r["state_tensors"] > 0 and r["state_alive"] == 0
+        assert r["after_finish"] == r["reloaded"]
+        assert "finish_training" in r["step_refused"]

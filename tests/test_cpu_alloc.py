@@ -32,3 +32,18 @@ def test_a_repeated_large_temporary_reuses_its_pages():
     pages = 32 * 151936 * 4 // 4096  # 4748: what one fresh mapping faults in (glibc's default: every time)
     # then ten more fault in less than one mapping's pages in all (measured: 0)
     assert _faults_of(logits, 10) < pages
+
+
+def test_freed_memory_kept_by_the_engine_policy_goes_back_on_request():
+    """What a finished phase freed stays resident under keep_freed_memory (below its 1 GiB trim
+    threshold) until return_freed_memory gives it back: the quality gate's engines before the trainer."""
+    status = cpu_alloc.keep_freed_memory()
+    if not status.startswith("glibc"):
+        pytest.skip(status)
+    cpu_alloc.return_freed_memory()  # start from a trimmed heap
+    chunks = [torch.ones(4 << 20) for _ in range(32)]  # 32 x 16 MiB = 512 MiB, each from the heap
+    base = cpu_alloc._resident_bytes()
+    del chunks
+    kept = base - cpu_alloc._resident_bytes()
+    assert kept < 64 << 20  # freed, still resident (measured: 0)
+    assert cpu_alloc.return_freed_memory() > 448 << 20  # measured: 512 MiB

@@ -321,7 +321,7 @@ class Actor:
         micro = self._plan(samples, False)
         total = float(sum(len(s.response_ids) for s in samples))
         self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        self._optimizer().zero_grad()
         store = self._run(micro, False, loss_cfg, max(total, 1.0))
         t_opt = time.perf_counter()
         ok, grad_norm, _ = self.optimizer.step()
@@ -341,9 +341,20 @@ class Actor:
 
         return self.routing.agreement(ps.get_pipeline_model_parallel_group())
 
+    def finish_training(self) -> None:
+        """Drops what only further steps need: the optimizer's fp32 main params and Adam state (6 GB
+        for a 0.5B model in bf16; the last checkpoint holds them). The weights stay for gathers and
+        exports; train_step and save_checkpoint refuse afterwards."""
+        self.optimizer = None
+
+    def _optimizer(self):
+        if self.optimizer is None:
+            raise RuntimeError("the actor's training is finished (finish_training dropped its optimizer)")
+        return self.optimizer
+
     # -- checkpoints (trainer/checkpoint.py) --------------------------------------------------------
     def save_checkpoint(self, root: str | os.PathLike, step: int, extra: dict | None = None) -> Path:
-        return checkpoint.save(root, step, _unwrap(self.ddp), self.optimizer, extra, keep=self.cfg.keep_checkpoints)
+        return checkpoint.save(root, step, _unwrap(self.ddp), self._optimizer(), extra, keep=self.cfg.keep_checkpoints)
 
     def load_checkpoint(self, root: str | os.PathLike) -> dict:
         return checkpoint.load(root, _unwrap(self.ddp), self.optimizer)

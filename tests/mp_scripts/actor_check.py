@@ -7,7 +7,9 @@ checks the reloaded model gives the same logprobs.
 """
 
 import argparse
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -26,6 +28,26 @@ def samples(arch):
         ids = torch.randint(0, arch.vocab_size, (p + r,), generator=g).tolist()
         out.append(Sample(f"s{i}", ids[:p], ids[p:], [-2.0] * r, advantage=(-1.0) ** i))
     return out
+
+
+def _finish(actor, batch) -> dict:
+    """finish_training: the optimizer's state is freed, the weights still compute, a step refuses."""
+    state = [t for st in actor.optimizer.optimizer.state.values() for t in st.values()]  # torch Adam's
+    refs = [weakref.ref(t) for t in state if isinstance(t, torch.Tensor)]
+    del state
+    actor.finish_training()
+    gc.collect()
+    try:
+        actor.train_step(batch, AlgoConfig())
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return {
+        "state_tensors": len(refs),
+        "state_alive": sum(r() is not None for r in refs),
+        "after_finish": [t.tolist() for t in actor.compute_logprobs(batch)],
+        "step_refused": refused,
+    }
 
 
 def main():
@@ -58,6 +80,7 @@ def run_layout(args, tp: int, pp: int) -> None:
     actor.save_checkpoint(root, step=0, extra={"version": 1})
     actor.load_checkpoint(root)
     reloaded = actor.compute_logprobs(batch)
+    finished = _finish(actor, batch)
     if dist.get_rank() == 0:
         res = {
             "before": [t.tolist() for t in before],
@@ -66,6 +89,7 @@ def run_layout(args, tp: int, pp: int) -> None:
             "reloaded": [t.tolist() for t in reloaded],
             "grad_norm": metrics["grad_norm"],
             "loss": metrics["loss"],
+            **finished,
         }
         (Path(args.out) / f"{tag}.json").write_text(json.dumps(res))
 
