@@ -279,6 +279,11 @@ def reset_peak_rss() -> float:
     return _status_gib("VmHWM")
 
 
+def resident_gib() -> float:
+    """This process's resident GiB now."""
+    return _status_gib("VmRSS")
+
+
 def peak_rss() -> float:
     """This process's peak resident GiB since start or the last `reset_peak_rss`."""
     return _status_gib("VmHWM")

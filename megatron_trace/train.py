@@ -31,6 +31,7 @@ from megatron_trace.metrics import (  # noqa: E402
     mismatch_scalars,
     resumed_part,
 )
+from megatron_trace.perf_memory import peak_rss, resident_gib  # noqa: E402
 from megatron_trace.rollout_checks import check_debiased_server, check_server_versions  # noqa: E402
 
 
@@ -350,6 +351,9 @@ class Run:
                 "perf/rollout_tokens_per_s": tokens / max(batch.stats.get("rollout_s", 1e-9), 1e-9),
                 "perf/guidance_spilled_bytes": st.get("bytes_spilled_total", 0),
                 "perf/guidance_bytes_per_token": st.get("bytes_per_token", 0.0),
+                # this process (rank 0: engine and trainer): resident now and its peak so far
+                "perf/rss_gib": resident_gib(),
+                "perf/peak_rss_gib": peak_rss(),
             }
         )
         self.hub.log(batch.step, m)

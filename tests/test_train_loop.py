@@ -102,6 +102,10 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     split = [acc.Scalars(f"perf/{p}_s")[-1].value for p in ("recompute", "backward", "optimizer", "train")]
     assert all(v > 0 for v in split) and sum(split[:3]) <= split[3]
     assert "mismatch/abs_dlogp" in acc.Tags()["histograms"]
+    # memory per step: resident now and the peak so far, which never falls and ends at the summary's
+    rss, peak = ([e.value for e in acc.Scalars(f"perf/{k}")] for k in ("rss_gib", "peak_rss_gib"))
+    assert all(0.1 < r <= p for r, p in zip(rss, peak)) and peak == sorted(peak)
+    assert peak[-1] <= summary["peak_rss_gb"] + 0.01
     bpt = [e.value for e in acc.Scalars("mismatch/guidance_bytes_per_token")]
     assert all(v > 0 for v in bpt)
 
