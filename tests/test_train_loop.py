@@ -106,6 +106,7 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     rss, peak = ([e.value for e in acc.Scalars(f"perf/{k}")] for k in ("rss_gib", "peak_rss_gib"))
     assert all(0.1 < r <= p for r, p in zip(rss, peak)) and peak == sorted(peak)
     assert peak[-1] <= summary["peak_rss_gb"] + 0.01
+    assert len(acc.Scalars("perf/heap_returned_gib")) == 4  # the heap is trimmed after every step
     bpt = [e.value for e in acc.Scalars("mismatch/guidance_bytes_per_token")]
     assert all(v > 0 for v in bpt)
 
