@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 from pathlib import Path
 from typing import Protocol
 
@@ -190,3 +191,39 @@ def mismatch_scalars(
         if k.startswith("dlogp_pos_"):
             out[f"mismatch/{k}"] = v
     return out
+
+
+TRAIN_PARTS = ("recompute", "backward", "optimizer")
+
+
+def run_summary(history: list[dict], evals: dict, totals: dict, wall_s: float) -> dict:
+    """summary.json of a run: its steps' metrics (`history`), the evals before/after and the phase
+    time totals (rollout_s, train_s, transfer_s)."""
+    total = sum(totals.values()) or 1.0
+
+    def mean(k):
+        return sum(h.get(k, 0.0) for h in history) / max(len(history), 1)
+
+    def ev(when, k):
+        return evals.get(when, {}).get(k)
+
+    return {
+        "steps": len(history),
+        "eval_accuracy_before": ev("before", "eval/accuracy"),
+        "eval_accuracy_after": ev("after", "eval/accuracy"),
+        "eval_reward_before": ev("before", "eval/reward_sampled"),
+        "eval_reward_after": ev("after", "eval/reward_sampled"),
+        "eval_set_size": ev("before", "eval/set_size") or ev("after", "eval/set_size"),
+        "reward_first_step": history[0]["rollout/reward_mean"] if history else None,
+        "reward_last_step": history[-1]["rollout/reward_mean"] if history else None,
+        "mean_abs_dlogp": mean("mismatch/mean_abs_dlogp"),
+        "max_abs_dlogp": max((h.get("mismatch/max_abs_dlogp", 0) for h in history), default=0),
+        "k3_kl": mean("mismatch/k3_kl"),
+        "clipped_frac": mean("mismatch/clipped_frac"),
+        "guidance_bytes_per_token": mean("mismatch/guidance_bytes_per_token"),
+        "time_split": {k: v / total for k, v in totals.items()},
+        # the train step's parts: the QAT forward recomputing logprobs, backward, optimizer
+        "train_split": {k: sum(h.get(f"perf/{k}_s", 0.0) for h in history) for k in TRAIN_PARTS},
+        "wall_s": wall_s,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # this process (rank 0)
+    }

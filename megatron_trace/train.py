@@ -10,7 +10,6 @@ owns the rollout, data, store and logs; every rank trains.
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from megatron_trace.metrics import (  # noqa: E402
     TensorBoardLogger,
     mismatch_scalars,
     resumed_part,
+    run_summary,
 )
 from megatron_trace.perf_memory import peak_rss, resident_gib  # noqa: E402
 from megatron_trace.rollout_checks import check_debiased_server, check_server_versions  # noqa: E402
@@ -46,9 +46,6 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue from <run_dir>/checkpoints/latest")
     cfg, args = parse_cli(ap, argv)
     return cfg, args.resume
-
-
-TRAIN_PARTS = ("recompute", "backward", "optimizer")
 
 
 def _return_freed_memory(what: str) -> None:
@@ -366,34 +363,7 @@ class Run:
     def _summary(self, history, evals, totals) -> dict:
         if not self.rank0:
             return {}
-        total = sum(totals.values()) or 1.0
-
-        def mean(k):
-            return sum(h.get(k, 0.0) for h in history) / max(len(history), 1)
-
-        def ev(when, k):
-            return evals.get(when, {}).get(k)
-
-        summary = {
-            "steps": len(history),
-            "eval_accuracy_before": ev("before", "eval/accuracy"),
-            "eval_accuracy_after": ev("after", "eval/accuracy"),
-            "eval_reward_before": ev("before", "eval/reward_sampled"),
-            "eval_reward_after": ev("after", "eval/reward_sampled"),
-            "eval_set_size": ev("before", "eval/set_size") or ev("after", "eval/set_size"),
-            "reward_first_step": history[0]["rollout/reward_mean"] if history else None,
-            "reward_last_step": history[-1]["rollout/reward_mean"] if history else None,
-            "mean_abs_dlogp": mean("mismatch/mean_abs_dlogp"),
-            "max_abs_dlogp": max((h.get("mismatch/max_abs_dlogp", 0) for h in history), default=0),
-            "k3_kl": mean("mismatch/k3_kl"),
-            "clipped_frac": mean("mismatch/clipped_frac"),
-            "guidance_bytes_per_token": mean("mismatch/guidance_bytes_per_token"),
-            "time_split": {k: v / total for k, v in totals.items()},
-            # the train step's parts: the QAT forward recomputing logprobs, backward, optimizer
-            "train_split": {k: sum(h.get(f"perf/{k}_s", 0.0) for h in history) for k in TRAIN_PARTS},
-            "wall_s": time.perf_counter() - self.t0,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # this process (rank 0)
-        }
+        summary = run_summary(history, evals, totals, wall_s=time.perf_counter() - self.t0)
         self.hub.close()
         if self.store is not None:
             self.store.close()
