@@ -175,7 +175,8 @@ class Run:
         from megatron_trace.quality_gate import gate_run
 
         self.gate, self.gate_rows = gate_run(self.cfg, model_path, tok, prompts, log=lambda m: print(m, flush=True))
-        _return_freed_memory("the quality gate's engines")
+        if self.gate is not None:  # quant.quality_gate=false builds no engines: nothing of theirs to return
+            _return_freed_memory("the quality gate's engines")
 
     def _backend(self, model_path: Path):
         rc = self.cfg.rollout
