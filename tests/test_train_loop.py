@@ -229,3 +229,18 @@ def test_kill_mid_step_then_resume_matches_uninterrupted(runs, main_run):
     for key in ("eval_accuracy_before", "eval_reward_before", "eval_accuracy_after", "reward_first_step", "k3_kl"):
         assert resumed[key] == whole[key], key
     assert resumed["mean_abs_dlogp"] == pytest.approx(whole["mean_abs_dlogp"], rel=1e-12)
+
+
+def test_memory_is_returned_after_the_gate_only_when_a_gate_ran(monkeypatch):
+    """quant.quality_gate=false builds no engines: the run must not trim the heap and report it as theirs."""
+    from types import SimpleNamespace
+
+    from megatron_trace import train
+    from megatron_trace.config import Config
+
+    trims = []
+    monkeypatch.setattr(train.cpu_alloc, "return_freed_memory", lambda: trims.append(1) or 2**30)
+    cfg = Config.load(ROOT / "configs/tiny_cpu.yaml", ["quant.quality_gate=false"])
+    run = SimpleNamespace(cfg=cfg)
+    train.Run._check_rollout_quality(run, ROOT, None, None)
+    assert (run.gate, run.gate_rows, trims) == (None, [], [])

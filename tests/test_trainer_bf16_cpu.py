@@ -41,7 +41,7 @@ def _steps(run_dir) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("bf16")
-    _train(root / "whole", "trainer.steps=3")
+    (root / "whole.out").write_text(_train(root / "whole", "trainer.steps=3"))
     _train(root / "split", "trainer.steps=2")
     _train(root / "split", "trainer.steps=3", "--resume")
     return root
@@ -54,6 +54,12 @@ def test_bf16_trainer_trains_and_resumes_exactly(runs):
     # the fp32 main params and Adam state came back from the checkpoint: step 2 is the same step
     for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "mismatch/mean_abs_dlogp"):
         assert split[2][key] == whole[2][key], key
+
+
+def test_a_run_without_the_gate_says_so_and_claims_nothing_freed_by_it(runs):
+    out = (runs / "whole.out").read_text()
+    assert "WARNING: quant.quality_gate=false: nothing checks what FP4 does to this policy" in out
+    assert "freed by the quality gate" not in out, out[:2000]
 
 
 def test_the_checkpoint_holds_bf16_params_and_fp32_main_params(runs):
