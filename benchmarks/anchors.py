@@ -2,7 +2,7 @@
 
 import sys
 
-from megatron_trace.bench.anchors import main
+from megatron_trace.perf.anchors import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,9 +28,8 @@ import json
 import math
 import sys
 
-from megatron_trace import perf_model as pm
-from megatron_trace.bench.perf_step_tables import step_tables
-from megatron_trace.bench.perf_tables import fmt_s, fx, kl, table
+from megatron_trace.perf import roofline as pm
+from megatron_trace.perf.tables import fmt_s, fx, kl, step_tables, table
 
 KS = (4096, 8192, 16384, 32768, 65536, 131072)
 PRECS = ("bf16", "fp8", "nvfp4")

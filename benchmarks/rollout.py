@@ -38,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from megatron_trace.bench.engine_vs_hf import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
+from megatron_trace.perf.engine_vs_hf import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
 
 GOAL_SPEEDUP = 3.0  # engine / HF at the batch size, both configs
 GOAL_KV_RATIO = 3.5  # BF16 / NVFP4 KV bytes per token

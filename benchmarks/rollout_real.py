@@ -39,8 +39,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from megatron_trace.bench.anchors import gguf_step_bytes, start_anchors  # noqa: E402
-from megatron_trace.bench.engine_vs_hf import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
+from megatron_trace.perf.anchors import gguf_step_bytes, start_anchors  # noqa: E402
+from megatron_trace.perf.engine_vs_hf import hf_generate_fn, interleaved_times, make_prompts  # noqa: E402
 
 QWEN25_05B = dict(
     hidden_size=896,

@@ -25,7 +25,7 @@ import time
 
 from megatron_trace.config import AlgoConfig, TrainerConfig
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
-from megatron_trace.perf_memory import peak_rss, reset_peak_rss
+from megatron_trace.perf.memory import peak_rss, reset_peak_rss
 from megatron_trace.trainer.actor import Actor, Sample
 from megatron_trace.trainer.parallel import destroy, init_distributed
 

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         print(ckpt)
         return 0
 
-    from megatron_trace import quality
+    from megatron_trace.quality import measure as quality
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

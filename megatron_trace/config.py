@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import yaml
 
-from megatron_trace.config_fields import Raw, Section, build, hints_of, opt
+from megatron_trace.fields import Raw, Section, build, hints_of, opt
 from megatron_trace.models import QuantPolicy
 
 

@@ -17,14 +17,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_trace import console, faults
+from megatron_trace import faults
+from megatron_trace.run import console
 
 console.quiet_third_party()  # before the imports below pull in Megatron, which warns at import time
 
 from megatron_trace.config import Config, describe, parse_cli  # noqa: E402
 from megatron_trace.kernels import cpu_alloc  # noqa: E402
-from megatron_trace.loop import Rollout, RolloutBatch, StepRunner, async_executor, share_batch  # noqa: E402
-from megatron_trace.metrics import (  # noqa: E402
+from megatron_trace.perf.memory import peak_rss, resident_gib  # noqa: E402
+from megatron_trace.run.checks import check_debiased_server, check_server_versions  # noqa: E402
+from megatron_trace.run.metrics import (  # noqa: E402
     JsonlLogger,
     MetricsHub,
     TensorBoardLogger,
@@ -32,8 +34,7 @@ from megatron_trace.metrics import (  # noqa: E402
     resumed_part,
     run_summary,
 )
-from megatron_trace.perf_memory import peak_rss, resident_gib  # noqa: E402
-from megatron_trace.rollout_checks import check_debiased_server, check_server_versions  # noqa: E402
+from megatron_trace.run.step import Rollout, RolloutBatch, StepRunner, async_executor, share_batch  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -104,7 +105,7 @@ class Run:
                 "experts with trainer.tp=1"
             )
         if cfg.trainer.memory_check:  # before the model exists: refuse a plan that cannot fit here
-            from megatron_trace.perf_memory import check_launch
+            from megatron_trace.perf.memory import check_launch
 
             check_launch(cfg, str(model_path))
         if self.rank0:
@@ -142,8 +143,8 @@ class Run:
     def _model_path(self, tok, prompts) -> Path:
         if self.cfg.model.path:
             return Path(self.cfg.model.path)
+        from megatron_trace.run.warm_start import warm_start_for
         from megatron_trace.trainer.comm import broadcast_json
-        from megatron_trace.warm_start import warm_start_for
 
         path = None
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -172,7 +173,7 @@ class Run:
         return amax
 
     def _check_rollout_quality(self, model_path: Path, tok, prompts) -> None:
-        from megatron_trace.quality_gate import gate_run
+        from megatron_trace.quality.gate import gate_run
 
         self.gate, self.gate_rows = gate_run(self.cfg, model_path, tok, prompts, log=lambda m: print(m, flush=True))
         if self.gate is not None:  # quant.quality_gate=false builds no engines: nothing of theirs to return
@@ -308,7 +309,7 @@ class Run:
 
     def _quality_after(self) -> None:
         """The gate's prompts again on the trained weights (gathered from every rank, exported BF16)."""
-        from megatron_trace.quality_gate import measure_after
+        from megatron_trace.quality.gate import measure_after
         from megatron_trace.transfer.gather import iter_hf_params
 
         hf_sd = {}

@@ -110,9 +110,9 @@ GPUS_PER_NODE=${GPUS_PER_NODE%%(*}   # SLURM_GPUS_PER_NODE may read "8(x2)" or "
 GPUS_PER_NODE=${GPUS_PER_NODE##*:}
 SGLANG_TP=${SGLANG_TP:-$CFG_SGLANG_TP}
 DP=${DP:-1}
-# The trainer's per-rank memory plan (megatron_trace/perf_memory.py): printed; against cluster.gpu a
+# The trainer's per-rank memory plan (megatron_trace/perf/memory.py): printed; against cluster.gpu a
 # plan that does not fit stops here, naming the knob to turn.
-"$PYTHON" -m megatron_trace.perf_memory --config "$CONFIG" --dp "$DP" "${OVERRIDES[@]}" \
+"$PYTHON" -m megatron_trace.perf.memory --config "$CONFIG" --dp "$DP" "${OVERRIDES[@]}" \
   || { echo "error: the trainer memory plan above does not fit (see the knob it names)" >&2; exit 2; }
 SERVER_PORT=${SERVER_PORT:-30000}; ROUTER_PORT=${ROUTER_PORT:-29900}
 RDZV_PORT=${RDZV_PORT:-29500}; TB_PORT=${TB_PORT:-6006}
@@ -231,7 +231,7 @@ echo "run dir: $RUN_DIR (logs: $LOG_DIR)"
 MODEL_PATH=$CFG_MODEL
 if [[ -z $MODEL_PATH ]]; then
   echo "[$(date +%T)] -- warm start (model.path is empty: build the tiny model first)"
-  ws=(srun --nodes 1 --ntasks 1 -w "$MASTER" "${TRAINER_GRES[@]}" "$PYTHON" -m megatron_trace.warm_start
+  ws=(srun --nodes 1 --ntasks 1 -w "$MASTER" "${TRAINER_GRES[@]}" "$PYTHON" -m megatron_trace.run.warm_start
       --config "$CONFIG" "${OVERRIDES[@]}" "logging.run_dir=$RUN_DIR")
   show "${ws[@]}"
   if [[ $DRY_RUN == 1 ]]; then MODEL_PATH='<warm start dir>'; else

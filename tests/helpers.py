@@ -40,7 +40,7 @@ def make_record(sample_id: str, positions: int = 5, k: int = 64, mode: str = "fu
 
 def probe_in_process(ckpt, *flags):
     """The quality probe's report on 4 prompts x 12 tokens with `flags`."""
-    from megatron_trace import probe
+    from megatron_trace.quality import probe
 
     return probe.probe(
         probe.parse_args(["--model-path", str(ckpt), "--num-prompts", "4", "--max-new-tokens", "12", *flags])

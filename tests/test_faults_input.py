@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from megatron_trace.config import Config
 from megatron_trace.data import CharTokenizer
 from megatron_trace.guidance import GuidanceRecord
-from megatron_trace.loop import Rollout
 from megatron_trace.models.tiny import make_tiny_checkpoint
+from megatron_trace.run.step import Rollout
 from megatron_trace.trainer.batching import Partition, Sample, plan
 from sglang_backend.api import GenerateRequest, GenerateResult, WeightBucket
 from sglang_backend.local import Engine

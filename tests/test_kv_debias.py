@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_trace import quality
 from megatron_trace.models import ModelArch, QuantPolicy, tiny_hf_config
 from megatron_trace.models.rope import rotated_bias
-from megatron_trace.quality_backends import EmbeddedScorer
+from megatron_trace.quality import measure as quality
+from megatron_trace.quality.backends import EmbeddedScorer
 from sglang_backend.local import Engine, run_plan
 from tests.helpers import random_prompts
 
@@ -96,7 +96,7 @@ def test_trainer_qat_k_equals_the_engines_debiased_pages():
 
 
 def _probe(ckpt, *flags):
-    from megatron_trace import probe
+    from megatron_trace.quality import probe
 
     return probe.probe(
         probe.parse_args(
@@ -155,7 +155,7 @@ def test_servers_are_launched_and_checked_for_the_debiased_cache(outlier_ckpt, t
     """The launcher passes --kv-k-debias to the embedded engine and to SGLang's plugin (through its
     per-side KV method, read by torch_native); a trainer with quant.kv_k_debias refuses a rollout server
     whose /trace_policy does not report it (else TRACE would guide K - RoPE(b) against a cache of plain K)."""
-    from megatron_trace.rollout_checks import check_debiased_server
+    from megatron_trace.run.checks import check_debiased_server
     from sglang_backend.launch import _policy, parser, sglang_command
 
     args = parser().parse_args(["--model-path", str(outlier_ckpt), "--kv-k", "nvfp4", "--kv-k-debias"])

@@ -5,7 +5,7 @@ import pytest
 
 from megatron_trace.config import Config
 from megatron_trace.data import ArithmeticTask, CharTokenizer, get_reward_fn
-from megatron_trace.loop import Rollout
+from megatron_trace.run.step import Rollout
 from sglang_backend.api import GenerateResult
 
 

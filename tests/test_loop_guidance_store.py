@@ -9,7 +9,7 @@ import torch
 from megatron_trace.config import Config
 from megatron_trace.data import ArithmeticTask, CharTokenizer, get_reward_fn
 from megatron_trace.guidance import GuidanceStore
-from megatron_trace.loop import Rollout, StepRunner, StoredRecord, share_batch
+from megatron_trace.run.step import Rollout, StepRunner, StoredRecord, share_batch
 from sglang_backend.api import GenerateResult
 from tests.helpers import make_record
 

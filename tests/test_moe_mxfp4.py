@@ -90,7 +90,7 @@ def test_tp_that_splits_an_mxfp4_block_is_refused_by_name(moe_ckpt, tmp_path):
         "--master-port",
         str(free_port()),
         "-m",
-        "megatron_trace.probe",
+        "megatron_trace.quality.probe",
         "--model-path",
         str(moe_ckpt),
         "--quantization",

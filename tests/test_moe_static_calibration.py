@@ -109,7 +109,7 @@ def test_an_expert_no_prompt_reaches_is_calibrated_on_all_its_layers_tokens(moe,
 def test_probe_with_static_expert_scales_guides_every_expert_site(moe):
     """--activation-scale static on the MoE: per-expert S_enc calibrated, pushed as each expert's
     input_scale, used by the trainer's QAT; guided < rtn < off, every expert site >= 99.9%."""
-    from megatron_trace import probe
+    from megatron_trace.quality import probe
 
     args = ["--model-path", str(moe), "--num-prompts", "4", "--max-new-tokens", "16", "--activation-scale", "static"]
     res = probe.probe(probe.parse_args(args))
@@ -128,7 +128,7 @@ def test_two_rl_steps_with_static_expert_scales(tmp_path):
     """configs/tiny_moe_cpu.yaml with quant.activation_scale=static and guided QAT: two in-process
     steps; every rollout record's per-slot S_enc is its expert's, the trainer's, after a sync too."""
     from megatron_trace.config import Config
-    from megatron_trace.probe import static_scales_by_site
+    from megatron_trace.quality.probe import static_scales_by_site
     from megatron_trace.train import Run
     from megatron_trace.trainer.parallel import destroy
 

@@ -1,5 +1,5 @@
 """Trainer memory: it grows linearly in a sample's length and stays small at reasoning lengths
-(measured); the memory model (megatron_trace/perf_memory.py): its parameter counts, its fit check
+(measured); the memory model (megatron_trace/perf/memory.py): its parameter counts, its fit check
 and advice, and its step estimate against the peak RSS growth measured on CPU shapes (fp32, one
 rank, every recompute mode: within 25%). Each measurement runs in its own process
 (tests/mp_scripts/trainer_memory.py): the kernel's peak-RSS mark is reset after a warm-up step and
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_trace import perf_memory as pm
 from megatron_trace.config import Config
 from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
-from megatron_trace.perf_model import MODELS
+from megatron_trace.perf import memory as pm
+from megatron_trace.perf.roofline import MODELS
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "mp_scripts" / "trainer_memory.py"
@@ -56,7 +56,7 @@ def test_the_72b_config_fits_its_b200s_at_its_answer_length_and_names_the_knob_w
     est = pm.estimate(m, p, "h200")
     assert not est["fits"] and "trainer.recompute=full" in pm.advice(m, p, est)
     out = subprocess.run(
-        [sys.executable, "-m", "megatron_trace.perf_memory", "--config", str(REPO / "configs" / "qwen2.5_72b.yaml")]
+        [sys.executable, "-m", "megatron_trace.perf.memory", "--config", str(REPO / "configs" / "qwen2.5_72b.yaml")]
         + ["rollout.max_new_tokens=65536", "trainer.recompute=none", "cluster.gpu=h200"],
         cwd=REPO,
         capture_output=True,

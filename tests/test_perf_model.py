@@ -1,4 +1,4 @@
-"""Sanity properties of the rollout roofline model (megatron_trace/perf_model.py); stdlib math, < 1 s."""
+"""Sanity properties of the rollout roofline model (megatron_trace/perf/roofline.py); stdlib math, < 1 s."""
 
 import json
 import math
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_trace import perf_model as pm
-from megatron_trace import perf_step as ps
+from megatron_trace.perf import roofline as pm
+from megatron_trace.perf import step as ps
 
 M72 = pm.MODELS["qwen2.5-72b"]
 H200, B200 = pm.GPUS["h200"], pm.GPUS["b200"]

@@ -20,7 +20,7 @@ def ckpt(tmp_path_factory):
 def _run(args, tmp_path, nproc=1):
     out = tmp_path / f"probe_{nproc}.json"
     if nproc == 1:
-        cmd = [sys.executable, "-m", "megatron_trace.probe"]
+        cmd = [sys.executable, "-m", "megatron_trace.quality.probe"]
     else:
         cmd = [
             sys.executable,
@@ -31,7 +31,7 @@ def _run(args, tmp_path, nproc=1):
             "--master-port",
             str(free_port()),
             "-m",
-            "megatron_trace.probe",
+            "megatron_trace.quality.probe",
         ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd + args + ["--json", str(out)], capture_output=True, text=True, timeout=240)
@@ -79,7 +79,7 @@ def test_tp2_gives_the_tp1_numbers(ckpt, tp1, tmp_path):
 
 def test_bad_flags_are_named(ckpt):
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_trace.probe", "--model-path", str(ckpt), "--tp", "0"],
+        [sys.executable, "-m", "megatron_trace.quality.probe", "--model-path", str(ckpt), "--tp", "0"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -186,7 +186,7 @@ def test_static_activation_scale_needs_nvfp4_w4a4(ckpt):
         [
             sys.executable,
             "-m",
-            "megatron_trace.probe",
+            "megatron_trace.quality.probe",
             "--model-path",
             str(ckpt),
             "--quantization",

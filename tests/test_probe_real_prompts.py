@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_trace.models.tiny import make_tiny_checkpoint
-from megatron_trace.probe import main
+from megatron_trace.quality.probe import main
 
 QWEN25_05B = {
     "hidden_size": 896,

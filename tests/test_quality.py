@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron_trace import quality
+from megatron_trace.quality import measure as quality
 from tests.helpers import random_prompts
 
 

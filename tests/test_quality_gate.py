@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from megatron_trace import quality
 from megatron_trace.models import ModelArch, QuantPolicy
-from megatron_trace.quality_gate import QualityGateError, candidates, gate
+from megatron_trace.quality import measure as quality
+from megatron_trace.quality.gate import QualityGateError, candidates, gate
 from tests.helpers import random_prompts
 
 # A random-init toy: every FP4 site costs it 0.2-0.5 nats/token, the planted K outlier 2.9 (NVFP4 K).
@@ -117,7 +117,7 @@ def test_an_http_runs_embedded_server_must_serve_the_runs_policy(outlier_ckpt):
     for bit) only after the server's /model_info policy is the run's; another policy stops the run."""
     from types import SimpleNamespace
 
-    from megatron_trace.quality_gate import _served_url
+    from megatron_trace.quality.gate import _served_url
     from sglang_backend.local import Engine
     from sglang_backend.local.server import serve
 

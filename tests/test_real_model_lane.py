@@ -25,7 +25,7 @@ def test_the_shipped_qwen25_policy_passes_the_quality_gate_in_bf16(cfg, real_qwe
     the config's policy costs at most quant.max_nll_increase nats/token and keeps greedy accuracy
     within quant.max_accuracy_drop of BF16's (it raises QualityGateError otherwise)."""
     from megatron_trace.data import load_tokenizer, prompt_source
-    from megatron_trace.quality_gate import gate_run
+    from megatron_trace.quality.gate import gate_run
 
     tok = load_tokenizer(str(real_qwen))
     prompts = prompt_source("word_problems", seed=cfg.trainer.seed, tokenizer=tok, eval_fraction=0.1)
@@ -44,7 +44,7 @@ def test_trace_guides_every_site_and_beats_plain_qat_on_the_real_model(real_qwen
     mantissa) < rtn < off; K and V are guided sites and agree on >= 99.9% of their codes in full mode
     (FP8 through fp8.GUIDE_REACH, de-biased K computed without its bias), the FP4 sites on >= 99.5%
     (measured 99.9% at 8 x 64 tokens: docs/quality.md)."""
-    from megatron_trace import probe
+    from megatron_trace.quality import probe
 
     args = ["--model-path", str(real_qwen), "--dataset", "word_problems", "--num-prompts", "4"]
     args += ["--max-new-tokens", "32", "--quantization", "nvfp4", "--kv-k", "fp8", "--kv-v", "nvfp4"]

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from megatron_trace.models import make_tiny_checkpoint
-from megatron_trace.rollout_checks import check_server_versions
+from megatron_trace.run.checks import check_server_versions
 from sglang_backend.client import RolloutClient
 from sglang_backend.local import Engine
 from sglang_backend.local.server import serve

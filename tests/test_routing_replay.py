@@ -147,7 +147,7 @@ def test_probe_replay_buys_expert_agreement_and_logprob(moe_ckpt):
     """The issue's check on the tiny Qwen3-MoE: with replay, expert-site full-code agreement >= 99.9%
     and the rollout's routing is what the trainer used (100%); without it less of both, and a larger
     mean |dlogp|. A rollout plus five recompute modes: ~30 s on 2 cores."""
-    from megatron_trace.probe import NO_REPLAY, parse_args, probe
+    from megatron_trace.quality.probe import NO_REPLAY, parse_args, probe
 
     res = probe(parse_args(["--model-path", str(moe_ckpt), "--num-prompts", "6", "--max-new-tokens", "24"]))
     m = res["modes"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import sglang  # noqa: F401 - a missing SGLang fails this module, it is not skipped
 
-from megatron_trace import quality
+from megatron_trace.quality import measure as quality
 from tests.helpers import random_prompts
 
 SETTINGS = ["bf16:nvfp4:nvfp4", "bf16:fp8:nvfp4", "bf16:nvfp4+debias:nvfp4"]
@@ -75,7 +75,7 @@ def test_the_gate_of_an_http_run_scores_its_sglang_server(outlier_ckpt, nvfp4_kv
     candidates on the embedded engine beside it); its loss is what the SGLang quality backend measured,
     and the gate stops naming the cheapest candidate that passes."""
     from megatron_trace.models import QuantPolicy
-    from megatron_trace.quality_gate import QualityGateError, gate
+    from megatron_trace.quality.gate import QualityGateError, gate
 
     policy = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4")
     limits = dict(max_nll_increase=0.6, max_accuracy_drop=0.125, max_new_tokens=12, dtype="float32")

@@ -109,7 +109,7 @@ def test_dry_run_tiny_cpu_plan_needs_no_gpus_and_resumes(tmp_path):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert "megatron_trace.warm_start" in out.stdout and "--backend local" in out.stdout
+    assert "megatron_trace.run.warm_start" in out.stdout and "--backend local" in out.stdout
     assert "--nproc-per-node 1" in out.stdout and "transfer.transport=http" in out.stdout
     assert "-m megatron_trace.train --config configs/tiny_cpu.yaml --resume" in out.stdout
     assert "--gres" not in out.stdout  # CPU steps share the node

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_trace.data.tokenizer import CharTokenizer
-from megatron_trace.metrics import REQUIRED_MISMATCH
+from megatron_trace.run.metrics import REQUIRED_MISMATCH
 
 BASE = [
     "--config",

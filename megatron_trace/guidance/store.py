@@ -1,7 +1,7 @@
 """Where guidance records wait between the rollout that writes them and the training step that
 reads them.
 
-Its purpose, in the RL loop (megatron_trace/loop.py): the rollout puts each record the moment it
+Its purpose, in the RL loop (megatron_trace/run/step.py): the rollout puts each record the moment it
 has fetched it, and the step that trains on it gets it back and releases the step afterwards. In
 async mode (`algo.async_rollout`) the rollout of step k+1 runs while step k trains, so k+1's records
 are written, and past the memory budget spilled, on the writer thread during step k's training;

@@ -23,8 +23,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_trace import quality
 from megatron_trace.models import ModelArch, QuantPolicy
+from megatron_trace.quality import measure as quality
 
 MAX_CANDIDATES = 4  # each costs one greedy decode of the prompts at the run's answer length
 

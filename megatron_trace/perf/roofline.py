@@ -2,7 +2,7 @@
 
 Stdlib only (no torch): `benchmarks/perf_model.py` prints the tables, `tests/test_perf_model.py`
 checks the math; the rest of the step (weight sync, guidance bytes, QAT cost) is in
-`megatron_trace/perf_step.py`. Every number here is an estimate, not a measurement; `Eff` records which of its
+`megatron_trace/perf/step.py`. Every number here is an estimate, not a measurement; `Eff` records which of its
 kernel-efficiency inputs were measured (`--measured FILE.json`) and which are assumed defaults.
 
 Rollout model (one replica = `tp` GPUs, tensor parallel):

@@ -1,6 +1,6 @@
 """The probe's rollout half: its prompts, and the embedded engine generating them under the FP4
 policy with every sample's full guidance recorded (static activation scales calibrated first).
-The trainer half, the scoring and the report are in megatron_trace.probe."""
+The trainer half, the scoring and the report are in megatron_trace.quality.probe."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def synthetic_prompts(arch: ModelArch, n: int, length: int, seed: int) -> list[l
 def probe_prompts(args, arch: ModelArch) -> list[list[int]]:
     """The prompt token ids: a user's JSONL, a built-in task's eval split, or random ids."""
     if args.prompts:
-        from megatron_trace.quality import load_prompts
+        from megatron_trace.quality.measure import load_prompts
 
         return [p["ids"] for p in load_prompts(args.prompts, args.model_path)][: args.num_prompts]
     if args.dataset:

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .perf_model import GPUS, MODELS, ModelSpec
+from .roofline import GPUS, MODELS, ModelSpec
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -332,7 +332,7 @@ def check_launch(cfg, model_path: str) -> None:
 
 
 def main(argv=None) -> int:
-    """python -m megatron_trace.perf_memory --config FILE [--dp N] [--answers 4096,16384] [key=value ...]"""
+    """python -m megatron_trace.perf.memory --config FILE [--dp N] [--answers 4096,16384] [key=value ...]"""
     import argparse
 
     from megatron_trace.config import Config

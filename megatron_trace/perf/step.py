@@ -1,10 +1,10 @@
 """Roofline model of the RL step outside the rollout: weight-sync bytes, TRACE guidance bytes
-per token, QAT fake-quant overhead. Stdlib only; builds on `megatron_trace.perf_model`'s model
+per token, QAT fake-quant overhead. Stdlib only; builds on `megatron_trace.perf.roofline`'s model
 specs, byte counts and efficiencies."""
 
 from __future__ import annotations
 
-from .perf_model import GPU, PRECISIONS, Eff, ModelSpec, active_linear_params, linear_params, weight_bytes
+from .roofline import GPU, PRECISIONS, Eff, ModelSpec, active_linear_params, linear_params, weight_bytes
 
 
 def sync_bytes(m: ModelSpec, prec: str) -> float:

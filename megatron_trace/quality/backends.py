@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_trace.quality import DEBIASED
+from megatron_trace.quality.measure import DEBIASED
 
 BACKENDS = ("embedded", "sglang")  # the CLI's; open_scorer also takes "http" (a running server)
 # weights of a setting -> the launcher's --quantization (online quantization inside SGLang)

@@ -1,13 +1,44 @@
-"""The "step" section of benchmarks/perf_model.py's report: weight sync on the wire, guidance bytes
-against host memory and disk (with the TRACE paper cross-check), QAT fake-quant overhead.
-The numbers come from megatron_trace.perf_step; this module only lays them out."""
+"""The tables of benchmarks/perf_model.py's report: plain text or markdown, their number formats, and
+the "step" section (weight sync on the wire, guidance bytes against host memory and disk with the
+TRACE paper cross-check, QAT fake-quant overhead). The numbers come from `roofline` and `step`;
+this module only lays them out."""
 
 from __future__ import annotations
 
-from megatron_trace import perf_model as pm
-from megatron_trace import perf_step as ps
+import math
 
-from .perf_tables import fx, table
+from . import roofline as pm
+from . import step as ps
+
+
+def table(title: str, header: list[str], rows: list[list], md: bool) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    if md:
+        out = [
+            f"\n**{title}**\n",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
+        ]
+        out += ["| " + " | ".join(r) + " |" for r in cells]
+        return "\n".join(out)
+    w = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
+    out = [f"\n{title}", "  ".join(h.rjust(w[i]) for i, h in enumerate(header))]
+    out += ["  ".join(c.rjust(w[i]) for i, c in enumerate(r)) for r in cells]
+    return "\n".join(out)
+
+
+def fmt_s(s: float) -> str:
+    if not math.isfinite(s):
+        return "OOM"
+    return f"{s:,.0f}" if s >= 100 else f"{s:.1f}"
+
+
+def fx(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x:.2f}x"
+
+
+def kl(L: int) -> str:
+    return f"{L // 1024}K"
 
 
 def step_tables(a, md) -> list[str]:

@@ -31,7 +31,6 @@ import functools
 import json
 import math
 import re
-import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -170,7 +169,7 @@ def run(
     setting (the reference too) served by `backend` (quality_backends: embedded | sglang).
     `reference`: an earlier report on the same prompts whose BF16 row is reused, not decoded again.
     backend "http": the running server at `url` serves the one setting (the BF16 row comes from `reference`)."""
-    from megatron_trace.quality_backends import open_scorer
+    from megatron_trace.quality.backends import open_scorer
 
     if backend == "http" and reference is None:
         raise ValueError("quality.run(backend='http') scores the server's own setting: pass the BF16 reference report")
@@ -369,7 +368,3 @@ def main(argv=None) -> int:
         print(f"\nwrote {out / 'quality.json'} and {out / 'quality.png'}")
     bad = [n for n, r in rep["settings"].items() if not math.isfinite(r["nll_per_token"])]
     return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
 """How far apart are the FP4 rollout and the trainer? Run this before trusting FP4 rollout.
 
-    python -m megatron_trace.probe --model-path HF_DIR [--prompts FILE.jsonl | --dataset long_addition]
+    python -m megatron_trace.quality.probe --model-path HF_DIR [--prompts FILE.jsonl | --dataset long_addition]
         [--quantization nvfp4|mxfp4|w4a16_nvfp4|w4a16_mxfp4|none] [--kv-cache-dtype nvfp4|mxfp4|fp8|bf16]
         [--json OUT.json] [--plot OUT.png]
-    torchrun --nproc-per-node 2 -m megatron_trace.probe --model-path HF_DIR --tp 2
+    torchrun --nproc-per-node 2 -m megatron_trace.quality.probe --model-path HF_DIR --tp 2
 
     prompts ─► rollout engine (FP4 policy, --rollout-dtype, full guidance recorded)
             ─► trainer recompute on Megatron (TP/PP) in modes off | rtn | guided-full | guided-mantissa
@@ -33,7 +33,7 @@ from megatron_trace.data import BUILTIN_PROMPTS
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.guidance.routing import sample_routed_experts
 from megatron_trace.models import ModelArch, QuantPolicy
-from megatron_trace.probe_rollout import guidance_skipped, rollout
+from megatron_trace.quality.probe_rollout import guidance_skipped, rollout
 from megatron_trace.rl import mismatch_metrics
 from megatron_trace.trainer.comm import all_gather_json, broadcast_blobs, broadcast_json
 
@@ -51,7 +51,7 @@ NO_REPLAY = "guided-full-no-replay"  # MoE with replay: what guided-full is with
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m megatron_trace.probe", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m megatron_trace.quality.probe", description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json + safetensors)")
     ap.add_argument(
         "--quantization",

@@ -132,7 +132,7 @@ def _train(model, tokenizer, task: ArithmeticTask, *, steps: int, lr: float, bat
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m megatron_trace.warm_start --config FILE [section.key=value ...]`: build (or find) the
+    """`python -m megatron_trace.run.warm_start --config FILE [section.key=value ...]`: build (or find) the
     run's starting checkpoint the way `megatron_trace.train` does and print its directory on stdout
     (progress goes to stderr). Launch scripts use it to start rollout servers before the trainer."""
     import argparse
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_trace.data import TASKS, ArithmeticTask, CharTokenizer, load_tokenizer
 
     ap = argparse.ArgumentParser(
-        prog="python -m megatron_trace.warm_start",
+        prog="python -m megatron_trace.run.warm_start",
         description="Build (or find) the run's starting checkpoint; print its directory.",
     )
     cfg, _ = parse_cli(ap, argv)

@@ -1,0 +1,5 @@
+import sys
+
+from megatron_trace.quality.measure import main
+
+sys.exit(main())
