@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from megatron_trace.models import QuantPolicy
+from megatron_trace.models import ModelArch, QuantPolicy
 from sglang_backend.local import Engine
 
 CONTENDERS = {
@@ -43,7 +43,7 @@ def main(argv=None) -> None:
         name: Engine(
             args.model_path,
             dtype="bfloat16",
-            quant_policy=QuantPolicy(kv_v="nvfp4", **kw),
+            quant_policy=QuantPolicy(kv_v="nvfp4", **kw).resolve(ModelArch.from_hf_config(args.model_path)),
             guided_layers="none",
         )
         for name, kw in CONTENDERS.items()

@@ -26,7 +26,8 @@ import time
 from megatron_trace.config import AlgoConfig, TrainerConfig
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
 from megatron_trace.perf.memory import peak_rss, reset_peak_rss
-from megatron_trace.trainer.actor import Actor, Sample
+from megatron_trace.rl import Sample
+from megatron_trace.trainer.actor import Actor
 from megatron_trace.trainer.parallel import destroy, init_distributed
 
 POLICY = QuantPolicy(format="nvfp4", weights="fp4", activations="fp4", kv="nvfp4")
@@ -46,7 +47,7 @@ def batch(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[Sample]:
 def step(actor: Actor, samples: list[Sample]) -> dict:
     before = reset_peak_rss()
     t = time.perf_counter()
-    metrics, _ = actor.train_step(samples, AlgoConfig())
+    metrics = actor.train_step(samples, AlgoConfig()).metrics
     took = time.perf_counter() - t
     tokens = sum(len(s.response_ids) for s in samples)
     return {"s": took, "tok_s": tokens / took, "peak_gb": peak_rss() - before, "mb": metrics["micro_batches"]}

@@ -118,9 +118,12 @@ def main() -> None:
 
     copy_s = float("inf")  # best of runs interleaved with the transfers: the box may be shared
     policies = {
-        "bf16": QuantPolicy(format="bf16", weights="bf16", activations="bf16"),
-        "nvfp4 default (MLP)": QuantPolicy(),
-        "nvfp4 all linears": QuantPolicy(targets=ALL_LINEARS),
+        label: pol.resolve(arch)
+        for label, pol in {
+            "bf16": QuantPolicy(format="bf16", weights="bf16", activations="bf16"),
+            "nvfp4 default (MLP)": QuantPolicy(),
+            "nvfp4 all linears": QuantPolicy(targets=ALL_LINEARS),
+        }.items()
     }
     rows, budget = [], args.bucket_mb * (1 << 20)
     run(sd, arch, policies["nvfp4 all linears"], args.bucket_mb, 0)  # warm-up (first-call costs)

@@ -4,7 +4,7 @@
 Every field has a default and a one-line help; unknown sections/keys, wrong types and values
 outside the allowed set are errors that name the key and what is allowed. The checks are the
 sections' own declarations: a section's constructor coerces and checks each field by its
-annotation and `opt(...)` metadata (one validator, config_fields.coerce), then runs the section's cross-field
+annotation and `opt(...)` metadata (one validator, fields.coerce), then runs the section's cross-field
 `check`, so a section built in code (`AlgoConfig(loss="tis")`) is as valid as a loaded one. The
 trainer, the loss and the actor read these sections directly.
 
@@ -75,12 +75,18 @@ _QUANT_RUN_FIELDS = [
 ]
 
 
-def _policy(self) -> QuantPolicy:
+def _spec(self) -> QuantPolicy:
+    """The policy as the config writes it (kv may say "auto"); only `resolve` makes one that runs."""
     return QuantPolicy(**{f.name: getattr(self, f.name) for f in dataclasses.fields(QuantPolicy)})
 
 
+def _resolve(self, arch) -> QuantPolicy:
+    """The run's policy on `arch` (the loaded checkpoint's): what Run hands every part that quantizes."""
+    return self.spec().resolve(arch)
+
+
 def _check_policy(self) -> None:
-    self.policy()  # the policy's own cross-field rules (W16A4 is not a policy, ...)
+    self.spec()  # the policy's own cross-field rules (W16A4 is not a policy, ...)
 
 
 # quant: QuantPolicy's keys, then the run's (what the gate and calibration do with it).
@@ -91,7 +97,8 @@ QuantConfig = dataclasses.make_dataclass(
     namespace={
         "SECTION": "quant",
         "RUN_KEYS": tuple(name for name, _, _ in _QUANT_RUN_FIELDS),
-        "policy": _policy,
+        "spec": _spec,
+        "resolve": _resolve,
         "check": _check_policy,
     },
 )
@@ -296,6 +303,12 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def with_policy(self, policy: QuantPolicy) -> Config:
+        """This config with its `quant` keys set to a resolved policy's: what the run saves as its
+        config.yaml, so the file says what ran ("auto" resolved) and reloads to the same run."""
+        quant = dataclasses.replace(self.quant, **{**policy.to_dict()})
+        return dataclasses.replace(self, quant=quant)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))

@@ -1,7 +1,7 @@
 """Named fault-injection points: the places where a test kills a process on purpose.
 
-    train.Run.run:   rollout.done(step) ─► train.done(step) ─► [weight sync] ─► checkpoint
-    transfer._send:  transfer.bucket(version, bucket)  (before bucket i of a version is handed over)
+    run.Run.step:    rollout.done(step) ─► train.done(step) ─► [weight sync] ─► checkpoint
+    transfer._send:  transfer.unit(version, unit)  (before unit i of a version is handed to the transport)
     Actor.save_checkpoint:  checkpoint.shard_written(step)   (shard on disk, not yet committed)
     local Scheduler.step:   engine.decode_step(n)            (n-th decode step with requests in flight)
 
@@ -26,7 +26,7 @@ POINTS: dict[str, tuple[str, ...]] = {
     "train.done": ("step",),
     "checkpoint.shard_written": ("step", "rank"),
     "engine.decode_step": ("n",),
-    "transfer.bucket": ("version", "bucket"),
+    "transfer.unit": ("version", "unit"),
 }
 
 Action = Callable[[str, dict], None]

@@ -1,8 +1,9 @@
-"""The field machinery of the config tree (megatron_trace/config.py): `opt(...)` declares a field's
-default, help, allowed values and lower bound; a `Section` coerces and checks every field by its
-annotation and that metadata when built (`coerce`, the one validator), then runs its cross-field
-`check`; `build` makes a section from a YAML/CLI mapping, `Raw` marks a command-line string to be
-parsed by the type of the field it lands in."""
+"""The field machinery of the config tree (megatron_trace/config.py) and of the quantization policy
+(models/quant_policy.py, whose fields the tree's `quant` section is generated from): `opt(...)`
+declares a field's default, help, allowed values and lower bound; a `Section` (a dataclass, frozen
+or not) coerces and checks every field by its annotation and that metadata when built (`coerce`, the
+one validator), then runs its cross-field `check`; `build` makes a section from a YAML/CLI mapping,
+`Raw` marks a command-line string to be parsed by the type of the field it lands in."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class Section:
         hints = hints_of(type(self))
         for f in dataclasses.fields(self):
             key = f"{self.SECTION}.{f.name}"
-            setattr(self, f.name, coerce(key, hints[f.name], f.metadata, getattr(self, f.name)))
+            # object.__setattr__: a frozen section (the quantization policy) is coerced the same way
+            object.__setattr__(self, f.name, coerce(key, hints[f.name], f.metadata, getattr(self, f.name)))
         self.check()
 
     def check(self) -> None:
@@ -74,7 +76,11 @@ def coerce(key: str, typ, meta, value):
             value = float(value)
         except ValueError:
             raise ValueError(f"{key} must be a number; got {value!r}") from None
-    if typ is Any:
+    if typing.get_origin(typ) is tuple:  # a YAML list held as a tuple (the policy's targets)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key} must be a list; got {value!r} ({type(value).__name__})")
+        value = tuple(value)
+    elif typ is Any:
         pass
     elif typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)

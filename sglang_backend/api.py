@@ -1,22 +1,30 @@
 """The rollout contract: what the trainer side may ask of any rollout backend.
 
-    trainer/loop ──generate(requests)──► backend ──► results (tokens, logprobs, version, guidance handle)
+    trainer/loop ──generate(requests)──► backend ──► results (tokens, logprobs, version, guidance handle,
+                                                            routed experts as a tensor)
+                 ──fetch_guidance(handle)──► GuidanceRecord
                  ──update_weights(bucket, version)──► pause → load → flush KV → resume
-Implementations: the embedded engine in-process (`sglang_backend.local.InProcessBackend`), and
-the HTTP client (`sglang_backend.client.RolloutClient`) that speaks SGLang's native endpoints
-to our embedded server or a real SGLang server with our plugin. Field names follow SGLang's
-JSON so the two map one to one.
+Implementations: the embedded engine in-process (`sglang_backend.local.InProcessBackend`: records,
+routed experts and weights pass as objects and tensors), and the HTTP client
+(`sglang_backend.client.RolloutClient`) that speaks SGLang's native endpoints to our embedded server
+or a real SGLang server with our plugin, turning the wire forms (base64 ids, record bytes) into the
+same objects as they arrive. Field names follow SGLang's JSON so the two map one to one.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from megatron_trace.guidance.routing import encode_routed_experts, wire_routed_experts
+
+if TYPE_CHECKING:
+    from megatron_trace.guidance import GuidanceRecord
 
 _SAMPLING_ALIASES = {"stop_token_ids": list}
 GUIDANCE_KEY = "trace_return_guidance"  # sampling_params.custom_params key that asks for a guidance record
@@ -136,9 +144,9 @@ class GenerateResult:
     prompt_tokens: int
     weight_version: str  # as the server names it (SGLang: any string, "default" unless set)
     guidance_handle: str | None = None
-    # SGLang's meta_info["routed_experts"]: base64 int32 [prompt + output - 1, layers, top_k]
-    # (megatron_trace.guidance.routing decodes it)
-    routed_experts: str | None = None
+    # the router's int32 ids [prompt + output - 1, layers, top_k] (from a server: flat, as decoded from
+    # SGLang's base64 meta_info["routed_experts"]; megatron_trace.guidance.decode_routed_experts shapes it)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -161,7 +169,7 @@ class GenerateResult:
         if self.guidance_handle is not None:
             meta["guidance_handle"] = self.guidance_handle
         if self.routed_experts is not None:
-            meta["routed_experts"] = self.routed_experts
+            meta["routed_experts"] = encode_routed_experts(self.routed_experts)
         return {"output_ids": list(self.output_ids), "meta_info": meta}
 
     @classmethod
@@ -182,7 +190,7 @@ class GenerateResult:
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             weight_version=str(meta.get("weight_version", DEFAULT_VERSION)),
             guidance_handle=meta.get("guidance_handle"),
-            routed_experts=meta.get("routed_experts"),
+            routed_experts=None if meta.get("routed_experts") is None else wire_routed_experts(meta["routed_experts"]),
         )
 
 
@@ -236,7 +244,7 @@ class RolloutBackend(Protocol):
 
     def model_info(self) -> dict[str, Any]: ...
 
-    def fetch_guidance(self, handle: str) -> bytes: ...
+    def fetch_guidance(self, handle: str) -> GuidanceRecord: ...
 
     def note_version(self, version: int) -> None:
         """The rollout now serves `version`, pushed past the backend (a transport of its own)."""

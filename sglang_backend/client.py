@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from megatron_trace.guidance import GuidanceRecord
 from sglang_backend.api import (
     GUIDANCE_KEY,
     TRACE_POLICY_PATH,
@@ -246,16 +247,16 @@ class RolloutClient(DeadServerReadmission):
         for r in results if req.return_guidance else ():
             if r.guidance_handle:
                 try:
-                    got: bytes | RolloutError = self.fetch_guidance(r.guidance_handle)
+                    got: GuidanceRecord | RolloutError = self.fetch_guidance(r.guidance_handle)
                 except RolloutError as e:
                     got = e  # fetch_guidance raises it when the caller asks for this record
                 with self._lock:
                     self._prefetched[r.guidance_handle] = got
         return results
 
-    def fetch_guidance(self, handle: str) -> bytes:
-        """The record's bytes, from the server that produced it (any server, if unknown); records of
-        this client's own generate calls were already fetched while the batch ran."""
+    def fetch_guidance(self, handle: str) -> GuidanceRecord:
+        """The record, read from its bytes on arrival, from the server that produced it (any server, if
+        unknown); records of this client's own generate calls were already fetched while the batch ran."""
         with self._lock:
             got = self._prefetched.pop(handle, None)
             url = self._handles.pop(handle, None)
@@ -265,7 +266,7 @@ class RolloutClient(DeadServerReadmission):
             return got
         for u in [url] if url else self.urls:
             try:
-                return self._call(u, "/get_guidance", {"rid": handle})
+                return GuidanceRecord.from_bytes(self._call(u, "/get_guidance", {"rid": handle}))
             except RolloutError as e:
                 if url or e.status != 404:
                     raise

@@ -55,3 +55,13 @@ def hf_topk(path, tokens: list[int], top_k: int) -> torch.Tensor:
     with torch.no_grad():
         out = hf(torch.tensor([tokens]), output_router_logits=True)
     return torch.stack([torch.topk(r.float().softmax(-1), top_k, -1).indices for r in out.router_logits], 1)
+
+
+def tiny_rollout(cfg, backend, tok, prompts, reward_fn, store=None, family: str = "qwen2"):
+    """run.rollout.Rollout as a run builds it, for the tiny model of `family`: the config's policy
+    resolved for that architecture."""
+    from megatron_trace.models import ModelArch, tiny_hf_config
+    from megatron_trace.run.rollout import Rollout
+
+    arch = ModelArch.from_hf_config(tiny_hf_config(family))
+    return Rollout(cfg, cfg.quant.resolve(arch), arch, backend, tok, prompts, reward_fn, store)

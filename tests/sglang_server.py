@@ -39,10 +39,9 @@ def greedy(n: int = 1, max_new_tokens: int = 8) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0, n=n, ignore_eos=True)
 
 
-def guidance_agreement(a: bytes, b: bytes) -> dict[str, float]:
+def guidance_agreement(ra: GuidanceRecord, rb: GuidanceRecord) -> dict[str, float]:
     """Two records of one sample: same sites, positions and shapes (asserted), and how far apart:
     the fraction of equal code bytes and scale bytes, the largest relative S_enc difference."""
-    ra, rb = GuidanceRecord.from_bytes(a), GuidanceRecord.from_bytes(b)
     # site order is each writer's first-write order (the engine's C and Python layers differ): compare sets
     assert (ra.mode, ra.num_positions, sorted(ra.sites)) == (rb.mode, rb.num_positions, sorted(rb.sites))
     eq = {"payload": [0, 0], "scale": [0, 0]}

@@ -82,7 +82,7 @@ def test_launch_env_is_torchruns_rendezvous_or_none():
 
 
 def test_checkpoint_paths_expand_home_and_a_missing_one_is_named(tmp_path, monkeypatch):
-    from megatron_trace.train import _check_checkpoint_dirs
+    from megatron_trace.run.run import check_checkpoint_dirs
 
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = Config.load(Path(__file__).resolve().parents[1] / "configs/qwen2.5_0.5b_cpu.yaml", [])
@@ -92,7 +92,7 @@ def test_checkpoint_paths_expand_home_and_a_missing_one_is_named(tmp_path, monke
         FileNotFoundError,
         match=r"model.path=.*hf_bf16: no HF checkpoint directory there .*python -m megatron_trace.models.real_qwen",
     ):
-        _check_checkpoint_dirs(cfg)
+        check_checkpoint_dirs(cfg)
     (Path(cfg.model.path)).mkdir(parents=True)
     (Path(cfg.model.path) / "config.json").write_text("{}")
-    _check_checkpoint_dirs(cfg)  # the tokenizer directory is the same, now there
+    check_checkpoint_dirs(cfg)  # the tokenizer directory is the same, now there

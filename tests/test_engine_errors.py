@@ -2,7 +2,6 @@
 
 import pytest
 
-from megatron_trace.guidance.record import GuidanceRecord
 from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.local import Engine
 from sglang_backend.local import engine as engine_mod
@@ -66,7 +65,7 @@ def test_failing_decode_aborts_running_requests(eng, monkeypatch):
 
 
 def test_failing_guidance_record_aborts_only_that_request(eng, monkeypatch):
-    _fail_once(monkeypatch, engine_mod, "guidance_bytes")
+    _fail_once(monkeypatch, engine_mod, "guidance_record")
     out = eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_guidance=True)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "injected failure" in out["meta_info"]["finish_reason"]["message"]
@@ -88,7 +87,7 @@ def test_guidance_without_any_quantized_site_is_refused_by_name(tmp_path):
     e = Engine(str(ckpt), quantization=None, kv_cache_dtype="nvfp4")
     try:
         out = e.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY, return_guidance=True, rid="kv")
-        record = GuidanceRecord.from_bytes(e.fetch_guidance(out[0]["meta_info"].get("guidance_handle", "kv")))
+        record = e.fetch_guidance(out[0]["meta_info"].get("guidance_handle", "kv"))
         assert {name.rsplit(".", 1)[1] for name in record.sites} == {"k_cache", "v_cache"}
         assert len(record.sites) == 2 * len(e.guided) and record.num_positions == 3 + 4 - 1  # K and V per guided layer
     finally:

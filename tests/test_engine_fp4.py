@@ -7,7 +7,6 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_trace.fp4 import nvfp4, to_modelopt_fused
-from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
 from sglang_backend.local import Engine
 from sglang_backend.local.kv_cache import PagedKVCache
@@ -115,7 +114,7 @@ def test_n_samples_share_prefill_and_seeds_are_per_sample(fp4_engine):
 
 def test_guidance_record_covers_prompt_and_response(fp4_engine):
     out = fp4_engine.generate(input_ids=[3, 4, 5, 6], sampling_params=GREEDY, return_guidance=True)
-    rec = GuidanceRecord.from_bytes(fp4_engine.fetch_guidance(out["meta_info"]["guidance_handle"]))
+    rec = fp4_engine.fetch_guidance(out["meta_info"]["guidance_handle"])
     assert rec.num_positions == 4 + 8 - 1 and rec.mode == "full"
     layers = {int(s.split(".")[2]) for s in rec.sites}
     assert layers == {2, 3}  # default: the last half of 4 layers

@@ -80,7 +80,6 @@ def test_fused_cpu_path_equals_the_torch_reference_path(ckpt, kv, quant, monkeyp
 def test_guidance_from_the_c_layer_equals_the_torch_path(ckpt, mode, monkeypatch):
     """Records written by the C layer straight into the guidance log against the torch path's
     quantizer outputs: same sites, positions and scales; codes agree but for rounding-boundary ties."""
-    from megatron_trace.guidance import GuidanceRecord
     from megatron_trace.kernels import cpu_fused
     from sglang_backend.local import run_plan
 
@@ -97,9 +96,7 @@ def test_guidance_from_the_c_layer_equals_the_torch_path(ckpt, mode, monkeypatch
                 sampling_params={"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
                 return_guidance=True,
             )
-            recs.append(
-                [GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs]
-            )
+            recs.append([eng.fetch_guidance(o["meta_info"]["guidance_handle"]) for o in outs])
         finally:
             eng.shutdown()
     same = total = 0
@@ -120,7 +117,6 @@ def test_c_layer_guidance_through_log_growth_and_per_row_scales(ckpt, static_act
     equal to the torch path's while the log grows from 4 rows, and when a site under a static
     scale (KV; activations with static input scales) holds one S_enc per row (here: it was first
     opened under another scale) the C layer fills those rows with the scale."""
-    from megatron_trace.guidance import GuidanceRecord
     from megatron_trace.kernels import cpu_fused
     from sglang_backend.local import run_plan
     from sglang_backend.local.guidance_log import GuidanceLog
@@ -152,9 +148,7 @@ def test_c_layer_guidance_through_log_growth_and_per_row_scales(ckpt, static_act
                 sampling_params={"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
                 return_guidance=True,
             )
-            recs.append(
-                [GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs]
-            )
+            recs.append([eng.fetch_guidance(o["meta_info"]["guidance_handle"]) for o in outs])
             kv_scales = eng.kv.global_scale.clone()
             grew = eng.scheduler.log.capacity > 4
         finally:

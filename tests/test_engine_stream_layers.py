@@ -6,7 +6,6 @@ static activation scales, batches up to the widest a streamed layer takes."""
 import pytest
 import torch
 
-from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.kernels import cpu_gemv
 from megatron_trace.models import DEFAULT_TARGETS, QuantPolicy, make_tiny_checkpoint
 from sglang_backend.local import Engine, layer_c, run_plan
@@ -54,7 +53,7 @@ def _generate(path, policy: dict, prompts, stream: bool, monkeypatch):
             guided = bool(eng.policy.guided_site_kinds()) and "fp8" not in eng.kv.side_fmt
             outs = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, return_guidance=guided)
             handles = [o["meta_info"]["guidance_handle"] for o in outs] if guided else []
-            records = [GuidanceRecord.from_bytes(eng.fetch_guidance(h)) for h in handles]
+            records = [eng.fetch_guidance(h) for h in handles]
             pages = [t.clone() for t in eng.kv.layer_pages[1] if t is not None]
         finally:
             eng.shutdown()

@@ -21,13 +21,13 @@ from safetensors.torch import load_file
 
 from megatron_trace.config import Config
 from megatron_trace.data import CharTokenizer
-from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models.tiny import make_tiny_checkpoint
-from megatron_trace.run.step import Rollout
-from megatron_trace.trainer.batching import Partition, Sample, plan
+from megatron_trace.rl import Sample
+from megatron_trace.trainer.batching import Partition, plan
 from sglang_backend.api import GenerateRequest, GenerateResult, WeightBucket
 from sglang_backend.local import Engine
 from sglang_backend.local.server import serve
+from tests.helpers import tiny_rollout
 
 KEY = "input-key"
 
@@ -76,13 +76,13 @@ def test_long_prompts_rejected_or_truncated_and_counted(mode):
         ],
     )
     backend = _Backend()
-    batch = Rollout(cfg, backend, tok, _Prompts(texts), lambda text, answer: 1.0).run(step=0, version=0)
+    batch = tiny_rollout(cfg, backend, tok, _Prompts(texts), lambda text, answer: 1.0).run(step=0, version=0)
     long_ids = [tok.encode_prompt(t) for t in texts if len(tok.encode_prompt(t)) > 12]
     assert len(long_ids) == 2
     if mode == "reject":
         assert batch.stats["prompts_rejected"] == 2 and batch.stats["prompts_truncated"] == 0
         assert [r.rid for r in backend.sent] == ["p0-v0", "p2-v0"]  # the long ones never reach the rollout
-        assert len(batch.samples) == 4 and {s["prompt_id"] for s in batch.samples} == {"p0", "p2"}
+        assert len(batch.samples) == 4 and {s.prompt_id for s in batch.samples} == {"p0", "p2"}
     else:
         assert batch.stats["prompts_truncated"] == 2 and batch.stats["prompts_rejected"] == 0
         assert len(backend.sent) == 4 and all(len(r.input_ids) <= 12 for r in backend.sent)
@@ -169,7 +169,7 @@ def test_guidance_record_of_wrong_length_is_a_clear_error(ckpt):
             return_logprob=True,
             return_guidance=True,
         )
-        rec = GuidanceRecord.from_bytes(engine.fetch_guidance(out["meta_info"]["guidance_handle"]))
+        rec = engine.fetch_guidance(out["meta_info"]["guidance_handle"])
     finally:
         engine.shutdown()
     resp = out["output_ids"]

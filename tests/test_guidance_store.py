@@ -53,48 +53,48 @@ def test_round_trip_in_memory(store_factory):
     store = store_factory()
     recs = [make_record(f"r{i}", seed=i, mode=("full", "mantissa")[i % 2]) for i in range(4)]
     for r in recs:
-        store.put(r.sample_id, 0, r.to_bytes())
+        store.put(r.sample_id, 0, r)
     for r in recs:
         assert_same(store.get(r.sample_id), r)
     st = store.stats()
     assert st["records"] == 4 and st["bytes_spilled_total"] == 0 and st["bytes_on_disk"] == 0
-    assert st["bytes_in_memory"] == sum(len(r.to_bytes()) for r in recs)
+    assert st["bytes_in_memory"] == sum(r.nbytes() for r in recs)  # the records' own tensors
     assert store._dir is None  # never spilled: no disk touched
 
 
 def test_spill_past_budget_round_trip(store_factory):
     recs = [make_record(f"r{i}", seed=i) for i in range(6)]
-    size = len(recs[0].to_bytes())
-    store = store_factory(memory_budget_bytes=2 * size, shard_bytes=2 * size)
+    held, size = recs[0].nbytes(), len(recs[0].to_bytes())  # in memory: its tensors; on disk: its bytes
+    store = store_factory(memory_budget_bytes=2 * held, shard_bytes=2 * size)
     for r in recs:
-        store.put(r.sample_id, 0, r.to_bytes())
+        store.put(r.sample_id, 0, r)
     store.flush()
     st = store.stats()
     assert st["records"] == 6
-    assert st["bytes_in_memory"] == 2 * size
+    assert st["bytes_in_memory"] == 2 * held
     assert st["bytes_spilled_total"] == 4 * size == st["bytes_on_disk"]
     assert len(shard_files(store)) == 2  # two sealed shards of two records each
     for r in recs:
         assert_same(store.get(r.sample_id), r)
-    assert store._entries["r0"].data is not None and store._entries["r5"].data is None
+    assert store._entries["r0"].record is recs[0] and store._entries["r5"].record is None  # kept as it was put
 
 
 def test_zero_budget_spills_everything(store_factory):
     store = store_factory(memory_budget_bytes=0)
     r = make_record("only")
-    store.put_record(r, step=3)
+    store.put("only", 3, r)
     assert_same(store.get("only"), r)
     assert store.stats()["bytes_in_memory"] == 0 and store.stats()["bytes_on_disk"] == len(r.to_bytes())
 
 
 def test_release_step_deletes_records_and_shards(store_factory):
     recs = {step: [make_record(f"s{step}-{i}", seed=10 * step + i) for i in range(3)] for step in range(3)}
-    size = len(recs[0][0].to_bytes())
-    # Budget for one record, and shards that seal after each record: one shard file per spill.
+    size = recs[0][0].nbytes()
+    # Budget for one record's tensors, and shards that seal after each record: one shard file per spill.
     store = store_factory(memory_budget_bytes=size, shard_bytes=1)
     for step, rs in recs.items():
         for r in rs:
-            store.put(r.sample_id, step, r.to_bytes())
+            store.put(r.sample_id, step, r)
     store.flush()
     assert len(shard_files(store)) == 8  # 9 records, the first in memory
     assert store.release_step(1) == 3
@@ -114,8 +114,8 @@ def test_release_step_deletes_records_and_shards(store_factory):
 def test_shared_shard_removed_only_when_all_released(store_factory):
     a, b = make_record("a", seed=1), make_record("b", seed=2)
     store = store_factory(memory_budget_bytes=0, shard_bytes=2 * len(a.to_bytes()))
-    store.put("a", 0, a.to_bytes())
-    store.put("b", 1, b.to_bytes())
+    store.put("a", 0, a)
+    store.put("b", 1, b)
     store.flush()
     assert len(shard_files(store)) == 1  # both in one (now sealed) shard
     store.release_step(0)
@@ -129,7 +129,7 @@ def test_fully_released_active_shard_is_replaced(store_factory):
     r = make_record("x")
     store = store_factory(memory_budget_bytes=0)  # default shard size: never seals here
     for step in range(5):
-        store.put(f"x{step}", step, r.to_bytes())
+        store.put(f"x{step}", step, r)
         store.flush()
         store.release_step(step)
     # One shard, holding only the last (released) record: each append after a full release
@@ -149,7 +149,7 @@ def test_get_waits_for_pending_put_and_unknown_key(store_factory):
 
     store._store = slow_store  # the writer calls self._store: hold it until the gate opens
     r = make_record("late")
-    store.put("late", 0, r.to_bytes())
+    store.put("late", 0, r)
     assert "late" in store
     threading.Timer(0.2, gate.set).start()
     t0 = time.monotonic()
@@ -158,7 +158,7 @@ def test_get_waits_for_pending_put_and_unknown_key(store_factory):
     with pytest.raises(KeyError, match="'nope'"):
         store.get("nope")
     with pytest.raises(ValueError, match="already in the store"):
-        store.put("late", 0, r.to_bytes())
+        store.put("late", 0, r)
 
 
 def test_back_pressure_blocks_put(store_factory):
@@ -166,7 +166,7 @@ def test_back_pressure_blocks_put(store_factory):
     gate = threading.Event()
     real = store._store
     store._store = lambda *a: (gate.wait(5), real(*a))
-    data = make_record("r").to_bytes()
+    data = make_record("r")
     # One record is held by the writer, two fill the queue: the fourth put must block.
     for i in range(3):
         store.put(f"r{i}", 0, data)
@@ -188,7 +188,7 @@ def test_enospc_surfaces_as_clear_error(store_factory, tmp_path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     store._write = full_disk
-    data = make_record("r").to_bytes()
+    data = make_record("r")
     store.put("r0", 0, data)  # accepted: the failure happens in the writer
     spill = str(tmp_path / "spill")
     with pytest.raises(GuidanceStoreError, match="ENOSPC") as e:
@@ -211,7 +211,7 @@ def test_enospc_wakes_a_put_blocked_on_full_queue(store_factory):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     store._write = full_disk
-    data = make_record("r").to_bytes()
+    data = make_record("r")
     store.put("r0", 0, data)
     store.put("r1", 0, data)
     errors = []
@@ -232,10 +232,16 @@ def test_enospc_wakes_a_put_blocked_on_full_queue(store_factory):
     assert not t.is_alive() and len(errors) == 1 and "spill" in str(errors[0])
 
 
-def test_corrupt_bytes_rejected_at_put(store_factory):
+def test_bytes_or_a_broken_record_rejected_at_put(store_factory):
+    """The store holds records; bytes, or a record whose sites disagree on its positions, fail the
+    producer at put, never the writer thread."""
     store = store_factory()
-    with pytest.raises(ValueError, match="truncated"):
+    with pytest.raises(TypeError, match="GuidanceRecord"):
         store.put("bad", 0, b"\x01")
+    broken = make_record("bad", positions=4)
+    broken.num_positions = 5
+    with pytest.raises(ValueError, match="covers 4 positions"):
+        store.put("bad", 0, broken)
     assert "bad" not in store
 
 
@@ -243,10 +249,10 @@ def test_stats_bytes_per_token(store_factory):
     store = store_factory(memory_budget_bytes=0)
     recs = [make_record(f"r{i}", positions=p, seed=i) for i, p in enumerate((3, 7))]
     for r in recs:
-        store.put_record(r, 0)
+        store.put(r.sample_id, 0, r)
     store.flush()
     st = store.stats()
-    total = sum(len(r.to_bytes()) for r in recs)
+    total = sum(r.nbytes() for r in recs)  # the records' tensors, spilled or not
     assert st["bytes_total"] == total and st["positions_total"] == 10
     assert st["bytes_per_token"] == pytest.approx(total / 10)
 
@@ -262,7 +268,7 @@ def test_concurrent_producers_and_consumers(store_factory):
     def producer(t):
         for i in range(per):
             sid = f"t{t}-{i}"
-            store.put(sid, i % 3, recs[sid].to_bytes())
+            store.put(sid, i % 3, recs[sid])
             queued[sid].set()
 
     def consumer(t):
@@ -291,14 +297,14 @@ def test_concurrent_producers_and_consumers(store_factory):
 
 def test_close_removes_spill_files_and_rejects_use(tmp_path):
     store = GuidanceStore(0, tmp_path / "spill")
-    store.put("a", 0, make_record("a").to_bytes())
+    store.put("a", 0, make_record("a"))
     store.flush()
     private = store._dir
     assert os.listdir(private)
     store.close()
     assert not os.path.exists(private) and os.path.isdir(tmp_path / "spill")
     with pytest.raises(GuidanceStoreError, match="closed"):
-        store.put("b", 0, make_record("b").to_bytes())
+        store.put("b", 0, make_record("b"))
     store.close()  # idempotent
 
 

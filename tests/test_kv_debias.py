@@ -144,10 +144,10 @@ def test_probe_guides_debiased_k_from_a_bf16_rollout(outlier_ckpt):  # noqa: F81
 
 def test_families_without_the_bias_refuse_it_and_exports_name_fp8():
     with pytest.raises(ValueError, match="kv_k_debias.*no q/k/v bias"):
-        DEBIASED.for_family("qwen3")
-    assert DEBIASED.for_family("qwen2") is DEBIASED
+        DEBIASED.resolve(ModelArch.from_hf_config(tiny_hf_config("qwen3")))
+    assert DEBIASED.resolve(ModelArch.from_hf_config(tiny_hf_config("qwen2"))) is DEBIASED
     assert DEBIASED.kv_cache_quant_algo() == "FP8"  # a stock engine would keep the bias in: the finer side
-    with pytest.raises(ValueError, match="kv_k_debias must be true or false"):
+    with pytest.raises(ValueError, match="quant.kv_k_debias must be bool"):
         QuantPolicy(kv="bf16", kv_k_debias="yes")
 
 
@@ -155,7 +155,7 @@ def test_servers_are_launched_and_checked_for_the_debiased_cache(outlier_ckpt, t
     """The launcher passes --kv-k-debias to the embedded engine and to SGLang's plugin (through its
     per-side KV method, read by torch_native); a trainer with quant.kv_k_debias refuses a rollout server
     whose /trace_policy does not report it (else TRACE would guide K - RoPE(b) against a cache of plain K)."""
-    from megatron_trace.run.checks import check_debiased_server
+    from megatron_trace.run.run import check_debiased_server
     from sglang_backend.launch import _policy, parser, sglang_command
 
     args = parser().parse_args(["--model-path", str(outlier_ckpt), "--kv-k", "nvfp4", "--kv-k-debias"])
@@ -236,7 +236,7 @@ def test_the_qwen2_default_k_holds_in_bf16_and_fp32_alike(two_head_outlier_ckpt)
     measure it within 0.1 nats/token of each other (K alone: V in BF16; measured +0.071 bf16 / +0.025
     fp32 de-biased against +0.867 / +0.869 with the bias in)."""
     arch = ModelArch.from_hf_config(two_head_outlier_ckpt)
-    default = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="auto").for_arch(arch)
+    default = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="auto").resolve(arch)
     assert (default.k_format, default.v_format, default.kv_k_debias) == ("fp8", "nvfp4", True)
     settings = [quality.Setting.parse(s) for s in ("bf16:fp8+debias:bf16", "bf16:fp8:bf16")]
     inc = {}

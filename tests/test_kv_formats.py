@@ -109,7 +109,6 @@ def test_kernel_refuses_pages_it_cannot_decode():
 
 
 def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_both_sides(tmp_path, monkeypatch):
-    from megatron_trace.guidance import GuidanceRecord
     from megatron_trace.kernels import cpu_fused
     from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
     from sglang_backend.local import Engine, run_plan
@@ -129,7 +128,7 @@ def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_both_sides(tmp_
             out = eng.generate(
                 input_ids=[[1, 2, 3, 4, 5], [9, 8]], sampling_params=sp, return_logprob=True, return_guidance=True
             )
-            rec = GuidanceRecord.from_bytes(eng.fetch_guidance(out[0]["meta_info"]["guidance_handle"]))
+            rec = eng.fetch_guidance(out[0]["meta_info"]["guidance_handle"])
             runs.append(out)
         finally:
             eng.shutdown()

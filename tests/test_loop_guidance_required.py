@@ -5,8 +5,8 @@ import pytest
 
 from megatron_trace.config import Config
 from megatron_trace.data import ArithmeticTask, CharTokenizer, get_reward_fn
-from megatron_trace.run.step import Rollout
 from sglang_backend.api import GenerateResult
+from tests.helpers import tiny_rollout
 
 
 class NoGuidanceServer:
@@ -27,14 +27,14 @@ class NoGuidanceServer:
 def _rollout(*overrides):
     cfg = Config.load("configs/tiny_cpu.yaml", ["rollout.prompts_per_step=2", "rollout.n_samples=2", *overrides])
     tok = CharTokenizer()
-    return Rollout(cfg, NoGuidanceServer(), tok, ArithmeticTask(tokenizer=tok), get_reward_fn("exact_match"))
+    return tiny_rollout(cfg, NoGuidanceServer(), tok, ArithmeticTask(tokenizer=tok), get_reward_fn("exact_match"))
 
 
 def test_guided_run_without_guidance_stops_naming_the_server():
     with pytest.raises(RuntimeError, match=r"qat_mode=guided.*127\.0\.0\.1:30999.*no guidance handle"):
         _rollout().run(step=0, version=0)
     batch = _rollout("trainer.qat_mode=rtn").run(step=0, version=0)  # plain QAT asked for: fine
-    assert batch.guidance == [None] * 4 and [s["version"] for s in batch.samples] == [0] * 4
+    assert [s.guidance for s in batch.samples] == [None] * 4 and [s.version for s in batch.samples] == [0] * 4
 
 
 def test_guided_config_with_nothing_to_guide_is_refused(capsys):

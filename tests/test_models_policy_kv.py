@@ -35,22 +35,24 @@ def test_bf16_band_keeps_both_sides_bf16():
 def test_auto_resolves_per_family(family, want):
     arch = ModelArch.from_hf_config(tiny_hf_config(family))
     p = QuantPolicy(kv="auto")
-    with pytest.raises(ValueError, match=r"quant.kv='auto'.*for_arch"):
+    with pytest.raises(ValueError, match=r"quant.kv='auto'.*resolve"):
         _ = p.k_format
-    r = p.for_arch(arch)
-    assert (r.k_format, r.v_format) == want and r.kv == "auto"
+    with pytest.raises(ValueError, match=r"quant.kv='auto' reached a part that quantizes unresolved"):
+        p.check_resolved(arch)
+    r = p.resolve(arch)
+    assert (r.k_format, r.v_format) == want and (r.kv_k, r.kv_v, r.kv) == (*want, want[1])  # "auto" is gone
     # K de-biased where it has a k_proj bias (Qwen2/2.5); an explicit kv_k keeps kv_k_debias as set
-    assert r.kv_k_debias == (family == "qwen2") and r.for_arch(arch) == r
-    assert not QuantPolicy(kv="auto", kv_k="fp8").for_arch(arch).kv_k_debias
-    assert QuantPolicy(kv="auto", kv_v="bf16").for_arch(arch).v_format == "bf16"  # explicit side wins
-    assert QuantPolicy(kv="nvfp4").for_arch(arch) == QuantPolicy(kv="nvfp4")  # explicit kv: no family rule
+    assert r.kv_k_debias == (family == "qwen2") and r.resolve(arch) == r
+    assert not QuantPolicy(kv="auto", kv_k="fp8").resolve(arch).kv_k_debias
+    assert QuantPolicy(kv="auto", kv_v="bf16").resolve(arch).v_format == "bf16"  # explicit side wins
+    assert QuantPolicy(kv="nvfp4").resolve(arch) == QuantPolicy(kv="nvfp4")  # explicit kv: no family rule
 
 
 def test_config_default_is_auto_and_explicit_kv_is_both():
-    assert Config.load(None, []).quant.policy().kv == "auto"
-    p = Config.load(None, ["quant.kv=nvfp4"]).quant.policy()
+    assert Config.load(None, []).quant.spec().kv == "auto"
+    p = Config.load(None, ["quant.kv=nvfp4"]).quant.spec()
     assert (p.k_format, p.v_format) == ("nvfp4", "nvfp4")
-    p = Config.load(None, ["quant.kv=nvfp4", "quant.kv_k=fp8"]).quant.policy()
+    p = Config.load(None, ["quant.kv=nvfp4", "quant.kv_k=fp8"]).quant.spec()
     assert (p.k_format, p.v_format) == ("fp8", "nvfp4")
 
 
@@ -77,7 +79,9 @@ def test_export_names_the_policy_kv_algo(tmp_path):
     src = make_tiny_checkpoint(tmp_path / "src", "qwen2", seed=0)
     arch, sd, cfg = load_hf_dir(src)
     amax = {m: 4.0 for m in QuantPolicy(kv="bf16").quantized_linears(arch)}
-    out = export_checkpoint(sd, arch, tmp_path / "out", policy=QuantPolicy(kv="auto"), input_amax=amax, hf_config=cfg)
+    out = export_checkpoint(
+        sd, arch, tmp_path / "out", policy=QuantPolicy(kv="auto").resolve(arch), input_amax=amax, hf_config=cfg
+    )
     import json
 
     hq = json.loads((out / "hf_quant_config.json").read_text())

@@ -43,7 +43,7 @@ def results(tmp_path_factory):
         )
         meta = []
         for i, (p, o) in enumerate(zip(prompts, outs)):
-            (root / f"guidance_{i}.bin").write_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"]))
+            (root / f"guidance_{i}.bin").write_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"]).to_bytes())
             meta.append(
                 {
                     "prompt": p,

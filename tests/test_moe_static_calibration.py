@@ -129,7 +129,7 @@ def test_two_rl_steps_with_static_expert_scales(tmp_path):
     steps; every rollout record's per-slot S_enc is its expert's, the trainer's, after a sync too."""
     from megatron_trace.config import Config
     from megatron_trace.quality.probe import static_scales_by_site
-    from megatron_trace.train import Run
+    from megatron_trace.run.run import Run
     from megatron_trace.trainer.parallel import destroy
 
     overrides = [
@@ -152,15 +152,15 @@ def test_two_rl_steps_with_static_expert_scales(tmp_path):
         run = Run(cfg, resume=False)
         trainer = {site: float(v) for site, v in run.actor.qat.static_scales.items()}
         assert len(run.input_amax) == 4 * 4 * 3 and len(trainer) == 4 * 4 * 2
-        seen, train = [], run.runner.train
+        seen, train = [], run.trainer.train
 
         def spy(batch, version):
-            records = [run.runner._record(g) for g in batch.guidance]
-            routed = [run.runner._routed(s) for s in batch.samples]
+            records = [run.store.get(s.guidance.key) for s in batch.samples]
+            routed = [s.routed_experts for s in batch.samples]
             seen.append(static_scales_by_site(run.actor.qat.static_scales, records, routed)["rollout"])
             return train(batch, version)
 
-        run.runner.train = spy
+        run.trainer.train = spy
         summary = run.run()
     finally:
         destroy()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_trace.config import Config
-from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
+from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
 from megatron_trace.perf import memory as pm
 from megatron_trace.perf.roofline import MODELS
 
@@ -46,13 +46,15 @@ def test_the_72b_config_fits_its_b200s_at_its_answer_length_and_names_the_knob_w
     cfg = Config.load(str(REPO / "configs" / "qwen2.5_72b.yaml"), [])
     assert cfg.cluster.gpu == "b200" and cfg.rollout.max_new_tokens >= 16384
     m, _ = pm.model_spec(cfg.model.path)
-    est = pm.estimate(m, pm.plan_from_config(cfg, m, 1), "b200")
-    assert est["fits"], pm.table(m, pm.plan_from_config(cfg, m, 1), "b200")
+    policy = cfg.quant.resolve(ModelArch.from_hf_config(pm.hf_config_of(m)))
+    assert (policy.k_format, policy.kv_k_debias) == ("fp8", True)  # a Qwen2.5's auto K, from its built-in shape
+    est = pm.estimate(m, pm.plan_from_config(cfg, policy, m, 1), "b200")
+    assert est["fits"], pm.table(m, pm.plan_from_config(cfg, policy, m, 1), "b200")
     tight = Config.load(
         str(REPO / "configs" / "qwen2.5_72b.yaml"),
         ["rollout.max_new_tokens=65536", "trainer.recompute=none", "cluster.gpu=h200"],
     )
-    p = pm.plan_from_config(tight, m, 1)
+    p = pm.plan_from_config(tight, policy, m, 1)
     est = pm.estimate(m, p, "h200")
     assert not est["fits"] and "trainer.recompute=full" in pm.advice(m, p, est)
     out = subprocess.run(
@@ -68,9 +70,10 @@ def test_the_72b_config_fits_its_b200s_at_its_answer_length_and_names_the_knob_w
 def test_a_plan_that_cannot_fit_here_is_refused_before_the_model_is_built(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=0)
     cfg = Config.load(None, ["trainer.max_tokens_per_microbatch=400000000"])
+    policy = cfg.quant.resolve(ModelArch.from_hf_config(ckpt))
     with pytest.raises(ValueError, match=r"does NOT fit; .*trainer.memory_check=false"):
-        pm.check_here(cfg, str(ckpt), world=1, ranks_here=1)
-    pm.check_here(Config.load(None, []), str(ckpt), world=1, ranks_here=1)  # the default plan fits
+        pm.check_here(cfg, policy, str(ckpt), world=1, ranks_here=1)
+    pm.check_here(Config.load(None, []), policy, str(ckpt), world=1, ranks_here=1)  # the default plan fits
 
 
 def _checkpoint_and_record(root: Path, **shape) -> tuple[Path, Path]:
@@ -85,7 +88,7 @@ def _checkpoint_and_record(root: Path, **shape) -> tuple[Path, Path]:
             sampling_params={"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True},
             return_guidance=True,
         )
-        (root / "record.bin").write_bytes(eng.fetch_guidance(out["meta_info"]["guidance_handle"]))
+        (root / "record.bin").write_bytes(eng.fetch_guidance(out["meta_info"]["guidance_handle"]).to_bytes())
     finally:
         eng.shutdown()
     return ckpt, root / "record.bin"

@@ -67,14 +67,14 @@ def test_a_passing_policy_shows_its_answers_beside_bf16s(outlier_ckpt):
 def test_the_gate_measures_the_runs_policy_not_a_look_alike(outlier_ckpt):
     """BF16 layer bands and FP4 targets change what is measured; candidates keep them."""
     w4a4 = QuantPolicy(kv="bf16")
-    banded = QuantPolicy(kv="bf16", bf16_layers_start=3)
+    banded = QuantPolicy(kv="bf16", bf16_layers_start=3)  # explicit KV: resolved as written
     plain = gate(outlier_ckpt, w4a4, random_prompts(), accept_loss=True, log=lambda m: None, **LIMITS)
     band = gate(outlier_ckpt, banded, random_prompts(), accept_loss=True, log=lambda m: None, **LIMITS)
     assert band.nll_increase < plain.nll_increase / 2  # three of four layers' MLPs stay BF16
     arch = ModelArch.from_hf_config(outlier_ckpt)
-    run = quality.Setting.of_policy(banded.for_arch(arch))
+    run = quality.Setting.of_policy(banded.resolve(arch))
     assert run.policy().bf16_layers_start == 3 and candidates(run, arch) == []  # bands: BF16 KV only
-    down = QuantPolicy(kv="nvfp4", targets=("*.mlp.down_proj",)).for_arch(arch)
+    down = QuantPolicy(kv="nvfp4", targets=("*.mlp.down_proj",)).resolve(arch)
     assert all(c.policy().targets == ("*.mlp.down_proj",) for c in candidates(quality.Setting.of_policy(down), arch))
 
 
@@ -127,12 +127,12 @@ def test_an_http_runs_embedded_server_must_serve_the_runs_policy(outlier_ckpt):
     try:
         cfg = SimpleNamespace(rollout=SimpleNamespace(urls=[srv.url], api_key=""))
         said = []
-        assert _served_url(cfg, KV_NVFP4.for_arch(arch), said.append) is None and "scored in-process" in said[0]
+        assert _served_url(cfg, KV_NVFP4.resolve(arch), said.append) is None and "scored in-process" in said[0]
         # the same numerics written another way (kv=auto with both sides named) is the same policy
-        written = dataclasses.replace(KV_NVFP4, kv="auto", kv_k="nvfp4", kv_v="nvfp4").for_arch(arch)
+        written = dataclasses.replace(KV_NVFP4, kv="auto", kv_k="nvfp4", kv_v="nvfp4").resolve(arch)
         assert _served_url(cfg, written, said.append) is None
         with pytest.raises(ValueError, match=f"rollout server {srv.url} serves quant policy .* but the run's is"):
-            _served_url(cfg, dataclasses.replace(KV_NVFP4, kv_k_debias=True).for_arch(arch), said.append)
+            _served_url(cfg, dataclasses.replace(KV_NVFP4, kv_k_debias=True).resolve(arch), said.append)
     finally:
         srv.shutdown()
         eng.shutdown()

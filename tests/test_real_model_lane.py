@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_trace.config import Config
+from megatron_trace.models import ModelArch
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "qwen2.5_0.5b_cpu.yaml"
 
@@ -29,7 +30,7 @@ def test_the_shipped_qwen25_policy_passes_the_quality_gate_in_bf16(cfg, real_qwe
 
     tok = load_tokenizer(str(real_qwen))
     prompts = prompt_source("word_problems", seed=cfg.trainer.seed, tokenizer=tok, eval_fraction=0.1)
-    res, rows = gate_run(cfg, real_qwen, tok, prompts)
+    res, rows = gate_run(cfg, cfg.quant.resolve(ModelArch.from_hf_config(real_qwen)), real_qwen, tok, prompts)
     print(
         f"gate: {res.setting} {res.nll_increase:+.4f} nats/token, accuracy {res.accuracy} vs BF16 {res.bf16_accuracy}"
     )

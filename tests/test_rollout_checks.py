@@ -7,8 +7,9 @@ import urllib.request
 
 import pytest
 
-from megatron_trace.models import make_tiny_checkpoint
-from megatron_trace.run.checks import check_server_versions
+from megatron_trace.config import Config
+from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
+from megatron_trace.run.run import check_server_versions, rollout_backend
 from sglang_backend.client import RolloutClient
 from sglang_backend.local import Engine
 from sglang_backend.local.server import serve
@@ -45,3 +46,28 @@ def test_a_server_at_another_weight_version_is_refused_by_name(tmp_path):
         client.close()
         srv.shutdown()
         engine.shutdown()
+
+
+def test_a_debiasing_family_checks_its_servers_for_debiased_k_under_kv_auto(tmp_path):
+    """quant.kv=auto on a Qwen2: the resolved policy stores K de-biased, so every http server must serve
+    a de-biased K cache; the check reads the resolved policy, not the config's unset kv_k_debias."""
+    ckpt = make_tiny_checkpoint(tmp_path, "qwen2", seed=0)
+    cfg = Config.load(None, ["rollout.backend=http", "rollout.api_key=" + KEY])
+    assert cfg.quant.kv == "auto" and not cfg.quant.kv_k_debias  # as written: nothing says de-biased
+    policy = cfg.quant.resolve(ModelArch.from_hf_config(ckpt))
+    assert policy.kv_k_debias  # as it runs
+    plain = Engine(str(ckpt), quant_policy=QuantPolicy(kv="bf16", kv_k="fp8", kv_v="nvfp4"))
+    debiased = Engine(str(ckpt), quant_policy=policy)
+    servers = [serve(e, api_key=KEY) for e in (plain, debiased)]
+    try:
+        run_cfg = Config.load(
+            None, ["rollout.backend=http", f"rollout.api_key={KEY}", f"rollout.urls=[{servers[0].url}]"]
+        )
+        with pytest.raises(ValueError, match=rf"{servers[0].url} does not serve a de-biased K cache"):
+            rollout_backend(run_cfg, policy, ckpt)
+        ok = Config.load(None, ["rollout.backend=http", f"rollout.api_key={KEY}", f"rollout.urls=[{servers[1].url}]"])
+        rollout_backend(ok, policy, ckpt).close()
+    finally:
+        for srv, e in zip(servers, (plain, debiased)):
+            srv.shutdown()
+            e.shutdown()

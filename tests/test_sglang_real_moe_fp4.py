@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import sglang  # noqa: F401 - the test command installs it: no import, no pass
 
-from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.api import GenerateRequest, SamplingParams
 from sglang_backend.client import RolloutClient
@@ -55,14 +54,14 @@ def both(moe_ckpt, sglang_url):
     client = RolloutClient([sglang_url], retries=0)
     try:
         real = client.generate(reqs)
-        real_recs = [GuidanceRecord.from_bytes(client.fetch_guidance(r.guidance_handle)) for r in real]
+        real_recs = [client.fetch_guidance(r.guidance_handle) for r in real]
     finally:
         client.close()
     eng = Engine(moe_ckpt, quantization="nvfp4", guidance_mode="full", guided_layers="all")
     try:
         backend = InProcessBackend(eng)
         ours = backend.generate(reqs)
-        our_recs = [GuidanceRecord.from_bytes(backend.fetch_guidance(r.guidance_handle)) for r in ours]
+        our_recs = [backend.fetch_guidance(r.guidance_handle) for r in ours]
     finally:
         eng.shutdown()
     return (real, real_recs), (ours, our_recs)

@@ -23,26 +23,26 @@ OVERRIDES = [
 
 
 def _static_scales_seen(run) -> list[dict[str, float]]:
-    """Wraps the step runner: each step's records' 0-d S_enc per linear site (-1: a per-token scale)."""
-    seen, train = [], run.runner.train
+    """Wraps the step trainer: each step's records' 0-d S_enc per linear site (-1: a per-token scale)."""
+    seen, train = [], run.trainer.train
 
     def spy(batch, version):
         per_step: dict[str, set[float]] = {}
-        for g in batch.guidance:
-            for site, rec in run.runner._record(g).sites.items():
+        for s in batch.samples:
+            for site, rec in run.store.get(s.guidance.key).sites.items():
                 if site.rsplit(".", 1)[1] in ("gate_up_proj", "down_proj"):
                     gs = rec.global_scale
                     per_step.setdefault(site, set()).add(float(gs) if gs.dim() == 0 else -1.0)
         seen.append(per_step)
         return train(batch, version)
 
-    run.runner.train = spy
+    run.trainer.train = spy
     return seen
 
 
 def test_two_steps_with_static_scales_share_the_trainers_senc(tmp_path):
     from megatron_trace.config import Config
-    from megatron_trace.train import Run
+    from megatron_trace.run.run import Run
     from megatron_trace.trainer.parallel import destroy
 
     cfg = Config.load(ROOT / "configs/tiny_cpu.yaml", [*OVERRIDES, f"logging.run_dir={tmp_path / 'run'}"])

@@ -195,13 +195,13 @@ def test_spilled_guidance_trains_exactly_like_the_in_memory_run(runs, main_run):
 
 
 def test_kill_mid_weight_sync_then_resume_matches_uninterrupted(runs, main_run):
-    """Killed after step 2 trained and while its weights were half handed over (20 KB buckets: the
-    tiny model's version takes several): nothing of step 2 survives, resume redoes it exactly."""
+    """Killed after step 2 trained and while its weights were half handed over (after 2 of the
+    version's units): nothing of step 2 survives, resume redoes it exactly."""
     full, cut = main_run[0], runs / "cut_sync"
-    _train(cut, *MAIN, "transfer.bucket_mb=0.02", kill_at="transfer.bucket:version=3,bucket=2")
+    _train(cut, *MAIN, kill_at="transfer.unit:version=3,unit=2")
     assert (cut / "checkpoints" / "latest").read_text() == "step_1"
     assert sorted(_metrics(cut)) == [0, 1]
-    _train(cut, *MAIN, "transfer.bucket_mb=0.02", "--resume")
+    _train(cut, *MAIN, "--resume")
     a, b = _metrics(full), _metrics(cut)
     for step in (2, 3):
         for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "mismatch/mean_abs_dlogp"):
@@ -235,12 +235,13 @@ def test_memory_is_returned_after_the_gate_only_when_a_gate_ran(monkeypatch):
     """quant.quality_gate=false builds no engines: the run must not trim the heap and report it as theirs."""
     from types import SimpleNamespace
 
-    from megatron_trace import train
     from megatron_trace.config import Config
+    from megatron_trace.run import hooks
+    from megatron_trace.run.run import Run
 
     trims = []
-    monkeypatch.setattr(train.cpu_alloc, "return_freed_memory", lambda: trims.append(1) or 2**30)
+    monkeypatch.setattr(hooks.cpu_alloc, "return_freed_memory", lambda: trims.append(1) or 2**30)
     cfg = Config.load(ROOT / "configs/tiny_cpu.yaml", ["quant.quality_gate=false"])
-    run = SimpleNamespace(cfg=cfg)
-    train.Run._check_rollout_quality(run, ROOT, None, None)
+    run = SimpleNamespace(cfg=cfg, policy=None, model_path=ROOT, tok=None)
+    Run._check_rollout_quality(run, None)
     assert (run.gate, run.gate_rows, trims) == (None, [], [])

@@ -7,7 +7,6 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_trace.guidance import GuidanceRecord  # noqa: E402
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint  # noqa: E402
 
 # Attention projections too, so linear_qkv (fused with input_layernorm) is an FP4 site.
@@ -33,7 +32,7 @@ def _rollout(ckpt, policy):
             return_guidance=True,
             return_routed_experts=eng.arch.is_moe,
         )
-        recs = [GuidanceRecord.from_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"])) for o in outs]
+        recs = [eng.fetch_guidance(o["meta_info"]["guidance_handle"]) for o in outs]
         seqs = [p + o["output_ids"] for p, o in zip(PROMPTS, outs)]
         a = eng.arch
         routed = [

@@ -64,7 +64,7 @@ def _rollout(ckpt: Path, policy: QuantPolicy, root: Path, moe: bool) -> None:
         )
         samples = []
         for i, (p, o) in enumerate(zip(prompts, outs)):
-            (root / f"guidance_{i}.bin").write_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"]))
+            (root / f"guidance_{i}.bin").write_bytes(eng.fetch_guidance(o["meta_info"]["guidance_handle"]).to_bytes())
             samples.append(
                 {
                     "prompt": p,

@@ -13,7 +13,6 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_trace.guidance import GuidanceRecord  # noqa: E402
 from megatron_trace.models import QuantPolicy, make_tiny_checkpoint  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
@@ -43,9 +42,9 @@ def _rollout(ckpt, root: Path) -> None:
         (root / "records").mkdir()
         samples = []
         for i, (p, o) in enumerate(zip(PROMPTS, outs)):
-            data = eng.fetch_guidance(o["meta_info"]["guidance_handle"])
-            GuidanceRecord.from_bytes(data).validate(len(p) + len(o["output_ids"]) - 1)
-            (root / "records" / f"{i}.bin").write_bytes(data)
+            record = eng.fetch_guidance(o["meta_info"]["guidance_handle"])
+            record.validate(len(p) + len(o["output_ids"]) - 1)
+            (root / "records" / f"{i}.bin").write_bytes(record.to_bytes())
             samples.append(
                 {
                     "prompt": p,

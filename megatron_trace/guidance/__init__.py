@@ -1,4 +1,4 @@
-"""TRACE guidance: the record layout (what the rollout rounded to) and, later, its store."""
+"""TRACE guidance: the record layout (what the rollout rounded to), its store, and the routed experts' wire form."""
 
 from .record import (
     GUIDANCE_MODES,
@@ -10,9 +10,10 @@ from .record import (
     make_site,
     quantized_parts,
     resolve_guided_layers,
+    split_records,
 )
-from .routing import decode_routed_experts, encode_routed_experts
-from .store import GuidanceStore, GuidanceStoreError
+from .routing import decode_routed_experts, encode_routed_experts, sample_routed_experts, wire_routed_experts
+from .store import GuidanceStore, GuidanceStoreError, StoredRecord
 
 __all__ = [
     "GUIDANCE_MODES",
@@ -26,6 +27,10 @@ __all__ = [
     "resolve_guided_layers",
     "GuidanceStore",
     "GuidanceStoreError",
+    "StoredRecord",
     "decode_routed_experts",
     "encode_routed_experts",
+    "sample_routed_experts",
+    "wire_routed_experts",
+    "split_records",
 ]

@@ -159,6 +159,21 @@ class GuidanceRecord:
         return cls(meta["sample_id"], meta["mode"], int(meta["num_positions"]), sites)
 
 
+def split_records(
+    sample_ids: list[str], mode: str, lens: list[int], sites: dict[str, SiteRecord]
+) -> list[GuidanceRecord]:
+    """Each sample's record, from sites that hold all samples' positions one after another (lens[i]
+    rows each; a 0-d global scale is shared): views of the batch's tensors, nothing copied. What an
+    in-process rollout hands the trainer; `encode_records` is the same split as bytes, for a wire."""
+    if len(sample_ids) != len(lens):
+        raise ValueError(f"{len(sample_ids)} sample ids but {len(lens)} position counts")
+    out, start = [], 0
+    for sid, n in zip(sample_ids, lens):
+        out.append(GuidanceRecord(sid, mode, n, {name: site.select(start, start + n) for name, site in sites.items()}))
+        start += n
+    return out
+
+
 def encode_records(sample_ids: list[str], mode: str, lens: list[int], sites: dict[str, SiteRecord]) -> list[bytes]:
     """Each sample's `GuidanceRecord.to_bytes()`, from sites that hold all samples' positions one
     after another (lens[i] rows each; a 0-d global scale is shared). Each tensor is converted and

@@ -1,7 +1,7 @@
 """Where guidance records wait between the rollout that writes them and the training step that
 reads them.
 
-Its purpose, in the RL loop (megatron_trace/run/step.py): the rollout puts each record the moment it
+Its purpose, in the RL loop (megatron_trace/run/): the rollout puts each record the moment it
 has fetched it, and the step that trains on it gets it back and releases the step afterwards. In
 async mode (`algo.async_rollout`) the rollout of step k+1 runs while step k trains, so k+1's records
 are written, and past the memory budget spilled, on the writer thread during step k's training;
@@ -10,13 +10,15 @@ the waiting batch holds handles, not bytes, and host memory for waiting guidance
 mmap read per spilled record), not prefetched earlier: the trainer needs all of a step's records
 for its first micro-batches, and reading them sooner would only move the bytes back into memory.
 
-The rollout produces one record (safetensors bytes) per sample; training reads it a few seconds
-or a few steps later. `put` must not stall the rollout, so records go through a bounded queue to
-one writer thread (a full queue blocks `put`: back-pressure instead of unbounded host memory).
-The writer keeps records in host memory up to `memory_budget_bytes`; past it they are appended
-to shard files in a private directory under `spill_dir` and read back through `mmap`. The bytes
-stay the record's own safetensors bytes: nothing is pickled. `release_step` frees a whole step
-once training is done with it, unlinking a shard as soon as its last record is released.
+The rollout produces one record (a GuidanceRecord: tensors) per sample; training reads it a few
+seconds or a few steps later. `put` must not stall the rollout, so records go through a bounded
+queue to one writer thread (a full queue blocks `put`: back-pressure instead of unbounded host
+memory). The writer keeps records as they are, objects in host memory, up to `memory_budget_bytes`
+of their tensors; past it it writes their safetensors bytes (`GuidanceRecord.to_bytes`, on the
+writer thread, so the rollout never serializes) to shard files in a private directory under
+`spill_dir`, read back through `mmap`: the disk is the only place a record becomes bytes here, and
+nothing is pickled. `release_step` frees a whole step once training is done with it, unlinking a
+shard as soon as its last record is released.
 
 A failed spill write (a full disk above all) stops the writer; every later put/get raises
 GuidanceStoreError naming the spill dir, rather than training silently without guidance.
@@ -33,13 +35,20 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
-from .record import GuidanceRecord, _metadata
+from .record import GuidanceRecord
 
 _STOP = object()
 
 
 class GuidanceStoreError(RuntimeError):
     """The store can no longer accept or serve records (spill failure, or closed)."""
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    """A sample's guidance record waiting in a GuidanceStore under `key`, in place of the record."""
+
+    key: str
 
 
 @dataclass
@@ -53,18 +62,18 @@ class _Shard:
 @dataclass
 class _Entry:
     step: int
-    nbytes: int
+    nbytes: int  # the record's tensor bytes (in memory) or its serialized bytes (spilled)
     positions: int
-    data: bytes | None = None  # in memory, or
+    record: GuidanceRecord | None = None  # in memory, or
     shard: int = -1  # spilled: shard number, offset, length (= nbytes)
     offset: int = 0
 
 
 class GuidanceStore:
-    """Asynchronous, memory-budgeted, disk-spilling store of guidance record bytes.
+    """Asynchronous, memory-budgeted, disk-spilling store of guidance records.
 
-    memory_budget_bytes: host bytes of stored records (the queue's in-flight records, at most
-        `max_queue`, come on top).
+    memory_budget_bytes: host bytes of stored records' tensors (the queue's in-flight records, at
+        most `max_queue`, come on top).
     spill_dir: where spill shards go (a private subdirectory is made in it and removed by close).
     max_queue: records in flight to the writer before `put` blocks.
     shard_bytes: a shard is sealed and a new one started once it reaches this size.
@@ -101,32 +110,51 @@ class GuidanceStore:
 
     # ------------------------------------------------------------------ public API
 
-    def put(self, sample_id: str, step: int, data: bytes) -> None:
-        """Queue a record's bytes; returns at once unless the queue is full (then it blocks)."""
-        data = bytes(data)
-        # Parse the header here, in the caller, so a corrupt record fails its producer, not the writer.
-        positions = int(_metadata(data)["num_positions"])
+    def put(self, sample_id: str, step: int, record: GuidanceRecord) -> StoredRecord:
+        """Queue a record; returns its handle at once unless the queue is full (then it blocks)."""
+        if not isinstance(record, GuidanceRecord):
+            raise TypeError(f"the guidance store holds GuidanceRecords; got {type(record).__name__}")
+        record.validate()  # a record whose sites disagree fails its producer, not the writer
         with self._lock:
             self._check()
             if sample_id in self._entries or sample_id in self._pending:
                 raise ValueError(f"guidance record {sample_id!r} is already in the store")
             self._pending[sample_id] = step
-        item = (sample_id, int(step), data, positions)
+        item = (sample_id, int(step), record)
         while True:  # poll, so a put blocked on a full queue wakes up when the writer dies
             try:
                 self._queue.put(item, timeout=0.05)
-                return
+                return StoredRecord(sample_id)
             except queue.Full:
                 with self._lock:
                     if self._error is not None or self._closed:
                         self._pending.pop(sample_id, None)
                         self._check()
 
-    def put_record(self, record: GuidanceRecord, step: int) -> None:
-        self.put(record.sample_id, step, record.to_bytes())
+    def get(self, sample_id: str) -> GuidanceRecord:
+        """The record; waits for a pending put of this id."""
+        entry, fd = self._entry(sample_id)
+        if fd is None:
+            return entry.record
+        try:
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+                return GuidanceRecord.from_bytes(mm[entry.offset : entry.offset + entry.nbytes])
+        finally:
+            os.close(fd)
 
     def get_bytes(self, sample_id: str) -> bytes:
-        """The record's bytes; waits for a pending put of this id."""
+        """The record's safetensors bytes, for a process boundary (the trainer's other ranks)."""
+        entry, fd = self._entry(sample_id)
+        if fd is None:
+            return entry.record.to_bytes()
+        try:
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+                return mm[entry.offset : entry.offset + entry.nbytes]
+        finally:
+            os.close(fd)
+
+    def _entry(self, sample_id: str) -> tuple[_Entry, int | None]:
+        """The entry, and for a spilled one an open descriptor of its shard (the caller closes it)."""
         with self._cond:
             while sample_id in self._pending and self._error is None:
                 self._cond.wait()
@@ -136,19 +164,11 @@ class GuidanceStore:
                 raise KeyError(
                     f"guidance record {sample_id!r} is not in the store (never put, or its step was released)"
                 )
-            if e.data is not None:
-                return e.data
+            if e.record is not None:
+                return e, None
             # Open under the lock: once we hold a descriptor, a concurrent release may unlink the
-            # shard and the read below still sees the bytes.
-            fd = os.open(self._shards[e.shard].path, os.O_RDONLY)
-        try:
-            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
-                return mm[e.offset : e.offset + e.nbytes]
-        finally:
-            os.close(fd)
-
-    def get(self, sample_id: str) -> GuidanceRecord:
-        return GuidanceRecord.from_bytes(self.get_bytes(sample_id))
+            # shard and the read still sees the bytes.
+            return e, os.open(self._shards[e.shard].path, os.O_RDONLY)
 
     def __contains__(self, sample_id: str) -> bool:
         with self._lock:
@@ -162,7 +182,7 @@ class GuidanceStore:
             ids = self._by_step.pop(step, set())
             for sid in ids:
                 e = self._entries.pop(sid)
-                if e.data is not None:
+                if e.record is not None:
                     self._mem_bytes -= e.nbytes
                     continue
                 shard = self._shards[e.shard]
@@ -172,8 +192,9 @@ class GuidanceStore:
             return len(ids)
 
     def stats(self) -> dict:
-        """records/pending now, bytes_in_memory and bytes_on_disk now, bytes_spilled_total and
-        bytes_total (everything ever put), bytes_per_token = bytes_total / positions_total."""
+        """records/pending now, bytes_in_memory (tensors) and bytes_on_disk (serialized) now,
+        bytes_spilled_total (serialized) and bytes_total (every record's tensor bytes ever put),
+        bytes_per_token = bytes_total / positions_total."""
         with self._lock:
             return {
                 "records": len(self._entries),
@@ -239,9 +260,9 @@ class GuidanceStore:
             item = self._queue.get()
             if item is _STOP:
                 return
-            sid, step, data, positions = item
+            sid, step, record = item
             try:
-                self._store(sid, step, data, positions)
+                self._store(sid, step, record)
             except OSError as e:
                 why = "the disk is full (ENOSPC)" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
                 err = GuidanceStoreError(
@@ -255,30 +276,30 @@ class GuidanceStore:
                     self._cond.notify_all()
                 return  # the thread stops; puts poll and see the error
 
-    def _store(self, sid: str, step: int, data: bytes, positions: int) -> None:
-        n = len(data)
+    def _store(self, sid: str, step: int, record: GuidanceRecord) -> None:
+        n, positions = record.nbytes(), record.num_positions
         with self._cond:
-            in_memory = self._mem_bytes + n <= self.memory_budget_bytes
-            if in_memory:
-                self._add(sid, _Entry(step, n, positions, data=data))
+            if self._mem_bytes + n <= self.memory_budget_bytes:
+                self._add(sid, _Entry(step, n, positions, record=record), n)
                 self._mem_bytes += n
                 return
-        # Disk I/O outside the lock: gets of in-memory records must not wait for the disk.
+        # Serialization and disk I/O outside the lock: gets of in-memory records must not wait for them.
+        data = record.to_bytes()
         shard, offset = self._append(data)
         with self._cond:
-            self._shards[shard].size = offset + n
+            self._shards[shard].size = offset + len(data)
             self._shards[shard].live += 1
-            self._add(sid, _Entry(step, n, positions, shard=shard, offset=offset))
-            self._spilled_total += n
-            if offset + n >= self.shard_bytes:
+            self._add(sid, _Entry(step, len(data), positions, shard=shard, offset=offset), n)
+            self._spilled_total += len(data)
+            if offset + len(data) >= self.shard_bytes:
                 self._seal_active()
 
-    def _add(self, sid: str, entry: _Entry) -> None:
-        # Caller holds the lock.
+    def _add(self, sid: str, entry: _Entry, record_bytes: int) -> None:
+        # Caller holds the lock. The totals count the records' tensor bytes, spilled or not.
         self._entries[sid] = entry
         self._by_step.setdefault(entry.step, set()).add(sid)
         self._pending.pop(sid, None)
-        self._bytes_total += entry.nbytes
+        self._bytes_total += record_bytes
         self._positions_total += entry.positions
         self._cond.notify_all()
 

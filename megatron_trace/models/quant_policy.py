@@ -6,10 +6,13 @@ The rollout engine, the trainer's QAT and the checkpoint exporter all ask this o
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
+
+from megatron_trace.fields import Section, opt
 
 if TYPE_CHECKING:
     from .arch import ModelArch
@@ -17,7 +20,7 @@ if TYPE_CHECKING:
 FORMATS = ("nvfp4", "mxfp4", "bf16")
 PRECISIONS = ("fp4", "bf16")
 KV_FORMATS = ("nvfp4", "mxfp4", "fp8", "bf16")
-# `kv` is the shorthand for both K and V; "auto" picks per model family (`for_arch`).
+# `kv` is the shorthand for both K and V; "auto" picks per model family (`QuantPolicy.resolve`).
 KV_SHORTHANDS = ("auto", *KV_FORMATS)
 # kv_k / kv_v: "" follows `kv`; a format overrides that side.
 KV_SIDE_FORMATS = ("", *KV_FORMATS)
@@ -41,16 +44,14 @@ DEFAULT_TARGETS = ("*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj", "*.mlp
 _LINEAR_LEAVES = frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
-# Modules the rollout engine fuses into one GEMM with one global (per-tensor) scale, in its shard order.
-_FUSED_MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_FUSED = {leaf: group for group, leaves in _FUSED_MEMBERS.items() for leaf in leaves}
+# Modules the rollout engines (ours, SGLang's packed_modules_mapping) fuse into one GEMM with one global
+# (per-tensor) scale, in their shard order. The one declaration of these groups.
+FUSED_MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED = {leaf: group for group, leaves in FUSED_MEMBERS.items() for leaf in leaves}
 
-
-def _field(default, help: str, choices: tuple | None = None, low: float | None = None):
-    """A policy field: its default, help text and allowed values. The config tree's `quant` section
-    is generated from these (megatron_trace/config.py), so they are declared here only; the metadata
-    keys are the tree's (config_fields.opt)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "low": low})
+# The policy's fields are `opt` fields of the config tree (megatron_trace/fields.py): the `quant`
+# section is generated from them (megatron_trace/config.py), and the tree's one validator checks them.
+_field = opt
 
 
 def _module_name(name: str) -> str:
@@ -66,8 +67,17 @@ def _layer_index(module: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-@dataclass
-class QuantPolicy:
+@dataclass(frozen=True)
+class QuantPolicy(Section):
+    """Which linears, activations and KV-cache entries run in FP4.
+
+    As written (a config's `quant` keys) it may say kv="auto"; `resolve(arch)` turns it into the
+    policy that runs, once per run, after the checkpoint's architecture is known. Everything that
+    quantizes (engine, trainer QAT, weight sync, exporter, gate, memory model) takes a resolved one and
+    refuses "auto" (`check_resolved`): nothing downstream derives a default of its own."""
+
+    SECTION: ClassVar[str] = "quant"
+
     format: str = _field("nvfp4", "FP4 format of the rollout", FORMATS)
     weights: str = _field("fp4", "weight precision of targeted linears", PRECISIONS)
     activations: str = _field("fp4", "activation precision (fp4 = W4A4, bf16 = W4A16)", PRECISIONS)
@@ -94,27 +104,15 @@ class QuantPolicy:
         "K cache holds K minus its rotated k_proj bias (Qwen2/2.5: K without its outlier channels; kv=auto sets it)",
     )
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            allowed = f.metadata.get("choices")
-            if allowed is not None and getattr(self, f.name) not in allowed:
-                raise ValueError(f"quant.{f.name} must be one of {', '.join(allowed)}; got {getattr(self, f.name)!r}")
-        if not isinstance(self.kv_k_debias, bool):
-            raise ValueError(f"quant.kv_k_debias must be true or false; got {self.kv_k_debias!r}")
+    def check(self) -> None:
+        """Cross-field rules (each field's type and allowed values are checked by its declaration)."""
         if self.activations == "fp4" and self.weights == "bf16":
             raise ValueError(
                 "quant.activations='fp4' requires quant.weights='fp4' (supported: W4A4, W4A16, or all bf16)"
             )
-        if isinstance(self.targets, str):
-            raise ValueError(f"quant.targets must be a list of fnmatch patterns; got the string {self.targets!r}")
-        self.targets = tuple(self.targets)
         for pattern in self.targets:
             if not isinstance(pattern, str) or not pattern:
                 raise ValueError(f"quant.targets must hold non-empty strings; got {pattern!r}")
-        for name in ("bf16_layers_start", "bf16_layers_end"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"quant.{name} must be an integer >= 0; got {value!r}")
 
     # ----------------------------------------------------------------- serialization
     @classmethod
@@ -132,6 +130,9 @@ class QuantPolicy:
         d = asdict(self)
         d["targets"] = list(self.targets)
         return d
+
+    def replace(self, **changes) -> QuantPolicy:
+        return dataclasses.replace(self, **changes)
 
     # ----------------------------------------------------------------- decisions
     @property
@@ -168,33 +169,39 @@ class QuantPolicy:
 
     # ----------------------------------------------------------------- KV cache
     # How kv, kv_k and kv_v combine: kv_k (kv_v) when set, otherwise kv. kv="auto" resolves per
-    # model family in for_arch(): families whose K has no per-head RMSNorm (Qwen2/2.5: q/k/v
+    # model family in resolve(): families whose K has no per-head RMSNorm (Qwen2/2.5: q/k/v
     # biases, outlier channels in K up to ~200 on a real checkpoint) get de-biased FP8 K + NVFP4 V
     # (FP8 K with its bias in loses 6x more in bf16: docs/quality.md); families with q/k norm
     # (Qwen3, Qwen3-MoE) NVFP4 K and V. An explicit kv_k / kv_v still wins over auto, and an
     # explicit kv_k keeps kv_k_debias as set.
-    def for_arch(self, arch: ModelArch) -> QuantPolicy:
-        """This policy with kv="auto" resolved for `arch` (kv_k and kv_v made explicit); a policy
-        without "auto" comes back unchanged. kv_k_debias on a family without a k_proj bias is an error."""
+    def resolve(self, arch: ModelArch) -> QuantPolicy:
+        """The policy as it runs on `arch`: kv="auto" made this family's K and V formats (kv_k and
+        kv_v explicit, kv = V's; K de-biased where the family has a k_proj bias), then checked
+        against the architecture (`check_resolved`). The one place a quantization default depends on
+        the model; a resolved policy resolves to itself."""
+        p = self
+        if self.kv == "auto":
+            k, v = auto_kv_formats(arch)
+            debias = self.kv_k_debias or (not self.kv_k and arch.qkv_bias and k != "bf16")
+            k, v = self.kv_k or k, self.kv_v or v
+            p = self.replace(kv=v, kv_k=k, kv_v=v, kv_k_debias=debias)
+        p.check_resolved(arch)
+        return p
+
+    def check_resolved(self, arch: ModelArch) -> None:
+        """Refuse a policy that was not resolved (kv="auto") or does not fit `arch`: what every part
+        that quantizes asks of the policy it is handed."""
+        if self.kv == "auto":
+            raise ValueError(
+                "quant.kv='auto' reached a part that quantizes unresolved: the run resolves its policy once, "
+                "after the checkpoint is known (QuantPolicy.resolve(arch)), and hands that object on"
+            )
         if self.kv_k_debias and not arch.qkv_bias:
             raise ValueError(
                 f"quant.kv_k_debias subtracts K's rotated k_proj bias, but {arch.family} has no q/k/v "
                 "bias (Qwen2/2.5 have one); set quant.kv_k_debias=false"
             )
-        if self.kv != "auto":
-            return self
-        k, v = auto_kv_formats(arch)
-        debias = self.kv_k_debias or (not self.kv_k and arch.qkv_bias and k != "bf16")
-        return QuantPolicy.from_dict(
-            {**self.to_dict(), "kv_k": self.kv_k or k, "kv_v": self.kv_v or v, "kv_k_debias": debias}
-        )
-
-    def for_family(self, family: str) -> QuantPolicy:
-        """`for_arch` for a model family name (qwen2 | qwen3 | qwen3_moe), when no checkpoint is at hand."""
-        from .arch import ModelArch
-        from .tiny import tiny_hf_config
-
-        return self.for_arch(ModelArch.from_hf_config(tiny_hf_config(family)))  # the family's q/k-norm fact
+        self.quantized_linears(arch)  # targets cover whole fused groups
 
     def _side(self, which: str) -> str:
         if which not in ("k", "v"):
@@ -203,7 +210,8 @@ class QuantPolicy:
         fmt = fmt or self.kv
         if fmt == "auto":
             raise ValueError(
-                f"quant.kv='auto' picks quant.kv_{which} per model family: call policy.for_arch(arch) first"
+                f"quant.kv='auto' picks quant.kv_{which} per model family: resolve the policy first "
+                "(QuantPolicy.resolve(arch))"
             )
         return fmt
 
@@ -245,15 +253,11 @@ class QuantPolicy:
         return any(self.kv_format(layer, num_layers, w) != "bf16" for w in ("k", "v"))
 
     def guided_site_kinds(self) -> list[str]:
-        """What TRACE guidance can record under this policy: "activations" (NVFP4/MXFP4 inputs of the
-        FP4 linears), "K", "V" (any quantized cache side, FP4 or FP8). Empty: nothing is quantized
-        where a record could pin it, so guided QAT would be plain QAT. kv="auto" counts as quantized
-        (every family's auto formats are)."""
+        """What TRACE guidance can record under this (resolved) policy: "activations" (NVFP4/MXFP4
+        inputs of the FP4 linears), "K", "V" (any quantized cache side, FP4 or FP8). Empty: nothing is
+        quantized where a record could pin it, so guided QAT would be plain QAT."""
         kinds = ["activations"] if self.format in ("nvfp4", "mxfp4") and self.activations == "fp4" else []
-        for side, fmt in (("K", self.kv_k or self.kv), ("V", self.kv_v or self.kv)):
-            if fmt != "bf16":
-                kinds.append(side)
-        return kinds
+        return kinds + [side for side, fmt in (("K", self.k_format), ("V", self.v_format)) if fmt != "bf16"]
 
     def quantized_linears(self, arch: ModelArch) -> list[str]:
         """HF module names of every FP4 linear of `arch`, in parameter order."""
@@ -295,11 +299,11 @@ def fused_group_of(module: str) -> str:
 def fused_members(group: str) -> list[str]:
     """The linears of a fused GEMM in the engine's shard order ([group] for an unfused module)."""
     parent, _, leaf = group.rpartition(".")
-    return [f"{parent}.{x}" for x in _FUSED_MEMBERS[leaf]] if leaf in _FUSED_MEMBERS else [group]
+    return [f"{parent}.{x}" for x in FUSED_MEMBERS[leaf]] if leaf in FUSED_MEMBERS else [group]
 
 
 def auto_kv_formats(arch: ModelArch) -> tuple[str, str]:
-    """(K, V) cache formats kv="auto" picks for `arch` (for_arch also de-biases K where it has a
+    """(K, V) cache formats kv="auto" picks for `arch` (resolve also de-biases K where it has a
     k_proj bias). Without per-head q/k RMSNorm (Qwen2/2.5) K carries outlier channels and NVFP4 K
     damages a real checkpoint (BENCHMARKS.md, Qwen2.5-Coder-0.5B: NVFP4 K +0.26 nats/token, FP8 K
     +0.003 in fp32), FP8 K does not; V is benign (+0.001). In bf16 FP8 K needs the bias out (W4A4:

@@ -192,13 +192,12 @@ def advice(m: ModelSpec, p: TrainerPlan, est: dict) -> str:
     return f"raise trainer.tp (now {p.tp}) or trainer.pp (now {p.pp})"
 
 
-def plan_from_config(cfg, m: ModelSpec, dp: int) -> TrainerPlan:
-    """The TrainerPlan of a run config (config.Config) on `dp` data-parallel ranks."""
+def plan_from_config(cfg, pol, m: ModelSpec, dp: int) -> TrainerPlan:
+    """The TrainerPlan of a run config (config.Config) and its resolved policy (`pol`, resolved for
+    the model `m` describes) on `dp` data-parallel ranks."""
     from megatron_trace.guidance.record import resolve_guided_layers
-    from megatron_trace.models import QuantPolicy
 
-    t, q, g = cfg.trainer, cfg.quant, cfg.guidance
-    pol: QuantPolicy = q.policy().for_family(cfg.model.family)
+    t, g = cfg.trainer, cfg.guidance
     last = f"model.layers.{m.layers - 1}."
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     # (an HF linear of the layer, its input width per token, its weight's parameters)
@@ -305,12 +304,12 @@ def here_capacity(ranks_here: int) -> tuple[float, str]:
     return avail / ranks_here, f"{avail / GIB:.1f} GiB available on this host / {ranks_here} ranks"
 
 
-def check_here(cfg, model_path: str, world: int, ranks_here: int) -> None:
+def check_here(cfg, policy, model_path: str, world: int, ranks_here: int) -> None:
     """Refuse (ValueError with the table and the knob to turn) a trainer plan whose estimate does
     not fit this machine; `trainer.memory_check=false` skips it."""
     m, _ = model_spec(model_path)
     t = cfg.trainer
-    p = plan_from_config(cfg, m, max(world // (t.tp * t.pp * t.cp), 1))
+    p = plan_from_config(cfg, policy, m, max(world // (t.tp * t.pp * t.cp), 1))
     est = estimate(m, p)
     cap, what = here_capacity(ranks_here)
     if est["total"] > cap:
@@ -320,7 +319,7 @@ def check_here(cfg, model_path: str, world: int, ranks_here: int) -> None:
         )
 
 
-def check_launch(cfg, model_path: str) -> None:
+def check_launch(cfg, policy, model_path: str) -> None:
     """`check_here` for this torchrun launch (its world and the ranks on this host)."""
     import torch.distributed as dist
 
@@ -328,7 +327,28 @@ def check_launch(cfg, model_path: str) -> None:
 
     here = LaunchEnv.from_env()
     world = dist.get_world_size() if dist.is_initialized() else 1
-    check_here(cfg, model_path, world, here.local_world_size if here else 1)
+    check_here(cfg, policy, model_path, world, here.local_world_size if here else 1)
+
+
+def hf_config_of(m: ModelSpec) -> dict:
+    """The HF config a ModelSpec stands for (a built-in shape without its checkpoint here): what the
+    policy is resolved against, as a run resolves it against the checkpoint's config.json."""
+    family = "qwen3_moe" if m.moe else ("qwen3" if m.qk_norm else "qwen2")
+    cfg = {
+        "model_type": family,
+        "vocab_size": m.vocab,
+        "hidden_size": m.hidden,
+        "intermediate_size": m.ffn or m.moe_inter,
+        "num_hidden_layers": m.layers,
+        "num_attention_heads": m.heads,
+        "num_key_value_heads": m.kv_heads,
+        "head_dim": m.head_dim,
+        "tie_word_embeddings": m.tied,
+        "attention_bias": m.qkv_bias,
+    }
+    if m.moe:
+        cfg.update(num_experts=m.experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.moe_inter)
+    return cfg
 
 
 def main(argv=None) -> int:
@@ -348,14 +368,22 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     cfg = Config.load(args.config, args.overrides)
-    from megatron_trace.models import tiny_hf_config
+    from megatron_trace.models import ModelArch, tiny_hf_config
 
-    m, source = model_spec(cfg.model.path, tiny_hf_config(cfg.model.family, **cfg.model.tiny))
+    tiny = tiny_hf_config(cfg.model.family, **cfg.model.tiny)
+    m, source = model_spec(cfg.model.path, tiny)
     if m is None:
         print(f"trainer memory: unknown model shape ({source}): no estimate", flush=True)
         return 2
+    if not cfg.model.path:
+        arch = ModelArch.from_hf_config(tiny)
+    elif Path(cfg.model.path, "config.json").exists():
+        arch = ModelArch.from_hf_config(Path(cfg.model.path))
+    else:
+        arch = ModelArch.from_hf_config(hf_config_of(m))
+    policy = cfg.quant.resolve(arch)  # this command's one resolution, as a run makes its own
     gpu = cfg.cluster.gpu or None
-    p = plan_from_config(cfg, m, args.dp)
+    p = plan_from_config(cfg, policy, m, args.dp)
     print(f"model shape: {source}")
     print(table(m, p, gpu))
     for n in [int(x) for x in args.answers.split(",") if x]:

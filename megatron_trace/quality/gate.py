@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_trace.models import ModelArch, QuantPolicy
+from megatron_trace.models.quant_policy import kv_side_bits
 from megatron_trace.quality import measure as quality
 
 MAX_CANDIDATES = 4  # each costs one greedy decode of the prompts at the run's answer length
@@ -69,11 +70,6 @@ class GateResult:
         ]
 
 
-def _kv_bits(fmt: str, head_dim: int) -> float:
-    fmt = fmt.removesuffix(quality.DEBIASED)
-    return {"bf16": 16.0, "fp8": 8.0 + 32.0 / head_dim, "nvfp4": 4.5, "mxfp4": 4.25}[fmt]
-
-
 def candidates(run: quality.Setting, arch: ModelArch) -> list[quality.Setting]:
     """KV settings to try when the run's fails, fewest bits per K+V pair first, the run's weights kept;
     K de-biased where the model has a k_proj bias (Qwen2/2.5: what plain K loses there)."""
@@ -82,7 +78,11 @@ def candidates(run: quality.Setting, arch: ModelArch) -> list[quality.Setting]:
     if run.base is not None and (run.base.bf16_layers_start or run.base.bf16_layers_end):
         k_opts, v_opts = ["bf16"], ("bf16",)  # BF16 layer bands: the engine serves them with BF16 KV only
     out = {quality.Setting(run.weights, k, v, base=run.base) for k in k_opts for v in v_opts} - {run}
-    return sorted(out, key=lambda s: (_kv_bits(s.k, arch.head_dim) + _kv_bits(s.v, arch.head_dim), s.name))
+
+    def bits(fmt: str) -> float:  # per element of one head's K or V row, scales included
+        return kv_side_bits(fmt.removesuffix(quality.DEBIASED), arch.head_dim)
+
+    return sorted(out, key=lambda s: (bits(s.k) + bits(s.v), s.name))
 
 
 def _judge(report: dict, name: str, prompts: list[dict], score, limits: tuple[float, float]) -> GateResult:
@@ -120,13 +120,14 @@ def gate(
     url: str | None = None,
     api_key: str | None = None,
 ) -> GateResult | None:
-    """The run's setting judged against BF16 on `prompts` ([{"ids", "text", "answer"}]); raises
-    QualityGateError when it fails and `accept_loss` is off, after finding the cheapest candidate
-    that passes (at most MAX_CANDIDATES tried). None when the policy quantizes nothing.
-    `url`: the run's setting is scored on that running rollout server (SGLang with the plugin), BF16
-    and the candidates on the embedded engine beside it."""
+    """The run's setting (its resolved `policy`) judged against BF16 on `prompts` ([{"ids", "text",
+    "answer"}]); raises QualityGateError when it fails and `accept_loss` is off, after finding the
+    cheapest candidate that passes (at most MAX_CANDIDATES tried). None when the policy quantizes
+    nothing. `url`: the run's setting is scored on that running rollout server (SGLang with the
+    plugin), BF16 and the candidates on the embedded engine beside it."""
     arch = ModelArch.from_hf_config(model_path)
-    setting = quality.Setting.of_policy(policy.for_arch(arch))
+    policy.check_resolved(arch)
+    setting = quality.Setting.of_policy(policy)
     if setting.name == quality.REFERENCE:
         log("rollout quality gate: the rollout quantizes nothing (BF16), nothing to measure")
         return None
@@ -188,12 +189,11 @@ def _keys(name: str) -> str:
     )
 
 
-def _run_inputs(cfg, log) -> tuple[QuantPolicy, dict]:
+def _run_inputs(cfg, policy: QuantPolicy, log) -> tuple[QuantPolicy, dict]:
     """The run's policy as the gate measures it and gate()'s keyword arguments from the config."""
     from megatron_trace.data import get_reward_fn, score
 
     q, rc = cfg.quant, cfg.rollout
-    policy = q.policy()
     if policy.activation_scale == "static":  # its engine loads the BF16 checkpoint: no input_scale yet
         log("note: the quality gate measures per-token activation scales (static ones come after)")
         policy = dataclasses.replace(policy, activation_scale="per_token")
@@ -207,27 +207,25 @@ def _run_inputs(cfg, log) -> tuple[QuantPolicy, dict]:
     )
 
 
-def gate_run(cfg, model_path, tok, prompts, log=print) -> tuple[GateResult | None, list[dict]]:
-    """The gate as a run applies it (train.py, rank 0, before the actor exists): `quant.quality_prompts`
-    of the run's eval split, its tokenizer, answer length, dtype and reward. Returns the result (None:
-    nothing measured) and the prompts it decoded."""
+def gate_run(cfg, policy: QuantPolicy, model_path, tok, prompts, log=print) -> tuple[GateResult | None, list[dict]]:
+    """The gate as a run applies it (rank 0, before the actor exists): the run's resolved policy on
+    `quant.quality_prompts` of its eval split, its tokenizer, answer length, dtype and reward.
+    Returns the result (None: nothing measured) and the prompts it decoded."""
     q, rc = cfg.quant, cfg.rollout
     if not q.quality_gate:
         log("WARNING: quant.quality_gate=false: nothing checks what FP4 does to this policy")
         return None, []
     picked = prompts.eval_set(q.quality_prompts) or prompts.sample(q.quality_prompts, 0)
     rows = [{"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked]
-    policy, kw = _run_inputs(cfg, log)
+    policy, kw = _run_inputs(cfg, policy, log)
     if rc.backend == "http":
-        kw.update(
-            url=_served_url(cfg, policy.for_arch(ModelArch.from_hf_config(model_path)), log), api_key=rc.api_key or None
-        )
+        kw.update(url=_served_url(cfg, policy, log), api_key=rc.api_key or None)
     return gate(model_path, policy, rows, accept_loss=q.accept_quality_loss, tokenizer=tok, log=log, **kw), rows
 
 
 def _numerics(p: QuantPolicy) -> tuple:
-    """What a policy does to the rollout: its formats per site (kv="auto" or a shorthand resolved into
-    K and V), not how it was written; activation scales aside (the gate measures per-token ones)."""
+    """What a resolved policy does to the rollout: its formats per site (a kv shorthand read as K and V),
+    not how it was written; activation scales aside (the gate measures per-token ones)."""
     return (p.format, p.weights, p.activations, p.k_format, p.v_format, p.kv_k_debias, tuple(p.targets)) + (
         p.bf16_layers_start,
         p.bf16_layers_end,
@@ -257,7 +255,9 @@ def _served_url(cfg, policy: QuantPolicy, log) -> str | None:
     return None
 
 
-def measure_after(cfg, model_path, run_dir, hf_sd: dict, rows: list[dict], tok, log=print) -> GateResult:
+def measure_after(
+    cfg, policy: QuantPolicy, model_path, run_dir, hf_sd: dict, rows: list[dict], tok, log=print
+) -> GateResult:
     """The gate's measurement on the trained weights `hf_sd` (HF names, exported BF16 to
     run_dir/final_bf16, then emptied): the run's answers beside BF16's after training, and what FP4
     costs the policy now. Never stops anything."""
@@ -271,8 +271,8 @@ def measure_after(cfg, model_path, run_dir, hf_sd: dict, rows: list[dict], tok, 
     hf = json.loads((Path(model_path) / "config.json").read_text())
     out = export_checkpoint(hf_sd, arch, Path(run_dir) / "final_bf16", fmt="bf16", dtype=torch.bfloat16, hf_config=hf)
     hf_sd.clear()  # the engines below load the export; the real 0.5B's run peaks near a 24 GB box's RAM
-    policy, kw = _run_inputs(cfg, log)
-    setting = quality.Setting.of_policy(policy.for_arch(arch))
+    policy, kw = _run_inputs(cfg, policy, log)
+    setting = quality.Setting.of_policy(policy)
     report = quality.run(
         out,
         rows,

@@ -36,10 +36,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatron_trace.models import QuantPolicy
+from megatron_trace.models.quant_policy import KV_FORMATS
 from megatron_trace.rl.mismatch import bucket_means
 
 WEIGHTS = ("bf16", "w4a16", "w4a4")
-KV = ("bf16", "fp8", "nvfp4", "mxfp4")
+KV = KV_FORMATS
 DEBIASED = "+debias"  # K minus its rotated k_proj bias before quantizing (quant.kv_k_debias)
 K_FORMATS = (*KV, *(f + DEBIASED for f in KV if f != "bf16"))
 REFERENCE = "bf16:bf16:bf16"

@@ -9,9 +9,11 @@
             ─► trainer recompute on Megatron (TP/PP) in modes off | rtn | guided-full | guided-mantissa
             ─► per mode: |Δlogp| mean/max, K3 KL, IS ratio mean/max, codeword agreement per site,
                guidance bytes per token, mean |Δlogp| by response position
-The engine runs in bfloat16 by default while the trainer runs fp32: real deployments differ at
-that level (other GEMM kernels, fused ops), and with bitwise-identical sides plain QAT would
-already be perfect and nothing could be shown.
+The rollout half (prompts, the engine generating them under the FP4 policy with every sample's full
+guidance recorded, static activation scales calibrated first) comes first below, then the trainer
+half, the scoring and the report. The engine runs in bfloat16 by default while the trainer runs
+fp32: real deployments differ at that level (other GEMM kernels, fused ops), and with
+bitwise-identical sides plain QAT would already be perfect and nothing could be shown.
 
 Prompts: `--prompts` JSONL lines {"prompt": text} or {"messages": [...]} (the checkpoint
 tokenizer's chat template) or {"input_ids": [...]}; `--dataset` one of the project's tasks
@@ -33,7 +35,7 @@ from megatron_trace.data import BUILTIN_PROMPTS
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.guidance.routing import sample_routed_experts
 from megatron_trace.models import ModelArch, QuantPolicy
-from megatron_trace.quality.probe_rollout import guidance_skipped, rollout
+from megatron_trace.models.quant_policy import KV_FORMATS, KV_SHORTHANDS
 from megatron_trace.rl import mismatch_metrics
 from megatron_trace.trainer.comm import all_gather_json, broadcast_blobs, broadcast_json
 
@@ -46,7 +48,6 @@ QUANTIZATIONS = {
     "w4a16_mxfp4": ("mxfp4", "fp4", "bf16"),
     "none": ("bf16", "bf16", "bf16"),
 }
-KV_FORMATS = ("nvfp4", "mxfp4", "fp8", "bf16")
 NO_REPLAY = "guided-full-no-replay"  # MoE with replay: what guided-full is without it
 
 
@@ -59,7 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=list(QUANTIZATIONS),
         help="linears: W4A4 or W4A16 in NVFP4 or MXFP4, or none (BF16 linears: a KV-only run)",
     )
-    ap.add_argument("--kv-cache-dtype", default="nvfp4", choices=list(KV_FORMATS))
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_SHORTHANDS),
+        help="K and V cache format; auto: the model family's, as quant.kv=auto (Qwen2/2.5: de-biased FP8 K + NVFP4 V)",
+    )
     ap.add_argument(
         "--activation-scale",
         default="per_token",
@@ -113,18 +119,119 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def synthetic_prompts(arch: ModelArch, n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, arch.vocab_size, (n, length), generator=g).tolist()
+
+
+def probe_prompts(args, arch: ModelArch) -> list[list[int]]:
+    """The prompt token ids: a user's JSONL, a built-in task's eval split, or random ids."""
+    if args.prompts:
+        from megatron_trace.quality.measure import load_prompts
+
+        return [p["ids"] for p in load_prompts(args.prompts, args.model_path)][: args.num_prompts]
+    if args.dataset:
+        from megatron_trace.data import load_tokenizer, prompt_source
+
+        tok = load_tokenizer(str(args.model_path))
+        task = prompt_source(args.dataset, seed=0, tokenizer=tok)
+        return [tok.encode_prompt(p.text) for p in task.eval_set(args.num_prompts)]
+    return synthetic_prompts(arch, args.num_prompts, args.prompt_len, args.seed)
+
+
+def rollout(args, policy: QuantPolicy) -> tuple[list[dict], dict[str, float] | None]:
+    """Generate on this process's embedded engine; each sample carries its full guidance record.
+    Static activation scales: calibrated on the probe's prompts first and pushed into the engine
+    as a weight version with input_scale (what the RL loop's sync sends); returned with the samples."""
+    from sglang_backend.local import Engine
+
+    arch = ModelArch.from_hf_config(args.model_path)
+    eng = Engine(
+        args.model_path,
+        dtype=args.rollout_dtype,
+        quant_policy=policy,
+        guidance_mode="full",
+        guided_layers=args.guided_layers,
+        random_seed=args.seed,
+    )
+    try:
+        prompts = probe_prompts(args, arch)
+        amax = _push_static_scales(args, arch, policy, eng, prompts) if policy.activation_scale == "static" else None
+        real = bool(args.prompts or args.dataset)  # real prompts end their answers; random ones never would
+        params = [
+            {
+                "temperature": args.temperature,
+                "max_new_tokens": args.max_new_tokens,
+                "ignore_eos": not real,
+                "sampling_seed": args.seed * 10_000 + i,
+            }
+            for i in range(len(prompts))
+        ]
+        guided = guidance_skipped(policy) is None
+        outs = eng.generate(
+            input_ids=prompts,
+            sampling_params=params,
+            return_logprob=True,
+            return_guidance=guided,
+            return_routed_experts=arch.is_moe,
+        )
+        samples = []
+        for prompt, out in zip(prompts, outs):
+            handle = out["meta_info"]["guidance_handle"] if guided else None
+            samples.append(
+                {
+                    "prompt": prompt,
+                    "response": out["output_ids"],
+                    "logprobs": [t[0] for t in out["meta_info"]["output_token_logprobs"]],
+                    "routed_experts": out["meta_info"].get("routed_experts"),  # SGLang's dict: base64
+                    "guidance": eng.fetch_guidance(handle) if guided else None,
+                }
+            )
+        return samples, amax
+    finally:
+        eng.shutdown()
+
+
+def _push_static_scales(args, arch: ModelArch, policy: QuantPolicy, eng, prompts) -> dict[str, float]:
+    from megatron_trace.transfer.export import load_hf_dir
+    from megatron_trace.transfer.pipeline import push_hf_state_dict
+    from megatron_trace.transfer.static_scales import calibrate_static_amax
+    from megatron_trace.transfer.transports import InProcessTransport
+    from sglang_backend.local import InProcessBackend
+
+    amax = calibrate_static_amax(args.model_path, arch, policy, prompts)
+    _, hf_sd, _ = load_hf_dir(args.model_path)
+    push_hf_state_dict(hf_sd, arch, policy, InProcessTransport(InProcessBackend(eng)), 1, input_amax=amax)
+    return amax
+
+
+def guidance_skipped(policy: QuantPolicy) -> str | None:
+    """Why this policy's probe has no guided modes, or None (`QuantPolicy.guided_site_kinds`)."""
+    if not policy.guided_site_kinds():
+        return (
+            f"no guided modes: guidance records quantized activations and K/V, and this run has "
+            f"none (format {policy.format}, activations {policy.activations}, K {policy.k_format}, "
+            f"V {policy.v_format}), so the trainer has no rollout codes to follow"
+        )
+    return None
+
+
 def _share(samples: list[dict] | None) -> list[dict]:
-    """Rank 0's samples to every rank, as JSON + safetensors bytes (no pickle between processes)."""
+    """Rank 0's samples to every rank, as JSON + record bytes (no pickle between processes); a
+    single process keeps its records as they are."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return samples
     meta = broadcast_json([{k: v for k, v in s.items() if k != "guidance"} for s in samples] if samples else None)
-    blobs = broadcast_blobs([s["guidance"] for s in samples] if samples else None)
+    blobs = broadcast_blobs([s["guidance"].to_bytes() if s["guidance"] else b"" for s in samples] if samples else None)
     for s, g in zip(meta, blobs):
-        s["guidance"] = g
+        s["guidance"] = GuidanceRecord.from_bytes(g) if g else None
     return meta
 
 
 def probe(args) -> dict:
     from megatron_trace.config import RolloutConfig, TrainerConfig
-    from megatron_trace.trainer.actor import Actor, Sample
+    from megatron_trace.rl import Sample
+    from megatron_trace.trainer.actor import Actor
     from megatron_trace.trainer.parallel import destroy, init_distributed
     from megatron_trace.trainer.routing_replay import replay_enabled
 
@@ -141,7 +248,7 @@ def probe(args) -> dict:
         targets=targets,
         kv_k_debias=args.kv_k_debias,
         activation_scale=args.activation_scale,
-    )
+    ).resolve(arch)
     if policy.activation_scale == "static":  # every rank, before rank 0 calibrates and the others wait
         from megatron_trace.transfer.static_scales import check_calibratable
 
@@ -156,7 +263,7 @@ def probe(args) -> dict:
         skipped = guidance_skipped(policy)
         if skipped and rank0:
             print(f"WARNING: {skipped}", flush=True)
-        full = [GuidanceRecord.from_bytes(s["guidance"]) if s["guidance"] else None for s in samples]
+        full = [s["guidance"] for s in samples]
         records = {"full": full, "mantissa": [r.to_mantissa() for r in full] if not skipped else full}
         actor = Actor(
             arch,
@@ -170,7 +277,10 @@ def probe(args) -> dict:
 
             actor.qat.set_static_activation_scales(static_site_scales(amax, arch, policy))
         replay = replay_enabled(args.routing_replay, arch)
-        routed = [sample_routed_experts(s, arch) for s in samples]
+        routed = [
+            sample_routed_experts(s["routed_experts"], len(s["prompt"]), len(s["response"]), arch, f"s{i}")
+            for i, s in enumerate(samples)
+        ]
         rollout_lp = [s["logprobs"] for s in samples]
         results = {}
         modes = ("off", "rtn") if skipped else PROBE_MODES + ((NO_REPLAY,) if replay else ())

@@ -70,6 +70,17 @@ def plan_lines(cfg) -> list[str]:
     ]
 
 
+def policy_line(policy, arch) -> str:
+    """The resolved quantization policy in one line: what "auto" became for this checkpoint."""
+    weights = (
+        "BF16 linears"
+        if not policy.enabled
+        else f"{policy.format.upper()} W4A{4 if policy.activations == 'fp4' else 16}"
+    )
+    debias = " de-biased" if policy.kv_k_debias and policy.k_format != "bf16" else ""
+    return f"policy:     {weights}; K {policy.k_format}{debias}, V {policy.v_format} (resolved for {arch.family})"
+
+
 def progress_bar(total: int, enabled: bool):
     from tqdm import tqdm
 

@@ -1,7 +1,8 @@
-"""Metrics behind one interface: TensorBoard event files, a JSONL log, and a progress line.
+"""Metrics behind one interface: TensorBoard event files, a JSONL log, and a progress line; and a
+step's scalars, from its StepResult (run/step.py), as the loggers get them.
 
 Namespaces (DESIGN.md): rollout/, train/, mismatch/, perf/, eval/, and quality/ (the rollout-quality
-gate at step 0, quality_gate.py). `mismatch/` always carries
+gate at step 0, quality/gate.py). `mismatch/` always carries
 mean and max |logp_rollout - logp_train|, the K3 KL estimate, importance-ratio mean/max and
 clipped fraction, per-layer codeword disagreement and guidance bytes per token; MoE runs add
 `mismatch/routing_agreement` (share of the rollout's (token, layer, k) expert choices the trainer's
@@ -15,9 +16,14 @@ import json
 import math
 import resource
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from megatron_trace.perf.memory import peak_rss, resident_gib
+
+if TYPE_CHECKING:
+    from .step import StepResult
 
 NAMESPACES = ("rollout", "train", "mismatch", "perf", "eval", "quality")  # quality: the gate, at step 0
 REQUIRED_MISMATCH = (
@@ -191,6 +197,54 @@ def mismatch_scalars(
         if k.startswith("dlogp_pos_"):
             out[f"mismatch/{k}"] = v
     return out
+
+
+def step_scalars(r: StepResult, store_stats: dict) -> dict[str, float]:
+    """A step's scalars: rollout/, train/, mismatch/ (always the REQUIRED_MISMATCH set when it
+    trained) and perf/ (its time split, transfer, guidance store, this process's memory)."""
+    samples = r.batch.samples
+    n = max(len(samples), 1)
+    tokens = sum(len(s.response_ids) for s in samples)
+    rollout_s = r.times["rollout_s"]
+    m = {
+        "rollout/reward_mean": sum(s.reward for s in samples) / n,
+        "rollout/response_len_mean": tokens / n,
+        "rollout/weight_version": r.batch.version,
+        "rollout/samples": len(samples),
+        **{f"rollout/{k}": v for k, v in r.batch.stats.items() if k != "rollout_s"},
+        "rollout/dropped_stale": r.trained.dropped_stale,
+    }
+    step = r.trained.step
+    if step is None:
+        m["train/skipped"] = 1
+    else:
+        m.update({f"train/{k}": float(v) for k, v in step.metrics.items()})
+        # the train step's parts (perf/train_s is their sum plus batching): the QAT forward that
+        # recomputes the logprobs, the backward, the optimizer step
+        m.update({f"perf/{k}_s": v for k, v in step.times.items()})
+        m.update({f"mismatch/{k}": v for k, v in step.routing.items()})
+        m.update(
+            mismatch_scalars(
+                r.trained.mismatch, step.codeword_agreement, r.trained.guidance_bytes_per_token, step.guidance_override
+            )
+        )
+    m.update(r.metrics)
+    m.update(
+        {
+            "perf/rollout_s": rollout_s,
+            "perf/train_s": r.times["train_s"],
+            "perf/transfer_s": r.times["transfer_s"],
+            "perf/step_s": r.times["step_s"],
+            "perf/transfer_wire_bytes": r.wire_bytes,
+            "perf/rollout_tokens_per_s": tokens / max(rollout_s, 1e-9),
+            "perf/guidance_spilled_bytes": store_stats.get("bytes_spilled_total", 0),
+            "perf/guidance_bytes_per_token": store_stats.get("bytes_per_token", 0.0),
+            # this process (rank 0: engine and trainer): resident now and its peak so far
+            "perf/rss_gib": resident_gib(),
+            "perf/peak_rss_gib": peak_rss(),
+        }
+    )
+    return m
 
 
 TRAIN_PARTS = ("recompute", "backward", "optimizer")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,18 +27,32 @@ import torch.distributed as dist
 
 from megatron_trace.config import AlgoConfig, RolloutConfig, TrainerConfig
 from megatron_trace.models import ModelArch, QuantPolicy, pp_layer_range
-from megatron_trace.rl import policy_loss
+from megatron_trace.rl import Sample, policy_loss
 
 from . import checkpoint
-from .batching import MicroBatch, Partition, Sample, plan
+from .batching import MicroBatch, Partition, plan
 from .gpt import _unwrap, build_model, load_hf_weights
 from .logprobs import VocabSpec, chunked_logprobs
 from .qat import install_qat
 from .routing_replay import RoutingReplay, assert_same_micro_batch, replay_enabled
 
-__all__ = ["Actor", "Sample"]
+__all__ = ["Actor", "TrainStepResult"]
 log = logging.getLogger(__name__)
 _SUMMED = ("loss_sum", "clipped_frac", "is_clipped_frac", "masked_frac", "ratio_mean", "entropy", "tokens")
+
+
+@dataclass
+class TrainStepResult:
+    """What one optimizer step reports: its `train/` metrics, the trainer's pre-update logprobs of
+    every response token (the same forward the loss used: what mismatch metrics compare with the
+    rollout's), the step's time split, and what its QAT and routing did (per site / layer)."""
+
+    metrics: dict[str, float]  # loss, clipped fractions, ratio mean, entropy, grad_norm, update_ok, ...
+    logprobs: list[torch.Tensor]
+    times: dict[str, float]  # seconds: recompute (the QAT forward + logprobs), backward, optimizer
+    codeword_agreement: dict[str, float]  # site -> share of the trainer's codes equal to the rollout's
+    guidance_override: dict[str, float]  # site -> share guided rounding moved off round-to-nearest
+    routing: dict[str, float]  # MoE: routing_agreement / routing_replayed (empty for dense models)
 
 
 class _RestoreForBackward(torch.autograd.Function):
@@ -315,9 +330,11 @@ class Actor:
             self.ddp.train()
         return self._gather(store, micro, samples)[0]
 
-    def train_step(self, samples: list[Sample], loss_cfg: AlgoConfig) -> tuple[dict[str, float], list[torch.Tensor]]:
-        """One optimizer step; returns its metrics and the trainer's pre-update response logprobs
-        (the same forward the loss used: what mismatch metrics compare with the rollout's)."""
+    def train_step(self, samples: list[Sample], loss_cfg: AlgoConfig) -> TrainStepResult:
+        """One optimizer step on `samples` (guidance as records, not store handles). Collective: every
+        rank passes the same samples and gets the same result."""
+        self.qat.clear_counters()
+        self.routing.clear_counters()
         micro = self._plan(samples, False)
         total = float(sum(len(s.response_ids) for s in samples))
         self.ddp.zero_grad_buffer()
@@ -333,7 +350,14 @@ class Actor:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_ok"] = bool(ok)
         metrics["micro_batches"] = float(len(micro))
-        return metrics, lps
+        return TrainStepResult(
+            metrics,
+            lps,
+            dict(self.step_times),
+            self.qat.agreement(),
+            self.qat.override_rate(),
+            self.routing_agreement(),  # collective over PP: every rank
+        )
 
     def routing_agreement(self) -> dict[str, float]:
         """routing_agreement / routing_replayed since the last `routing.clear_counters()` (collective over PP)."""

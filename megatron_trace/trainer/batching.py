@@ -14,25 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_trace.guidance import GuidanceRecord
+from megatron_trace.rl import Sample
 
 from . import packing
 from .micro_batch_guidance import MicroBatchGuidance
-
-
-@dataclass
-class Sample:
-    sample_id: str
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]
-    advantage: float = 0.0
-    guidance: GuidanceRecord | None = None
-    routed_experts: torch.Tensor | None = None  # the rollout's expert ids [T, layers, top_k] (MoE)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.response_ids
 
 
 @dataclass(frozen=True)

@@ -329,7 +329,7 @@ def install_qat(
     """
     from .layer_spec import LinearSite, QATColumnParallelLinear, QATDotProductAttention, QATRowParallelLinear
 
-    policy = policy.for_arch(arch)  # kv="auto" -> this family's K and V formats
+    policy.check_resolved(arch)
     state = QATState(arch, policy, mode, tp_group)
     if not policy.enabled and policy.k_format == policy.v_format == "bf16":
         return state  # nothing is quantized (a BF16 rollout): the trainer runs plain

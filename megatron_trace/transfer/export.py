@@ -240,7 +240,8 @@ def export_checkpoint(
     if dtype is not None:
         cfg["dtype"] = cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     if fmt == "nvfp4":
-        qc, hq = quant_configs(arch, policy, kv_cache_quant_algo=policy.for_arch(arch).kv_cache_quant_algo())
+        policy.check_resolved(arch)
+        qc, hq = quant_configs(arch, policy, kv_cache_quant_algo=policy.kv_cache_quant_algo())
         cfg["quantization_config"] = qc
         (tmp / "hf_quant_config.json").write_text(json.dumps(hq, indent=2))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.quant_targets:
             kw["targets"] = tuple(args.quant_targets)
-        policy = QuantPolicy(**kw)
+        policy = QuantPolicy(**kw).resolve(arch)
         if args.calib_prompts and args.format == "nvfp4":
             from .static_scales import calibrate_input_amax, load_prompts
 

@@ -1,4 +1,4 @@
-"""One weight sync, end to end: gather -> quantize -> bucket -> transport.
+"""One weight sync, end to end: gather -> quantize -> transport (which buckets for the wire).
 
 # every trainer rank (collective); only global rank 0 passes a transport
 stats = push_weights(chunks, arch, policy, transport if rank == 0 else None, version=step)
@@ -15,7 +15,7 @@ import torch
 
 from .. import faults
 from ..models import ModelArch, QuantPolicy
-from .bucket import BucketStats, pack_buckets
+from .bucket import BucketStats
 from .gather import hf_order, iter_hf_params, model_parallel
 from .quantize import manifest, rollout_tensors
 from .transports import TransferStats, Transport
@@ -42,17 +42,19 @@ def _send(
     plan,
     bucket_stats,
 ) -> TransferStats:
+    policy.check_resolved(arch)
     units = rollout_tensors(stream, arch, policy, input_amax=input_amax, dtype=dtype)
-    buckets = pack_buckets(units, version, bucket_mb, stats=bucket_stats)
-    return transport.send(_with_fault_point(buckets, version), version, manifest=plan)
+    return transport.send_units(
+        _with_fault_point(units, version), version, manifest=plan, bucket_mb=bucket_mb, bucket_stats=bucket_stats
+    )
 
 
-def _with_fault_point(buckets: Iterable, version: int) -> Iterator:
-    """Hits `transfer.bucket` before handing bucket i over: armed at i >= 1, a kill lands after the
-    transport has taken buckets 0..i-1 of this version and before it has all of them (mid-sync)."""
-    for i, b in enumerate(buckets):
-        faults.hit("transfer.bucket", version=version, bucket=i)
-        yield b
+def _with_fault_point(units: Iterable, version: int) -> Iterator:
+    """Hits `transfer.unit` before handing unit i over: armed at i >= 1, a kill lands after the
+    transport has taken units 0..i-1 of this version and before it has all of them (mid-sync)."""
+    for i, u in enumerate(units):
+        faults.hit("transfer.unit", version=version, unit=i)
+        yield u
 
 
 def push_hf_state_dict(

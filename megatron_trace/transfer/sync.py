@@ -11,6 +11,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..models import QuantPolicy
 from .pipeline import push_weights
 from .transports import DiskTransport, DistributedTransport, HttpTransport, InProcessTransport, TransferStats
 
@@ -41,12 +42,19 @@ def make_transport(cfg, backend, run_dir: Path, arch):
 
 
 def sync_weights(
-    model_chunks, arch, cfg, transport, version: int, *, input_amax: Mapping[str, float] | None = None
+    model_chunks,
+    arch,
+    policy: QuantPolicy,
+    cfg,
+    transport,
+    version: int,
+    *,
+    input_amax: Mapping[str, float] | None = None,
 ) -> TransferStats | None:
     """Collective; returns the sender's stats (bytes, seconds) on rank 0, None elsewhere.
-    input_amax: the run's calibrated {HF module: input amax} with quant.activation_scale=static;
-    every version carries the same input_scale, the S_enc the trainer's QAT rounds with."""
-    policy = cfg.quant.policy()
+    `policy`: the run's resolved one. input_amax: the run's calibrated {HF module: input amax} with
+    quant.activation_scale=static; every version carries the same input_scale, the S_enc the
+    trainer's QAT rounds with."""
     if policy.activation_scale == "static" and transport is not None and input_amax is None:
         raise ValueError(
             "quant.activation_scale=static: the weight sync needs the run's calibrated input amax "

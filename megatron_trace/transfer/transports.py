@@ -1,12 +1,17 @@
-"""Ways to move one weight version's buckets to the rollout: `Transport.send(buckets, version) -> stats`.
+"""Ways to move one weight version to the rollout: `Transport.send_units(units, version) -> stats`.
+
+A version arrives as a stream of units (one fused group's or one module's rollout tensors, see
+quantize.py). The transports that cross a process boundary pack them into `WeightBucket`s under
+`transfer.bucket_mb` (bucket.py) and send those (`send(buckets, version)`); the in-process one hands
+the tensors to the engine as they are.
 
 Atomicity ("never a mix of versions"): the rollout engine commits each update call all or
 nothing, and the version moves only with a committed call. So every transport here makes ONE
 receiver commit per version:
 
-* InProcessTransport: the buckets are merged (references, no copy) into one `update_weights`
-  call. Costs holding the whole rollout model on the trainer side; in-process the engine holds
-  it anyway.
+* InProcessTransport: the version's tensors (references, no copy, no buckets) in one
+  `update_weights` call. Costs holding the whole rollout model on the trainer side; in-process the
+  engine holds it anyway.
 * HttpTransport: the buckets are merged into one safetensors body (`/update_weights_from_tensor`
   octet-stream). Bounded by the server's body limit (`max_body_bytes` in /model_info, checked
   before sending); beyond it use DistributedTransport or DiskTransport.
@@ -45,7 +50,8 @@ import torch
 
 from sglang_backend.api import WeightBucket, serves_version, wire_version
 
-from .quantize import NonFiniteWeightError
+from .bucket import BucketStats, pack_buckets
+from .quantize import NonFiniteWeightError, Unit, check_finite
 
 Manifest = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
@@ -64,7 +70,19 @@ class TransferStats:
 
 
 class Transport(abc.ABC):
-    """Sends all buckets of one version so that the rollout commits them as one update."""
+    """Sends all of one version so that the rollout commits it as one update."""
+
+    def send_units(
+        self,
+        units: Iterable[Unit],
+        version: int,
+        *,
+        manifest: Manifest | None = None,
+        bucket_mb: float = 512.0,
+        bucket_stats: BucketStats | None = None,
+    ) -> TransferStats:
+        """A version's units, packed into buckets under `bucket_mb` for the wire."""
+        return self.send(pack_buckets(units, version, bucket_mb, stats=bucket_stats), version, manifest=manifest)
 
     @abc.abstractmethod
     def send(
@@ -95,14 +113,31 @@ class InProcessTransport(Transport):
     def __init__(self, backend: Any):
         self.backend = backend
 
+    def send_units(self, units, version, *, manifest=None, bucket_mb=512.0, bucket_stats=None) -> TransferStats:
+        """The version's tensors straight to the engine: no buckets in one process."""
+        stats, t0 = TransferStats(version), time.perf_counter()
+        tensors: dict[str, torch.Tensor] = {}
+        for unit in units:
+            for name, t in unit:
+                check_finite(name, t)  # raises before the backend sees anything
+                if name in tensors:
+                    raise TransferError(f"tensor {name!r} sent twice in version {version}")
+                tensors[name] = t
+        stats.tensors = len(tensors)
+        return self._load(WeightBucket(tensors, version), stats, t0)
+
     def send(self, buckets, version, *, manifest=None) -> TransferStats:
         stats, t0 = TransferStats(version), time.perf_counter()
-        merged = _merge(buckets, version, stats)  # raises (NaN, ...) before the backend sees anything
-        stats.bytes = merged.nbytes()
-        self.backend.update_weights(merged)
+        return self._load(_merge(buckets, version, stats), stats, t0)  # raises (NaN, ...) before loading
+
+    def _load(self, bucket: WeightBucket, stats: TransferStats, t0: float) -> TransferStats:
+        stats.bytes = bucket.nbytes()
+        self.backend.update_weights(bucket)
         info = getattr(self.backend, "model_info", None)
-        if info is not None and not serves_version(info().get("weight_version"), version):
-            raise TransferError(f"rollout reports version {info().get('weight_version')} after sending {version}")
+        if info is not None and not serves_version(info().get("weight_version"), bucket.version):
+            raise TransferError(
+                f"rollout reports version {info().get('weight_version')} after sending {bucket.version}"
+            )
         stats.seconds = time.perf_counter() - t0
         return stats
 

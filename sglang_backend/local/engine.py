@@ -23,17 +23,17 @@ from typing import Any
 
 import torch
 
-from megatron_trace.guidance import resolve_guided_layers
+from megatron_trace.guidance import GuidanceRecord, resolve_guided_layers
 from megatron_trace.kernels import cpu_alloc
 from megatron_trace.models import ModelArch, QuantPolicy
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams, WeightBucket
 
 from .kv_cache import PagedKVCache
 from .layers import EngineLinear, streaming_status
-from .loader import load_checkpoint, load_tensor
+from .loader import check_update, load_checkpoint, load_tensor
 from .model import QwenEngineModel
 from .quant_flags import check_kv_bands, policy_for
-from .scheduler import Group, Scheduler, aborted_result, guidance_bytes, to_result
+from .scheduler import Group, Scheduler, aborted_result, guidance_record, to_result
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,7 +64,11 @@ class Engine:
         self.arch = ModelArch.from_hf_config(self.model_path)
         if isinstance(quant_policy, dict):
             quant_policy = QuantPolicy.from_dict(quant_policy)
-        self.policy = (quant_policy or policy_for(quantization, kv_cache_dtype, self.model_path)).for_arch(self.arch)
+        if quant_policy is not None:  # a run's policy: resolved by the run, checked here
+            quant_policy.check_resolved(self.arch)
+            self.policy = quant_policy
+        else:  # SGLang's flags: this engine is where they become a policy
+            self.policy = policy_for(quantization, kv_cache_dtype, self.model_path).resolve(self.arch)
         check_kv_bands(self.policy)
         self.model = QwenEngineModel(self.arch, self.policy, _DTYPES[dtype])
         self._allocator = cpu_alloc.keep_freed_memory() if self.model.embed.device.type == "cpu" else None
@@ -95,7 +99,7 @@ class Engine:
             seed=random_seed,
         )
         self.weight_version = "0"  # a string, as SGLang's (our launcher starts SGLang with --weight-version 0 too)
-        self._guidance: dict[str, bytes] = {}
+        self._guidance: dict[str, GuidanceRecord] = {}
         self._results: dict[str, GenerateResult] = {}
         self._cv = threading.Condition()
         self._driven: set[str] = set()  # rids whose waiting caller runs the steps (the worker leaves them)
@@ -137,7 +141,7 @@ class Engine:
         try:
             handle = None
             if s.want_guidance and s.finish_reason.get("type") != "abort":
-                self._guidance[s.rid] = guidance_bytes(s)
+                self._guidance[s.rid] = guidance_record(s)
                 handle = s.rid
             return to_result(s, self.weight_version, handle)
         except Exception as e:
@@ -258,7 +262,7 @@ class Engine:
         out = [r.to_sglang(return_logprob) for r in self.wait([r for rs in all_rids for r in rs])]
         return out[0] if single and len(out) == 1 else out
 
-    def fetch_guidance(self, handle: str) -> bytes:
+    def fetch_guidance(self, handle: str) -> GuidanceRecord:
         with self._cv:
             if handle not in self._guidance:
                 raise KeyError(f"no guidance record {handle!r} (never requested, or already fetched)")
@@ -285,24 +289,22 @@ class Engine:
     def update_weights_from_tensor(
         self, named_tensors, load_format=None, flush_cache: bool = True, weight_version: str | int | None = None
     ) -> tuple[bool, str]:
-        """Load HF-named tensors (BF16 or ModelOpt NVFP4) between decode steps; all or nothing."""
+        """Load HF-named tensors (BF16 or ModelOpt NVFP4) between decode steps; all or nothing: the
+        whole update is checked before any of it is written (loader.check_update), so a refused one
+        leaves the served version as it was without a copy of the model to restore."""
         named = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
-        for name, t in named:
-            if t.is_floating_point() and not torch.isfinite(t.float()).all():
-                return False, f"refused: {name} holds NaN or Inf; still serving version {self.weight_version}"
         with self._cv:
-            backup = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             try:
-                touched = {}
-                for name, t in named:
-                    lin = load_tensor(self.model, name, t)
-                    if lin is not None:
-                        touched[id(lin)] = lin
-                for lin in touched.values():
-                    lin.finalize()
-            except Exception as e:
-                self.model.load_state_dict(backup)
+                check_update(self.model, named)
+            except ValueError as e:
                 return False, f"refused: {e}; still serving version {self.weight_version}"
+            touched = {}
+            for name, t in named:
+                lin = load_tensor(self.model, name, t)
+                if lin is not None:
+                    touched[id(lin)] = lin
+            for lin in touched.values():
+                lin.finalize()
             if weight_version is not None:
                 self.weight_version = str(weight_version)
             self._check_static_scales()

@@ -175,9 +175,17 @@ class EngineLinear(nn.Module):
             raise KeyError(f"unknown shard {shard!r}; this linear has {list(self.offsets)}")
         return self.offsets[shard]
 
-    def load_shard(self, shard: str, tensor: torch.Tensor, kind: str = "weight") -> None:
-        """kind: weight | bias | ModelOpt tensor names (weight_packed, weight_scale, weight_scale_2, input_scale)."""
+    def load_shard(self, shard: str, tensor: torch.Tensor, kind: str = "weight", check_only: bool = False) -> None:
+        """kind: weight | bias | ModelOpt tensor names (weight_packed, weight_scale, weight_scale_2, input_scale).
+        check_only: raise what loading would raise about this tensor (its shard, its shape), write nothing."""
         a, b = self._rows(shard)
+        if check_only:
+            if kind == "bias":
+                _check_shape(self.bias is not None and self.bias[a:b], tensor, f"{self.site}:{shard}.bias")
+            elif kind in ("weight", "weight_packed"):
+                cols = self.in_features // 2 if kind == "weight_packed" else self.in_features
+                _check_shape(torch.empty(b - a, cols, device="meta"), tensor, f"{self.site}:{shard}.weight")
+            return
         if kind == "bias":
             _check_shape(self.bias is not None and self.bias[a:b], tensor, f"{self.site}:{shard}.bias")
             dst = self.held_bias.data if shard == self.bias_held_out else self.bias.data[a:b]

@@ -61,39 +61,67 @@ def _linear_target(model: QwenEngineModel, layer: int, module: str) -> tuple[Eng
     return None
 
 
-def load_tensor(model: QwenEngineModel, name: str, tensor: torch.Tensor) -> EngineLinear | None:
-    """Route one HF-named tensor to its parameter; returns the linear to finalize, if any."""
+def load_tensor(model: QwenEngineModel, name: str, tensor: torch.Tensor, check_only: bool = False):
+    """Route one HF-named tensor to its parameter; returns the linear to finalize, if any.
+    check_only: raise what loading it would raise (no such parameter, another shape, NaN), write nothing;
+    returns (the linear, its shard, the kind) for a linear's tensor."""
     if name.endswith(IGNORED_SUFFIXES):
         return None
     if name == "model.embed_tokens.weight":
-        return _copy(model.embed, tensor, name)
+        return _copy(model.embed, tensor, name, check_only)
     if name == "lm_head.weight":
         if model.arch.tie_word_embeddings:
             return None  # tied: the embedding is the head
-        return _copy(model.lm_head, tensor, name)
+        return _copy(model.lm_head, tensor, name, check_only)
     if name == "model.norm.weight":
-        return _copy(model.final_norm, tensor, name)
+        return _copy(model.final_norm, tensor, name, check_only)
     m = _LAYER.match(name)
     if m and int(m.group(1)) < len(model.layers):
         layer, rest = int(m.group(1)), m.group(2)
         if rest in _NORMS and hasattr(model.layers[layer], _NORMS[rest]):
-            return _copy(getattr(model.layers[layer], _NORMS[rest]), tensor, name)
+            return _copy(getattr(model.layers[layer], _NORMS[rest]), tensor, name, check_only)
         module, kind = _split_kind(rest)
         target = _linear_target(model, layer, module)
         if target is not None and kind:
             linear, shard = target
             if kind == "weight" and tensor.dtype == torch.uint8:
                 kind = "weight_packed"  # ModelOpt NVFP4: packed codes
-            linear.load_shard(shard, tensor, kind)
-            return linear
+            linear.load_shard(shard, tensor, kind, check_only)
+            return (linear, shard, kind) if check_only else linear
     raise ValueError(f"checkpoint tensor {name!r} does not belong to a {model.arch.family} model of this shape")
 
 
-def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+def check_update(model: QwenEngineModel, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise, naming the first tensor at fault, what loading `named` would raise, before anything is
+    written: each tensor has a parameter of its shape and is finite, and a linear given FP4 tensors
+    gets every shard's packed weight and scales. The engine's updates are all or nothing this way,
+    without keeping a copy of the model to roll back to."""
+    fp4: dict[int, tuple[EngineLinear, dict[str, set[str]]]] = {}
+    for name, t in named:
+        if t.is_floating_point() and not torch.isfinite(t.float()).all():
+            raise ValueError(f"{name} holds NaN or Inf")
+        hit = load_tensor(model, name, t, check_only=True)
+        if isinstance(hit, tuple) and hit[2] not in ("weight", "bias"):
+            linear, shard, kind = hit
+            fp4.setdefault(id(linear), (linear, {}))[1].setdefault(shard, set()).add(kind)
+    for linear, shards in fp4.values():
+        if linear.weight_fmt is None:
+            raise ValueError(f"{linear.site}: the update holds FP4 tensors but the policy keeps it BF16")
+        for shard in linear.shards:
+            kinds = shards.get(shard, set())
+            if not {"weight_packed", "weight_scale", "weight_scale_2"} <= kinds:
+                raise ValueError(
+                    f"{linear.site}:{shard} needs weight, weight_scale and weight_scale_2; got {sorted(kinds)}"
+                )
+
+
+def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, name: str, check_only: bool = False) -> None:
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
     if not torch.isfinite(tensor.float()).all():
         raise ValueError(f"{name}: checkpoint tensor holds NaN or Inf")
+    if check_only:
+        return None
     with torch.no_grad():  # in place on the parameter itself: bumps its version, which caches key on
         param.copy_(tensor.to(param.dtype))
     return None

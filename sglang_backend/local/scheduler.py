@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_trace import faults
-from megatron_trace.guidance import encode_records, encode_routed_experts
+from megatron_trace.guidance import GuidanceRecord, split_records
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams
 
 from .guidance_log import GuidanceLog, LoggedCapture
@@ -37,12 +37,12 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: dict | None = None
     guidance_rows: list[int] = field(default_factory=list)  # this sample's rows in the scheduler's GuidanceLog
-    guidance_bytes: bytes | None = None  # its guidance record, written when the sample finishes
+    guidance_record: GuidanceRecord | None = None  # its guidance record, made when the sample finishes
     guidance_error: str | None = None
     slot_table: torch.Tensor | None = None  # KV slot of each reserved position (pages never change)
     want_routing: bool = False  # return_routed_experts
     routed_rows: list[torch.Tensor] = field(default_factory=list)  # [n, layers, top_k] per forward, in order
-    routed_experts: str | None = None  # the finished sample's ids, SGLang's base64 form
+    routed_experts: torch.Tensor | None = None  # the finished sample's ids [T, layers, top_k]
 
     @property
     def tokens(self) -> list[int]:
@@ -157,10 +157,10 @@ class Scheduler:
         if wanted:
             try:
                 sites, lens = self.log.gather(wanted, [s for s in self.running if s.want_guidance])
-                blobs = encode_records([s.rid for s in wanted], self.guidance_mode, lens, sites)
-                for s, n, b in zip(wanted, lens, blobs):
+                records = split_records([s.rid for s in wanted], self.guidance_mode, lens, sites)
+                for s, n, r in zip(wanted, lens, records):
                     if n == len(s.tokens) - 1:
-                        s.guidance_bytes = b
+                        s.guidance_record = r
                     else:  # fails this record only
                         s.guidance_error = f"guidance covers {n} of sample {s.rid}'s {len(s.tokens) - 1} positions"
             except Exception as e:  # fails these records only (their requests abort), not the batch
@@ -307,11 +307,11 @@ class Scheduler:
         return out
 
 
-def guidance_bytes(s: Sequence) -> bytes:
-    """A finished sample's guidance record (safetensors bytes), or the capture failure as an error."""
-    if s.guidance_error or s.guidance_bytes is None:
+def guidance_record(s: Sequence) -> GuidanceRecord:
+    """A finished sample's guidance record, or the capture failure as an error."""
+    if s.guidance_error or s.guidance_record is None:
         raise RuntimeError(s.guidance_error or f"sample {s.rid} has no guidance record")
-    return s.guidance_bytes
+    return s.guidance_record
 
 
 def long_tensor(values: list[int]) -> torch.Tensor:
@@ -321,13 +321,13 @@ def long_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
-def _routed_experts(s: Sequence) -> str:
-    """A finished sample's routed expert ids over its T = prompt + output - 1 positions."""
+def _routed_experts(s: Sequence) -> torch.Tensor:
+    """A finished sample's routed expert ids [T, layers, top_k] over its T = prompt + output - 1 positions."""
     ids = torch.cat(s.routed_rows)
     s.routed_rows = []
     if ids.shape[0] != len(s.tokens) - 1:
         raise RuntimeError(f"routed experts cover {ids.shape[0]} of sample {s.rid}'s {len(s.tokens) - 1} positions")
-    return encode_routed_experts(ids)
+    return ids
 
 
 def to_result(s: Sequence, version: str, guidance_handle: str | None) -> GenerateResult:

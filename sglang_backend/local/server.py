@@ -231,7 +231,7 @@ class RolloutServer(WeightUpdateRoutes):
         d = await read_json(request, required=True)
         handle = want(d, "rid" if "rid" in d or "handle" not in d else "handle", str)  # "handle": the old name
         try:
-            data = await self._blocking(self.engine.fetch_guidance, handle)
+            data = await self._blocking(lambda: self.engine.fetch_guidance(handle).to_bytes())  # the wire form
         except KeyError as e:
             raise HTTPError(404, str(e.args[0])) from None
         return Response(data, media_type="application/octet-stream")

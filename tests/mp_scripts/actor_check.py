@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
 from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
-from megatron_trace.trainer.actor import Actor, Sample  # noqa: E402
+from megatron_trace.rl import Sample  # noqa: E402
+from megatron_trace.trainer.actor import Actor  # noqa: E402
 from megatron_trace.trainer.parallel import destroy, init_distributed  # noqa: E402
 
 
@@ -73,7 +74,8 @@ def run_layout(args, tp: int, pp: int) -> None:
     before = actor.compute_logprobs(batch)
     for s, lp in zip(batch, before):
         s.rollout_logprobs = [float(x) + 0.01 for x in lp]
-    metrics, step_lp = actor.train_step(batch, AlgoConfig())
+    step = actor.train_step(batch, AlgoConfig())
+    metrics, step_lp = step.metrics, step.logprobs
     after = actor.compute_logprobs(batch)
     tag = f"{args.mode}_tp{tp}_pp{pp}"
     root = Path(args.out) / f"ckpt_{tag}"

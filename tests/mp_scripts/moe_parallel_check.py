@@ -16,7 +16,8 @@ import torch.distributed as dist
 from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
 from megatron_trace.guidance import GuidanceRecord, decode_routed_experts  # noqa: E402
 from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
-from megatron_trace.trainer.actor import Actor, Sample  # noqa: E402
+from megatron_trace.rl import Sample  # noqa: E402
+from megatron_trace.trainer.actor import Actor  # noqa: E402
 from megatron_trace.trainer.comm import all_gather_json  # noqa: E402
 from megatron_trace.trainer.parallel import destroy, init_distributed  # noqa: E402
 
@@ -67,7 +68,8 @@ def run_layout(args, tp: int, ep: int, sp: bool) -> None:
     res = {"before": [t.tolist() for t in before]}
     # Megatron's MoELayer refuses to train with TP > 1 unless sequence parallelism is on
     if tp == 1 or sp:
-        metrics, step_lp = actor.train_step(batch, AlgoConfig())
+        step = actor.train_step(batch, AlgoConfig())
+        metrics, step_lp = step.metrics, step.logprobs
         after = actor.compute_logprobs(batch)
         res.update(
             {

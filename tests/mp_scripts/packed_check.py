@@ -23,7 +23,8 @@ import torch.distributed as dist
 from megatron_trace.config import AlgoConfig, TrainerConfig
 from megatron_trace.guidance import GuidanceRecord, decode_routed_experts
 from megatron_trace.models import ModelArch, QuantPolicy
-from megatron_trace.trainer.actor import Actor, Sample
+from megatron_trace.rl import Sample
+from megatron_trace.trainer.actor import Actor
 from megatron_trace.trainer.parallel import destroy, init_distributed
 
 # name -> (tp, pp, ep, cp, trainer overrides). Small budgets: several micro-batches per step.
@@ -81,7 +82,8 @@ def run(args, name: str) -> None:
         res[mode + "_agreement"] = actor.qat.agreement()
     actor.qat.set_mode("guided")
     actor.routing.clear_counters()
-    metrics, step_lp = actor.train_step(samples, AlgoConfig())
+    step = actor.train_step(samples, AlgoConfig())
+    metrics, step_lp = step.metrics, step.logprobs
     res["step"] = {k: float(v) for k, v in metrics.items()}
     res["step_lp"] = [t.tolist() for t in step_lp]
     res["step_counts"] = {k: list(v) for k, v in actor.qat.agree.items()}

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from megatron_trace.config import AlgoConfig, TrainerConfig  # noqa: E402
 from megatron_trace.guidance import GuidanceRecord  # noqa: E402
 from megatron_trace.models import ModelArch, QuantPolicy  # noqa: E402
-from megatron_trace.trainer.actor import Actor, Sample  # noqa: E402
+from megatron_trace.rl import Sample  # noqa: E402
+from megatron_trace.trainer.actor import Actor  # noqa: E402
 from megatron_trace.trainer.parallel import destroy, init_distributed  # noqa: E402
 
 POLICY = QuantPolicy(kv="nvfp4", targets=("*.self_attn.*", "*.mlp.*"))
@@ -54,7 +55,7 @@ def main() -> None:
                 res[mode] = [t.tolist() for t in actor.compute_logprobs(samples)]
                 res[mode + "_agreement"] = actor.qat.agreement()
                 res[mode + "_unguided"] = actor.qat.unguided_rows()
-            metrics, _ = actor.train_step(samples, AlgoConfig())
+            metrics = actor.train_step(samples, AlgoConfig()).metrics
             res["step"] = {k: float(v) for k, v in metrics.items()}
             res["after_step"] = [t.tolist() for t in actor.compute_logprobs(samples)]
             if dist.get_rank() == 0:
