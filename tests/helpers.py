@@ -39,12 +39,11 @@ def make_record(sample_id: str, positions: int = 5, k: int = 64, mode: str = "fu
 
 
 def probe_in_process(ckpt, *flags):
-    """The quality probe's report on 4 prompts x 12 tokens with `flags`."""
+    """The quality probe's report on 4 prompts x 12 tokens with `flags` (NVFP4 K and V unless they say)."""
     from megatron_trace.quality import probe
 
-    return probe.probe(
-        probe.parse_args(["--model-path", str(ckpt), "--num-prompts", "4", "--max-new-tokens", "12", *flags])
-    )
+    base = ["--model-path", str(ckpt), "--num-prompts", "4", "--max-new-tokens", "12", "--kv-cache-dtype", "nvfp4"]
+    return probe.probe(probe.parse_args([*base, *flags]))
 
 
 def hf_topk(path, tokens: list[int], top_k: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ def ckpt(tmp_path_factory):
 
 def _run(args, tmp_path, nproc=1):
     out = tmp_path / f"probe_{nproc}.json"
+    args = ["--kv-cache-dtype", "nvfp4", *args]  # NVFP4 K and V unless the test says (the qwen2 auto is FP8 K)
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_trace.quality.probe"]
     else:

@@ -90,6 +90,8 @@ def test_probe_on_chat_prompts_of_a_real_shape_checkpoint(qwen25_shape, tmp_path
                 str(prompts),
                 "--max-new-tokens",
                 "12",
+                "--kv-cache-dtype",
+                "nvfp4",
                 "--micro-batch-size",
                 "3",
                 "--json",

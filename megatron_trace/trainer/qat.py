@@ -43,6 +43,7 @@ from megatron_trace.fp4 import (
 from megatron_trace.kernels import kv_codec
 from megatron_trace.kernels.dispatch import mantissa_bits_packed, nvfp4_guided_quantize, nvfp4_quantize
 from megatron_trace.models import ModelArch, QuantPolicy
+from megatron_trace.models.quant_policy import fused_group_of
 from megatron_trace.models.rope import rotated_bias
 
 from .micro_batch_guidance import MicroBatchGuidance
@@ -50,11 +51,15 @@ from .routing_replay import expert_rows
 
 log = logging.getLogger(__name__)
 QAT_MODES = ("off", "rtn", "guided")  # trainer.qat_mode: no FP4, round-to-nearest QAT, TRACE
+# Megatron linear -> (an HF linear it holds, the rollout's site: that linear's fused group)
 _LINEAR_SITES = {
-    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.qkv_proj"),
-    "self_attention.linear_proj": ("self_attn.o_proj", "self_attn.o_proj"),
-    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.gate_up_proj"),
-    "mlp.linear_fc2": ("mlp.down_proj", "mlp.down_proj"),
+    meg: (hf, fused_group_of(hf))
+    for meg, hf in (
+        ("self_attention.linear_qkv", "self_attn.q_proj"),
+        ("self_attention.linear_proj", "self_attn.o_proj"),
+        ("mlp.linear_fc1", "mlp.gate_proj"),
+        ("mlp.linear_fc2", "mlp.down_proj"),
+    )
 }
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_(fc1|fc2)$")
 KV_SCALE = 1.0  # per-layer K/V S_enc, the engine's default (SGLang's k_scale/v_scale = 1.0)

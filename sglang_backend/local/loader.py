@@ -15,20 +15,20 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from megatron_trace.models.quant_policy import FUSED_MEMBERS
+
 from .layers import EngineLinear
 from .model import QwenEngineModel
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MODELOPT_KINDS = ("weight_scale_2", "weight_scale", "input_scale")
+# HF linear -> (the engine layer's attribute, its shard): a fused group (FUSED_MEMBERS) is one
+# attribute named like the group, each member a shard of it
 _LINEARS = {
-    "self_attn.q_proj": ("qkv", "q"),
-    "self_attn.k_proj": ("qkv", "k"),
-    "self_attn.v_proj": ("qkv", "v"),
-    "self_attn.o_proj": ("o_proj", "o"),
-    "mlp.gate_proj": ("gate_up", "gate"),
-    "mlp.up_proj": ("gate_up", "up"),
-    "mlp.down_proj": ("down", "down"),
-}
+    f"{parent}.{leaf}": (group.removesuffix("_proj"), leaf.removesuffix("_proj"))
+    for parent, fused in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj"))
+    for group, leaf in ((fused, m) for m in FUSED_MEMBERS[fused])
+} | {"self_attn.o_proj": ("o_proj", "o"), "mlp.down_proj": ("down", "down")}
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
 _NORMS = {
     "input_layernorm.weight": "input_norm",

@@ -29,7 +29,7 @@ from megatron_trace.models.quant_policy import QuantPolicy
 from .. import plugin_settings as settings
 from .layer_tp import set_derived, sglang_attr, tp_all_max
 from .moe_method import TraceFP4MoEMethod, expert_linears, experts_are_fp4, is_fused_moe
-from .quant_config import PACKED_MODULES, TraceFP4Config, TraceMXFP4Config
+from .quant_config import PACKED_MODULES, TraceFP4Config
 from .quant_method import TraceFP4LinearMethod
 
 POLICY_ENV = settings.env_name("quant_policy")
@@ -51,8 +51,10 @@ def policy_from_env(fmt: str) -> tuple[QuantPolicy, int | None]:
     return policy, num_layers
 
 
-class _PolicyMixin:
-    """get_quant_method by the project's QuantPolicy: FP4 where the policy says, SGLang's default elsewhere."""
+class TracePolicyConfig(TraceFP4Config):
+    """Online quantization by the project's QuantPolicy (given in POLICY_ENV): get_quant_method makes
+    a linear or the routed experts FP4 where the policy says, SGLang's default elsewhere. The two
+    formats below differ in their name, their FP4 format and their linear method."""
 
     def _policy(self):
         if getattr(self, "_trace_policy", None) is None:
@@ -211,17 +213,17 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
     def _native(layer) -> bool:
         return False  # the dequantized weight (CPU) or the FP4-weight kernel (CUDA) serve it
 
-
-class TraceNVFP4OnlineConfig(_PolicyMixin, TraceFP4Config):
-    NAME, FMT = "trace_nvfp4", "nvfp4"
-
     @staticmethod
     def get_config_filenames() -> list[str]:
-        return []
+        return []  # quantized at load time from a BF16 checkpoint
 
     @classmethod
     def override_quantization_method(cls, *_, **__) -> str | None:
         return None  # never claims a checkpoint: asked for by name only
+
+
+class TraceNVFP4OnlineConfig(TracePolicyConfig):
+    NAME, FMT = "trace_nvfp4", "nvfp4"
 
     def linear_method(self, site: str | None = None):
         return TraceNVFP4OnlineLinearMethod(self, site=site)
@@ -232,5 +234,8 @@ class TraceNVFP4OnlineConfig(_PolicyMixin, TraceFP4Config):
         return TraceNVFP4OnlineLinearMethod.update_alternates(spec, policy, num_layers or 1 << 30)
 
 
-class TraceMXFP4OnlineConfig(_PolicyMixin, TraceMXFP4Config):
-    """trace_mxfp4 with the policy's targets (the engine's MXFP4 rollout quantizes the same linears)."""
+class TraceMXFP4OnlineConfig(TracePolicyConfig):
+    """trace_mxfp4 with the policy's targets (the engine's MXFP4 rollout quantizes the same linears):
+    W4A4 MXFP4 (OCP blocks of 32) quantized at load time from a BF16 checkpoint."""
+
+    NAME, FMT = "trace_mxfp4", "mxfp4"

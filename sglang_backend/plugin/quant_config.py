@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from megatron_trace.fp4 import mxfp4
+from megatron_trace.models.quant_policy import FUSED_MEMBERS
 
 from .layer_tp import sglang_attr
 from .moe_method import experts_are_fp4, is_fused_moe
@@ -26,7 +27,8 @@ try:  # SGLang's base when it is installed; a plain object otherwise (CPU tests,
 except Exception:  # noqa: BLE001 - a broken SGLang install must not break the import
     _ConfigBase = object
 
-PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+# SGLang's packed_modules_mapping: the fused groups the policy declares (one global scale each)
+PACKED_MODULES = {group: list(members) for group, members in FUSED_MEMBERS.items()}
 _ACTIVE = {"on": False}  # set by register(): claim `modelopt` NVFP4 checkpoints
 
 
