@@ -75,7 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None, help="required on a non-loopback host")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None)
-    p.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4", "mxfp4"], default="auto")
+    # SGLang's flag: auto is the model's dtype (BF16), as SGLang reads it
+    p.add_argument("--kv-cache-dtype", choices=["auto", *KV_SIDES], default="auto")
     p.add_argument("--kv-k", choices=KV_SIDES, default=None, help="K cache format (default: --kv-cache-dtype)")
     p.add_argument("--kv-v", choices=KV_SIDES, default=None, help="V cache format (default: --kv-cache-dtype)")
     p.add_argument(

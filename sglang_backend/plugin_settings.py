@@ -20,7 +20,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-SIDE_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+from megatron_trace.kernels.kv_codec import FORMATS as SIDE_FORMATS
+
 FP4_NATIVE_MODES = ("auto", "0")
 
 

@@ -26,8 +26,8 @@ def test_yaml_and_overrides(tmp_path):
         ("trainer.steps=2.5", "trainer.steps must be int"),
         ("trainer.bogus=1", "unknown keys ['trainer.bogus']"),
         ("nosuch.key=1", "unknown config sections ['nosuch']"),
-        ("quant.kv=fp4", "quant.kv must be one of auto, nvfp4, mxfp4, fp8, bf16"),
-        ("quant.kv_k=int8", "quant.kv_k must be one of , nvfp4, mxfp4, fp8, bf16"),
+        ("quant.kv=fp4", "quant.kv must be one of auto, bf16, fp8, nvfp4, mxfp4"),
+        ("quant.kv_k=int8", "quant.kv_k must be one of , bf16, fp8, nvfp4, mxfp4"),
         ("quant.weights=bf16", "quant"),  # W16A4 is not a policy
         ("trainer.lr", "must look like section.key=value"),
     ],

@@ -112,8 +112,8 @@ def test_bf16_layer_band(start, end, kv):
 @pytest.mark.parametrize(
     "kw,msg",
     [
-        (dict(kv="fp4"), "quant.kv must be one of auto, nvfp4, mxfp4, fp8, bf16; got 'fp4'"),
-        (dict(kv_v="int8"), "quant.kv_v must be one of , nvfp4, mxfp4, fp8, bf16; got 'int8'"),
+        (dict(kv="fp4"), "quant.kv must be one of auto, bf16, fp8, nvfp4, mxfp4; got 'fp4'"),
+        (dict(kv_v="int8"), "quant.kv_v must be one of , bf16, fp8, nvfp4, mxfp4; got 'int8'"),
         (dict(format="fp8"), "quant.format must be one of nvfp4, mxfp4, bf16; got 'fp8'"),
         (dict(weights="int4"), "quant.weights must be one of fp4, bf16; got 'int4'"),
         (dict(activations="fp8"), "quant.activations must be one of fp4, bf16; got 'fp8'"),

@@ -22,8 +22,10 @@ from megatron_trace.fp4 import dequantize_any, fp8, mxfp4, nvfp4
 
 from .dispatch import nvfp4_quantize_dequantize
 
-QUANTIZED = ("nvfp4", "mxfp4", "fp8")
-FORMATS = ("bf16", *QUANTIZED)
+# The one list of KV-cache formats (the policy's quant.kv / kv_k / kv_v, the plugin's per-side pool,
+# the launcher's flags and the quality tools read it from here), widest first.
+FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+QUANTIZED = FORMATS[1:]
 KVTensor = nvfp4.NVFP4Tensor | mxfp4.MXFP4Tensor | fp8.FP8Tensor
 
 

@@ -13,13 +13,14 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, ClassVar
 
 from megatron_trace.fields import Section, opt
+from megatron_trace.kernels import kv_codec
 
 if TYPE_CHECKING:
     from .arch import ModelArch
 
 FORMATS = ("nvfp4", "mxfp4", "bf16")
 PRECISIONS = ("fp4", "bf16")
-KV_FORMATS = ("nvfp4", "mxfp4", "fp8", "bf16")
+KV_FORMATS = kv_codec.FORMATS
 # `kv` is the shorthand for both K and V; "auto" picks per model family (`QuantPolicy.resolve`).
 KV_SHORTHANDS = ("auto", *KV_FORMATS)
 # kv_k / kv_v: "" follows `kv`; a format overrides that side.
