@@ -5,6 +5,8 @@ Light on purpose: stdlib only at import (transformers loads lazily inside HFToke
 """
 
 from .code_reward import CodeReward
+from .code_tasks import CodeTasks
+from .humaneval import load_humaneval
 from .prompts import BUILTIN_PROMPTS, TASKS, ArithmeticTask, JsonlPrompts, Prompt, in_eval_split, prompt_source
 from .rewards import REWARD_FNS, REWARD_NAMES, exact_match, final_answer, get_reward_fn, math_verify, score
 from .sandbox import RunResult, Sandbox, SandboxUnavailable
@@ -18,6 +20,7 @@ __all__ = [
     "ArithmeticTask",
     "CharTokenizer",
     "CodeReward",
+    "CodeTasks",
     "HFTokenizer",
     "JsonlPrompts",
     "Prompt",
@@ -28,6 +31,7 @@ __all__ = [
     "final_answer",
     "get_reward_fn",
     "in_eval_split",
+    "load_humaneval",
     "load_tokenizer",
     "math_verify",
     "prompt_source",
