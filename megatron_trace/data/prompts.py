@@ -1,4 +1,5 @@
-"""Prompt sources for the RL loop: a synthetic verifiable arithmetic task and JSONL datasets.
+"""Prompt sources for the RL loop: a synthetic verifiable arithmetic task and JSONL datasets
+(data/word_problems.py and data/code_tasks.py hold the other generated tasks).
 
 Both follow one contract: `sample(n, step) -> list[Prompt]` depends only on (seed, step, n), never
 on how many batches were drawn before, so a `--resume` at step k sees exactly the prompts the
@@ -12,6 +13,7 @@ import os
 import random
 from dataclasses import dataclass
 
+from .code_reward import answer_json, task_text
 from .jsonl import read_lines
 
 
@@ -142,13 +144,16 @@ class ArithmeticTask:
 
 
 TASKS = ("arithmetic", "long_addition")
-BUILTIN_PROMPTS = (*TASKS, "word_problems")  # what rollout.prompts (and the probe's --dataset) name
+BUILTIN_PROMPTS = (*TASKS, "word_problems", "code_tasks")  # what rollout.prompts (and the probe's --dataset) name
 
 
 class JsonlPrompts:
     """Prompts from a JSONL file, one object per line with "prompt" and "answer" (an optional
-    "id" names the prompt). Every line is validated at load so a bad line fails the run before any
-    rollout, naming its line number. Blank lines are skipped.
+    "id" names the prompt), or a HumanEval row: "prompt" (the function stub), "test" and
+    "entry_point" without "answer" (an optional "task_id" names it), which becomes a code task for
+    `rollout.reward=code` (the stub in `code_reward.task_text`, the answer its test JSON). Every
+    line is validated at load so a bad line fails the run before any rollout, naming its line
+    number. Blank lines are skipped.
 
     Splits: a fixed `eval_fraction` of the lines (by a hash of the prompt text, `in_eval_split`)
     is the eval set; training draws only from the rest. Order: the training stream is a sequence
@@ -186,9 +191,11 @@ class JsonlPrompts:
     def _parse(self, obj, where: str) -> tuple[str, str, str]:
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: expected a JSON object with 'prompt' and 'answer'; got {type(obj).__name__}")
+        if "answer" not in obj and ("test" in obj or "entry_point" in obj):
+            return self._parse_humaneval(obj, where)
         for key in ("prompt", "answer"):
             if key not in obj:
-                raise ValueError(f"{where}: missing key {key!r}")
+                raise ValueError(f"{where}: missing key {key!r} (or a HumanEval row's 'test' and 'entry_point')")
         prompt, answer = obj["prompt"], obj["answer"]
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{where}: 'prompt' must be a non-empty string; got {prompt!r}")
@@ -196,6 +203,15 @@ class JsonlPrompts:
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise ValueError(f"{where}: 'answer' must be a string or a number; got {answer!r}")
         return str(obj.get("id", "L" + where.rsplit(":", 1)[1])), prompt, str(answer)
+
+    def _parse_humaneval(self, obj: dict, where: str) -> tuple[str, str, str]:
+        for key in ("prompt", "test", "entry_point"):
+            if not isinstance(obj.get(key), str) or not obj[key].strip():
+                raise ValueError(f"{where}: a HumanEval row needs a non-empty string {key!r}; got {obj.get(key)!r}")
+        if not obj["entry_point"].isidentifier():
+            raise ValueError(f"{where}: 'entry_point' must be a Python identifier; got {obj['entry_point']!r}")
+        src = str(obj.get("id", obj.get("task_id", "L" + where.rsplit(":", 1)[1]))).replace("/", "-")
+        return src, task_text(obj["prompt"]), answer_json(obj["test"], obj["entry_point"])
 
     def __len__(self) -> int:
         return len(self.items)
@@ -224,6 +240,10 @@ def prompt_source(spec: str, *, seed: int, tokenizer, eval_fraction: float = 0.1
         from .word_problems import WordProblems
 
         return WordProblems(seed, tokenizer, eval_fraction)
+    if spec == "code_tasks":
+        from .code_tasks import CodeTasks
+
+        return CodeTasks(seed, tokenizer, eval_fraction)
     if spec in TASKS:
         return ArithmeticTask.named(spec, seed, tokenizer, eval_fraction)
     return JsonlPrompts(spec, tokenizer=tokenizer, shuffle_seed=seed, eval_fraction=eval_fraction)

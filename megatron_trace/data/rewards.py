@@ -1,4 +1,5 @@
-"""Verifiable rewards: exact match and a math answer verifier.
+"""Verifiable rewards: exact match, a math answer verifier and (data/code_reward.py) code run
+against hidden tests in a sandbox.
 
 `score` is what the loop calls: a reward function that raises scores 0 and hands the error back,
 so one malformed response (or a verifier bug) costs a sample, not the run.
@@ -107,11 +108,21 @@ def final_answer(response: str, answer: str) -> float:
 
 
 REWARD_FNS: dict[str, RewardFn] = {"exact_match": exact_match, "final_answer": final_answer, "math": math_verify}
+# What rollout.reward names: "code" is an object built per run around its sandbox (code_reward.CodeReward).
+REWARD_NAMES = tuple(sorted([*REWARD_FNS, "code"]))
 
 
-def get_reward_fn(name: str) -> RewardFn:
-    if name not in REWARD_FNS:
-        raise ValueError(f"unknown reward function {name!r}; allowed: {', '.join(sorted(REWARD_FNS))}")
+def get_reward_fn(
+    name: str, *, code_sandbox: str = "bwrap", code_workers: int = 4, code_timeout_s: float = 10.0
+) -> RewardFn:
+    """The reward `name` names, checked at load. The code_* settings are rollout.code_sandbox,
+    rollout.code_workers and rollout.code_timeout_s; only rollout.reward=code reads them."""
+    if name not in REWARD_NAMES:
+        raise ValueError(f"unknown reward function {name!r}; allowed: {', '.join(REWARD_NAMES)}")
+    if name == "code":
+        from .code_reward import code_reward
+
+        return code_reward(code_sandbox, code_workers, code_timeout_s)
     if name == "math":
         check_math_verify()
     return REWARD_FNS[name]
