@@ -55,7 +55,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     arch = ModelArch.from_hf_config(args.model_path)
     policy = QuantPolicy(**POLICY).resolve(arch)
-    engine = Engine(args.model_path, dtype="bfloat16", quant_policy=policy, guided_layers="all", max_running_requests=64)
+    engine = Engine(
+        args.model_path, dtype="bfloat16", quant_policy=policy, guided_layers="all", max_running_requests=64
+    )
     backend = InProcessBackend(engine)
     try:
         g = torch.Generator().manual_seed(0)

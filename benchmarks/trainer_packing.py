@@ -24,8 +24,8 @@ import tempfile
 import time
 
 from megatron_trace.config import AlgoConfig, TrainerConfig
+from megatron_trace.kernels.cpu_alloc import peak_rss, reset_peak_rss
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
-from megatron_trace.perf.memory import peak_rss, reset_peak_rss
 from megatron_trace.rl import Sample
 from megatron_trace.trainer.actor import Actor
 from megatron_trace.trainer.parallel import destroy, init_distributed

@@ -201,7 +201,7 @@ def test_trainer_qat_follows_the_engine_fp8_k_record(mode):
     noise, to the engine's pages; round-to-nearest on the same K flips codes."""
     from megatron_trace.guidance import GuidanceRecord, make_site, quantized_parts
     from megatron_trace.models import ModelArch, QuantPolicy, tiny_hf_config
-    from megatron_trace.trainer.micro_batch_guidance import MicroBatchGuidance
+    from megatron_trace.trainer.batching import MicroBatchGuidance
     from megatron_trace.trainer.qat import QATState
 
     site = "model.layers.0.self_attn.k_cache"

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
-from megatron_trace.trainer.packing import columns
+from megatron_trace.trainer.batching import columns
 
 TOKENS = [[5, 17, 3, 99, 42, 7, 7, 61, 200, 13], [8, 1, 250, 4, 33, 90, 12, 6, 71, 2]]
 

@@ -52,9 +52,8 @@ def _rollout(ckpt, policy):
 
 
 def _qat_logits(ckpt, arch, ids, recs, routed, fused: bool):
+    from megatron_trace.trainer.batching import MicroBatchGuidance, columns
     from megatron_trace.trainer.gpt import build_model, forward_logits, load_hf_weights
-    from megatron_trace.trainer.micro_batch_guidance import MicroBatchGuidance
-    from megatron_trace.trainer.packing import columns
     from megatron_trace.trainer.qat import install_qat
     from megatron_trace.trainer.routing_replay import RoutingReplay
 

@@ -6,7 +6,7 @@ import torch
 from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.guidance import GuidanceRecord, make_site
 from megatron_trace.models import ModelArch, QuantPolicy, tiny_hf_config
-from megatron_trace.trainer.micro_batch_guidance import MicroBatchGuidance
+from megatron_trace.trainer.batching import MicroBatchGuidance
 from megatron_trace.trainer.qat import QATState
 
 ARCH = ModelArch.from_hf_config(tiny_hf_config("qwen2"))

@@ -1,4 +1,6 @@
-"""How the process's heap treats large temporaries, for the engine on CPU.
+"""The process's memory: how its heap treats large temporaries (for the engine on CPU), what of it is
+resident, and its peak (what a run logs as perf/rss_gib and perf/peak_rss_gib, and what the memory
+model's tests measure).
 
 glibc serves allocations above its mmap threshold (128 KB, raised adaptively up to 32 MB) with fresh
 mmaps and returns freed heap above its trim threshold to the system, so the same large temporary,
@@ -67,3 +69,30 @@ def _resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+def _status_gib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 2**20  # KiB -> GiB
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> float:
+    """This process's resident GiB now, with the kernel's peak mark (VmHWM) reset to it (Linux).
+    Returns the reset mark, not VmRSS: per-thread RSS counters reach the mark in batches, so a VmRSS
+    read here can exceed every later VmHWM and make a peak-minus-baseline negative."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_gib("VmHWM")
+
+
+def resident_gib() -> float:
+    """This process's resident GiB now."""
+    return _status_gib("VmRSS")
+
+
+def peak_rss() -> float:
+    """This process's peak resident GiB since start or the last `reset_peak_rss`."""
+    return _status_gib("VmHWM")

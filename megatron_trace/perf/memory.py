@@ -261,33 +261,6 @@ def table(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> str:
     return "\n".join(rows)
 
 
-def _status_gib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 2**20  # KiB -> GiB
-    raise KeyError(field)
-
-
-def reset_peak_rss() -> float:
-    """This process's resident GiB now, with the kernel's peak mark (VmHWM) reset to it (Linux).
-    Returns the reset mark, not VmRSS: per-thread RSS counters reach the mark in batches, so a VmRSS
-    read here can exceed every later VmHWM and make a peak-minus-baseline negative."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_gib("VmHWM")
-
-
-def resident_gib() -> float:
-    """This process's resident GiB now."""
-    return _status_gib("VmRSS")
-
-
-def peak_rss() -> float:
-    """This process's peak resident GiB since start or the last `reset_peak_rss`."""
-    return _status_gib("VmHWM")
-
-
 def here_capacity(ranks_here: int) -> tuple[float, str]:
     """(bytes one trainer rank may use on this machine, what that is): the CUDA device's memory,
     or the host's available memory shared by the ranks on it."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from megatron_trace.perf.memory import peak_rss, resident_gib
+from megatron_trace.kernels.cpu_alloc import peak_rss, resident_gib
 
 if TYPE_CHECKING:
     from .step import StepResult

@@ -115,9 +115,9 @@ class Rollout:
                     res.output_ids,
                     res.output_logprobs,
                     guidance=self._keep(step, res.rid, self._guidance(res)) if self.want_guidance else None,
-                    routed_experts=sample_routed_experts(
-                        res.routed_experts, len(ids), len(res.output_ids), self.arch, res.rid
-                    ),
+                    routed_experts=None
+                    if res.routed_experts is None  # a dense model's rollout sends none
+                    else sample_routed_experts(res.routed_experts, len(ids), len(res.output_ids), self.arch, res.rid),
                     reward=reward,
                     version=version_step(res.weight_version),
                     prompt_id=str(p.prompt_id),

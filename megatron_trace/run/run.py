@@ -101,7 +101,7 @@ class Run:
                 get_reward_fn(cfg.rollout.reward),
                 self.store,
             )
-            from megatron_trace.transfer.sync import make_transport
+            from megatron_trace.transfer.pipeline import make_transport
 
             self.transport = make_transport(cfg, self.backend, self.run_dir, self.arch)
             self.hub = MetricsHub(loggers(cfg, self.run_dir, resume))
@@ -141,7 +141,7 @@ class Run:
 
     def sync_weights(self) -> float:
         """Trainer weights -> rollout as the current version (collective); returns seconds."""
-        from megatron_trace.transfer.sync import sync_weights
+        from megatron_trace.transfer.pipeline import sync_weights
 
         t = time.perf_counter()
         stats = sync_weights(

@@ -46,7 +46,7 @@ from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.quant_policy import fused_group_of
 from megatron_trace.models.rope import rotated_bias
 
-from .micro_batch_guidance import MicroBatchGuidance
+from .batching import MicroBatchGuidance
 from .routing_replay import expert_rows
 
 log = logging.getLogger(__name__)

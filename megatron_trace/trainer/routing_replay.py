@@ -86,7 +86,7 @@ class RoutingReplay:
     # -- per micro-batch -------------------------------------------------------------------------
     def begin(self, routed: list[torch.Tensor | None], names: list[str], placements: list, n_rows: int) -> None:
         """The micro-batch's rollout ids: routed[i] / names[i] of the sample at placements[i]
-        (`packing.Placement`: its rows of the micro-batch's n_rows and their positions). With replay
+        (`batching.Placement`: its rows of the micro-batch's n_rows and their positions). With replay
         on every sample must carry them; padding rows replay expert ids 0..k-1 and are not counted."""
         self.current = self.local = None
         if not self.routers:

@@ -21,8 +21,8 @@ import torch
 from megatron_trace.config import AlgoConfig, TrainerConfig
 from megatron_trace.guidance import GuidanceRecord
 from megatron_trace.guidance.record import SiteRecord
+from megatron_trace.kernels.cpu_alloc import peak_rss, reset_peak_rss
 from megatron_trace.models import ModelArch, QuantPolicy
-from megatron_trace.perf.memory import peak_rss, reset_peak_rss
 from megatron_trace.rl import Sample
 from megatron_trace.trainer.actor import Actor
 from megatron_trace.trainer.parallel import destroy, init_distributed
