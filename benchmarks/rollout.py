@@ -67,8 +67,8 @@ ROW_LABELS = (
     "KV bytes/token BF16 / MXFP4",
     "guidance overhead, mantissa",
     "guidance overhead, full",
-    "guidance decode (trainer side), mantissa",
-    "guidance decode (trainer side), full",
+    "guidance decode (trainer side, over http), mantissa",
+    "guidance decode (trainer side, over http), full",
     "guidance bytes/token, mantissa",
     "guidance bytes/token, full",
 )
@@ -212,8 +212,9 @@ def guidance_overhead(path: Path, args, prompts, mode: str) -> dict:
             t0 = time.perf_counter()
             guided()
             t_guided.append(time.perf_counter() - t0)
+            wire = [r.to_bytes() for r in fetched]  # what an SGLang server sends; in-process hands records over
             t0 = time.perf_counter()
-            records = [GuidanceRecord.from_bytes(b) for b in fetched]
+            records = [GuidanceRecord.from_bytes(b) for b in wire]
             t_decode.append(time.perf_counter() - t0)
     finally:
         eng.shutdown()
@@ -298,7 +299,7 @@ def build_table(args, eng_tp: dict, hf_tp: dict | None, kv: dict, guid: dict) ->
     for mode in ("mantissa", "full"):
         g = guid[mode]
         lines.append(
-            f"| guidance decode (trainer side), {mode} | {1000 * g['decode_s']:.1f} ms for all records | "
+            f"| guidance decode (trainer side, over http), {mode} | {1000 * g['decode_s']:.1f} ms for all records | "
             f"{g['plain_s']:.3f} s rollout | {100 * g['decode_s'] / g['plain_s']:.1f}% | - | - |"
         )
     for mode in ("mantissa", "full"):

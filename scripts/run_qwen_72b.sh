@@ -75,7 +75,11 @@ from megatron_trace.config import Config
 cfg = Config.load(sys.argv[1], sys.argv[2:])
 q, g, r, t = cfg.quant, cfg.guidance, cfg.rollout, cfg.trainer
 quant = "" if "bf16" in (q.format, q.weights) else (q.format if q.activations == "fp4" else f"w4a16_{q.format}")
-pol = q.policy().for_family(cfg.model.family)  # kv=auto -> the family's K and V formats
+from megatron_trace.perf.memory import shape_and_arch
+_, source, arch = shape_and_arch(cfg)
+if arch is None:
+    sys.exit(f"model.path={cfg.model.path!r}: {source}: cannot resolve the quantization policy")
+pol = cfg.quant.resolve(arch)  # the launch's one resolution (kv=auto: the family's K and V formats)
 kv = pol.k_format if pol.k_format == pol.v_format else f"K:{pol.k_format}+V:{pol.v_format}"
 per_side = pol.k_format != pol.v_format or "fp8" in (pol.k_format, pol.v_format)
 if per_side and cfg.rollout.backend == "http" and os.environ.get("CPU_MODE") != "1":

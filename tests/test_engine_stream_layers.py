@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_trace.kernels import cpu_gemv
-from megatron_trace.models import DEFAULT_TARGETS, QuantPolicy, make_tiny_checkpoint
+from megatron_trace.models import DEFAULT_TARGETS, ModelArch, QuantPolicy, make_tiny_checkpoint
 from sglang_backend.local import Engine, layer_c, run_plan
 from tests.helpers import WIDE
 
@@ -42,7 +42,7 @@ def _generate(path, policy: dict, prompts, stream: bool, monkeypatch):
         eng = Engine(
             str(path),
             dtype="bfloat16",
-            quant_policy=QuantPolicy.from_dict(policy),
+            quant_policy=QuantPolicy.from_dict(policy).resolve(ModelArch.from_hf_config(path)),
             guidance_mode="full",
             guided_layers="all",
             max_total_tokens=1024,

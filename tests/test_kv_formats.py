@@ -110,13 +110,13 @@ def test_kernel_refuses_pages_it_cannot_decode():
 
 def test_engine_fp8_k_nvfp4_v_fused_equals_torch_path_and_guides_both_sides(tmp_path, monkeypatch):
     from megatron_trace.kernels import cpu_fused
-    from megatron_trace.models import QuantPolicy, make_tiny_checkpoint
+    from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
     from sglang_backend.local import Engine, run_plan
 
     if not cpu_fused.available():
         pytest.skip("no C compiler here")
     ckpt = make_tiny_checkpoint(tmp_path, "qwen2", seed=3)
-    policy = QuantPolicy(kv="auto")  # qwen2: FP8 K + NVFP4 V
+    policy = QuantPolicy(kv="auto").resolve(ModelArch.from_hf_config(ckpt))  # qwen2: FP8 K + NVFP4 V
     sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     runs = []
     for fused in (True, False):

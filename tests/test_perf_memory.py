@@ -45,8 +45,9 @@ def test_parameters_per_rank_add_up_to_the_model():
 def test_the_72b_config_fits_its_b200s_at_its_answer_length_and_names_the_knob_when_not():
     cfg = Config.load(str(REPO / "configs" / "qwen2.5_72b.yaml"), [])
     assert cfg.cluster.gpu == "b200" and cfg.rollout.max_new_tokens >= 16384
-    m, _ = pm.model_spec(cfg.model.path)
-    policy = cfg.quant.resolve(ModelArch.from_hf_config(pm.hf_config_of(m)))
+    m, source, arch = pm.shape_and_arch(cfg)
+    assert source.startswith("built-in shape") and arch.family == "qwen2" and arch.num_layers == m.layers == 80
+    policy = cfg.quant.resolve(arch)
     assert (policy.k_format, policy.kv_k_debias) == ("fp8", True)  # a Qwen2.5's auto K, from its built-in shape
     est = pm.estimate(m, pm.plan_from_config(cfg, policy, m, 1), "b200")
     assert est["fits"], pm.table(m, pm.plan_from_config(cfg, policy, m, 1), "b200")

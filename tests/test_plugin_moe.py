@@ -37,6 +37,18 @@ def _policy_env(monkeypatch, policy: QuantPolicy, num_layers: int = 2) -> None:
 
 
 @pytest.mark.parametrize("config", [TraceNVFP4OnlineConfig, TraceMXFP4OnlineConfig])
+def test_online_configs_read_no_quant_file_and_claim_no_checkpoint(config):
+    """SGLang's get_quant_config asks for the files a quant config reads from the checkpoint: an online
+    config quantizes a BF16 checkpoint, so none (a name there makes SGLang refuse to start), and it
+    never claims a ModelOpt export that trace_fp4 serves."""
+    assert config.get_config_filenames() == []
+    modelopt = {"quantization": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}
+    assert config.override_quantization_method(modelopt, None) is None
+    assert config.override_quantization_method(modelopt, "modelopt") is None
+    assert TraceFP4Config.get_config_filenames() != []
+
+
+@pytest.mark.parametrize("config", [TraceNVFP4OnlineConfig, TraceMXFP4OnlineConfig])
 def test_online_configs_give_fp4_experts_where_the_policy_says(monkeypatch, config):
     _policy_env(monkeypatch, QuantPolicy(kv="bf16", format=config.FMT))
     method = config().get_quant_method(_ExpertsProbe(4), PREFIX)

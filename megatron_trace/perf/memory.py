@@ -34,8 +34,12 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .roofline import GPUS, MODELS, ModelSpec
+
+if TYPE_CHECKING:
+    from megatron_trace.models import ModelArch
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -318,10 +322,29 @@ def hf_config_of(m: ModelSpec) -> dict:
         "head_dim": m.head_dim,
         "tie_word_embeddings": m.tied,
         "attention_bias": m.qkv_bias,
+        "rope_theta": 1_000_000.0,  # Qwen2.5's and Qwen3's; no quantization default reads it
     }
     if m.moe:
         cfg.update(num_experts=m.experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.moe_inter)
     return cfg
+
+
+def shape_and_arch(cfg) -> tuple[ModelSpec | None, str, ModelArch | None]:
+    """(the model's shape, where it came from, its arch) for a run config (config.Config) on this
+    machine: the checkpoint's config.json where it is here, else the built-in shape its name
+    spells, else the tiny model's. What a launcher or this command resolves the policy against
+    before any checkpoint is loaded (a run resolves against the checkpoint it loads)."""
+    from megatron_trace.models import ModelArch, tiny_hf_config
+
+    tiny = tiny_hf_config(cfg.model.family, **cfg.model.tiny)
+    m, source = model_spec(cfg.model.path, tiny)
+    if m is None:
+        return None, source, None
+    if not cfg.model.path:
+        return m, source, ModelArch.from_hf_config(tiny)
+    if Path(cfg.model.path, "config.json").exists():
+        return m, source, ModelArch.from_hf_config(Path(cfg.model.path))
+    return m, source, ModelArch.from_hf_config(hf_config_of(m))
 
 
 def main(argv=None) -> int:
@@ -341,19 +364,10 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     cfg = Config.load(args.config, args.overrides)
-    from megatron_trace.models import ModelArch, tiny_hf_config
-
-    tiny = tiny_hf_config(cfg.model.family, **cfg.model.tiny)
-    m, source = model_spec(cfg.model.path, tiny)
+    m, source, arch = shape_and_arch(cfg)
     if m is None:
         print(f"trainer memory: unknown model shape ({source}): no estimate", flush=True)
         return 2
-    if not cfg.model.path:
-        arch = ModelArch.from_hf_config(tiny)
-    elif Path(cfg.model.path, "config.json").exists():
-        arch = ModelArch.from_hf_config(Path(cfg.model.path))
-    else:
-        arch = ModelArch.from_hf_config(hf_config_of(m))
     policy = cfg.quant.resolve(arch)  # this command's one resolution, as a run makes its own
     gpu = cfg.cluster.gpu or None
     p = plan_from_config(cfg, policy, m, args.dp)

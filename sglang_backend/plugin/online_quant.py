@@ -56,6 +56,14 @@ class TracePolicyConfig(TraceFP4Config):
     a linear or the routed experts FP4 where the policy says, SGLang's default elsewhere. The two
     formats below differ in their name, their FP4 format and their linear method."""
 
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # quantized at load time from a BF16 checkpoint
+
+    @classmethod
+    def override_quantization_method(cls, *_, **__) -> str | None:
+        return None  # never claims a checkpoint: asked for by name only
+
     def _policy(self):
         if getattr(self, "_trace_policy", None) is None:
             self._trace_policy = policy_from_env(self.FMT)
@@ -212,14 +220,6 @@ class TraceNVFP4OnlineLinearMethod(TraceFP4LinearMethod):
     @staticmethod
     def _native(layer) -> bool:
         return False  # the dequantized weight (CPU) or the FP4-weight kernel (CUDA) serve it
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []  # quantized at load time from a BF16 checkpoint
-
-    @classmethod
-    def override_quantization_method(cls, *_, **__) -> str | None:
-        return None  # never claims a checkpoint: asked for by name only
 
 
 class TraceNVFP4OnlineConfig(TracePolicyConfig):
