@@ -15,7 +15,7 @@ the plugin's per-side method (plugin/kv_sides.py): SGLang's --kv-cache-dtype nvf
 TRACE_KV_SIDES=<k>,<v>, read through torch_native attention (added, with a warning, on GPUs).
 `--device cpu` (the default without CUDA) adds what SGLang's CPU engine needs:
 SGLANG_USE_CPU_ENGINE=1, --device cpu, --attention-backend torch_native, --sampling-backend
-pytorch, --disable-cuda-graph, a --mem-fraction-static sized to the weights + KV.
+pytorch, --disable-cuda-graph, --sleep-on-idle, a --mem-fraction-static sized to the weights + KV.
 Always: --skip-tokenizer-init (the rollout speaks token ids) and --weight-version (default "0",
 the trainer's first version).
 """
@@ -47,6 +47,9 @@ CPU_FLAGS = [
     "--sampling-backend",
     "pytorch",
     "--disable-cuda-graph",
+    # An idle scheduler otherwise busy-polls its sockets at 100% of a core: on a CPU box that core is
+    # the trainer's or another server's (measured: 1.0 core per idle server on 2 cores).
+    "--sleep-on-idle",
 ]
 SGLANG_KV = {"auto": "auto", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "fp4_mx_block16"}
 PLUGIN_NAME = "trace_fp4"

@@ -92,9 +92,17 @@ class SGLangProcess:
             device,
             *flags,
         ]
+        # stop() ends the process group, which SGLang reads as a crashed scheduler: with its pre-crash
+        # diagnostics on (py-spy, CUDA coredump; its defaults) every stop waited 5 s for them. A user's
+        # own setting of either variable wins.
+        quiet_stop = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**quiet_stop, **os.environ, **(env or {})},
+                start_new_session=True,
             )
         try:
             self._wait_healthy(start_timeout_s)
