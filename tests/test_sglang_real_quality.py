@@ -1,7 +1,8 @@
 """The quality probe on a real SGLang 0.5.23 server (CPU engine, the TRACE plugin's KV methods), one
-server per setting, against the embedded engine on the same checkpoint: the two stacks measure the
-same damage, and on a checkpoint with outlier channels planted in K (tests/test_quality.py) SGLang
-too shows NVFP4 K losing and FP8 K and de-biased NVFP4 K not."""
+server per setting (the NVFP4-KV one is a run's rollout server, scored over http), against the
+embedded engine on the same checkpoint: the two stacks measure the same damage, and on a checkpoint
+with outlier channels planted in K (tests/test_quality.py) SGLang too shows NVFP4 K losing and FP8 K
+and de-biased NVFP4 K not."""
 
 from __future__ import annotations
 
@@ -12,17 +13,41 @@ from megatron_trace.quality import measure as quality
 from tests.helpers import random_prompts
 
 SETTINGS = ["bf16:nvfp4:nvfp4", "bf16:fp8:nvfp4", "bf16:nvfp4+debias:nvfp4"]
+SERVED = "bf16:nvfp4:nvfp4"  # scored on the run's rollout server (nvfp4_kv_server)
 
 
 @pytest.fixture(scope="module")
-def reports(outlier_ckpt, tmp_path_factory):  # noqa: F811 - the imported fixture
+def nvfp4_kv_server(outlier_ckpt, tmp_path_factory):  # noqa: F811
+    """A run's rollout server serving NVFP4 K + NVFP4 V (what the planted K outlier breaks): the
+    quality report scores that setting on it, and the gate of an http run below scores it there too."""
+    from tests.sglang_server import start_sglang
+
+    yield from start_sglang(outlier_ckpt, tmp_path_factory, "--kv-cache-dtype", "nvfp4", "--guided-layers", "none")
+
+
+@pytest.fixture(scope="module")
+def reports(outlier_ckpt, nvfp4_kv_server, tmp_path_factory):  # noqa: F811 - the imported fixture
+    """Each stack's report of SETTINGS. On SGLang the BF16 reference and two settings get a server
+    each from the SGLang backend; the NVFP4-KV one is the running server above (backend "http"),
+    which serves exactly what the backend would start for it."""
     settings = [quality.Setting.parse(s) for s in SETTINGS]
     prompts = random_prompts(3)
     work = tmp_path_factory.mktemp("quality_sglang")
-    return {
-        b: quality.run(outlier_ckpt, prompts, settings, max_new_tokens=12, backend=b, workdir=work)
-        for b in ("sglang", "embedded")
-    }
+    embedded = quality.run(outlier_ckpt, prompts, settings, max_new_tokens=12, backend="embedded")
+    started = [s for s in settings if s.name != SERVED]
+    sg = quality.run(outlier_ckpt, prompts, started, max_new_tokens=12, backend="sglang", workdir=work)
+    served = quality.run(
+        outlier_ckpt,
+        prompts,
+        [quality.Setting.parse(SERVED)],
+        max_new_tokens=12,
+        backend="http",
+        url=nvfp4_kv_server,
+        reference=sg,
+    )
+    assert served["backend"] == "http" and served["settings"][quality.REFERENCE] == sg["settings"][quality.REFERENCE]
+    sg["settings"][SERVED] = served["settings"][SERVED]
+    return {"sglang": sg, "embedded": embedded}
 
 
 def test_sglang_and_embedded_measure_the_same_damage(reports):
@@ -60,14 +85,6 @@ def test_targets_are_refused_on_sglang(outlier_ckpt, tmp_path):  # noqa: F811
                 "*.mlp.down_proj",
             ]
         )
-
-
-@pytest.fixture(scope="module")
-def nvfp4_kv_server(outlier_ckpt, tmp_path_factory):  # noqa: F811
-    """A run's rollout server serving NVFP4 K + NVFP4 V (what the planted K outlier breaks)."""
-    from tests.sglang_server import start_sglang
-
-    yield from start_sglang(outlier_ckpt, tmp_path_factory, "--kv-cache-dtype", "nvfp4", "--guided-layers", "none")
 
 
 def test_the_gate_of_an_http_run_scores_its_sglang_server(outlier_ckpt, nvfp4_kv_server, reports):  # noqa: F811

@@ -106,19 +106,33 @@ def _launch(nproc: int, ckpt: Path, samples: Path, out: Path, layouts: str, mega
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 
+_PREPARED: dict[str, Path] = {}  # family -> its root (ckpt/, samples/, out/): run once, read by every fixture
+
+
+def _prepared(name: str, tmp_path_factory) -> Path:
+    """The family's checkpoint, rollout and every layout's run under this venv's Megatron-Core."""
+    if name not in _PREPARED:
+        policy, one, two = FAMILIES[name]
+        root = tmp_path_factory.mktemp(name)
+        ckpt = make_tiny_checkpoint(root / "ckpt", name, seed=3)
+        (root / "samples").mkdir()
+        _rollout(ckpt, policy, root / "samples", name == "qwen3_moe")
+        (root / "out").mkdir()
+        _launch(1, ckpt, root / "samples", root / "out", one)
+        _launch(2, ckpt, root / "samples", root / "out", two)
+        _PREPARED[name] = root
+    return _PREPARED[name]
+
+
+def _runs(out: Path, layouts) -> dict[str, dict]:
+    return {k: json.loads((out / f"{k}.json").read_text()) for k in layouts}
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     name = request.param
-    policy, one, two = FAMILIES[name]
-    root = tmp_path_factory.mktemp(name)
-    ckpt = make_tiny_checkpoint(root / "ckpt", name, seed=3)
-    (root / "samples").mkdir()
-    _rollout(ckpt, policy, root / "samples", name == "qwen3_moe")
-    (root / "out").mkdir()
-    _launch(1, ckpt, root / "samples", root / "out", one)
-    _launch(2, ckpt, root / "samples", root / "out", two)
-    layouts = one.split(",") + two.split(",")
-    return name, {k: json.loads((root / "out" / f"{k}.json").read_text()) for k in layouts}
+    _, one, two = FAMILIES[name]
+    return name, _runs(_prepared(name, tmp_path_factory) / "out", one.split(",") + two.split(","))
 
 
 def _diff(a, b) -> float:
@@ -198,19 +212,17 @@ def shipped(tmp_path_factory):
     pin, where = _shipped_megatron()
     if not (where / "megatron" / "core").is_dir():
         pytest.skip(f"Megatron-Core {pin} (the image's) is not at {where}: bash scripts/test.sh installs it")
-    policy = FAMILIES["qwen2"][0]
-    root = tmp_path_factory.mktemp("shipped")
-    ckpt = make_tiny_checkpoint(root / "ckpt", "qwen2", seed=3)
-    (root / "samples").mkdir()
-    _rollout(ckpt, policy, root / "samples", False)
-    runs = {}
-    for tag, megatron in (("venv", None), ("image", where)):
-        out = root / tag
-        out.mkdir()
-        _launch(1, ckpt, root / "samples", out, "packed,packed_full", megatron)
-        _launch(2, ckpt, root / "samples", out, "tp2_sp,pp2_full,cp2", megatron)
-        runs[tag] = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
-    return pin, runs
+    root = _prepared("qwen2", tmp_path_factory)  # the venv's runs of these layouts are the family test's
+    one, two = "packed,packed_full", "tp2_sp,pp2_full,cp2"
+    image = root / "image"
+    image.mkdir()
+    _launch(1, root / "ckpt", root / "samples", image, one, where)
+    _launch(2, root / "ckpt", root / "samples", image, two, where)
+    layouts = one.split(",") + two.split(",")
+    return pin, {
+        "venv": _runs(root / "out", layouts),
+        "image": {p.stem: json.loads(p.read_text()) for p in image.glob("*.json")},
+    }
 
 
 def test_the_image_megatron_trains_exactly_like_the_tested_one(shipped):
