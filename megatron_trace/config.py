@@ -125,9 +125,26 @@ class RolloutConfig(Section):
         "arithmetic",
         "a built-in task ('arithmetic': single digits; 'long_addition': two-digit "
         "addition with a worked answer; 'word_problems': generated multi-step problems answered in "
-        "\\boxed{}, for a real model with rollout.reward=math) or a JSONL path with prompt/answer",
+        "\\boxed{}, for a real model with rollout.reward=math; 'code_tasks': generated function-writing "
+        "problems with hidden tests, for rollout.reward=code) or a JSONL path with prompt/answer (or "
+        "HumanEval's rows: prompt, test, entry_point)",
     )
-    reward: str = opt("exact_match", "reward function", ("exact_match", "final_answer", "math"))
+    reward: str = opt(
+        "exact_match",
+        "reward function (code: the answer's program against the task's tests, in the sandbox)",
+        ("exact_match", "final_answer", "math", "code"),
+    )
+    code_sandbox: str = opt(
+        "bwrap",
+        "rollout.reward=code's isolation: bwrap (namespaces: no host files, no network; the setup installs "
+        "bubblewrap) or rlimits (resource limits only: a weaker opt-in every step's log names)",
+        ("bwrap", "rlimits"),
+    )
+    code_workers: int = opt(4, "rollout.reward=code: answers run at once", low=1)
+    code_timeout_s: float = opt(10.0, "rollout.reward=code: wall-clock limit of one answer's run (s)", low=0.1)
+    humaneval_problems: int = opt(
+        164, "rollout.reward=code: HumanEval problems scored greedy before and after training (0: none)", low=0
+    )
     prompts_per_step: int = opt(8, "prompts per RL step", low=1)
     n_samples: int = opt(4, "samples per prompt (the GRPO group)", low=1)
     temperature: float = opt(1.0, "sampling temperature (> 0; evaluation is greedy on its own)", low=0)

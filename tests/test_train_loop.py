@@ -89,6 +89,11 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     assert not any(t.startswith("mismatch/codeword_disagreement/") for t in tags)
     for ns in ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/entropy", "eval/accuracy"):
         assert ns in tags, ns
+    # the gap along the answer (up to 24 tokens: positions 0-8, 8-16, 16-32), every step
+    by_pos = {t.rsplit("/", 1)[1] for t in tags if t.startswith("mismatch/dlogp_by_pos/")}
+    assert {"0_8", "8_16"} <= by_pos <= {"0_8", "8_16", "16_32"}, by_pos
+    assert len(acc.Scalars("mismatch/dlogp_by_pos/0_8")) == len(acc.Scalars("mismatch/dlogp_by_pos/8_16")) == 4
+    assert not any(t.startswith("reward/code_") for t in tags)  # a code reward's counts only
     nll = float(re.search(gate.replace(r"\+0\.\d{4}", r"(\+0\.\d{4})"), out).group(1))
     assert acc.Scalars("quality/nll_increase")[0].value == pytest.approx(nll, abs=5e-5)
     # and again on the trained weights (the last checkpoint, exported): the same prompts after training
@@ -242,6 +247,6 @@ def test_memory_is_returned_after_the_gate_only_when_a_gate_ran(monkeypatch):
     trims = []
     monkeypatch.setattr(hooks.cpu_alloc, "return_freed_memory", lambda: trims.append(1) or 2**30)
     cfg = Config.load(ROOT / "configs/tiny_cpu.yaml", ["quant.quality_gate=false"])
-    run = SimpleNamespace(cfg=cfg, policy=None, model_path=ROOT, tok=None)
+    run = SimpleNamespace(cfg=cfg, policy=None, model_path=ROOT, tok=None, reward_fn=None)
     Run._check_rollout_quality(run, None)
     assert (run.gate, run.gate_rows, trims) == (None, [], [])

@@ -8,7 +8,18 @@ from .code_reward import CodeReward
 from .code_tasks import CodeTasks
 from .humaneval import load_humaneval
 from .prompts import BUILTIN_PROMPTS, TASKS, ArithmeticTask, JsonlPrompts, Prompt, in_eval_split, prompt_source
-from .rewards import REWARD_FNS, REWARD_NAMES, exact_match, final_answer, get_reward_fn, math_verify, score
+from .rewards import (
+    REWARD_FNS,
+    REWARD_NAMES,
+    Scores,
+    exact_match,
+    final_answer,
+    get_reward_fn,
+    math_verify,
+    reward_for,
+    score,
+    score_all,
+)
 from .sandbox import RunResult, Sandbox, SandboxUnavailable
 from .tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
@@ -35,5 +46,8 @@ __all__ = [
     "load_tokenizer",
     "math_verify",
     "prompt_source",
+    "Scores",
+    "reward_for",
     "score",
+    "score_all",
 ]

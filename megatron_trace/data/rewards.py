@@ -11,6 +11,7 @@ import logging
 import math
 import re
 import threading
+from dataclasses import dataclass, field
 from typing import Callable
 
 RewardFn = Callable[[str, str], float]
@@ -126,6 +127,40 @@ def get_reward_fn(
     if name == "math":
         check_math_verify()
     return REWARD_FNS[name]
+
+
+def reward_for(rollout) -> RewardFn:
+    """The reward a run's rollout section names (rollout.reward, with its code_* settings): built once
+    by the run and handed to its rollout and its quality gate."""
+    return get_reward_fn(
+        rollout.reward,
+        code_sandbox=rollout.code_sandbox,
+        code_workers=rollout.code_workers,
+        code_timeout_s=rollout.code_timeout_s,
+    )
+
+
+@dataclass
+class Scores:
+    """A batch of answers scored: what the loop logs per step."""
+
+    rewards: list[float]
+    errors: int  # answers the reward could not score: it raised, a malformed task, a sandbox that failed
+    reasons: dict[str, int] = field(default_factory=dict)  # the code reward: why answers scored 0 (all REASONS)
+
+
+def score_all(fn: RewardFn, responses: list[str], answers: list[str]) -> Scores:
+    """Each answer's reward, in order. A reward that scores a batch at once (the code reward's
+    `score_many`, in parallel) does so and says why each zero is one; any other goes through `score`."""
+    many = getattr(fn, "score_many", None)
+    if many is None:
+        scored = [score(fn, r, a) for r, a in zip(responses, answers)]
+        return Scores([r for r, _ in scored], sum(e is not None for _, e in scored))
+    from .code_reward import HOST_FAULTS, REASONS
+
+    scored = many(responses, answers)
+    why = [w for _, w in scored if w is not None]
+    return Scores([r for r, _ in scored], sum(w in HOST_FAULTS for w in why), {k: why.count(k) for k in REASONS})
 
 
 def score(fn: RewardFn, response: str, answer: str) -> tuple[float, str | None]:

@@ -189,15 +189,14 @@ def _keys(name: str) -> str:
     )
 
 
-def _run_inputs(cfg, policy: QuantPolicy, log) -> tuple[QuantPolicy, dict]:
+def _run_inputs(cfg, policy: QuantPolicy, reward, log) -> tuple[QuantPolicy, dict]:
     """The run's policy as the gate measures it and gate()'s keyword arguments from the config."""
-    from megatron_trace.data import get_reward_fn, score
+    from megatron_trace.data import score
 
     q, rc = cfg.quant, cfg.rollout
     if policy.activation_scale == "static":  # its engine loads the BF16 checkpoint: no input_scale yet
         log("note: the quality gate measures per-token activation scales (static ones come after)")
         policy = dataclasses.replace(policy, activation_scale="per_token")
-    reward = get_reward_fn(rc.reward)
     return policy, dict(
         max_nll_increase=q.max_nll_increase,
         max_accuracy_drop=q.max_accuracy_drop,
@@ -207,17 +206,25 @@ def _run_inputs(cfg, policy: QuantPolicy, log) -> tuple[QuantPolicy, dict]:
     )
 
 
-def gate_run(cfg, policy: QuantPolicy, model_path, tok, prompts, log=print) -> tuple[GateResult | None, list[dict]]:
+def gate_run(
+    cfg, policy: QuantPolicy, model_path, tok, prompts, log=print, reward=None
+) -> tuple[GateResult | None, list[dict]]:
     """The gate as a run applies it (rank 0, before the actor exists): the run's resolved policy on
-    `quant.quality_prompts` of its eval split, its tokenizer, answer length, dtype and reward.
+    `quant.quality_prompts` of its eval split (a code run's: of HumanEval, its evaluation), its
+    tokenizer, answer length, dtype and reward (`reward`: the run's, else built from the config).
     Returns the result (None: nothing measured) and the prompts it decoded."""
+    from megatron_trace.data import load_humaneval, reward_for
+
     q, rc = cfg.quant, cfg.rollout
     if not q.quality_gate:
         log("WARNING: quant.quality_gate=false: nothing checks what FP4 does to this policy")
         return None, []
-    picked = prompts.eval_set(q.quality_prompts) or prompts.sample(q.quality_prompts, 0)
+    if rc.reward == "code":
+        picked = load_humaneval(q.quality_prompts)
+    else:
+        picked = prompts.eval_set(q.quality_prompts) or prompts.sample(q.quality_prompts, 0)
     rows = [{"ids": tok.encode_prompt(p.text), "text": p.text, "answer": p.answer} for p in picked]
-    policy, kw = _run_inputs(cfg, policy, log)
+    policy, kw = _run_inputs(cfg, policy, reward if reward is not None else reward_for(rc), log)
     if rc.backend == "http":
         kw.update(url=_served_url(cfg, policy, log), api_key=rc.api_key or None)
     return gate(model_path, policy, rows, accept_loss=q.accept_quality_loss, tokenizer=tok, log=log, **kw), rows
@@ -256,7 +263,7 @@ def _served_url(cfg, policy: QuantPolicy, log) -> str | None:
 
 
 def measure_after(
-    cfg, policy: QuantPolicy, model_path, run_dir, hf_sd: dict, rows: list[dict], tok, log=print
+    cfg, policy: QuantPolicy, model_path, run_dir, hf_sd: dict, rows: list[dict], tok, log=print, reward=None
 ) -> GateResult:
     """The gate's measurement on the trained weights `hf_sd` (HF names, exported BF16 to
     run_dir/final_bf16, then emptied): the run's answers beside BF16's after training, and what FP4
@@ -265,13 +272,14 @@ def measure_after(
 
     import torch
 
+    from megatron_trace.data import reward_for
     from megatron_trace.transfer.export import export_checkpoint
 
     arch = ModelArch.from_hf_config(model_path)
     hf = json.loads((Path(model_path) / "config.json").read_text())
     out = export_checkpoint(hf_sd, arch, Path(run_dir) / "final_bf16", fmt="bf16", dtype=torch.bfloat16, hf_config=hf)
     hf_sd.clear()  # the engines below load the export; the real 0.5B's run peaks near a 24 GB box's RAM
-    policy, kw = _run_inputs(cfg, policy, log)
+    policy, kw = _run_inputs(cfg, policy, reward if reward is not None else reward_for(cfg.rollout), log)
     setting = quality.Setting.of_policy(policy)
     report = quality.run(
         out,

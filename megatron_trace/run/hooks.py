@@ -56,24 +56,32 @@ class HeapTrim(Hook):
 
 
 class Evaluation(Hook):
-    """rollout.eval_prompts of the eval split before the first step (a resumed run keeps the eval it
+    """rollout.eval_prompts of the eval split, and for a code run (rollout.reward=code)
+    rollout.humaneval_problems of HumanEval, before the first step (a resumed run keeps the eval it
     started with) and after the last; the results go to the run's `evals` for its summary."""
 
     def before_steps(self, run) -> None:
         if run.resumed_before is not None:
             run.evals["before"] = run.resumed_before
-        elif run.cfg.rollout.eval_prompts:
+        else:
             self._eval(run, "before", run.start_step)
 
     def after_steps(self, run) -> None:
-        if run.cfg.rollout.eval_prompts:
-            self._eval(run, "after", run.cfg.trainer.steps)
+        self._eval(run, "after", run.cfg.trainer.steps)
 
     @staticmethod
     def _eval(run, when: str, step: int) -> None:
-        run.evals[when], shown = run.rollout.evaluate(run.cfg.rollout.eval_prompts)
-        run.hub.log(step, run.evals[when])
-        run.hub.text(step, f"eval/answers_{when}", shown)
+        rc = run.cfg.rollout
+        found, shown = run.rollout.evaluate(rc.eval_prompts)
+        if found:
+            run.hub.text(step, f"eval/answers_{when}", shown)
+        if rc.reward == "code" and rc.humaneval_problems:
+            humaneval, shown = run.rollout.humaneval(rc.humaneval_problems)
+            run.hub.text(step, f"eval/humaneval_answers_{when}", shown)
+            found.update(humaneval)
+        if found:
+            run.evals[when] = found
+            run.hub.log(step, found)
 
 
 class Logging(Hook):
@@ -148,7 +156,15 @@ class QualityAfter(Hook):
             from megatron_trace.quality.gate import measure_after
 
             res = measure_after(
-                run.cfg, run.policy, run.model_path, run.run_dir, hf_sd, run.gate_rows, run.tok, log=print
+                run.cfg,
+                run.policy,
+                run.model_path,
+                run.run_dir,
+                hf_sd,
+                run.gate_rows,
+                run.tok,
+                log=print,
+                reward=run.reward_fn,
             )
             steps, n = run.cfg.trainer.steps, run.cfg.logging.samples_per_step
             run.hub.log(steps, res.metrics())

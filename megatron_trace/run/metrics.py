@@ -25,7 +25,7 @@ from megatron_trace.kernels.cpu_alloc import peak_rss, resident_gib
 if TYPE_CHECKING:
     from .step import StepResult
 
-NAMESPACES = ("rollout", "train", "mismatch", "perf", "eval", "quality")  # quality: the gate, at step 0
+NAMESPACES = ("rollout", "reward", "train", "mismatch", "perf", "eval", "quality")  # quality: the gate, at step 0
 REQUIRED_MISMATCH = (
     "mean_abs_dlogp",
     "max_abs_dlogp",
@@ -101,7 +101,7 @@ def resumed_part(run_dir: str | Path, start_step: int) -> tuple[list[dict], dict
             continue
         if "rollout/reward_mean" in row and row["step"] < start_step:
             steps[row["step"]] = row
-        elif before is None and row.get("step") == 0 and "eval/accuracy" in row:
+        elif before is None and row.get("step") == 0 and any(k.startswith("eval/") for k in row):
             before = {k: v for k, v in row.items() if k != "step"}
     return [steps[k] for k in sorted(steps)], before
 
@@ -193,9 +193,9 @@ def mismatch_scalars(
         per_layer.setdefault(int(site.split(".")[2]), []).append(a)
     for layer, vals in sorted(per_layer.items()):
         out[f"mismatch/guidance_override/layer_{layer}"] = sum(vals) / len(vals)
-    for k, v in m.items():
+    for k, v in m.items():  # the gap along the answer, one TensorBoard group: FP4 KV error grows with length
         if k.startswith("dlogp_pos_"):
-            out[f"mismatch/{k}"] = v
+            out[f"mismatch/dlogp_by_pos/{k.removeprefix('dlogp_pos_')}"] = v
     return out
 
 
@@ -213,6 +213,8 @@ def step_scalars(r: StepResult, store_stats: dict) -> dict[str, float]:
         "rollout/samples": len(samples),
         **{f"rollout/{k}": v for k, v in r.batch.stats.items() if k != "rollout_s"},
         "rollout/dropped_stale": r.trained.dropped_stale,
+        # rollout.reward=code: answers that scored 0, by why (timeout, crash, no_code, ...)
+        **{f"reward/code_{k}": v for k, v in r.batch.reward_reasons.items()},
     }
     step = r.trained.step
     if step is None:
@@ -268,6 +270,8 @@ def run_summary(history: list[dict], evals: dict, totals: dict, wall_s: float) -
         "eval_reward_before": ev("before", "eval/reward_sampled"),
         "eval_reward_after": ev("after", "eval/reward_sampled"),
         "eval_set_size": ev("before", "eval/set_size") or ev("after", "eval/set_size"),
+        "humaneval_pass1_before": ev("before", "eval/humaneval_pass@1"),
+        "humaneval_pass1_after": ev("after", "eval/humaneval_pass@1"),
         "reward_first_step": history[0]["rollout/reward_mean"] if history else None,
         "reward_last_step": history[-1]["rollout/reward_mean"] if history else None,
         "mean_abs_dlogp": mean("mismatch/mean_abs_dlogp"),

@@ -4,7 +4,8 @@
       ─► backend.generate ─► per result: tokens, the rollout's logprobs, weight version,
          routed experts (MoE), and under guided QAT its guidance record ─► the store (a handle
          stays in the sample)
-      ─► reward per answer (a raising reward scores 0, counted) ─► GRPO advantages per group
+      ─► rewards of the step's answers (a raising reward scores 0, counted; the code reward runs
+         them in its sandbox in parallel and counts why each zero is one) ─► GRPO advantages per group
 Why a store: the rollout puts a record the moment it has fetched it, so in async mode step k+1's
 records are written (and, past `guidance.memory_budget_mb`, spilled to disk by the store's writer
 thread) while step k trains, and the batch waiting for its turn holds only `StoredRecord` handles.
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_trace.config import Config
-from megatron_trace.data import score
+from megatron_trace.data import score_all
 from megatron_trace.guidance import GuidanceRecord, StoredRecord, sample_routed_experts
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.rl import Sample, grpo_advantages
@@ -32,6 +33,8 @@ class RolloutBatch:
     stats: dict[str, float] = field(default_factory=dict)  # prompts rejected/truncated, reward errors, rollout_s
     # a few samples as text (the first answer to each of the first logging.samples_per_step prompts)
     shown: list[dict] = field(default_factory=list)
+    # rollout.reward=code: why answers scored 0 (code_reward.REASONS, each counted, zeros too)
+    reward_reasons: dict[str, int] = field(default_factory=dict)
 
 
 def check_guided(policy: QuantPolicy) -> list[str]:
@@ -100,12 +103,13 @@ class Rollout:
             )
             kept.append((p, ids))
         results = self.backend.generate(reqs) if reqs else []
+        texts = [self.decode(res.output_ids) for res in results]
+        scores = score_all(self.reward_fn, texts, [kept[j // rc.n_samples][0].answer for j in range(len(results))])
+        stats["reward_errors"] = scores.errors
+        self._say_weak_sandbox(step)
         samples, shown = [], []
-        for j, res in enumerate(results):
+        for j, (res, text, reward) in enumerate(zip(results, texts, scores.rewards)):
             p, ids = kept[j // rc.n_samples]
-            text = self.decode(res.output_ids)
-            reward, err = score(self.reward_fn, text, p.answer)
-            stats["reward_errors"] += err is not None
             if j % rc.n_samples == 0 and len(shown) < self.cfg.logging.samples_per_step:
                 shown.append({"prompt": p.text, "response": text, "answer": p.answer, "reward": reward})
             samples.append(
@@ -126,7 +130,17 @@ class Rollout:
         for s, a in zip(samples, grpo_advantages([s.reward for s in samples], rc.n_samples)):
             s.advantage = a
         stats["rollout_s"] = time.perf_counter() - t0
-        return RolloutBatch(step, version, samples, stats, shown)
+        return RolloutBatch(step, version, samples, stats, shown, scores.reasons)
+
+    def _say_weak_sandbox(self, step: int) -> None:
+        """rollout.code_sandbox=rlimits runs model code without namespaces: every step says so."""
+        isolation = getattr(self.reward_fn, "isolation", None)
+        if isolation is not None and isolation != "bwrap":
+            print(
+                f"step {step}: WARNING model-written code ran with rollout.code_sandbox={isolation} "
+                "(resource limits only: no filesystem or network isolation)",
+                flush=True,
+            )
 
     def _encode(self, text: str, stats: dict) -> list[int] | None:
         ids = self.tok.encode_prompt(text)
@@ -172,14 +186,6 @@ class Rollout:
         n = len(prompts)
         rc = self.cfg.rollout
         tag = time.monotonic_ns()
-        greedy = [
-            GenerateRequest(
-                self.tok.encode_prompt(p.text),
-                SamplingParams(max_new_tokens=rc.max_new_tokens, temperature=0.0),
-                rid=f"eval-g{i}-{tag}",
-            )
-            for i, p in enumerate(prompts)
-        ]
         sampled = [
             GenerateRequest(
                 self.tok.encode_prompt(p.text),
@@ -195,20 +201,52 @@ class Rollout:
             )
             for i, p in enumerate(prompts)
         ]
-        res = self.backend.generate(greedy + sampled)
+        res = self.backend.generate(self._greedy(prompts, f"eval-g{tag}") + sampled)
         answers = [p.answer for p in prompts] + [p.answer for p in prompts for _ in range(samples)]
         texts = [self.decode(r.output_ids) for r in res]
-        rewards = [score(self.reward_fn, t, a)[0] for t, a in zip(texts, answers)]
-        shown = [
-            {"prompt": p.text, "response": t, "answer": p.answer, "reward": r}
-            for p, t, r in list(zip(prompts, texts, rewards))[: self.cfg.logging.samples_per_step]
-        ]
+        rewards = score_all(self.reward_fn, texts, answers).rewards
         metrics = {
             "eval/accuracy": sum(rewards[:n]) / n,
             "eval/reward_sampled": sum(rewards[n:]) / (n * samples),
             "eval/set_size": n,
         }
-        return metrics, shown
+        return metrics, self._shown(prompts, texts, rewards)
+
+    def humaneval(self, n: int) -> tuple[dict[str, float], list[dict]]:
+        """HumanEval pass@1 of the rollout's policy: its first n problems (of 164, never trained on),
+        greedy, rollout.max_new_tokens, each answer run against the problem's tests in the code
+        reward's sandbox; and the first logging.samples_per_step answers as text."""
+        from megatron_trace.data import load_humaneval
+
+        if n == 0:
+            return {}, []
+        if not hasattr(self.reward_fn, "score_many"):
+            raise ValueError(
+                "the HumanEval evaluation scores answers with the code reward: it needs rollout.reward=code "
+                f"(this run's is {self.cfg.rollout.reward!r})"
+            )
+        prompts = load_humaneval(n)
+        res = self.backend.generate(self._greedy(prompts, f"humaneval-{time.monotonic_ns()}"))
+        texts = [self.decode(r.output_ids) for r in res]
+        scores = score_all(self.reward_fn, texts, [p.answer for p in prompts])
+        metrics = {
+            "eval/humaneval_pass@1": sum(scores.rewards) / len(prompts),
+            "eval/humaneval_problems": len(prompts),
+            **{f"eval/humaneval_code_{k}": v for k, v in scores.reasons.items()},
+        }
+        return metrics, self._shown(prompts, texts, scores.rewards)
+
+    def _greedy(self, prompts, tag: str) -> list[GenerateRequest]:
+        """A greedy answer of rollout.max_new_tokens to each prompt (the whole prompt: an evaluation
+        scores every problem, whatever rollout.max_prompt_len lets training draw)."""
+        sp = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
+        return [GenerateRequest(self.tok.encode_prompt(p.text), sp, rid=f"{tag}-{i}") for i, p in enumerate(prompts)]
+
+    def _shown(self, prompts, texts: list[str], rewards: list[float]) -> list[dict]:
+        return [
+            {"prompt": p.text, "response": t, "answer": p.answer, "reward": r}
+            for p, t, r in list(zip(prompts, texts, rewards))[: self.cfg.logging.samples_per_step]
+        ]
 
     def decode(self, ids: list[int]) -> str:
         # Models often have more embedding rows than the tokenizer has tokens: such ids are junk.

@@ -34,7 +34,7 @@ from .step import StepResult, StepTrainer, share_batch
 
 class Run:
     def __init__(self, cfg: Config, resume: bool):
-        from megatron_trace.data import get_reward_fn, prompt_source
+        from megatron_trace.data import prompt_source, reward_for
         from megatron_trace.models import ModelArch
         from megatron_trace.trainer.actor import Actor
         from megatron_trace.trainer.parallel import init_distributed
@@ -70,6 +70,8 @@ class Run:
 
             check_launch(cfg, self.policy, str(self.model_path))
         self.gate, self.gate_rows = None, []  # the rollout-quality gate's result (rank 0)
+        # the run's reward, built once (the code sandbox is checked here): the gate and rollout score with it
+        self.reward_fn = reward_for(cfg.rollout) if self.rank0 else None
         if self.rank0:
             self._check_rollout_quality(prompts)
         self.actor = Actor(self.arch, self.policy, t, cfg.rollout, hf_path=self.model_path)
@@ -98,7 +100,7 @@ class Run:
                 self.backend,
                 self.tok,
                 prompts,
-                get_reward_fn(cfg.rollout.reward),
+                self.reward_fn,
                 self.store,
             )
             from megatron_trace.transfer.pipeline import make_transport
@@ -225,7 +227,13 @@ class Run:
         from megatron_trace.quality.gate import gate_run
 
         self.gate, self.gate_rows = gate_run(
-            self.cfg, self.policy, self.model_path, self.tok, prompts, log=lambda m: print(m, flush=True)
+            self.cfg,
+            self.policy,
+            self.model_path,
+            self.tok,
+            prompts,
+            log=lambda m: print(m, flush=True),
+            reward=self.reward_fn,
         )
         if self.gate is not None:  # quant.quality_gate=false builds no engines: nothing of theirs to return
             return_freed_memory("the quality gate's engines")

@@ -72,6 +72,7 @@ def share_batch(batch: RolloutBatch | None, store=None) -> RolloutBatch:
             ],
             "stats": batch.stats,
             "shown": batch.shown,
+            "reward_reasons": batch.reward_reasons,
         }
     )
     blobs = iter(
@@ -86,7 +87,7 @@ def share_batch(batch: RolloutBatch | None, store=None) -> RolloutBatch:
         if d["routed_experts"] is not None:
             s.routed_experts = wire_routed_experts(d["routed_experts"], s.sample_id).view(d["routed_shape"])
         samples.append(s)
-    return RolloutBatch(meta["step"], meta["version"], samples, meta["stats"], meta["shown"])
+    return RolloutBatch(meta["step"], meta["version"], samples, meta["stats"], meta["shown"], meta["reward_reasons"])
 
 
 def _record_bytes(g: GuidanceRecord | StoredRecord, store) -> bytes:

@@ -40,7 +40,7 @@ def cache_key(hf_cfg: dict, tokenizer, task: ArithmeticTask, steps: int, lr: flo
             "cfg": hf_cfg,
             "vocab": tokenizer.vocab_size,
             "chars": getattr(tokenizer, "chars", ""),
-            "task": [task.max_operand, task.ops, task.template, task.worked, task.eval_fraction],
+            "task": _task_key(task),
             "steps": steps,
             "lr": lr,
             "seed": seed,
@@ -49,6 +49,13 @@ def cache_key(hf_cfg: dict, tokenizer, task: ArithmeticTask, steps: int, lr: flo
         default=str,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _task_key(task) -> list:
+    """What of the prompt source shapes the warm start (any source with sample() and solutions)."""
+    if isinstance(task, ArithmeticTask):
+        return [task.max_operand, task.ops, task.template, task.worked, task.eval_fraction]
+    return [type(task).__name__, sorted((k, v) for k, v in vars(task).items() if k != "tokenizer")]
 
 
 def build_warm_start(
