@@ -110,6 +110,25 @@ def test_nan_and_huge_inputs_fall_back_to_the_reference():
     _same(cpu_quant.quantize_dequantize(big, per_row_global=True)[0], nvfp4.quantize(big, per_row_global=True))
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    spread=st.integers(0, 6),
+    amax_kind=st.sampled_from(["own", "zero", "tiny", "shared"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_global_amax_route_is_the_reference_bit_for_bit(seed, spread, amax_kind, dtype):
+    """The trainer's weight fake-quant: one global amax (a fused weight's, TP-reduced) through the one
+    C pass equals nvfp4.quantize(x, global_amax=...) and its dequantize, zero and tiny amax included."""
+    x = _inputs(seed, 7, 3, spread).to(dtype)
+    own = nvfp4.nan_free_amax(x.float())
+    amax = {"own": own, "zero": torch.tensor(0.0), "tiny": torch.tensor(1e-42), "shared": own * 3}[amax_kind]
+    q, xhat = dispatch.nvfp4_quantize_dequantize(x, global_amax=amax, dequant_dtype=dtype)
+    r = nvfp4.quantize(x, global_amax=amax)
+    _same(q, r)
+    assert torch.equal(xhat, nvfp4.dequantize(r, dtype))
+
+
 @pytest.mark.parametrize("gs", [1.0, 0.0625, 448.0 * 6.0])
 def test_quantize_to_slots_writes_reference_codes_and_nothing_else(gs):
     x = _inputs(3, 5, 4, 3).reshape(5, 2, 32)

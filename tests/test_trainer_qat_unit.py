@@ -299,11 +299,17 @@ def test_cuda_route_runs_the_triton_kernels_with_the_reference_bits(monkeypatch,
 
         return on_triton
 
-    monkeypatch.setattr(qat, "nvfp4_quantize", forced(dispatch.nvfp4_quantize))
-    monkeypatch.setattr(qat, "nvfp4_guided_quantize", forced(dispatch.nvfp4_guided_quantize))
-    # K goes through the KV codec, whose NVFP4 route off CPU is dispatch.nvfp4_quantize
+    # weights, activations and K take the one-pass quantize-dequantize, whose route off CPU is
+    # dispatch.nvfp4_quantize
     to_triton = forced(dispatch.nvfp4_quantize)
-    monkeypatch.setattr(kv_codec, "nvfp4_quantize_dequantize", lambda x, **kw: (to_triton(x, **kw), None))
+
+    def qdq_on_triton(x, dequant_dtype=None, **kw):
+        q = to_triton(x, **kw)
+        return q, (None if dequant_dtype is None else nvfp4.dequantize(q, dequant_dtype))
+
+    monkeypatch.setattr(qat, "nvfp4_quantize_dequantize", qdq_on_triton)
+    monkeypatch.setattr(qat, "nvfp4_guided_quantize", forced(dispatch.nvfp4_guided_quantize))
+    monkeypatch.setattr(kv_codec, "nvfp4_quantize_dequantize", qdq_on_triton)
     got = run()
     for a, b in zip(got, want):
         assert torch.equal(a, b)

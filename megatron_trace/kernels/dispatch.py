@@ -125,17 +125,24 @@ def nvfp4_quantize_dequantize(
     *,
     per_row_global: bool = False,
     global_scale: torch.Tensor | None = None,
+    global_amax: torch.Tensor | None = None,
     dequant_dtype: torch.dtype | None = None,
 ):
-    """(nvfp4.quantize(x, per_row_global=..., global_scale=...), nvfp4.dequantize(q, dequant_dtype),
-    or None for it when dequant_dtype is None), bit for bit, in one pass on CPU."""
+    """(nvfp4.quantize(x, per_row_global=..., global_scale=..., global_amax=...), nvfp4.dequantize(q,
+    dequant_dtype), or None for it when dequant_dtype is None), bit for bit, in one pass on CPU (the
+    engine's quantizers and the trainer's fake-quant on CPU)."""
     if x.device.type == "cpu":
-        out = cpu_quant.quantize_dequantize(
-            x, per_row_global=per_row_global, global_scale=global_scale, dequant_dtype=dequant_dtype
-        )
-        if out is not None:
-            return out
-    q = nvfp4_quantize(x, per_row_global=per_row_global, global_scale=global_scale)
+        # a 0-d global_amax is S_enc = encode_scale_from_amax(amax), as nvfp4.quantize derives it
+        gs = global_scale
+        if global_amax is not None and global_scale is None and torch.as_tensor(global_amax).dim() == 0:
+            gs = nvfp4.encode_scale_from_amax(torch.as_tensor(global_amax, dtype=torch.float32))
+        if global_amax is None or gs is not None:
+            out = cpu_quant.quantize_dequantize(
+                x, per_row_global=per_row_global, global_scale=gs, dequant_dtype=dequant_dtype
+            )
+            if out is not None:
+                return out
+    q = nvfp4_quantize(x, per_row_global=per_row_global, global_scale=global_scale, global_amax=global_amax)
     return q, (None if dequant_dtype is None else nvfp4.dequantize(q, dequant_dtype))
 
 

@@ -41,7 +41,11 @@ from megatron_trace.fp4 import (
     unpack_fp4,
 )
 from megatron_trace.kernels import kv_codec
-from megatron_trace.kernels.dispatch import mantissa_bits_packed, nvfp4_guided_quantize, nvfp4_quantize
+from megatron_trace.kernels.dispatch import (
+    mantissa_bits_packed,
+    nvfp4_guided_quantize,
+    nvfp4_quantize_dequantize,
+)
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.quant_policy import fused_group_of
 from megatron_trace.models.rope import rotated_bias
@@ -124,8 +128,9 @@ class QATState:
         if self.policy.format == "mxfp4":
             return straight_through(w, mxfp4.dequantize(mxfp4.quantize(w.detach()), w.dtype))
         amax = self._all_max(nvfp4.nan_free_amax(w.detach().float()).reshape(1)).reshape(())
-        q = nvfp4_quantize(w.detach(), global_amax=amax)  # the dispatcher: Triton on CUDA, bit-identical
-        return straight_through(w, nvfp4.dequantize(q, w.dtype))
+        # the dispatcher: one C pass on CPU, Triton on CUDA, bit-identical to the reference
+        _, deq = nvfp4_quantize_dequantize(w.detach(), global_amax=amax, dequant_dtype=w.dtype)
+        return straight_through(w, deq)
 
     def set_static_activation_scales(self, scales: dict[str, float | torch.Tensor]) -> None:
         """site -> the static activation S_enc the rollout quantizes that site's input with (a
@@ -149,6 +154,7 @@ class QATState:
         weights = select.input_weights() if hasattr(select, "input_weights") else None
         w = None if weights is None else weights[:, None].to(flat.device)
         flat = flat if w is None else flat / w
+        deq = None
         if self.policy.format == "mxfp4":
             # the engine's MXFP4 linears: 32-blocks along K, floor rule (a row-parallel K slice holds
             # whole blocks, no global scale to reduce over TP)
@@ -156,12 +162,16 @@ class QATState:
         else:
             static = select.expert_site(site) if hasattr(select, "expert_site") else site  # experts: one per expert
             if static in self.static_scales:
-                gs = self.static_scales[static].to(flat.device)
+                q, deq = nvfp4_quantize_dequantize(
+                    flat, global_scale=self.static_scales[static].to(flat.device), dequant_dtype=torch.float32
+                )
+            elif k_slice is None or self.tp_size() == 1:
+                q, deq = nvfp4_quantize_dequantize(flat, per_row_global=True, dequant_dtype=torch.float32)
             else:
                 # row-parallel: the token's amax spans every TP rank's slice (the engine's and plugin's rule too)
-                gs = nvfp4.per_token_global_scale(flat, self._all_max if k_slice is not None else None)
-            q = nvfp4_quantize(flat, global_scale=gs)
-        out = self._guide(flat, q, site, k_slice, select=select, rows=rows)
+                gs = nvfp4.per_token_global_scale(flat, self._all_max)
+                q, deq = nvfp4_quantize_dequantize(flat, global_scale=gs, dequant_dtype=torch.float32)
+        out = self._guide(flat, q, site, k_slice, select=select, rows=rows, deq=deq)
         out = out if w is None else out * w
         return straight_through(x, out.reshape(x.shape).to(x.dtype))
 
@@ -181,11 +191,12 @@ class QATState:
         return straight_through(t, (out if offset is None else out + offset).to(t.dtype))
 
     def _guide(
-        self, x_rows, q, site, k_slice, heads: slice | None = None, select=None, rows: slice | None = None
+        self, x_rows, q, site, k_slice, heads: slice | None = None, select=None, rows: slice | None = None, deq=None
     ) -> torch.Tensor:
-        """The dequantized rows of q (an NVFP4Tensor or MXFP4Tensor of x_rows), with the rows the
-        micro-batch's guidance covers rounded to the rollout's codes in guided mode."""
-        deq = dequantize_any(q)
+        """The dequantized rows of q (an NVFP4Tensor or MXFP4Tensor of x_rows; deq: those values in fp32
+        when the quantizer already made them), with the rows the micro-batch's guidance covers rounded
+        to the rollout's codes in guided mode."""
+        deq = dequantize_any(q) if deq is None else deq
         got = self.guidance.site(site, k_slice, x_rows.device) if self.guidance is not None and site else None
         if got is None:
             if self.mode == "guided" and self.guidance is not None and site:
