@@ -33,14 +33,29 @@ def parse_args(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--resume", action="store_true", help="continue from <run_dir>/checkpoints/latest")
+    ap.add_argument(
+        "--gate-only",
+        action="store_true",
+        help="run only the quality gate (BF16 vs the policy on quant.quality_prompts); writes <run_dir>/gate.json",
+    )
     cfg, args = parse_cli(ap, argv)
-    return cfg, args.resume
+    return cfg, args
 
 
 def main(argv=None) -> int:
-    cfg, resume = parse_args(argv)
+    cfg, args = parse_args(argv)
+    resume = args.resume
     from megatron_trace.trainer.parallel import destroy
 
+    if args.gate_only:
+        from megatron_trace.run.run import gate_only
+
+        result = gate_only(cfg)
+        out = Path(cfg.logging.run_dir) / "gate.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"gate: {'pass' if result['passed'] else 'FAIL'}; written to {out}")
+        return 0 if result["passed"] else 1
     try:
         run = Run(cfg, resume)
         summary = run.run()

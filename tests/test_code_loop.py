@@ -19,11 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAMPLES = 2, 2 * 2
 
 
-@pytest.fixture(scope="module")
-def code_run(real_qwen, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("code_run")
-    cmd = [sys.executable, "-m", "megatron_trace.train", "--config", "configs/tiny_cpu.yaml"]
-    cmd += [
+def _overrides(real_qwen) -> list[str]:
+    return [
         f"model.tokenizer={real_qwen}",
         "model.tiny={vocab_size: 151936}",
         "rollout.prompts=code_tasks",
@@ -42,8 +39,14 @@ def code_run(real_qwen, tmp_path_factory):
         f"trainer.steps={STEPS}",
         "trainer.save_every=0",
         "logging.progress=false",
-        f"logging.run_dir={run_dir}",
     ]
+
+
+@pytest.fixture(scope="module")
+def code_run(real_qwen, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("code_run")
+    cmd = [sys.executable, "-m", "megatron_trace.train", "--config", "configs/tiny_cpu.yaml"]
+    cmd += [*_overrides(real_qwen), f"logging.run_dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return run_dir, proc.stdout
@@ -87,3 +90,30 @@ def test_humaneval_is_scored_before_and_after_and_the_gate_measures_it(code_run)
     assert "rollout quality gate (2 eval prompts, bfloat16, up to 16 new tokens)" in out
     # the mismatch along the answer, every step
     assert len(acc.Scalars("mismatch/dlogp_by_pos/0_8")) == STEPS
+
+
+def test_gate_only_measures_what_the_run_measures_and_trains_nothing(code_run, real_qwen, tmp_path):
+    """`--gate-only`: the run's gate alone (same checkpoint, policy, prompts, answer length, reward),
+    its numbers the ones the full run logged as quality/*; no trainer, no checkpoints."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_trace import train
+
+    rc = train.main(
+        [
+            "--config",
+            str(ROOT / "configs" / "tiny_cpu.yaml"),
+            *_overrides(real_qwen),
+            f"logging.run_dir={tmp_path}",
+            "--gate-only",
+        ]
+    )
+    got = json.loads((tmp_path / "gate.json").read_text())
+    assert rc == 0 and got["passed"] and got["prompts"] == 2 and got["max_new_tokens"] == 16
+    assert len(got["rewards"]) == len(got["bf16_rewards"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gate.json"]
+    acc = EventAccumulator(str(code_run[0]))
+    acc.Reload()
+    assert got["nll_increase"] == pytest.approx(acc.Scalars("quality/nll_increase")[0].value, rel=1e-6)
+    assert got["accuracy"] == acc.Scalars("quality/accuracy")[0].value
+    assert got["bf16_accuracy"] == acc.Scalars("quality/bf16_accuracy")[0].value

@@ -239,6 +239,47 @@ class Run:
             return_freed_memory("the quality gate's engines")
 
 
+def gate_only(cfg: Config) -> dict:
+    """`python -m megatron_trace.train --config FILE --gate-only`: the run's quality gate alone, as the run
+    would apply it (its checkpoint, resolved policy, answer length, dtype, reward and
+    quant.quality_prompts prompts), without a trainer. Returns what gate.json holds: the verdict, BF16's
+    and the policy's greedy accuracy (a code run's: HumanEval pass@1) and per-prompt rewards."""
+    from megatron_trace.data import prompt_source, reward_for
+    from megatron_trace.models import ModelArch
+    from megatron_trace.quality.gate import gate_run
+
+    if not cfg.quant.quality_gate:
+        raise ValueError("--gate-only runs the quality gate, but quant.quality_gate=false")
+    check_checkpoint_dirs(cfg)
+    tok = load_run_tokenizer(cfg)
+    prompts = prompt_source(
+        cfg.rollout.prompts, seed=cfg.trainer.seed, tokenizer=tok, eval_fraction=cfg.rollout.eval_fraction
+    )
+    model_path = starting_checkpoint(cfg, tok, prompts)
+    arch = ModelArch.from_hf_config(model_path)
+    policy = cfg.quant.resolve(arch)
+    print(console.policy_line(policy, arch), flush=True)
+    t0 = time.perf_counter()
+    res, rows = gate_run(
+        cfg, policy, model_path, tok, prompts, log=lambda m: print(m, flush=True), reward=reward_for(cfg.rollout)
+    )
+    if res is None:
+        return {"setting": "bf16:bf16:bf16", "passed": True, "measured": False}
+    return {
+        "setting": res.setting,
+        "passed": res.passed,
+        "prompts": len(rows),
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "dtype": cfg.rollout.dtype,
+        "nll_increase": res.nll_increase,
+        "accuracy": res.accuracy,
+        "bf16_accuracy": res.bf16_accuracy,
+        "rewards": res.rewards,
+        "bf16_rewards": res.bf16_rewards,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
 # -- the run's parts ---------------------------------------------------------------------------------
 def check_checkpoint_dirs(cfg: Config) -> None:
     """A named checkpoint that is not there stops the run here, before any process group waits on it."""
