@@ -125,6 +125,9 @@ def summarize(runs: list[tuple[list[dict], dict]]) -> dict:
         "step_s": per_seed(lambda r, s: _mean(r, "perf/step_s")),
         **{k: per_seed(lambda r, s, k=k: _mean(r, f"perf/{k}")) for k in STEP_PARTS},
         "steps": per_seed(lambda r, s: len(r)),
+        # code runs (rollout.reward=code): HumanEval pass@1, greedy, before and after
+        "humaneval_before": per_seed(lambda r, s: s.get("humaneval_pass1_before")),
+        "humaneval_after": per_seed(lambda r, s: s.get("humaneval_pass1_after")),
     }
 
 
@@ -137,12 +140,16 @@ def table(summary: dict[str, dict]) -> str:
         "| method | eval reward before → after | greedy eval acc before → after | train reward (last 10) "
         "| mean abs dlogp (all / last 10 steps) | max abs dlogp | guidance B/token |"
     )
-    lines = [head, "|---|---|---|---:|---:|---:|---:|"]
+    code = all(None not in s.get("humaneval_before", [None]) for s in summary.values())
+    if code:
+        head = head.replace("| train reward", "| HumanEval pass@1 before → after | train reward")
+    lines = [head, "|---|---|---|" + ("---|" if code else "") + "---:|---:|---:|---:|"]
     for name, s in summary.items():
+        he = f"| {_spread(s['humaneval_before'], '.3f')} → {_spread(s['humaneval_after'], '.3f')} " if code else ""
         lines.append(
             f"| {name} | {_spread(s['eval_reward_before'], '.3f')} → {_spread(s['eval_reward_after'], '.3f')} "
             f"| {_spread(s['eval_accuracy_before'], '.3f')} → {_spread(s['eval_accuracy_after'], '.3f')} "
-            f"| {_spread(s['train_reward_last10'], '.3f')} | {_spread(s['mean_abs_dlogp'], '.4f')} / "
+            f"{he}| {_spread(s['train_reward_last10'], '.3f')} | {_spread(s['mean_abs_dlogp'], '.4f')} / "
             f"{_spread(s['mean_abs_dlogp_last10'], '.4f')} | {_spread(s['max_abs_dlogp'], '.3f')} "
             f"| {statistics.fmean(s['guidance_bytes_per_token']):.0f} |"
         )

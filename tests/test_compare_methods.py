@@ -48,3 +48,12 @@ def test_one_seed_shows_values_two_seeds_show_mean_and_half_range():
     assert "| 0.500 ± 0.250 → 0.500 ± 0.000 |" in trace and "| 0.0040 ± 0.0010 / 0.0040 ± 0.0010 |" in trace
     steps = [line for line in lines if line.startswith("| bf16 | 2 |")]
     assert steps and "| 15 / 40 / 5 |" in steps[0] and "| 60 |" in steps[0]
+
+
+def test_code_runs_show_humaneval_before_and_after():
+    rows, s = _run([0.004], 0.25, 0.5)
+    code = cm.summarize([(rows, {**s, "humaneval_pass1_before": 0.5, "humaneval_pass1_after": 0.625})])
+    lines = cm.table({"trace_mantissa": code}).splitlines()
+    assert "| HumanEval pass@1 before → after |" in lines[0] and lines[1].count("|") == lines[0].count("|")
+    assert "| 0.500 → 0.625 |" in lines[2]
+    assert "HumanEval" not in cm.table({"bf16": cm.summarize([_run([0.004], 0.25, 0.5)])})  # math runs: none
