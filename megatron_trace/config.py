@@ -186,6 +186,9 @@ class TrainerConfig(Section):
         ("auto", "on", "off"),
     )
     lr: float = opt(1e-4, "Adam learning rate", low=0)
+    lr_warmup_steps: int = opt(
+        0, "linear LR warmup from lr/N over the first N optimizer steps (Megatron's OptimizerParamScheduler)", low=0
+    )
     clip_grad: float = opt(1.0, "global grad-norm clip", low=0)
     weight_decay: float = opt(0.0, "Adam weight decay", low=0)
     cp: int = opt(1, "context parallel size: each packed sample split in 2*cp zigzag chunks (gloo too)", low=1)

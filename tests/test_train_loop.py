@@ -50,7 +50,7 @@ def _metrics(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "rollout/reward_mean" in r}  # last line per step wins
 
 
-MAIN = ["trainer.steps=4", "trainer.save_every=2"]
+MAIN = ["trainer.steps=4", "trainer.save_every=2", "trainer.lr_warmup_steps=3"]  # kill + resume restores the warmup
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,9 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     # the step split: rollout, then the train step's QAT recompute, backward and optimizer
     for part in ("rollout", "recompute", "backward", "optimizer", "train", "step"):
         assert len(acc.Scalars(f"perf/{part}_s")) == 4, part
+    # the LR warmup (Megatron's OptimizerParamScheduler): lr/3, 2lr/3, then lr
+    lr = [e.value for e in acc.Scalars("train/lr")]
+    assert lr == pytest.approx([1e-4 / 3, 2e-4 / 3, 1e-4, 1e-4], rel=1e-6), lr
     entropy = [e.value for e in acc.Scalars("train/entropy")]
     assert all(0 < v < math.log(CharTokenizer().vocab_size) for v in entropy), entropy
     split = [acc.Scalars(f"perf/{p}_s")[-1].value for p in ("recompute", "backward", "optimizer", "train")]

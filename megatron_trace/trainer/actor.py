@@ -137,6 +137,25 @@ class Actor:
             ),
             [self.ddp],
         )
+        self.lr_scheduler = None
+        if cfg.lr_warmup_steps:
+            from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+            # constant after the warmup; its first update already moves (lr/N), unlike init_lr=0
+            self.lr_scheduler = OptimizerParamScheduler(
+                self.optimizer,
+                init_lr=0.0,
+                max_lr=cfg.lr,
+                min_lr=cfg.lr,
+                lr_warmup_steps=cfg.lr_warmup_steps,
+                lr_decay_steps=cfg.lr_warmup_steps + 1,
+                lr_decay_style="constant",
+                start_wd=cfg.weight_decay,
+                end_wd=cfg.weight_decay,
+                wd_incr_steps=1,
+                wd_incr_style="constant",
+            )
+            self.lr_scheduler.step(1)
         start, _ = pp_layer_range(
             arch.num_layers, ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
         )
@@ -341,7 +360,10 @@ class Actor:
         self._optimizer().zero_grad()
         store = self._run(micro, False, loss_cfg, max(total, 1.0))
         t_opt = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(1)
         self.step_times["optimizer"] = time.perf_counter() - t_opt
         lps, sums = self._gather(store, micro, samples)
         s = dict(zip(_SUMMED, sums.tolist()))
@@ -350,6 +372,7 @@ class Actor:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_ok"] = bool(ok)
         metrics["micro_batches"] = float(len(micro))
+        metrics["lr"] = float(lr)
         return TrainStepResult(
             metrics,
             lps,
@@ -378,10 +401,18 @@ class Actor:
 
     # -- checkpoints (trainer/checkpoint.py) --------------------------------------------------------
     def save_checkpoint(self, root: str | os.PathLike, step: int, extra: dict | None = None) -> Path:
-        return checkpoint.save(root, step, _unwrap(self.ddp), self._optimizer(), extra, keep=self.cfg.keep_checkpoints)
+        return checkpoint.save(
+            root,
+            step,
+            _unwrap(self.ddp),
+            self._optimizer(),
+            extra,
+            keep=self.cfg.keep_checkpoints,
+            scheduler=self.lr_scheduler,
+        )
 
     def load_checkpoint(self, root: str | os.PathLike) -> dict:
-        return checkpoint.load(root, _unwrap(self.ddp), self.optimizer)
+        return checkpoint.load(root, _unwrap(self.ddp), self.optimizer, scheduler=self.lr_scheduler)
 
 
 def _broadcast_from_last_stage(t: torch.Tensor) -> None:

@@ -15,7 +15,9 @@ import torch.distributed as dist
 from megatron_trace import faults
 
 
-def save(root: str | os.PathLike, step: int, model, optimizer, extra: dict | None = None, keep: int = 0) -> Path:
+def save(
+    root: str | os.PathLike, step: int, model, optimizer, extra: dict | None = None, keep: int = 0, scheduler=None
+) -> Path:
     """Write root/step_N atomically: every rank writes into step_N.tmp, then rank 0 renames it
     and points root/latest at it. A crash mid-save leaves the previous checkpoint as latest. With
     keep > 0, only the newest `keep` checkpoints stay (older ones are deleted once latest names
@@ -32,6 +34,7 @@ def save(root: str | os.PathLike, step: int, model, optimizer, extra: dict | Non
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "rng": torch.get_rng_state(),
+            "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
         },
         tmp / f"rank_{rank:05d}.pt",
     )
@@ -58,8 +61,9 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
-def load(root: str | os.PathLike, model, optimizer) -> dict:
-    """Load root/latest; returns its meta (step and what the caller stored)."""
+def load(root: str | os.PathLike, model, optimizer, scheduler=None) -> dict:
+    """Load root/latest; returns its meta (step and what the caller stored). `scheduler`: the run's LR
+    scheduler (trainer.lr_warmup_steps), restored to where the saved run was in its warmup."""
     root = Path(root)
     pointer = root / "latest"
     if not pointer.exists():
@@ -75,6 +79,13 @@ def load(root: str | os.PathLike, model, optimizer) -> dict:
         raise ValueError(f"checkpoint shard {ckpt}/rank_{rank:05d}.pt is unreadable: {e}") from None
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        if state.get("lr_scheduler") is None:
+            raise ValueError(
+                f"checkpoint {ckpt} holds no LR scheduler state, but this run warms its LR up "
+                "(trainer.lr_warmup_steps > 0): resume with the saved run's trainer.lr_warmup_steps=0"
+            )
+        scheduler.load_state_dict(state["lr_scheduler"])
     torch.set_rng_state(state["rng"])
     return meta
 
