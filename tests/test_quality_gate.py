@@ -53,7 +53,13 @@ def test_a_passing_policy_shows_its_answers_beside_bf16s(outlier_ckpt):
     policy = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4", kv_k_debias=True)
     limits = {**LIMITS, "max_accuracy_drop": 1.0}
     res = gate(
-        outlier_ckpt, policy, prompts, accept_loss=False, tokenizer=tok, score=lambda r, a: float(r == a), **limits
+        outlier_ckpt,
+        policy,
+        prompts,
+        accept_loss=False,
+        tokenizer=tok,
+        score=lambda texts, answers: [float(r == a) for r, a in zip(texts, answers)],
+        **limits,
     )
     assert res.passed and res.bf16_accuracy == 1.0
     assert (

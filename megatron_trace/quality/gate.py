@@ -88,10 +88,18 @@ def candidates(run: quality.Setting, arch: ModelArch) -> list[quality.Setting]:
 def _judge(report: dict, name: str, prompts: list[dict], score, limits: tuple[float, float]) -> GateResult:
     r, ref = report["settings"][name], report["settings"][quality.REFERENCE]
     scored = score is not None and r["texts"] is not None
-    rewards, bf16_rewards = (
-        [score(t, p["answer"]) if scored and p["answer"] is not None else None for p, t in zip(prompts, texts)]
-        for texts in (r["texts"] or [None] * len(prompts), ref["texts"] or [None] * len(prompts))
-    )
+    answered = [i for i, p in enumerate(prompts) if p["answer"] is not None]
+
+    def rewards_of(texts) -> list[float | None]:
+        """One call per setting: a batch scorer (the code reward) runs the answers in parallel."""
+        out = [None] * len(prompts)
+        if scored and texts is not None and answered:
+            got = score([texts[i] for i in answered], [prompts[i]["answer"] for i in answered])
+            for i, v in zip(answered, got):
+                out[i] = v
+        return out
+
+    rewards, bf16_rewards = rewards_of(r["texts"]), rewards_of(ref["texts"])
     pairs = [(a, b) for a, b in zip(rewards, bf16_rewards) if a is not None]
     acc, ref_acc = (sum(x) / len(pairs) for x in zip(*pairs)) if pairs else (None, None)
     max_nll, max_drop = limits
@@ -124,7 +132,8 @@ def gate(
     "answer"}]); raises QualityGateError when it fails and `accept_loss` is off, after finding the
     cheapest candidate that passes (at most MAX_CANDIDATES tried). None when the policy quantizes
     nothing. `url`: the run's setting is scored on that running rollout server (SGLang with the
-    plugin), BF16 and the candidates on the embedded engine beside it."""
+    plugin), BF16 and the candidates on the embedded engine beside it. `score(texts, answers)`: the
+    run's reward of a setting's greedy answers, all at once (the code reward runs them in parallel)."""
     arch = ModelArch.from_hf_config(model_path)
     policy.check_resolved(arch)
     setting = quality.Setting.of_policy(policy)
@@ -191,7 +200,7 @@ def _keys(name: str) -> str:
 
 def _run_inputs(cfg, policy: QuantPolicy, reward, log) -> tuple[QuantPolicy, dict]:
     """The run's policy as the gate measures it and gate()'s keyword arguments from the config."""
-    from megatron_trace.data import score
+    from megatron_trace.data import score_all
 
     q, rc = cfg.quant, cfg.rollout
     if policy.activation_scale == "static":  # its engine loads the BF16 checkpoint: no input_scale yet
@@ -202,7 +211,7 @@ def _run_inputs(cfg, policy: QuantPolicy, reward, log) -> tuple[QuantPolicy, dic
         max_accuracy_drop=q.max_accuracy_drop,
         max_new_tokens=rc.max_new_tokens,
         dtype=rc.dtype,
-        score=lambda text, answer: score(reward, text, answer)[0],
+        score=lambda texts, answers: score_all(reward, texts, answers).rewards,
     )
 
 
