@@ -31,6 +31,37 @@ def start_sglang(
         srv.stop()
 
 
+def start_sglang_servers(ckpt: str, tmp_path_factory, flag_sets: dict[str, tuple[str, ...]]):
+    """Several real SGLang servers of one checkpoint started at once (their start is mostly
+    single-threaded imports, so two cores start three in about the time of two one after another);
+    yields {name: url} once every /health answers, stops them all. A start that fails stops the
+    others and fails the test with its log."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    defaults = ("--max-total-tokens", "4096", "--max-running-requests", "16")
+
+    def start(flags):
+        log_path = tmp_path_factory.mktemp("sglang") / "server.log"
+        env = {"TRACE_GUIDANCE_DIR": str(tmp_path_factory.mktemp("guidance"))}
+        return SGLangProcess(ckpt, [*defaults, *flags], log_path=log_path, env=env)
+
+    with ThreadPoolExecutor(len(flag_sets)) as pool:
+        futures = {name: pool.submit(start, flags) for name, flags in flag_sets.items()}
+    servers, failed = {}, []
+    for name, f in futures.items():
+        try:
+            servers[name] = f.result()
+        except ServerStartError as e:
+            failed.append(f"{name}: {e}")
+    try:
+        if failed:
+            pytest.fail("\n".join(failed))
+        yield {name: srv.url for name, srv in servers.items()}
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
 PREFIX = [7, 21, 33, 4, 90, 11, 2, 48, 16, 5]  # shared by several prompts: the radix cache reuses it
 PROMPTS = [[5, 6, 7, 8], PREFIX + [60, 61], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]]
 

@@ -1,9 +1,9 @@
 """FP4/FP8 KV through a real SGLang 0.5.23 server on CPU: the plugin's KV methods write the pages
 with the project's quantizers and serve SGLang's torch_native attention through plain dequantized
 reads (plugin/kv_read.py; K and V in their own formats: plugin/kv_sides.py). One real server per
-KV setting (NVFP4 W4A4 weights, fp32, full-code guidance of the last half), each compared with the
-embedded engine on the same checkpoint and policy. SGLang must be installed (the test command
-installs it).
+KV setting, all three started at once (NVFP4 W4A4 weights, fp32, full-code guidance of the last
+half), each compared with the embedded engine on the same checkpoint and policy. SGLang must be
+installed (the test command installs it).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from sglang_backend.api import GenerateRequest, SamplingParams
 from sglang_backend.client import RolloutClient
 from sglang_backend.local import Engine
 from sglang_backend.local.quant_flags import policy_for
-from tests.sglang_server import PROMPTS, check_agreement, guidance_agreement, start_sglang
+from tests.sglang_server import PROMPTS, check_agreement, guidance_agreement, start_sglang_servers
 
 # (launcher KV flags, K format, V format, K de-biased)
 SETTINGS = {
@@ -34,11 +34,23 @@ def ckpt(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("q2kv"), "qwen2", seed=1))
 
 
+@pytest.fixture(scope="module")
+def servers(ckpt, tmp_path_factory):
+    """One real server per setting, all started at once."""
+    yield from start_sglang_servers(
+        ckpt,
+        tmp_path_factory,
+        {
+            name: ("--quantization", "nvfp4", "--guidance-mode", "full", *flags)
+            for name, (flags, *_) in SETTINGS.items()
+        },
+    )
+
+
 @pytest.fixture(scope="module", params=list(SETTINGS))
-def setting(request, ckpt, tmp_path_factory):
-    flags, k_fmt, v_fmt, debias = SETTINGS[request.param]
-    gen = start_sglang(ckpt, tmp_path_factory, "--quantization", "nvfp4", "--guidance-mode", "full", *flags)
-    url = next(gen)
+def setting(request, ckpt, servers):
+    _, k_fmt, v_fmt, debias = SETTINGS[request.param]
+    url = servers[request.param]
     base = policy_for("nvfp4", "bf16", Path(ckpt)).to_dict()
     engine = Engine(
         ckpt,
@@ -49,7 +61,6 @@ def setting(request, ckpt, tmp_path_factory):
         yield url, engine, (k_fmt, v_fmt)
     finally:
         engine.shutdown()
-        gen.close()  # stops the server (the generator's finally)
 
 
 def test_greedy_matches_the_embedded_engine_and_differs_from_bf16_pages(ckpt, setting):

@@ -17,16 +17,31 @@ SERVED = "bf16:nvfp4:nvfp4"  # scored on the run's rollout server (nvfp4_kv_serv
 
 
 @pytest.fixture(scope="module")
-def nvfp4_kv_server(outlier_ckpt, tmp_path_factory):  # noqa: F811
+def nvfp4_kv_server_starting(outlier_ckpt, tmp_path_factory):  # noqa: F811
     """A run's rollout server serving NVFP4 K + NVFP4 V (what the planted K outlier breaks): the
-    quality report scores that setting on it, and the gate of an http run below scores it there too."""
+    quality report scores that setting on it, and the gate of an http run below scores it there too.
+    A future of its URL: it starts while the SGLang quality backend starts its own servers."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tests.sglang_server import start_sglang
 
-    yield from start_sglang(outlier_ckpt, tmp_path_factory, "--kv-cache-dtype", "nvfp4", "--guided-layers", "none")
+    gen = start_sglang(outlier_ckpt, tmp_path_factory, "--kv-cache-dtype", "nvfp4", "--guided-layers", "none")
+    pool = ThreadPoolExecutor(1)
+    url = pool.submit(next, gen)
+    try:
+        yield url
+    finally:
+        pool.shutdown(wait=True)
+        gen.close()  # stops the server (the generator's finally)
 
 
 @pytest.fixture(scope="module")
-def reports(outlier_ckpt, nvfp4_kv_server, tmp_path_factory):  # noqa: F811 - the imported fixture
+def nvfp4_kv_server(nvfp4_kv_server_starting):
+    return nvfp4_kv_server_starting.result()
+
+
+@pytest.fixture(scope="module")
+def reports(outlier_ckpt, nvfp4_kv_server_starting, tmp_path_factory):  # noqa: F811 - the imported fixture
     """Each stack's report of SETTINGS. On SGLang the BF16 reference and two settings get a server
     each from the SGLang backend; the NVFP4-KV one is the running server above (backend "http"),
     which serves exactly what the backend would start for it."""
@@ -42,7 +57,7 @@ def reports(outlier_ckpt, nvfp4_kv_server, tmp_path_factory):  # noqa: F811 - th
         [quality.Setting.parse(SERVED)],
         max_new_tokens=12,
         backend="http",
-        url=nvfp4_kv_server,
+        url=nvfp4_kv_server_starting.result(),
         reference=sg,
     )
     assert served["backend"] == "http" and served["settings"][quality.REFERENCE] == sg["settings"][quality.REFERENCE]
