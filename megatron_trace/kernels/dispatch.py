@@ -131,6 +131,8 @@ def nvfp4_quantize_dequantize(
     """(nvfp4.quantize(x, per_row_global=..., global_scale=..., global_amax=...), nvfp4.dequantize(q,
     dequant_dtype), or None for it when dequant_dtype is None), bit for bit, in one pass on CPU (the
     engine's quantizers and the trainer's fake-quant on CPU)."""
+    if global_amax is not None and global_scale is not None:
+        raise ValueError("pass global_amax or global_scale, not both")
     if x.device.type == "cpu":
         # a 0-d global_amax is S_enc = encode_scale_from_amax(amax), as nvfp4.quantize derives it
         gs = global_scale

@@ -34,8 +34,7 @@ from .step import StepResult, StepTrainer, share_batch
 
 class Run:
     def __init__(self, cfg: Config, resume: bool):
-        from megatron_trace.data import prompt_source, reward_for
-        from megatron_trace.models import ModelArch
+        from megatron_trace.data import reward_for
         from megatron_trace.trainer.actor import Actor
         from megatron_trace.trainer.parallel import init_distributed
 
@@ -46,13 +45,7 @@ class Run:
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         if self.rank0:
             print("\n".join(console.plan_lines(cfg)), flush=True)
-        check_checkpoint_dirs(cfg)
-        self.tok = load_run_tokenizer(cfg)
-        prompts = prompt_source(
-            cfg.rollout.prompts, seed=t.seed, tokenizer=self.tok, eval_fraction=cfg.rollout.eval_fraction
-        )
-        self.model_path = starting_checkpoint(cfg, self.tok, prompts)
-        self.arch = ModelArch.from_hf_config(self.model_path)
+        self.tok, prompts, self.model_path, self.arch = task_and_checkpoint(cfg)
         if self.arch.is_moe and t.tp > 1 and not t.sequence_parallel:
             # Megatron's MoELayer raises at the first training forward otherwise (after a whole rollout)
             raise ValueError(
@@ -244,19 +237,12 @@ def gate_only(cfg: Config) -> dict:
     would apply it (its checkpoint, resolved policy, answer length, dtype, reward and
     quant.quality_prompts prompts), without a trainer. Returns what gate.json holds: the verdict, BF16's
     and the policy's greedy accuracy (a code run's: HumanEval pass@1) and per-prompt rewards."""
-    from megatron_trace.data import prompt_source, reward_for
-    from megatron_trace.models import ModelArch
+    from megatron_trace.data import reward_for
     from megatron_trace.quality.gate import gate_run
 
     if not cfg.quant.quality_gate:
         raise ValueError("--gate-only runs the quality gate, but quant.quality_gate=false")
-    check_checkpoint_dirs(cfg)
-    tok = load_run_tokenizer(cfg)
-    prompts = prompt_source(
-        cfg.rollout.prompts, seed=cfg.trainer.seed, tokenizer=tok, eval_fraction=cfg.rollout.eval_fraction
-    )
-    model_path = starting_checkpoint(cfg, tok, prompts)
-    arch = ModelArch.from_hf_config(model_path)
+    tok, prompts, model_path, arch = task_and_checkpoint(cfg)
     policy = cfg.quant.resolve(arch)
     print(console.policy_line(policy, arch), flush=True)
     t0 = time.perf_counter()
@@ -281,6 +267,20 @@ def gate_only(cfg: Config) -> dict:
 
 
 # -- the run's parts ---------------------------------------------------------------------------------
+def task_and_checkpoint(cfg: Config):
+    """(tokenizer, prompt source, starting checkpoint, its ModelArch): what a run and its gate start from."""
+    from megatron_trace.data import prompt_source
+    from megatron_trace.models import ModelArch
+
+    check_checkpoint_dirs(cfg)
+    tok = load_run_tokenizer(cfg)
+    prompts = prompt_source(
+        cfg.rollout.prompts, seed=cfg.trainer.seed, tokenizer=tok, eval_fraction=cfg.rollout.eval_fraction
+    )
+    model_path = starting_checkpoint(cfg, tok, prompts)
+    return tok, prompts, model_path, ModelArch.from_hf_config(model_path)
+
+
 def check_checkpoint_dirs(cfg: Config) -> None:
     """A named checkpoint that is not there stops the run here, before any process group waits on it."""
     for key, path, needs in (
