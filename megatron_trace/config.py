@@ -156,6 +156,13 @@ class RolloutConfig(Section):
     max_prompt_len: int = opt(256, "longer prompts are rejected or truncated (counted)", low=1)
     long_prompts: str = opt("reject", "what to do with prompts over max_prompt_len", ("reject", "truncate"))
     max_running: int = opt(64, "engine batch capacity", low=1)
+    colocated: str = opt(
+        "auto",
+        "the rollout engine frees its KV pool and weights while the trainer trains (SGLang's "
+        "release/resume_memory_occupation; the weight sync refills them): auto = the embedded engine "
+        "(backend=local) in sync mode; on = also http servers on the trainer's machine; off = never",
+        ("auto", "on", "off"),
+    )
     eval_prompts: int = opt(32, "prompts of the eval split (never trained on) scored at eval", low=0)
     eval_fraction: float = opt(0.1, "share of the distinct problems / JSONL lines held out as the eval split", low=0)
 

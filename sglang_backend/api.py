@@ -240,6 +240,13 @@ class RolloutBackend(Protocol):
 
     def flush_cache(self) -> None: ...
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free the KV pool and/or the weights (SGLang's tags `kv_cache`, `weights`; none: both) while a
+        colocated trainer trains; refused while requests run. Generation waits for the resume and, for
+        weights, for an update that refills them."""
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None: ...
+
     def health(self) -> bool: ...
 
     def model_info(self) -> dict[str, Any]: ...

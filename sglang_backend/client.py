@@ -370,6 +370,14 @@ class RolloutClient(DeadServerReadmission):
         """Every live server drops its KV cache; RolloutError if one refuses (requests running)."""
         self._each(lambda u: self._call(u, "/flush_cache", {}), self._live())
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Every live server frees the tagged memory (SGLang's endpoint; on CUDA its memory saver must be
+        on: `--enable-memory-saver`); RolloutError if one refuses."""
+        self._each(lambda u: self._call(u, "/release_memory_occupation", {"tags": tags}), self._live())
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._each(lambda u: self._call(u, "/resume_memory_occupation", {"tags": tags}), self._live())
+
     def health(self) -> bool:
         def ok(u):
             try:

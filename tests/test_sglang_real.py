@@ -251,3 +251,38 @@ def test_trainer_update_in_modelopt_layout_into_the_online_server(clients, sglan
     assert [r.output_ids for r in a] == [r.output_ids for r in b] and a[0].output_ids != before.output_ids
     worst = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.output_logprobs, rb.output_logprobs))
     assert worst <= 1e-5, worst
+
+
+def test_release_and_resume_memory_occupation_on_both_stacks(clients, sglang_url, embedded_url, tmp_path):
+    """SGLang's own endpoints, what rollout.colocated=on calls around a train phase: release the KV cache
+    and weights, resume, refill by a weight push (as the run's sync does), and both stacks serve what
+    they served before. SGLang's CPU server keeps its memory (its memory saver is the no-op adapter:
+    torch_memory_saver is CUDA-only); the embedded engine frees it (tests/test_engine_sleep.py)."""
+    from megatron_trace.transfer.export import load_hf_dir
+    from megatron_trace.transfer.pipeline import push_hf_state_dict
+    from megatron_trace.transfer.transports import DistributedTransport, HttpTransport
+    from sglang_backend.local.quant_flags import policy_for
+    from tests.ports import free_port
+
+    sg, emb = clients
+    reqs = [GenerateRequest(p, greedy(), rid=f"m{i}") for i, p in enumerate(PROMPTS)]
+    before = [[r.output_ids for r in c.generate(reqs)] for c in clients]
+    assert before[0] == before[1]
+    for c in clients:
+        c.release_memory_occupation(["kv_cache", "weights"])
+    with pytest.raises(RolloutError, match="memory is released"):
+        emb.generate(reqs[:1])
+    for c in clients:
+        c.resume_memory_occupation(["weights", "kv_cache"])
+    # the weights the module's last push left on both (tests run in file order): pushed again
+    arch, sd, _ = load_hf_dir(make_tiny_checkpoint(tmp_path / "next", "qwen2", seed=4))
+    policy = policy_for("nvfp4", "auto", tmp_path / "next")
+    dist = DistributedTransport([sglang_url], master_port=free_port(), timeout_s=120)
+    try:
+        push_hf_state_dict(sd, arch, policy, dist, version=8)
+    finally:
+        dist.close()
+    push_hf_state_dict(sd, arch, policy, HttpTransport(emb), version=8)
+    after = [c.generate(reqs) for c in clients]
+    assert [[r.output_ids for r in a] for a in after] == before
+    assert {r.weight_version for a in after for r in a} == {"8"}

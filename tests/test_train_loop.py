@@ -117,6 +117,10 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     assert all(0.1 < r <= p for r, p in zip(rss, peak)) and peak == sorted(peak)
     assert peak[-1] <= summary["peak_rss_gb"] + 0.01
     assert len(acc.Scalars("perf/heap_returned_gib")) == 4  # the heap is trimmed after every step
+    # rollout.colocated=auto: the embedded engine gives its KV pool and weights back every train phase
+    assert "releasing its KV pool and weights while the trainer trains" in out
+    released = [e.value for e in acc.Scalars("perf/engine_released_gib")]
+    assert len(released) == 4 and all(v > 0 for v in released), released
     bpt = [e.value for e in acc.Scalars("mismatch/guidance_bytes_per_token")]
     assert all(v > 0 for v in bpt)
 

@@ -53,6 +53,10 @@ def plan_lines(cfg) -> list[str]:
         "off": "BF16 trainer (no QAT)",
     }[t.qat_mode]
     backend = "embedded engine, in-process" if r.backend == "local" else f"HTTP: {', '.join(r.urls) or '(no urls)'}"
+    from .rollout import engine_sleeps
+
+    if engine_sleeps(cfg):
+        backend += ", releasing its KV pool and weights while the trainer trains"
     where = cfg.logging.run_dir
     # MoE: expert parallelism and routing replay (auto: on for MoE)
     tiny_moe = not cfg.model.path and cfg.model.family == "qwen3_moe"

@@ -51,6 +51,20 @@ def check_guided(policy: QuantPolicy) -> list[str]:
     return sites
 
 
+def engine_sleeps(cfg: Config) -> bool:
+    """rollout.colocated, resolved once: whether the rollout engine sleeps through each train phase.
+    An async run rolls out step k+1 while step k trains, so its engine cannot sleep."""
+    colocated = cfg.rollout.colocated
+    if cfg.algo.async_rollout:
+        if colocated == "on":
+            raise ValueError(
+                "rollout.colocated=on frees the rollout engine while the trainer trains, and "
+                "algo.async_rollout=true rolls out during training: set rollout.colocated=off (or auto)"
+            )
+        return False
+    return colocated == "on" or (colocated == "auto" and cfg.rollout.backend == "local")
+
+
 class Rollout:
     """Rank 0's side of a step: prompts, generation, rewards (a raising reward scores 0, counted).
     With a `store`, each guidance record goes into it as soon as it is fetched (see the module doc)."""

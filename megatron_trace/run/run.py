@@ -28,7 +28,7 @@ from sglang_backend.http_errors import RolloutError
 from . import console
 from .hooks import hooks_for, return_freed_memory
 from .metrics import JsonlLogger, MetricsHub, TensorBoardLogger, resumed_part, run_summary
-from .rollout import Rollout, RolloutBatch
+from .rollout import Rollout, RolloutBatch, engine_sleeps
 from .step import StepResult, StepTrainer, share_batch
 
 
@@ -103,6 +103,7 @@ class Run:
             if self.start_step:
                 self.resumed_history, self.resumed_before = resumed_part(self.run_dir, self.start_step)
         self.trainer = StepTrainer(cfg, self.actor, self.store)
+        self.engine_sleeps = engine_sleeps(cfg) and self.rank0
         self.hooks = hooks_for(cfg, self.rank0)
         if resume or self.version or self.input_amax is not None:
             # the rollout serves what the checkpoint holds; static scales: its input_scale before the first rollout
@@ -117,11 +118,13 @@ class Run:
         t_step = time.perf_counter()
         batch = share_batch(prefetched or self.produce(step), self.store)
         faults.hit("rollout.done", step=step)
+        sleep = self._engine_release()
         t = time.perf_counter()
         trained = self.trainer.train(batch, self.version)
         train_s = time.perf_counter() - t
         faults.hit("train.done", step=step)
         self.version += 1
+        sleep |= self._engine_resume()  # an empty model: the sync below refills every tensor
         transfer_s = self.sync_weights()
         times = {
             "rollout_s": batch.stats.get("rollout_s", 0.0),
@@ -129,7 +132,29 @@ class Run:
             "transfer_s": transfer_s,
             "step_s": time.perf_counter() - t_step,
         }
-        return StepResult(step, batch, trained, times, self.wire_bytes)
+        return StepResult(step, batch, trained, times, self.wire_bytes, metrics=sleep)
+
+    def _engine_release(self) -> dict[str, float]:
+        """Colocated (rollout.colocated): the engine's KV pool and weights go back to the system for
+        the train phase; the resident GiB before and after say what that gave the trainer."""
+        if not self.engine_sleeps:
+            return {}
+        from megatron_trace.kernels import cpu_alloc
+
+        cpu_alloc.return_freed_memory()  # the rollout's freed temporaries first: the drop below is the engine's
+        t, before = time.perf_counter(), cpu_alloc.resident_gib()
+        self.backend.release_memory_occupation(["kv_cache", "weights"])
+        return {
+            "perf/engine_release_s": time.perf_counter() - t,
+            "perf/engine_released_gib": before - cpu_alloc.resident_gib(),
+        }
+
+    def _engine_resume(self) -> dict[str, float]:
+        if not self.engine_sleeps:
+            return {}
+        t = time.perf_counter()
+        self.backend.resume_memory_occupation(["weights", "kv_cache"])
+        return {"perf/engine_resume_s": time.perf_counter() - t}
 
     def produce(self, step: int) -> RolloutBatch | None:
         return self.rollout.run(step, self.version) if self.rank0 else None

@@ -30,13 +30,27 @@ from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams, 
 
 from .kv_cache import PagedKVCache
 from .layers import EngineLinear, streaming_status
-from .loader import check_update, load_checkpoint, load_tensor
+from .loader import IGNORED_SUFFIXES, check_update, load_checkpoint, load_tensor
 from .model import QwenEngineModel
 from .quant_flags import check_kv_bands, policy_for
 from .scheduler import Group, Scheduler, aborted_result, guidance_record, to_result
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# release/resume_memory_occupation's tags, SGLang's names; its third, "cuda_graph", holds nothing here
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def memory_tags(tags) -> set[str]:
+    """The tags of a release/resume call (None or empty: all, as SGLang), checked."""
+    if not tags:
+        return set(MEMORY_TAGS)
+    if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
+        raise ValueError(f"tags must be a list of strings; got {tags!r}")
+    unknown = sorted(set(tags) - {*MEMORY_TAGS, "cuda_graph"})
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}; allowed: weights, kv_cache, cuda_graph")
+    return set(tags) & set(MEMORY_TAGS)
 
 
 class Engine:
@@ -71,20 +85,16 @@ class Engine:
             self.policy = policy_for(quantization, kv_cache_dtype, self.model_path).resolve(self.arch)
         check_kv_bands(self.policy)
         self.model = QwenEngineModel(self.arch, self.policy, _DTYPES[dtype])
+        self._released: set[str] = set()  # memory tags released (release_memory_occupation)
+        self._refill: set[str] | None = None  # HF tensors a resumed model still waits for from an update
         self._allocator = cpu_alloc.keep_freed_memory() if self.model.embed.device.type == "cpu" else None
         load_checkpoint(self.model, self.model_path)
         self._check_static_scales()
-        self.kv = PagedKVCache(
-            num_layers=self.arch.num_layers,
-            kv_heads=self.arch.num_kv_heads,
-            head_dim=self.arch.head_dim,
-            num_pages=max(max_total_tokens // page_size, 1),
-            page_size=page_size,
-            kv_dtype="auto",
-            k_dtype=self.policy.k_format,
-            v_dtype=self.policy.v_format,
-            dtype=_DTYPES[dtype],
-        )
+        self._dtype = _DTYPES[dtype]
+        self._kv_shape = {"num_pages": max(max_total_tokens // page_size, 1), "page_size": page_size}
+        self.kv = self._new_kv()
+        # what model_info says of the cache, kept while the pool itself is released
+        self._kv_facts = {"fmt": self.kv.fmt, "formats": list(self.kv.side_fmt), "bpt": self.kv.bytes_per_token()}
         eos = self.arch.eos_token_id
         self.guidance_mode = guidance_mode
         self.guided = resolve_guided_layers(self.arch.num_layers, guided_layers)
@@ -163,6 +173,7 @@ class Engine:
         """Queue requests together, so one step admits them all (submitted one by one, the worker
         would start on the first few and the rest would trail a prefill behind). Validates all
         before queueing any. drive: this thread will `wait` for them and run the steps itself."""
+        self._check_serving()
         groups = []
         for req in reqs:
             self._validate(req)
@@ -283,7 +294,8 @@ class Engine:
         with self._cv:
             if self.scheduler.has_work():
                 return False
-            self.kv.free_pages = list(range(self.kv.num_pages - 1, -1, -1))
+            if self.kv is not None:  # a released pool holds nothing
+                self.kv.free_pages = list(range(self.kv.num_pages - 1, -1, -1))
             return True
 
     def update_weights_from_tensor(
@@ -294,6 +306,11 @@ class Engine:
         leaves the served version as it was without a copy of the model to restore."""
         named = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
         with self._cv:
+            if self.model is None:
+                return False, (
+                    "refused: the weights are released (release_memory_occupation); "
+                    "resume_memory_occupation(['weights']) first, as SGLang requires"
+                )
             try:
                 check_update(self.model, named)
             except ValueError as e:
@@ -308,7 +325,10 @@ class Engine:
             if weight_version is not None:
                 self.weight_version = str(weight_version)
             self._check_static_scales()
-            if flush_cache and not self.scheduler.has_work():
+            if self._refill is not None:
+                self._refill.difference_update(name for name, _ in named)
+                self._refill = self._refill or None
+            if flush_cache and self.kv is not None and not self.scheduler.has_work():
                 self.kv.free_pages = list(range(self.kv.num_pages - 1, -1, -1))
         return True, f"loaded {len(named)} tensors; serving version {self.weight_version}"
 
@@ -343,18 +363,79 @@ class Engine:
             "is_generation": True,
             "architectures": [self.arch.family],
             "quant_policy": self.policy.to_dict(),
-            "kv_cache_dtype": self.kv.fmt,
-            "kv_formats": list(self.kv.side_fmt),
-            "kv_bytes_per_token": self.kv.bytes_per_token(),
+            "kv_cache_dtype": self._kv_facts["fmt"],
+            "kv_formats": list(self._kv_facts["formats"]),
+            "kv_bytes_per_token": self._kv_facts["bpt"],
+            "memory_released": sorted(self._released),
             "guided_layers": self.guided,
             "guidance_mode": self.guidance_mode,
             "static_scales_missing": list(self.static_scales_missing),
             # what CPU decode linears run on: cpu_gemv/<isa>, or torch (why the kernels are missing)
-            "cpu_linear": streaming_status() if self.model.embed.device.type == "cpu" else None,
+            "cpu_linear": streaming_status() if self._allocator else None,
             "cpu_allocator": self._allocator,
             # how decode runs each layer (run_plan): a layout the C calls do not take shows as "per kernel"
-            "cpu_layers": self.model.run_plan(self.kv).describe() if self._allocator else None,
+            "cpu_layers": self.model.run_plan(self.kv).describe() if self._allocator and not self._released else None,
         }
+
+    # -- colocated memory (SGLang's release_memory_occupation / resume_memory_occupation) -----------
+    def release_memory_occupation(self, tags: list[str] | None = None) -> float:
+        """Give the KV pool ("kv_cache") and/or the weights ("weights") back to the system while a
+        colocated trainer trains (tags as SGLang's; none: both); returns the GiB the heap returned.
+        Refused while requests run or wait (SGLang asserts an idle engine). Until
+        resume_memory_occupation, and for weights until an update has refilled every tensor,
+        generation is refused: a released engine never serves zeros."""
+        tags = memory_tags(tags)
+        with self._cv:
+            if self.scheduler.has_work():
+                raise RuntimeError(
+                    f"release_memory_occupation needs an idle engine: {len(self.scheduler.running)} sequences "
+                    f"run and {len(self.scheduler.waiting)} requests wait"
+                )
+            if "kv_cache" in tags:
+                self.kv = self.scheduler.kv = None
+                if self.model is not None:
+                    self.model.__dict__.pop("_plan_for", None)  # the run plan holds the pool's views
+            if "weights" in tags:
+                self.model = self.scheduler.model = None
+                self._refill = None
+            self._released |= tags
+        return cpu_alloc.return_freed_memory() / 2**30
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Allocate what release_memory_occupation gave back: an empty KV pool; a model whose
+        tensors the next weight update must all refill (generation is refused until it has)."""
+        tags = memory_tags(tags)
+        with self._cv:
+            if "weights" in tags and self.model is None:
+                self.model = self.scheduler.model = QwenEngineModel(self.arch, self.policy, self._dtype)
+                self._refill = {n for n in self.arch.hf_param_shapes() if not n.endswith(IGNORED_SUFFIXES)}
+            if "kv_cache" in tags and self.kv is None:
+                self.kv = self.scheduler.kv = self._new_kv()
+            self._released -= tags
+
+    def _new_kv(self) -> PagedKVCache:
+        return PagedKVCache(
+            num_layers=self.arch.num_layers,
+            kv_heads=self.arch.num_kv_heads,
+            head_dim=self.arch.head_dim,
+            kv_dtype="auto",
+            k_dtype=self.policy.k_format,
+            v_dtype=self.policy.v_format,
+            dtype=self._dtype,
+            **self._kv_shape,
+        )
+
+    def _check_serving(self) -> None:
+        if self._released:
+            raise RuntimeError(
+                f"the engine's {' and '.join(sorted(self._released))} memory is released "
+                "(release_memory_occupation): resume_memory_occupation before generating"
+            )
+        if self._refill:
+            raise RuntimeError(
+                f"the engine's weights were resumed but {len(self._refill)} tensors have not been refilled by a "
+                f"weight update since (e.g. {sorted(self._refill)[:2]}): push a full weight version first"
+            )
 
     def is_alive(self) -> bool:
         return not self._closed and self._worker.is_alive()

@@ -39,6 +39,12 @@ class InProcessBackend:
         if not self.engine.flush_cache():
             raise RuntimeError("flush_cache refused: requests are running")
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.engine.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.engine.resume_memory_occupation(tags)
+
     def health(self) -> bool:
         return self.engine.is_alive()
 

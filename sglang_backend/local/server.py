@@ -4,7 +4,8 @@
     srv.url  ->  "http://127.0.0.1:54321";  srv.shutdown()
 
 Endpoints (as sglang 0.5.x): POST /generate; GET /health, /health_generate; GET /model_info
-(/get_model_info), /trace_policy (as the SGLang plugin's); GET|POST /flush_cache; POST /pause_generation,
+(/get_model_info), /trace_policy (as the SGLang plugin's); GET|POST /flush_cache,
+/release_memory_occupation and /resume_memory_occupation ({"tags"}: kv_cache, weights); POST /pause_generation,
 /continue_generation, /update_weights_from_disk, /update_weights_from_tensor, /init_weights_update_group,
 /update_weights_from_distributed, /destroy_weights_update_group, /update_weight_version;
 our extension POST /get_guidance {"rid"} -> application/octet-stream record bytes (404 JSON for an unknown
@@ -106,6 +107,8 @@ class RolloutServer(WeightUpdateRoutes):
             "/destroy_weights_update_group": ({"POST"}, self.destroy_group),
             "/update_weight_version": ({"POST"}, self.update_weight_version),
             "/get_guidance": ({"POST"}, self.get_guidance),
+            "/release_memory_occupation": ({"GET", "POST"}, self.release_memory),
+            "/resume_memory_occupation": ({"GET", "POST"}, self.resume_memory),
         }
         self.app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the routes above, nothing else
         for path, (methods, endpoint) in self.routes.items():
@@ -295,6 +298,21 @@ class RolloutServer(WeightUpdateRoutes):
         await self._blocking(self.engine.continue_generation)
         self.paused = False
         return json_response(200, {"message": "Generation continued successfully.", "status": "ok"})
+
+    async def release_memory(self, request: Request) -> Response:
+        """SGLang's /release_memory_occupation: {"tags": [...] | null}; 200 with a null body, as SGLang."""
+        return await self._memory_call(request, self.engine.release_memory_occupation)
+
+    async def resume_memory(self, request: Request) -> Response:
+        return await self._memory_call(request, self.engine.resume_memory_occupation)
+
+    async def _memory_call(self, request: Request, fn: Callable) -> Response:
+        tags = want(await read_json(request), "tags", list, None)
+        try:
+            await self._blocking(fn, tags)
+        except (ValueError, RuntimeError) as e:  # unknown tags; requests still running
+            raise HTTPError(400, str(e)) from None
+        return json_response(200, None)
 
 
 def serve(
