@@ -371,8 +371,9 @@ class RolloutClient(DeadServerReadmission):
         self._each(lambda u: self._call(u, "/flush_cache", {}), self._live())
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Every live server frees the tagged memory (SGLang's endpoint; on CUDA its memory saver must be
-        on: `--enable-memory-saver`); RolloutError if one refuses."""
+        """Every live server frees the tagged memory (SGLang's endpoint; on CUDA a server frees it only when
+        started with `--enable-memory-saver`, which `sglang_backend.launch` passes through; SGLang's CPU
+        engine accepts the call and keeps its memory); RolloutError if one refuses."""
         self._each(lambda u: self._call(u, "/release_memory_occupation", {"tags": tags}), self._live())
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:

@@ -173,17 +173,18 @@ class Engine:
         """Queue requests together, so one step admits them all (submitted one by one, the worker
         would start on the first few and the rest would trail a prefill behind). Validates all
         before queueing any. drive: this thread will `wait` for them and run the steps itself."""
-        self._check_serving()
-        groups = []
         for req in reqs:
             self._validate(req)
-            self.scheduler.check(req)
-            n = req.sampling_params.n
-            base = req.rid or uuid.uuid4().hex
-            groups.append(Group(req, [base] if n == 1 else [f"{base}-{i}" for i in range(n)]))
-        with self._cv:
+        with self._cv:  # checked with the lock held: a release cannot slip in between
             if self._closed:
                 raise RuntimeError("engine is shut down")
+            self._check_serving()
+            groups = []
+            for req in reqs:
+                self.scheduler.check(req)
+                n = req.sampling_params.n
+                base = req.rid or uuid.uuid4().hex
+                groups.append(Group(req, [base] if n == 1 else [f"{base}-{i}" for i in range(n)]))
             for g in groups:
                 self.scheduler.add(g)
                 if drive:
@@ -399,6 +400,8 @@ class Engine:
                 self.model = self.scheduler.model = None
                 self._refill = None
             self._released |= tags
+        if self._allocator is None and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # freed blocks stay with the caching allocator until given back
         return cpu_alloc.return_freed_memory() / 2**30
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
