@@ -161,9 +161,11 @@ class EngineLinear(nn.Module):
             a, b = self.offsets[bias_held_out]
             self.held_bias = nn.Parameter(torch.zeros(b - a, dtype=dtype), requires_grad=False)
         self.qweight: nvfp4.NVFP4Tensor | mxfp4.MXFP4Tensor | None = None
-        # BF16 source rows of an FP4 linear: a later update of one shard re-quantizes the group
-        # from sources, never from already-dequantized values.
-        self.master = torch.zeros(off, in_features, dtype=torch.float32) if weight_fmt else None
+        # BF16 source rows of an FP4 linear: a later update of one shard re-quantizes the group from
+        # sources, never from already-dequantized values. The first BF16 shard load makes it (from
+        # `weight`: zeros, or the FP4 rows an FP4 checkpoint left), so an engine that only gets FP4
+        # tensors (a resumed one, refilled by the trainer's NVFP4 sync) never holds an fp32 copy.
+        self.master: torch.Tensor | None = None
         self._modelopt_rows: dict[str, dict[str, torch.Tensor]] = {}
         self.input_global_scale: torch.Tensor | None = None  # static activation S_enc
         self.generation, self._wt_key, self._wt = 0, None, None  # bumped by every load (finalize); weight_t() cache
@@ -193,7 +195,7 @@ class EngineLinear(nn.Module):
         elif kind == "weight":
             _check_shape(self.weight[a:b], tensor, f"{self.site}:{shard}.weight")
             if self.weight_fmt is not None:
-                if self.master is None:  # switching from an FP4 checkpoint to BF16 updates
+                if self.master is None:  # the first BF16 load, or BF16 updates after an FP4 checkpoint
                     self.master = self.weight.data.float().clone()
                 self.master[a:b] = tensor.float()
             else:
