@@ -13,9 +13,9 @@ from sglang_backend.client import RolloutClient, RolloutError
 from sglang_backend.local import Engine
 from sglang_backend.local.server import serve
 
-# Wide enough that the engine's memory stands out of the process's: ~90 MB of weights as served
+# Wide enough that the engine's memory stands out of the process's: ~60 MB of weights as served
 # (bf16) and a 280 MB KV pool, where the main command's tiny model holds ~20 MB in all.
-SHAPE = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 4, "vocab_size": 32000}
+SHAPE = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 4, "vocab_size": 16000}
 SHAPE |= {"num_attention_heads": 8, "num_key_value_heads": 2}
 REQS = [
     GenerateRequest([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=12, temperature=0.0)),
@@ -25,7 +25,7 @@ REQS = [
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("sleep"), "qwen2", seed=2, **SHAPE)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("sleep"), "qwen2", seed=2, dtype="bfloat16", **SHAPE)
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_release_is_refused_while_requests_wait_and_tags_are_checked(engine):
 
 def test_the_http_server_answers_the_same_calls(engine, ckpt):
     """Over the embedded server, through the client the http backend uses: SGLang's endpoints."""
-    srv = serve(engine, api_key="k", max_body_bytes=256 << 20)  # one bucket: the fp32 checkpoint, 183 MB
+    srv = serve(engine, api_key="k", max_body_bytes=128 << 20)  # one bucket: the whole checkpoint, 60 MB
     client = RolloutClient(srv.url, api_key="k", retries=0)
 
     def generate():  # one request at a time: the same batches each time, so the same bits

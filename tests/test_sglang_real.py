@@ -229,22 +229,9 @@ def test_trainer_update_in_modelopt_layout_into_the_online_server(clients, sglan
     tensors (packed codes, E4M3 scales, weight_scale_2) quantized on its side; the online trace_nvfp4
     server takes them over the distributed transport and then serves those bits: its greedy tokens
     and logprobs equal the embedded server's after the same push."""
-    from megatron_trace.transfer.export import load_hf_dir
-    from megatron_trace.transfer.pipeline import push_hf_state_dict
-    from megatron_trace.transfer.transports import DistributedTransport, HttpTransport
-    from sglang_backend.local.quant_flags import policy_for
-    from tests.ports import free_port
-
     sg, emb = clients
-    arch, sd, _ = load_hf_dir(make_tiny_checkpoint(tmp_path / "next", "qwen2", seed=4))
-    policy = policy_for("nvfp4", "auto", tmp_path / "next")
     before = sg.generate([GenerateRequest(PROMPTS[0], greedy())])[0]
-    dist = DistributedTransport([sglang_url], master_port=free_port(), timeout_s=120)
-    try:
-        push_hf_state_dict(sd, arch, policy, dist, version=7)
-    finally:
-        dist.close()
-    push_hf_state_dict(sd, arch, policy, HttpTransport(emb), version=7)
+    _push_next_weights(sglang_url, emb, tmp_path, version=7)
     reqs = [GenerateRequest(p, greedy(), rid=f"u{i}") for i, p in enumerate(PROMPTS)]
     a, b = sg.generate(reqs), emb.generate(reqs)
     assert {r.weight_version for r in a + b} == {"7"}
@@ -253,17 +240,11 @@ def test_trainer_update_in_modelopt_layout_into_the_online_server(clients, sglan
     assert worst <= 1e-5, worst
 
 
-def test_release_and_resume_memory_occupation_on_both_stacks(clients, sglang_url, embedded_url, tmp_path):
+def test_release_and_resume_memory_occupation_on_both_stacks(clients, sglang_url, tmp_path):
     """SGLang's own endpoints, what rollout.colocated=on calls around a train phase: release the KV cache
     and weights, resume, refill by a weight push (as the run's sync does), and both stacks serve what
     they served before. SGLang's CPU server keeps its memory (its memory saver is the no-op adapter:
     torch_memory_saver is CUDA-only); the embedded engine frees it (tests/test_engine_sleep.py)."""
-    from megatron_trace.transfer.export import load_hf_dir
-    from megatron_trace.transfer.pipeline import push_hf_state_dict
-    from megatron_trace.transfer.transports import DistributedTransport, HttpTransport
-    from sglang_backend.local.quant_flags import policy_for
-    from tests.ports import free_port
-
     sg, emb = clients
     reqs = [GenerateRequest(p, greedy(), rid=f"m{i}") for i, p in enumerate(PROMPTS)]
     before = [[r.output_ids for r in c.generate(reqs)] for c in clients]
@@ -274,15 +255,26 @@ def test_release_and_resume_memory_occupation_on_both_stacks(clients, sglang_url
         emb.generate(reqs[:1])
     for c in clients:
         c.resume_memory_occupation(["weights", "kv_cache"])
-    # the weights the module's last push left on both (tests run in file order): pushed again
+    _push_next_weights(sglang_url, emb, tmp_path, version=8)  # what the last push left, again: a refill
+    after = [c.generate(reqs) for c in clients]
+    assert [[r.output_ids for r in a] for a in after] == before
+    assert {r.weight_version for a in after for r in a} == {"8"}
+
+
+def _push_next_weights(sglang_url: str, emb: RolloutClient, tmp_path, version: int) -> None:
+    """Another checkpoint's weights, as the trainer's sync sends them (ModelOpt NVFP4 quantized on the
+    sending side), to the SGLang server over the distributed transport and to the embedded one over HTTP."""
+    from megatron_trace.transfer.export import load_hf_dir
+    from megatron_trace.transfer.pipeline import push_hf_state_dict
+    from megatron_trace.transfer.transports import DistributedTransport, HttpTransport
+    from sglang_backend.local.quant_flags import policy_for
+    from tests.ports import free_port
+
     arch, sd, _ = load_hf_dir(make_tiny_checkpoint(tmp_path / "next", "qwen2", seed=4))
     policy = policy_for("nvfp4", "auto", tmp_path / "next")
     dist = DistributedTransport([sglang_url], master_port=free_port(), timeout_s=120)
     try:
-        push_hf_state_dict(sd, arch, policy, dist, version=8)
+        push_hf_state_dict(sd, arch, policy, dist, version=version)
     finally:
         dist.close()
-    push_hf_state_dict(sd, arch, policy, HttpTransport(emb), version=8)
-    after = [c.generate(reqs) for c in clients]
-    assert [[r.output_ids for r in a] for a in after] == before
-    assert {r.weight_version for a in after for r in a} == {"8"}
+    push_hf_state_dict(sd, arch, policy, HttpTransport(emb), version=version)
