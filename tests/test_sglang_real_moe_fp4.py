@@ -169,7 +169,8 @@ def test_trainer_push_of_packed_nvfp4_experts(sglang_url, tmp_path):
 
 def test_guided_rl_steps_through_real_sglang_fp4_experts(moe_ckpt, sglang_url, tmp_path):
     """Two RL steps of the tiny MoE config with this server as the rollout: NVFP4 experts, guided QAT
-    fed by the server's expert guidance, routing replay, weights pushed packed (disk) between steps."""
+    fed by the server's expert guidance, routing replay, weights pushed packed (disk) between steps,
+    and the server asked to release and resume its memory around each train phase (colocated)."""
     import json
     import subprocess
     import sys
@@ -190,6 +191,7 @@ def test_guided_rl_steps_through_real_sglang_fp4_experts(moe_ckpt, sglang_url, t
         "trainer.qat_mode=guided",
         "trainer.routing_replay=on",
         "transfer.transport=disk",
+        "rollout.colocated=on",
     ]
     cmd += ["rollout.prompts_per_step=2", "rollout.n_samples=2", "rollout.eval_prompts=0", "trainer.micro_batch_size=4"]
     cmd += ["trainer.steps=2", "trainer.save_every=0", "logging.progress=false", f"logging.run_dir={run_dir}"]
@@ -200,6 +202,8 @@ def test_guided_rl_steps_through_real_sglang_fp4_experts(moe_ckpt, sglang_url, t
     for step, r in steps.items():
         print("moe fp4 rl step", step, {k: v for k, v in r.items() if k.startswith("mismatch/")})
     assert sorted(steps) == [0, 1] and steps[1]["rollout/weight_version"] == 1
+    # released and resumed every step; what it freed shows in the server's process, not the trainer's
+    assert all("perf/engine_resume_s" in r and "perf/engine_released_gib" not in r for r in steps.values())
     for r in steps.values():  # fp32 on both sides: the trainer's guided QAT reproduces the rollout
         assert r["mismatch/routing_replayed"] == 1.0 and r["mismatch/guidance_bytes_per_token"] > 0
         assert r["mismatch/mean_abs_dlogp"] < 1e-4 and r["mismatch/codeword_disagreement/mean"] < 1e-3

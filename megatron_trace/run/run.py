@@ -136,18 +136,21 @@ class Run:
 
     def _engine_release(self) -> dict[str, float]:
         """Colocated (rollout.colocated): the engine's KV pool and weights go back to the system for
-        the train phase; the resident GiB before and after say what that gave the trainer."""
+        the train phase. In this process (the embedded engine) the resident GiB before and after say
+        what that gave the trainer; a server's release shows in its own process, not here."""
         if not self.engine_sleeps:
             return {}
         from megatron_trace.kernels import cpu_alloc
 
-        cpu_alloc.return_freed_memory()  # the rollout's freed temporaries first: the drop below is the engine's
+        in_process = self.cfg.rollout.backend == "local"
+        if in_process:
+            cpu_alloc.return_freed_memory()  # the rollout's freed temporaries first: the drop is the engine's
         t, before = time.perf_counter(), cpu_alloc.resident_gib()
         self.backend.release_memory_occupation(["kv_cache", "weights"])
-        return {
-            "perf/engine_release_s": time.perf_counter() - t,
-            "perf/engine_released_gib": before - cpu_alloc.resident_gib(),
-        }
+        out = {"perf/engine_release_s": time.perf_counter() - t}
+        if in_process:
+            out["perf/engine_released_gib"] = before - cpu_alloc.resident_gib()
+        return out
 
     def _engine_resume(self) -> dict[str, float]:
         if not self.engine_sleeps:
