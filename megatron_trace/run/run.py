@@ -4,7 +4,8 @@
            ─► the quantization policy, resolved once for that arch (saved in config.yaml)
            ─► memory check ─► quality gate (rank 0) ─► Megatron actor ─► rollout backend, guidance
               store, weight transport (rank 0)
-           ─► for each step:  rollout ─► reward ─► advantages ─► train ─► sync  (Run.step)
+           ─► for each step:  rollout ─► reward ─► advantages ─► train ─► sync  (Run.step; colocated,
+              the engine's KV pool and weights are released for the train phase, the sync refills them)
               with hooks around it: heap trim, evals, logging, checkpoints, the measurement after
               training (run/hooks.py)
            ─► summary
@@ -114,7 +115,8 @@ class Run:
     # -- the step --------------------------------------------------------------------------------
     def step(self, step: int, prefetched: RolloutBatch | None = None) -> StepResult:
         """rollout ─► reward ─► advantages (rank 0; async: rolled out while the last step trained)
-        ─► train (every rank) ─► sync the weights as the next version."""
+        ─► [engine released] train (every rank) [engine resumed, empty] ─► sync the weights as the
+        next version (which refills it)."""
         t_step = time.perf_counter()
         batch = share_batch(prefetched or self.produce(step), self.store)
         faults.hit("rollout.done", step=step)
