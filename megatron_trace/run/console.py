@@ -1,7 +1,7 @@
 """What the train CLI prints: the run's plan (without third-party noise), its progress and its summary.
 
     quiet_third_party()  ─► known import-time warnings of Megatron/TE/Apex/HF filtered by message
-    plan_lines(cfg)      ─► model, quantization, guidance, rollout, steps, where TensorBoard writes
+    plan_lines(cfg, sleeps) ─► model, quantization, guidance, rollout, steps, where TensorBoard writes
     progress_bar(n, on)  ─► the RL steps' bar;  print_summary(summary) ─► the run's end, after it
 Only warnings known to be harmless on the machines we run are filtered, each by its exact text,
 so a new warning from the same libraries still shows.
@@ -27,8 +27,9 @@ def quiet_third_party() -> None:
         warnings.filterwarnings("ignore", category=category, module=r"megatron\.")
 
 
-def plan_lines(cfg) -> list[str]:
-    """The run in a few lines, from the config alone (nothing loaded yet)."""
+def plan_lines(cfg, engine_sleeps: bool = False) -> list[str]:
+    """The run in a few lines, from the config alone (nothing loaded yet); engine_sleeps: the run's
+    resolved rollout.colocated."""
     q, g, r, t = cfg.quant, cfg.guidance, cfg.rollout, cfg.trainer
     if cfg.model.path:
         model = cfg.model.path
@@ -53,9 +54,7 @@ def plan_lines(cfg) -> list[str]:
         "off": "BF16 trainer (no QAT)",
     }[t.qat_mode]
     backend = "embedded engine, in-process" if r.backend == "local" else f"HTTP: {', '.join(r.urls) or '(no urls)'}"
-    from .rollout import engine_sleeps
-
-    if engine_sleeps(cfg):
+    if engine_sleeps:
         backend += ", releasing its KV pool and weights while the trainer trains"
     where = cfg.logging.run_dir
     # MoE: expert parallelism and routing replay (auto: on for MoE)

@@ -44,8 +44,10 @@ class Run:
         t = cfg.trainer
         init_distributed(tp=t.tp, pp=t.pp, ep=t.ep, seed=t.seed, cp=t.cp)
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        # rollout.colocated, resolved once (rank 0 holds the engine): the plan says it, the steps do it
+        self.engine_sleeps = engine_sleeps(cfg) and self.rank0
         if self.rank0:
-            print("\n".join(console.plan_lines(cfg)), flush=True)
+            print("\n".join(console.plan_lines(cfg, self.engine_sleeps)), flush=True)
         self.tok, prompts, self.model_path, self.arch = task_and_checkpoint(cfg)
         if self.arch.is_moe and t.tp > 1 and not t.sequence_parallel:
             # Megatron's MoELayer raises at the first training forward otherwise (after a whole rollout)
@@ -104,7 +106,6 @@ class Run:
             if self.start_step:
                 self.resumed_history, self.resumed_before = resumed_part(self.run_dir, self.start_step)
         self.trainer = StepTrainer(cfg, self.actor, self.store)
-        self.engine_sleeps = engine_sleeps(cfg) and self.rank0
         self.hooks = hooks_for(cfg, self.rank0)
         if resume or self.version or self.input_amax is not None:
             # the rollout serves what the checkpoint holds; static scales: its input_scale before the first rollout
