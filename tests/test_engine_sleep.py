@@ -1,6 +1,8 @@
 """The colocated engine's sleep: SGLang's release_memory_occupation / resume_memory_occupation on the
 embedded engine, in-process and over its HTTP server, and how a run resolves rollout.colocated."""
 
+import weakref
+
 import pytest
 from safetensors.torch import load_file
 
@@ -70,7 +72,10 @@ def test_release_returns_the_engines_memory_and_the_refilled_engine_generates_th
 
 def test_kv_cache_alone_sleeps_and_wakes_without_a_weight_update(engine):
     before = _generate(engine)
+    pool = weakref.ref(engine.kv)
     engine.release_memory_occupation(["kv_cache"])
+    # gone with the weights still loaded: the layers' cached C arguments had kept it alive
+    assert pool() is None
     assert engine.get_model_info()["memory_released"] == ["kv_cache"]
     engine.resume_memory_occupation(["kv_cache"])
     assert _generate(engine) == before

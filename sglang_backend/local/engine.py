@@ -28,6 +28,7 @@ from megatron_trace.kernels import cpu_alloc
 from megatron_trace.models import ModelArch, QuantPolicy
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams, WeightBucket
 
+from . import layer_c
 from .kv_cache import PagedKVCache
 from .layers import EngineLinear, streaming_status
 from .loader import IGNORED_SUFFIXES, check_update, load_checkpoint, load_tensor
@@ -394,8 +395,9 @@ class Engine:
                 )
             if "kv_cache" in tags:
                 self.kv = self.scheduler.kv = None
-                if self.model is not None:
-                    self.model.__dict__.pop("_plan_for", None)  # the run plan holds the pool's views
+                if self.model is not None:  # the run plan and the layers' C arguments hold the pool's views
+                    self.model.__dict__.pop("_plan_for", None)
+                    layer_c.forget(self.model.layers)
             if "weights" in tags:
                 self.model = self.scheduler.model = None
                 self._refill = None

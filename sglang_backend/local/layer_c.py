@@ -137,6 +137,13 @@ class _CArgs:
 _C_ARGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its _CArgs
 
 
+def forget(layers) -> None:
+    """Drop these layers' cached C arguments: they hold the KV pool they point into, which a
+    release_memory_occupation("kv_cache") must give back while the layers stay."""
+    for layer in layers:
+        _C_ARGS.pop(layer, None)
+
+
 def _plan(layer, kv, stream: bool) -> _CArgs:
     plan = _C_ARGS.get(layer)
     if plan is None or plan.kv is not kv or plan.stream != stream:
