@@ -163,6 +163,7 @@ class RolloutConfig(Section):
         "(backend=local) in sync mode; on = also http servers on the trainer's machine; off = never",
         ("auto", "on", "off"),
     )
+    max_total_tokens: int = opt(65536, "token slots of the embedded engine's paged KV pool", low=16)
     eval_prompts: int = opt(32, "prompts of the eval split (never trained on) scored at eval", low=0)
     eval_fraction: float = opt(0.1, "share of the distinct problems / JSONL lines held out as the eval split", low=0)
 
@@ -209,6 +210,12 @@ class TrainerConfig(Section):
     micro_batch_size: int = opt(8, "sequences per micro-batch of the padded layout (trainer.packing=false)", low=1)
     logprob_chunk_mb: float = opt(128.0, "fp32 logits held at once by the chunked vocab-parallel logprobs (MiB)", low=1)
     memory_check: bool = opt(True, "refuse a plan whose trainer memory estimate does not fit this machine")
+    memory_budget_gib: float = opt(
+        0.0,
+        "refuse, before step 0, a one-process plan (embedded engine + trainer) whose predicted peak "
+        "exceeds this many GiB (perf.memory's table); 0: no budget",
+        low=0,
+    )
     recompute: str = opt(
         "none",
         "activation recompute: none, selective (Megatron's core_attn + dense mlp modules), full (every layer)",

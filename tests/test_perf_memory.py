@@ -149,3 +149,53 @@ def test_estimate_is_within_25_percent_of_the_measured_step(record, recompute):
     step = est["activations"] + est["logits"] + est["guidance"]  # weights, grads, Adam: allocated before
     print(recompute, f"measured {measured / pm.GIB:.3f} GiB, estimated {step / pm.GIB:.3f} GiB")
     assert abs(step - measured) <= 0.25 * measured, (recompute, measured / pm.GIB, step / pm.GIB)
+
+
+def _real_config(*overrides: str) -> tuple:
+    """configs/qwen2.5_0.5b_cpu.yaml with its model's built-in shape (no checkpoint needed), resolved."""
+    cfg = Config.load(str(REPO / "configs" / "qwen2.5_0.5b_cpu.yaml"), ["model.path=/nowhere/Qwen2.5-0.5B-Instruct"])
+    cfg = Config.load(str(REPO / "configs" / "qwen2.5_0.5b_cpu.yaml"), [f"model.path={cfg.model.path}", *overrides])
+    m, source, arch = pm.shape_and_arch(cfg)
+    assert source.startswith("built-in shape 'qwen2.5-0.5b'"), source
+    return cfg, m, cfg.quant.resolve(arch)
+
+
+def test_the_real_configs_one_process_plan_adds_up_and_names_the_knob_that_fits_it():
+    from megatron_trace.run.rollout import engine_sleeps
+
+    cfg, m, pol = _real_config()
+    est = pm.process_estimate(cfg, pol, m, engine_sleeps(cfg))
+    # Qwen2.5-0.5B: 494 M parameters, each a bf16 weight, an fp32 grad and main param, Adam's m and v
+    assert est["trainer_build"] + est["adam"] == pytest.approx(494e6 * (2 + 4 + 4 + 8), rel=0.01)
+    # the engine serves 358 M linear weights (the MLP's NVFP4) and the tied 136 M-entry embedding
+    assert 3.0 * pm.GIB < est["engine_weights"] < 4.0 * pm.GIB
+    assert est["peak"] == est["rollout_phase"]  # asleep through the train phase, the rollout peaks
+    awake = pm.process_estimate(cfg, pol, m, False)
+    assert awake["train_phase"] - est["train_phase"] == pytest.approx(est["engine_weights"] + est["kv_pool"])
+    budget = (est["peak"] + awake["peak"]) / 2 / pm.GIB
+    pm.check_budget(Config.load(None, []), pol, m, True)  # no budget: nothing checked
+    sleeping, _, _ = _real_config(f"trainer.memory_budget_gib={budget}")
+    pm.check_budget(sleeping, pol, m, engine_sleeps(sleeping))
+    off, _, _ = _real_config(f"trainer.memory_budget_gib={budget}", "rollout.colocated=off")
+    with pytest.raises(ValueError, match=r"(?s)exceeds trainer.memory_budget_gib=.*set rollout\.colocated=on"):
+        pm.check_budget(off, pol, m, engine_sleeps(off))
+    big_pool, _, _ = _real_config(f"trainer.memory_budget_gib={budget}", "rollout.max_total_tokens=4000000")
+    with pytest.raises(ValueError, match=r"lower rollout\.max_total_tokens \(now 4000000\) to \d+"):
+        pm.check_budget(big_pool, pol, m, True)
+
+
+def test_a_run_over_its_memory_budget_stops_before_its_models_are_built(tmp_path):
+    from megatron_trace.run.run import Run
+    from megatron_trace.trainer.parallel import destroy
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=0)
+    run_dir = tmp_path / "run"
+    overrides = [f"model.path={ckpt}", f"logging.run_dir={run_dir}", "quant.quality_gate=false"]
+    cfg = Config.load(str(REPO / "configs" / "tiny_cpu.yaml"), [*overrides, "trainer.memory_budget_gib=0.9"])
+    try:
+        with pytest.raises(ValueError, match=r"predicted peak .* GiB exceeds trainer.memory_budget_gib=0.9") as err:
+            Run(cfg, resume=False)
+    finally:
+        destroy()
+    assert str(err.value).endswith("lower trainer.max_tokens_per_microbatch (now 8192) to 4096")  # activations
+    assert not run_dir.exists()  # nothing built, nothing written

@@ -79,10 +79,15 @@ def _status_gib(field: str) -> float:
     raise KeyError(field)
 
 
+_earlier_peak = [0.0]  # the highest peak mark any reset_peak_rss cleared
+
+
 def reset_peak_rss() -> float:
     """This process's resident GiB now, with the kernel's peak mark (VmHWM) reset to it (Linux).
     Returns the reset mark, not VmRSS: per-thread RSS counters reach the mark in batches, so a VmRSS
-    read here can exceed every later VmHWM and make a peak-minus-baseline negative."""
+    read here can exceed every later VmHWM and make a peak-minus-baseline negative. The mark cleared
+    is kept for process_peak_rss."""
+    _earlier_peak[0] = max(_earlier_peak[0], _status_gib("VmHWM"))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _status_gib("VmHWM")
@@ -96,3 +101,9 @@ def resident_gib() -> float:
 def peak_rss() -> float:
     """This process's peak resident GiB since start or the last `reset_peak_rss`."""
     return _status_gib("VmHWM")
+
+
+def process_peak_rss() -> float:
+    """This process's peak resident GiB since start, across every reset_peak_rss (which also lowers
+    getrusage's ru_maxrss: the kernel reads it from the same mark)."""
+    return max(_status_gib("VmHWM"), _earlier_peak[0])

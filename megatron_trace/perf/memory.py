@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .roofline import GPUS, MODELS, ModelSpec
+from .roofline import GPUS, MODELS, ModelSpec, kv_side_bits
 
 if TYPE_CHECKING:
     from megatron_trace.models import ModelArch
@@ -142,6 +142,15 @@ def _act_elements(m: ModelSpec, p: TrainerPlan, mode: str) -> float:
     return 2 * res + (3 * q + 2 * kv) / t + mlp
 
 
+def guidance_bytes_per_token(m: ModelSpec, p: TrainerPlan) -> float:
+    """A token's guidance on this rank's stage: per guided site the codes or mantissa bits, an E4M3
+    scale per 16 and the fp32 S_enc; an FP8 K/V site a byte per element (full) or its low bit."""
+    site_bytes = sum(k * p.guidance_bytes_per_element + k / 16 + 4 for k in p.guided_sites_per_layer)
+    fp8_per_element = 1.0 if p.guidance_bytes_per_element > 0.125 else 0.125  # E4M3 bytes or their low bits
+    site_bytes += sum(k * fp8_per_element + 4 for k in p.guided_fp8_sites_per_layer)
+    return site_bytes * min(p.guided_layers, math.ceil(m.layers / p.pp))
+
+
 def estimate(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> dict:
     """Bytes per rank by category (and the fit against `gpu`'s HBM, when given)."""
     b = DTYPE_BYTES[p.dtype]
@@ -158,14 +167,12 @@ def estimate(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> dict:
     vocab_local = _padded_vocab(m, p.tp) / p.tp
     chunk = min(p.logprob_chunk_mb * 2**20, tokens * vocab_local * 4)
     logits = LOGIT_COPIES * chunk + vocab_local * m.hidden * 4 + tokens * m.hidden * b
-    site_bytes = sum(k * p.guidance_bytes_per_element + k / 16 + 4 for k in p.guided_sites_per_layer)
-    fp8_per_element = 1.0 if p.guidance_bytes_per_element > 0.125 else 0.125  # E4M3 bytes or their low bits
-    site_bytes += sum(k * fp8_per_element + 4 for k in p.guided_fp8_sites_per_layer)
-    guided = min(p.guided_layers, layers)
-    guidance = site_bytes * guided * tokens * (in_flight if p.recompute != "none" else 1)
+    guidance = guidance_bytes_per_token(m, p) * tokens * (in_flight if p.recompute != "none" else 1)
     out = {
         "weights": params * b,
-        "grads": params * b,
+        # Megatron's DDP grad buffer: fp32 under bf16 params (the actor's grad_reduce_in_fp32, which
+        # the optimizer takes as its main grads)
+        "grads": params * (4 if p.dtype == "bfloat16" else b),
         "optimizer": params * opt_per_param / opt_share,
         "activations": saved + transient,
         "logits": logits,
@@ -203,22 +210,8 @@ def plan_from_config(cfg, pol, m: ModelSpec, dp: int) -> TrainerPlan:
 
     t, g = cfg.trainer, cfg.guidance
     last = f"model.layers.{m.layers - 1}."
-    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    # (an HF linear of the layer, its input width per token, its weight's parameters)
-    if m.moe:
-        linears = [
-            ("self_attn.q_proj", m.hidden, m.hidden * (q + 2 * kv)),
-            ("self_attn.o_proj", m.o_width, m.o_width * m.hidden),
-            ("mlp.experts.0.gate_proj", m.top_k * m.hidden, m.experts * 2 * m.hidden * m.moe_inter / t.ep),
-            ("mlp.experts.0.down_proj", m.top_k * m.moe_inter, m.experts * m.hidden * m.moe_inter / t.ep),
-        ]
-    else:
-        linears = [
-            ("self_attn.q_proj", m.hidden, m.hidden * (q + 2 * kv)),
-            ("self_attn.o_proj", m.o_width, m.o_width * m.hidden),
-            ("mlp.gate_proj", m.hidden, 2 * m.hidden * m.ffn),
-            ("mlp.down_proj", m.ffn, m.ffn * m.hidden),
-        ]
+    kv = m.kv_heads * m.head_dim
+    linears = _layer_linears(m, t.ep)
     qat = t.qat_mode != "off"
     widths = [k for name, k, _ in linears if pol.activation_is_fp4(last + name, m.layers)]
     fp4_weights = sum(n for name, _, n in linears if pol.weight_is_fp4(last + name, m.layers)) if qat else 0.0
@@ -263,6 +256,215 @@ def table(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> str:
             f"{est['capacity'] / GIB:.1f} GiB: {verdict}"
         )
     return "\n".join(rows)
+
+
+# -- one process: the embedded engine beside the trainer (rank 0 of a CPU run) ---------------------
+RUNTIME_GIB = 0.75  # torch, Megatron-Core, transformers and the tokenizer imported (measured: perf/mem_runtime_gib)
+# bytes per weight element the embedded engine holds (sglang_backend/local/layers.py): the weight in
+# the rollout dtype (an FP4 linear's dequantized), oneDNN's packed copy of it for prefill and batched
+# decode, and for an FP4 linear the fp32 master its updates are written into, the codes and scales
+ENGINE_FP4_EXTRA = {"nvfp4": 4 + 0.5 + 1 / 16, "mxfp4": 4 + 0.5 + 1 / 32}
+# (key, what it is, the run's metric that measures it): the one-process table's rows
+PROCESS_ROWS = (
+    ("runtime", "runtime (libraries, tokenizer)", "perf/mem_runtime_gib"),
+    ("trainer_build", "trainer: bf16 weights, fp32 grads, fp32 main params", "perf/mem_trainer_built_gib"),
+    ("adam", "Adam m, v (measured: + allocator slack)", None),
+    ("engine_weights", "engine weights (+ packed copies, fp32 masters)", "perf/mem_engine_weights_gib"),
+    ("kv_pool", "engine KV pool", "perf/mem_engine_kv_gib"),
+    ("guidance_store", "guidance store (the step's records)", "perf/mem_guidance_store_gib"),
+    ("activations", "activations", None),
+    ("logits", "logits chunks (+ a micro-batch's guidance)", None),
+    ("train_transient", "train phase on top (activations + logits)", None),
+    ("rollout_phase", "rollout phase peak", "perf/mem_rollout_peak_gib"),
+    ("train_phase", "train phase peak", "perf/mem_train_peak_gib"),
+    ("peak", "peak", None),
+)
+
+
+def engine_weight_bytes(m: ModelSpec, pol, dtype: str) -> float:
+    """The embedded engine's weights as loaded and run: every linear (per its policy format), the
+    embedding and the LM head (tied: the embedding itself), each with its oneDNN packed copy."""
+    b = DTYPE_BYTES[dtype]
+    packed = b if dtype == "bfloat16" else 0  # oneDNN packs bf16 weights only
+    total = 0.0
+    for name, _, n in _layer_linears(m):
+        fmt = pol.format if pol.weight_is_fp4(f"model.layers.{m.layers - 1}.{name}", m.layers) else None
+        total += m.layers * n * (b + packed + ENGINE_FP4_EXTRA.get(fmt, 0.0))
+    head = m.vocab * m.hidden
+    return total + head * b * (1 if m.tied else 2) + head * packed
+
+
+def _layer_linears(m: ModelSpec, ep: int = 1) -> list[tuple[str, float, float]]:
+    """(an HF linear of a layer, its input width per token, the parameters it stands for)."""
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    if m.moe:
+        return [
+            ("self_attn.q_proj", m.hidden, m.hidden * (q + 2 * kv)),
+            ("self_attn.o_proj", m.o_width, m.o_width * m.hidden),
+            ("mlp.experts.0.gate_proj", m.top_k * m.hidden, m.experts * 2 * m.hidden * m.moe_inter / ep),
+            ("mlp.experts.0.down_proj", m.top_k * m.moe_inter, m.experts * m.hidden * m.moe_inter / ep),
+        ]
+    return [
+        ("self_attn.q_proj", m.hidden, m.hidden * (q + 2 * kv)),
+        ("self_attn.o_proj", m.o_width, m.o_width * m.hidden),
+        ("mlp.gate_proj", m.hidden, 2 * m.hidden * m.ffn),
+        ("mlp.down_proj", m.ffn, m.ffn * m.hidden),
+    ]
+
+
+def kv_pool_bytes(m: ModelSpec, pol, tokens: int, dtype: str) -> float:
+    """The engine's paged KV pool of `tokens` slots, K and V in the policy's cache formats."""
+    bits = 0.0
+    for layer in range(m.layers):
+        for side in ("k", "v"):
+            fmt = pol.kv_format(layer, m.layers, side)
+            bits += 8 * DTYPE_BYTES[dtype] if fmt == "bf16" else kv_side_bits(fmt, m.kv_heads * m.head_dim)
+    return tokens * m.kv_heads * m.head_dim * bits / 8
+
+
+def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: float | None = None) -> dict:
+    """Bytes of a one-process run (the embedded engine beside a one-rank trainer) by part, and its two
+    phases: the rollout (engine awake, the trainer's state resident, the step's guidance stored) and
+    the train phase (the engine asleep when `engine_sleeps`, activations and logits on top).
+    step_tokens: a step's prompt + response tokens (default: every sample at its longest)."""
+    rc = cfg.rollout
+    trainer_plan = plan_from_config(cfg, pol, m, 1)
+    est = estimate(m, trainer_plan)
+    if step_tokens is None:
+        step_tokens = rc.prompts_per_step * rc.n_samples * (rc.max_prompt_len + rc.max_new_tokens)
+    # the store holds the step's records (every position, every guided site) up to its budget
+    store = min(guidance_bytes_per_token(m, trainer_plan) * step_tokens, cfg.guidance.memory_budget_mb * 2**20)
+    main_params = est["optimizer"] * (1 / 3 if cfg.trainer.dtype == "bfloat16" else 0.0)  # 4 of its 12 B/param
+    out = {
+        "runtime": RUNTIME_GIB * GIB,
+        "trainer_build": est["weights"] + est["grads"] + main_params,
+        "adam": est["optimizer"] - main_params,
+        # the embedded engine lives in this process; a server's memory is its own machine's
+        "engine_weights": engine_weight_bytes(m, pol, rc.dtype) if rc.backend == "local" else 0.0,
+        "kv_pool": kv_pool_bytes(m, pol, rc.max_total_tokens, rc.dtype) if rc.backend == "local" else 0.0,
+        "guidance_store": store,
+        "activations": est["activations"],
+        "logits": est["logits"] + est["guidance"],  # the micro-batch's device copy of its guidance too
+    }
+    out["train_transient"] = out["activations"] + out["logits"]
+    resident = out["runtime"] + out["trainer_build"] + out["adam"] + store
+    engine = out["engine_weights"] + out["kv_pool"]
+    out["rollout_phase"] = resident + engine
+    out["train_phase"] = resident + out["train_transient"] + (0 if engine_sleeps else engine)
+    out["peak"] = max(out["rollout_phase"], out["train_phase"])
+    return out
+
+
+def _with(cfg, section: str, **values):
+    return replace(cfg, **{section: replace(getattr(cfg, section), **values)})
+
+
+def process_advice(cfg, pol, m: ModelSpec, engine_sleeps: bool, budget_bytes: float) -> str:
+    """The first knob that alone brings the one-process peak under budget_bytes, in words (each is
+    tried on the estimate: the cheapest in step time first)."""
+    r, t, g = cfg.rollout, cfg.trainer, cfg.guidance
+    tries = []
+    if not engine_sleeps and r.backend == "local" and not cfg.algo.async_rollout:
+        tries.append(("set rollout.colocated=on (the engine sleeps through the train phase)", cfg, True))
+    if t.recompute != "full":
+        tries.append(("set trainer.recompute=full", _with(cfg, "trainer", recompute="full"), engine_sleeps))
+    tokens = max(t.max_tokens_per_microbatch // 2, 1)
+    # the KV pool is linear in its slots: the most a page-aligned pool may hold under the budget
+    est = process_estimate(cfg, pol, m, engine_sleeps)
+    without_pool = (
+        max(est["rollout_phase"], est["train_phase"] + (est["kv_pool"] if engine_sleeps else 0)) - est["kv_pool"]
+    )
+    per_slot = kv_pool_bytes(m, pol, 1, r.dtype) if r.backend == "local" else float("inf")
+    pool = max(int((budget_bytes - without_pool) / per_slot) // 16 * 16, 16) if per_slot else r.max_total_tokens
+    tries += [
+        (
+            f"lower trainer.max_tokens_per_microbatch (now {t.max_tokens_per_microbatch}) to {tokens}",
+            _with(cfg, "trainer", max_tokens_per_microbatch=tokens),
+            engine_sleeps,
+        ),
+        (
+            f"lower trainer.logprob_chunk_mb (now {t.logprob_chunk_mb:g}) to {t.logprob_chunk_mb / 4:g}",
+            _with(cfg, "trainer", logprob_chunk_mb=t.logprob_chunk_mb / 4),
+            engine_sleeps,
+        ),
+        (
+            f"lower rollout.max_total_tokens (now {r.max_total_tokens}) to {pool}",
+            _with(cfg, "rollout", max_total_tokens=pool),
+            engine_sleeps,
+        ),
+        (
+            f"lower guidance.memory_budget_mb (now {g.memory_budget_mb:g}) to {g.memory_budget_mb / 4:g} "
+            "(the rest spills to disk)",
+            _with(cfg, "guidance", memory_budget_mb=g.memory_budget_mb / 4),
+            engine_sleeps,
+        ),
+    ]
+    for words, tried, sleeps in tries:
+        if process_estimate(tried, pol, m, sleeps)["peak"] <= budget_bytes:
+            return words
+    return (
+        "no single knob (rollout.colocated, trainer.recompute, the token budgets, guidance.memory_budget_mb) "
+        "is enough: a smaller model, more trainer ranks, or a larger budget"
+    )
+
+
+def process_table(est: dict, measured: dict | None = None) -> str:
+    """The one-process table, GiB: predicted, and beside it what a run measured (keyed like est)."""
+    measured = measured or {}
+    rows = [f"  {'part':<52} {'predicted':>9} {'measured':>9}"]
+    for key, what, _ in PROCESS_ROWS:
+        got = measured.get(key)
+        cell = "" if got is None else f" {got / GIB:9.2f}"
+        if got is not None and est[key]:
+            cell += f"  {got / est[key] - 1:+.0%}"
+        rows.append(f"  {what:<52} {est[key] / GIB:9.2f}{cell}")
+    return "\n".join(rows)
+
+
+def measured_parts(history: list[dict]) -> tuple[dict, float]:
+    """(bytes by process_table key, the step's prompt + response tokens) from a run's metrics.jsonl
+    rows: each per-step figure the median over the steps after the first (whose train phase also
+    allocates Adam's state); the figures measured once from the first step."""
+    first = next((h for h in history if "perf/mem_runtime_gib" in h), {})
+    later = [h for h in history if "perf/mem_train_peak_gib" in h][1:] or [
+        h for h in history if "perf/mem_train_peak_gib" in h
+    ]
+
+    def med(key: str, unit: float = GIB) -> float | None:
+        vals = sorted(h[key] for h in later if key in h)
+        return vals[len(vals) // 2] * unit if vals else None
+
+    out = {
+        key: first[metric] * GIB
+        for key, _, metric in PROCESS_ROWS
+        if metric in first and metric.startswith("perf/mem_")
+    }
+    for key, _, metric in PROCESS_ROWS:
+        if metric and med(metric) is not None and key not in ("runtime", "trainer_build"):
+            out[key] = med(metric)
+    before = med("perf/mem_before_train_gib")
+    if before is not None and out.get("train_phase") is not None:
+        out["train_transient"] = out["train_phase"] - before
+        if "runtime" in out and "trainer_build" in out:  # the engine is released by then (colocated)
+            out["adam"] = before - out["runtime"] - out["trainer_build"] - out.get("guidance_store", 0.0)
+    if "rollout_phase" in out and "train_phase" in out:
+        out["peak"] = max(out["rollout_phase"], out["train_phase"])
+    return out, med("perf/step_tokens", 1.0) or 0.0
+
+
+def check_budget(cfg, pol, m: ModelSpec, engine_sleeps: bool) -> None:
+    """Refuse a one-process plan whose predicted peak exceeds trainer.memory_budget_gib (0: no
+    budget), before any model is built, naming the knob that cuts its largest part."""
+    budget = cfg.trainer.memory_budget_gib
+    if not budget:
+        return
+    est = process_estimate(cfg, pol, m, engine_sleeps)
+    if est["peak"] > budget * GIB:
+        raise ValueError(
+            f"predicted peak {est['peak'] / GIB:.1f} GiB exceeds trainer.memory_budget_gib={budget:g} "
+            f"({m.name}; every sample at its longest):\n{process_table(est)}\n  "
+            f"{process_advice(cfg, pol, m, engine_sleeps, budget * GIB)}"
+        )
 
 
 def here_capacity(ranks_here: int) -> tuple[float, str]:
@@ -361,6 +563,12 @@ def main(argv=None) -> int:
         default="",
         help="comma-separated answer lengths: also the plan at micro-batches of one such sample",
     )
+    ap.add_argument(
+        "--measured",
+        default="",
+        help="a run directory: the one-process table (embedded engine + trainer) predicted at its steps' "
+        "token counts beside what its metrics.jsonl measured",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     cfg = Config.load(args.config, args.overrides)
@@ -369,6 +577,18 @@ def main(argv=None) -> int:
         print(f"trainer memory: unknown model shape ({source}): no estimate", flush=True)
         return 2
     policy = cfg.quant.resolve(arch)  # this command's one resolution, as a run makes its own
+    if cfg.rollout.backend == "local" and cfg.trainer.tp * cfg.trainer.pp * cfg.trainer.cp == 1:
+        from megatron_trace.run.rollout import engine_sleeps
+
+        sleeps = engine_sleeps(cfg)
+        measured, tokens = {}, None
+        if args.measured:
+            rows = [json.loads(line) for line in Path(args.measured, "metrics.jsonl").read_text().splitlines()]
+            measured, tokens = measured_parts(rows)
+        est = process_estimate(cfg, policy, m, sleeps, step_tokens=tokens or None)
+        at = f"{tokens:.0f} tokens a step (the run's median)" if tokens else "every sample at its longest"
+        print(f"one process, engine {'asleep' if sleeps else 'awake'} in the train phase, {at}:")
+        print(process_table(est, measured))
     gpu = cfg.cluster.gpu or None
     p = plan_from_config(cfg, policy, m, args.dp)
     print(f"model shape: {source}")

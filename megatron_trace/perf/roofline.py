@@ -117,6 +117,8 @@ class ModelSpec:
 
 
 MODELS = {
+    # the CPU configs' model (configs/qwen2.5_0.5b_cpu.yaml): its plan without the checkpoint here
+    "qwen2.5-0.5b": ModelSpec("Qwen2.5-0.5B", 24, 896, 14, 2, 64, 151936, tied=True, qkv_bias=True, ffn=4864),
     "qwen2.5-72b": ModelSpec("Qwen2.5-72B", 80, 8192, 64, 8, 128, 152064, qkv_bias=True, ffn=29568),
     "qwen3-30b-a3b": ModelSpec(
         "Qwen3-30B-A3B", 48, 2048, 32, 4, 128, 151936, qk_norm=True, experts=128, top_k=8, moe_inter=768

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from megatron_trace.kernels.cpu_alloc import peak_rss, resident_gib
+from megatron_trace.kernels.cpu_alloc import process_peak_rss, resident_gib
 
 if TYPE_CHECKING:
     from .step import StepResult
@@ -243,7 +242,7 @@ def step_scalars(r: StepResult, store_stats: dict) -> dict[str, float]:
             "perf/guidance_bytes_per_token": store_stats.get("bytes_per_token", 0.0),
             # this process (rank 0: engine and trainer): resident now and its peak so far
             "perf/rss_gib": resident_gib(),
-            "perf/peak_rss_gib": peak_rss(),
+            "perf/peak_rss_gib": process_peak_rss(),
         }
     )
     return m
@@ -283,5 +282,5 @@ def run_summary(history: list[dict], evals: dict, totals: dict, wall_s: float) -
         # the train step's parts: the QAT forward recomputing logprobs, backward, optimizer
         "train_split": {k: sum(h.get(f"perf/{k}_s", 0.0) for h in history) for k in TRAIN_PARTS},
         "wall_s": wall_s,
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # this process (rank 0)
+        "peak_rss_gb": process_peak_rss(),  # this process (rank 0)
     }

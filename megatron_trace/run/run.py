@@ -65,12 +65,22 @@ class Run:
             from megatron_trace.perf.memory import check_launch
 
             check_launch(cfg, self.policy, str(self.model_path))
+        if t.memory_budget_gib:  # ... or that the user's budget does not hold
+            from megatron_trace.perf.memory import check_budget, model_spec
+
+            check_budget(cfg, self.policy, model_spec(str(self.model_path))[0], self.engine_sleeps)
         self.gate, self.gate_rows = None, []  # the rollout-quality gate's result (rank 0)
         # the run's reward, built once (the code sandbox is checked here): the gate and rollout score with it
         self.reward_fn = reward_for(cfg.rollout) if self.rank0 else None
         if self.rank0:
             self._check_rollout_quality(prompts)
+        # what the process holds before the trainer, and what building the trainer added (the first
+        # step's metrics carry both; perf.memory --measured sets them beside its prediction)
+        self.memory_at_build = {"perf/mem_runtime_gib": _trimmed_resident()}
         self.actor = Actor(self.arch, self.policy, t, cfg.rollout, hf_path=self.model_path)
+        self.memory_at_build["perf/mem_trainer_built_gib"] = (
+            _trimmed_resident() - self.memory_at_build["perf/mem_runtime_gib"]
+        )
         self.input_amax = self._static_activation_amax(prompts)
         self.start_step, self.version = 0, 0
         if resume:
@@ -118,16 +128,27 @@ class Run:
         """rollout ─► reward ─► advantages (rank 0; async: rolled out while the last step trained)
         ─► [engine released] train (every rank) [engine resumed, empty] ─► sync the weights as the
         next version (which refills it)."""
+        from megatron_trace.kernels import cpu_alloc
+
         t_step = time.perf_counter()
+        memory, self.memory_at_build = self.memory_at_build, {}
+        cpu_alloc.reset_peak_rss()
         batch = share_batch(prefetched or self.produce(step), self.store)
+        if prefetched is None:  # a prefetched rollout ran during the last train phase: no phase of its own
+            memory["perf/mem_rollout_peak_gib"] = cpu_alloc.peak_rss()
+        if self.store is not None:
+            memory["perf/mem_guidance_store_gib"] = self.store.stats()["bytes_in_memory"] / 2**30
         faults.hit("rollout.done", step=step)
-        sleep = self._engine_release()
+        memory |= self._engine_release()
+        memory["perf/mem_before_train_gib"] = cpu_alloc.reset_peak_rss()
         t = time.perf_counter()
         trained = self.trainer.train(batch, self.version)
         train_s = time.perf_counter() - t
+        memory["perf/mem_train_peak_gib"] = cpu_alloc.peak_rss()
+        memory["perf/step_tokens"] = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
         faults.hit("train.done", step=step)
         self.version += 1
-        sleep |= self._engine_resume()  # an empty model: the sync below refills every tensor
+        memory |= self._engine_resume()  # an empty model: the sync below refills every tensor
         transfer_s = self.sync_weights()
         times = {
             "rollout_s": batch.stats.get("rollout_s", 0.0),
@@ -135,7 +156,7 @@ class Run:
             "transfer_s": transfer_s,
             "step_s": time.perf_counter() - t_step,
         }
-        return StepResult(step, batch, trained, times, self.wire_bytes, metrics=sleep)
+        return StepResult(step, batch, trained, times, self.wire_bytes, metrics=memory if self.rank0 else {})
 
     def _engine_release(self) -> dict[str, float]:
         """Colocated (rollout.colocated): the engine's KV pool and weights go back to the system for
@@ -148,11 +169,15 @@ class Run:
         in_process = self.cfg.rollout.backend == "local"
         if in_process:
             cpu_alloc.return_freed_memory()  # the rollout's freed temporaries first: the drop is the engine's
-        t, before = time.perf_counter(), cpu_alloc.resident_gib()
-        self.backend.release_memory_occupation(["kv_cache", "weights"])
-        out = {"perf/engine_release_s": time.perf_counter() - t}
+        out, t = {}, time.perf_counter()
+        for tag, key in (("kv_cache", "perf/mem_engine_kv_gib"), ("weights", "perf/mem_engine_weights_gib")):
+            before = cpu_alloc.resident_gib()
+            self.backend.release_memory_occupation([tag])
+            if in_process:
+                out[key] = before - cpu_alloc.resident_gib()
+        out["perf/engine_release_s"] = time.perf_counter() - t
         if in_process:
-            out["perf/engine_released_gib"] = before - cpu_alloc.resident_gib()
+            out["perf/engine_released_gib"] = out["perf/mem_engine_kv_gib"] + out["perf/mem_engine_weights_gib"]
         return out
 
     def _engine_resume(self) -> dict[str, float]:
@@ -263,6 +288,14 @@ class Run:
             return_freed_memory("the quality gate's engines")
 
 
+def _trimmed_resident() -> float:
+    """This process's resident GiB once its heap's freed pages are back with the system."""
+    from megatron_trace.kernels import cpu_alloc
+
+    cpu_alloc.return_freed_memory()
+    return cpu_alloc.resident_gib()
+
+
 def gate_only(cfg: Config) -> dict:
     """`python -m megatron_trace.train --config FILE --gate-only`: the run's quality gate alone, as the run
     would apply it (its checkpoint, resolved policy, answer length, dtype, reward and
@@ -371,6 +404,7 @@ def rollout_backend(cfg: Config, policy, model_path: Path):
             guidance_mode=g.mode,
             guided_layers=g.layers,
             max_running_requests=rc.max_running,
+            max_total_tokens=rc.max_total_tokens,
             random_seed=cfg.trainer.seed,
         )
     )
