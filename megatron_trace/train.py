@@ -17,8 +17,10 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_trace.kernels import cpu_alloc
 from megatron_trace.run import console
 
+cpu_alloc.bound_kernel_caches()  # before the first GEMM (the warm start, the gate) reads them
 console.quiet_third_party()  # before the imports below pull in Megatron, which warns at import time
 
 from megatron_trace.config import describe, parse_cli  # noqa: E402

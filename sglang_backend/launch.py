@@ -316,9 +316,12 @@ def main(
     if extra:
         print(f"error: arguments after -- ({shlex.join(extra)}) are for --backend sglang", file=sys.stderr)
         return 2
+    from megatron_trace.kernels import cpu_alloc
     from sglang_backend.local.engine import Engine
     from sglang_backend.local.http_util import is_loopback
     from sglang_backend.local.server import serve
+
+    cpu_alloc.bound_kernel_caches()  # before the engine's first GEMM
 
     if not is_loopback(args.host) and not args.api_key:  # before loading a model, fail fast
         print(f"error: --host {args.host} is not loopback; --api-key is required there", file=sys.stderr)

@@ -22,6 +22,13 @@ import threading
 
 from . import cpu_build
 
+# oneDNN's primitive cache and ideep's (PyTorch's oneDNN wrapper) each keep 1,024 compiled kernels by
+# default, one per GEMM shape and direction: 3-4 MiB more per new token count at the 0.5B model's
+# linears (fwd + both bwd), and every packed micro-batch and prefill brings a new one, so a run's
+# resident size grew for its first ~30 steps. 128 each bounds them to ~0.1 GiB; the decode widths
+# (at most max_running) stay cached while the rollout runs them.
+KERNEL_CACHE_ENTRIES = 128
+KERNEL_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 MMAP_THRESHOLD = 256 << 20  # allocations below this come from the heap (glibc's default: 128 KB .. 32 MB)
 TRIM_THRESHOLD = 1 << 30  # freed heap kept before any is returned to the system
 
@@ -44,6 +51,15 @@ def keep_freed_memory() -> str:
             else:
                 _status.append(f"glibc: freed memory kept (mmap threshold {MMAP_THRESHOLD >> 20} MiB)")
         return _status[0]
+
+
+def bound_kernel_caches() -> dict[str, str]:
+    """Caps oneDNN's and ideep's kernel caches (KERNEL_CACHE_ENTRIES each, unless the environment
+    sets them); returns the settings. Both read their variable at their first kernel, so a process
+    calls this before any GEMM (the train entry point, the engine's server)."""
+    for var in KERNEL_CACHE_VARS:
+        os.environ.setdefault(var, str(KERNEL_CACHE_ENTRIES))
+    return {var: os.environ[var] for var in KERNEL_CACHE_VARS}
 
 
 def return_freed_memory() -> int:

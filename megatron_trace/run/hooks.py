@@ -48,8 +48,9 @@ def return_freed_memory(what: str) -> float:
 
 class HeapTrim(Hook):
     """The step's freed heap back before the next rollout: the engine's allocator policy (cpu_alloc)
-    keeps it, and kept, the 0.5B config's resident size grew 0.3-0.5 GiB a step with an FP4 rollout;
-    trimmed, 0.04 GiB a step over 12 steps (2-6 GiB returned a step)."""
+    keeps it, and kept, the 0.5B config's resident size grew 0.3-0.5 GiB a step with an FP4 rollout
+    (2-6 GiB returned a step). What still grew after the trim was live: oneDNN's and ideep's kernel
+    caches, now bounded (cpu_alloc.bound_kernel_caches)."""
 
     def after_step(self, run, result) -> None:
         result.metrics["perf/heap_returned_gib"] = cpu_alloc.return_freed_memory() / 2**30
