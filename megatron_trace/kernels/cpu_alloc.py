@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import threading
@@ -66,7 +67,11 @@ def return_freed_memory() -> int:
     """Gives the heap's free pages back to the system (glibc malloc_trim) and returns the resident
     bytes released. keep_freed_memory's thresholds keep what a finished phase freed (the quality
     gate's two engines: 5.4 GB of a 0.5B model) resident, and the trainer's large buffers are fresh
-    mmaps that cannot reuse it; a run calls this between such phases. 0 where glibc is absent."""
+    mmaps that cannot reuse it; a run calls this between such phases. Garbage in reference cycles
+    is collected first: the engines' frozen GC (sglang_backend/local/engine.py) leaves a closed
+    engine's cycles to the next full collection, and their pages cannot go back before it. 0 where
+    glibc is absent."""
+    gc.collect()
     name = ctypes.util.find_library("c")
     if not name:
         return 0
