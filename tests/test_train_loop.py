@@ -127,6 +127,24 @@ def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     assert all(v > 0 for v in bpt)
 
 
+def test_every_step_logs_its_memory_by_phase_beside_the_prediction(main_run):
+    """perf/mem_*: what the process held at build, what the engine's release returned, the phase
+    peaks; `perf.memory --measured` sets them beside its estimate (the KV pool, the tiny engine's
+    largest part: within 15%)."""
+    run_dir, _ = main_run
+    m = _metrics(run_dir)
+    assert m[0]["perf/mem_runtime_gib"] > 0.2 and m[0]["perf/mem_trainer_built_gib"] >= 0
+    for row in m.values():
+        assert row["perf/mem_train_peak_gib"] >= row["perf/mem_before_train_gib"] > 0
+        assert row["perf/mem_sync_peak_gib"] > 0 and row["perf/mem_rollout_peak_gib"] > 0
+        assert row["perf/step_tokens"] > 0
+    cmd = [sys.executable, "-m", "megatron_trace.perf.memory", "--config", str(run_dir / "config.yaml")]
+    out = subprocess.run([*cmd, "--measured", str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kv = next(line for line in out.stdout.splitlines() if "engine KV pool" in line)
+    assert abs(int(kv.split()[-1].rstrip("%"))) <= 15, out.stdout  # measured against predicted
+
+
 def test_rollouts_a_person_can_read(main_run):
     """A few sampled answers per step and the greedy eval answers before and after training, as text:
     samples.jsonl beside metrics.jsonl, and TensorBoard's text tab (read back from the events)."""

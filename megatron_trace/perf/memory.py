@@ -259,17 +259,19 @@ def table(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> str:
 
 
 # -- one process: the embedded engine beside the trainer (rank 0 of a CPU run) ---------------------
-RUNTIME_GIB = 0.75  # torch, Megatron-Core, transformers and the tokenizer imported (measured: perf/mem_runtime_gib)
+RUNTIME_GIB = 0.6  # torch, Megatron-Core, transformers and the tokenizer imported (perf/mem_runtime_gib: 0.6)
 # bytes per weight element the embedded engine holds (sglang_backend/local/layers.py): the weight in
-# the rollout dtype (an FP4 linear's dequantized), oneDNN's packed copy of it for prefill and batched
-# decode, and for an FP4 linear the fp32 master its updates are written into, the codes and scales
-ENGINE_FP4_EXTRA = {"nvfp4": 4 + 0.5 + 1 / 16, "mxfp4": 4 + 0.5 + 1 / 32}
+# the rollout dtype (an FP4 linear's dequantized) and its transposed copy for the C layers' GEMMs;
+# an FP4 linear also its codes and scales, and, loaded from a BF16 checkpoint, the fp32 master its
+# shards are written into, until the first weight sync brings ModelOpt FP4 tensors instead
+ENGINE_FP4_CODES = {"nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32}
+ENGINE_FP4_MASTER = 4
 # (key, what it is, the run's metric that measures it): the one-process table's rows
 PROCESS_ROWS = (
     ("runtime", "runtime (libraries, tokenizer)", "perf/mem_runtime_gib"),
     ("trainer_build", "trainer: bf16 weights, fp32 grads, fp32 main params", "perf/mem_trainer_built_gib"),
     ("adam", "Adam m, v (measured: + allocator slack)", None),
-    ("engine_weights", "engine weights (+ packed copies, fp32 masters)", "perf/mem_engine_weights_gib"),
+    ("engine_weights", "engine weights (+ transposed copies, FP4 codes)", "perf/mem_engine_weights_gib"),
     ("kv_pool", "engine KV pool", "perf/mem_engine_kv_gib"),
     ("guidance_store", "guidance store (the step's records)", "perf/mem_guidance_store_gib"),
     ("activations", "activations", None),
@@ -277,21 +279,24 @@ PROCESS_ROWS = (
     ("train_transient", "train phase on top (activations + logits)", None),
     ("rollout_phase", "rollout phase peak", "perf/mem_rollout_peak_gib"),
     ("train_phase", "train phase peak", "perf/mem_train_peak_gib"),
+    ("sync_phase", "weight sync peak (the engine refilled)", "perf/mem_sync_peak_gib"),
     ("peak", "peak", None),
 )
 
 
-def engine_weight_bytes(m: ModelSpec, pol, dtype: str) -> float:
-    """The embedded engine's weights as loaded and run: every linear (per its policy format), the
-    embedding and the LM head (tied: the embedding itself), each with its oneDNN packed copy."""
+def engine_weight_bytes(m: ModelSpec, pol, dtype: str, masters: bool = False) -> float:
+    """The embedded engine's weights as it runs them: every linear (per its policy format; with
+    `masters`, as loaded from a BF16 checkpoint before the first sync), the embedding, the LM head
+    (tied: the embedding itself) and the head's oneDNN-packed copy for batched decode."""
     b = DTYPE_BYTES[dtype]
-    packed = b if dtype == "bfloat16" else 0  # oneDNN packs bf16 weights only
     total = 0.0
     for name, _, n in _layer_linears(m):
-        fmt = pol.format if pol.weight_is_fp4(f"model.layers.{m.layers - 1}.{name}", m.layers) else None
-        total += m.layers * n * (b + packed + ENGINE_FP4_EXTRA.get(fmt, 0.0))
+        per = 2 * b
+        if pol.weight_is_fp4(f"model.layers.{m.layers - 1}.{name}", m.layers):
+            per += ENGINE_FP4_CODES[pol.format] + (ENGINE_FP4_MASTER if masters else 0)
+        total += m.layers * n * per
     head = m.vocab * m.hidden
-    return total + head * b * (1 if m.tied else 2) + head * packed
+    return total + head * b * (2 if m.tied else 3)
 
 
 def _layer_linears(m: ModelSpec, ep: int = 1) -> list[tuple[str, float, float]]:
@@ -349,9 +354,14 @@ def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: f
     out["train_transient"] = out["activations"] + out["logits"]
     resident = out["runtime"] + out["trainer_build"] + out["adam"] + store
     engine = out["engine_weights"] + out["kv_pool"]
-    out["rollout_phase"] = resident + engine
+    # the first rollout: a BF16 checkpoint's masters, no Adam state yet (the first step makes it)
+    masters = engine_weight_bytes(m, pol, rc.dtype, masters=True) - engine_weight_bytes(m, pol, rc.dtype)
+    masters *= rc.backend == "local"
+    out["rollout_phase"] = resident + engine + max(masters - out["adam"], 0.0)
     out["train_phase"] = resident + out["train_transient"] + (0 if engine_sleeps else engine)
-    out["peak"] = max(out["rollout_phase"], out["train_phase"])
+    # the sync: the engine refilled beside the trainer, one bucket in flight
+    out["sync_phase"] = resident + engine + cfg.transfer.bucket_mb * 2**20
+    out["peak"] = max(out["rollout_phase"], out["train_phase"], out["sync_phase"])
     return out
 
 
@@ -448,7 +458,7 @@ def measured_parts(history: list[dict]) -> tuple[dict, float]:
         if "runtime" in out and "trainer_build" in out:  # the engine is released by then (colocated)
             out["adam"] = before - out["runtime"] - out["trainer_build"] - out.get("guidance_store", 0.0)
     if "rollout_phase" in out and "train_phase" in out:
-        out["peak"] = max(out["rollout_phase"], out["train_phase"])
+        out["peak"] = max(out["rollout_phase"], out["train_phase"], out.get("sync_phase", 0.0))
     return out, med("perf/step_tokens", 1.0) or 0.0
 
 

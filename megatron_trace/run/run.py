@@ -136,7 +136,8 @@ class Run:
         batch = share_batch(prefetched or self.produce(step), self.store)
         if prefetched is None:  # a prefetched rollout ran during the last train phase: no phase of its own
             memory["perf/mem_rollout_peak_gib"] = cpu_alloc.peak_rss()
-        if self.store is not None:
+        if self.store is not None:  # its writer done (training waits for it anyway): the step's records
+            self.store.flush()
             memory["perf/mem_guidance_store_gib"] = self.store.stats()["bytes_in_memory"] / 2**30
         faults.hit("rollout.done", step=step)
         memory |= self._engine_release()
@@ -144,12 +145,17 @@ class Run:
         t = time.perf_counter()
         trained = self.trainer.train(batch, self.version)
         train_s = time.perf_counter() - t
-        memory["perf/mem_train_peak_gib"] = cpu_alloc.peak_rss()
+        # the actor resets the mark per part (its forward + backward, its optimizer step)
+        peaks = trained.step.peaks if trained.step is not None else {}
+        memory |= {f"perf/mem_{part}_peak_gib": gib for part, gib in peaks.items()}
+        memory["perf/mem_train_peak_gib"] = max([cpu_alloc.peak_rss(), *peaks.values()])
         memory["perf/step_tokens"] = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
         faults.hit("train.done", step=step)
         self.version += 1
         memory |= self._engine_resume()  # an empty model: the sync below refills every tensor
+        cpu_alloc.reset_peak_rss()
         transfer_s = self.sync_weights()
+        memory["perf/mem_sync_peak_gib"] = cpu_alloc.peak_rss()
         times = {
             "rollout_s": batch.stats.get("rollout_s", 0.0),
             "train_s": train_s,
