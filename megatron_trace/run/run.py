@@ -81,6 +81,8 @@ class Run:
         self.memory_at_build["perf/mem_trainer_built_gib"] = (
             _trimmed_resident() - self.memory_at_build["perf/mem_runtime_gib"]
         )
+        self.part_peaks: dict[str, float] = {}  # the train phase's peak per part of the actor's step
+        self.actor.on_part_done = self._part_peak
         self.input_amax = self._static_activation_amax(prompts)
         self.start_step, self.version = 0, 0
         if resume:
@@ -145,8 +147,7 @@ class Run:
         t = time.perf_counter()
         trained = self.trainer.train(batch, self.version)
         train_s = time.perf_counter() - t
-        # the actor resets the mark per part (its forward + backward, its optimizer step)
-        peaks = trained.step.peaks if trained.step is not None else {}
+        peaks, self.part_peaks = self.part_peaks, {}  # the mark is reset after each part (_part_peak)
         memory |= {f"perf/mem_{part}_peak_gib": gib for part, gib in peaks.items()}
         memory["perf/mem_train_peak_gib"] = max([cpu_alloc.peak_rss(), *peaks.values()])
         memory["perf/step_tokens"] = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
@@ -163,6 +164,12 @@ class Run:
             "step_s": time.perf_counter() - t_step,
         }
         return StepResult(step, batch, trained, times, self.wire_bytes, metrics=memory if self.rank0 else {})
+
+    def _part_peak(self, part: str) -> None:
+        from megatron_trace.kernels import cpu_alloc
+
+        self.part_peaks[part] = cpu_alloc.peak_rss()
+        cpu_alloc.reset_peak_rss()
 
     def _engine_release(self) -> dict[str, float]:
         """Colocated (rollout.colocated): the engine's KV pool and weights go back to the system for

@@ -19,14 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_trace.config import AlgoConfig, RolloutConfig, TrainerConfig
-from megatron_trace.kernels import cpu_alloc
 from megatron_trace.models import ModelArch, QuantPolicy, pp_layer_range
 from megatron_trace.rl import Sample, policy_loss
 
@@ -54,7 +53,6 @@ class TrainStepResult:
     codeword_agreement: dict[str, float]  # site -> share of the trainer's codes equal to the rollout's
     guidance_override: dict[str, float]  # site -> share guided rounding moved off round-to-nearest
     routing: dict[str, float]  # MoE: routing_agreement / routing_replayed (empty for dense models)
-    peaks: dict[str, float] = field(default_factory=dict)  # GiB resident at most: forward_backward, optimizer
 
 
 class _RestoreForBackward(torch.autograd.Function):
@@ -204,6 +202,8 @@ class Actor:
 
         # seconds of the last train_step: recompute (the QAT forward + logprobs), backward, optimizer
         self.step_times: dict[str, float] = {}
+        # called after each part of train_step ("forward_backward", "optimizer"): the run's memory marks
+        self.on_part_done = None
         self._restored: MicroBatch | None = None  # the micro-batch whose backward runs (recompute)
 
     @property
@@ -360,17 +360,17 @@ class Actor:
         total = float(sum(len(s.response_ids) for s in samples))
         self.ddp.zero_grad_buffer()
         self._optimizer().zero_grad()
-        cpu_alloc.reset_peak_rss()  # this process's peak per part (what perf.memory sets beside its estimate)
         store = self._run(micro, False, loss_cfg, max(total, 1.0))
-        peaks = {"forward_backward": cpu_alloc.peak_rss()}
-        cpu_alloc.reset_peak_rss()
+        if self.on_part_done is not None:
+            self.on_part_done("forward_backward")
         t_opt = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(1)
         self.step_times["optimizer"] = time.perf_counter() - t_opt
-        peaks["optimizer"] = cpu_alloc.peak_rss()
+        if self.on_part_done is not None:
+            self.on_part_done("optimizer")
         lps, sums = self._gather(store, micro, samples)
         s = dict(zip(_SUMMED, sums.tolist()))
         n = max(s.pop("tokens"), 1.0)
@@ -386,7 +386,6 @@ class Actor:
             self.qat.agreement(),
             self.qat.override_rate(),
             self.routing_agreement(),  # collective over PP: every rank
-            peaks,
         )
 
     def routing_agreement(self) -> dict[str, float]:
