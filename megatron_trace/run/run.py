@@ -136,11 +136,11 @@ class Run:
         memory, self.memory_at_build = self.memory_at_build, {}
         cpu_alloc.reset_peak_rss()
         batch = share_batch(prefetched or self.produce(step), self.store)
-        if prefetched is None:  # a prefetched rollout ran during the last train phase: no phase of its own
+        if prefetched is None:  # async: the rollout ran during the last train phase, no phase of its own
             memory["perf/mem_rollout_peak_gib"] = cpu_alloc.peak_rss()
-        if self.store is not None:  # its writer done (training waits for it anyway): the step's records
-            self.store.flush()
-            memory["perf/mem_guidance_store_gib"] = self.store.stats()["bytes_in_memory"] / 2**30
+            if self.store is not None:  # its writer done (training waits for it anyway): the step's records
+                self.store.flush()
+                memory["perf/mem_guidance_store_gib"] = self.store.stats()["bytes_in_memory"] / 2**30
         faults.hit("rollout.done", step=step)
         memory |= self._engine_release()
         memory["perf/mem_before_train_gib"] = cpu_alloc.reset_peak_rss()
