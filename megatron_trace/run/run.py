@@ -68,7 +68,10 @@ class Run:
         if t.memory_budget_gib:  # ... or that the user's budget does not hold
             from megatron_trace.perf.memory import check_budget, model_spec
 
-            check_budget(cfg, self.policy, model_spec(str(self.model_path))[0], self.engine_sleeps)
+            shape, source = model_spec(str(self.model_path))
+            if shape is None:  # a budget nothing can be checked against is not a budget
+                raise ValueError(f"trainer.memory_budget_gib set, but the model's shape is unknown: {source}")
+            check_budget(cfg, self.policy, shape, self.engine_sleeps)
         self.gate, self.gate_rows = None, []  # the rollout-quality gate's result (rank 0)
         # the run's reward, built once (the code sandbox is checked here): the gate and rollout score with it
         self.reward_fn = reward_for(cfg.rollout) if self.rank0 else None
