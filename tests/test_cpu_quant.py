@@ -199,3 +199,110 @@ def test_mantissa_bits_are_the_references(seed, rows, groups, build):
     packed = pack_fp4(codes)
     assert torch.equal(cpu_quant.mantissa_bits_packed(packed, lib=_lib(build)), mantissa_bits_packed(packed))
     assert torch.equal(dispatch.mantissa_bits_packed(packed), mantissa_bits_packed(packed))
+
+
+def _guided_reference(out, x, scale, gs, mask, rtn, agree_ref, codes=None, mantissa=None):
+    """dispatch's torch route (the fp4 reference quantizer, dequantize, where, counts)."""
+    want = out.clone()
+    kw = dict(codes=codes, mantissa=mantissa, rtn_codes=rtn, agree_codes=agree_ref)
+    counts = dispatch.nvfp4_guided_dequantize_into(want, x, scale, gs, mask, backend="reference", **kw)
+    return want, counts
+
+
+def _same_bits(a, b) -> bool:
+    """Bit for bit (-0.0 too), NaN for NaN: a NaN's bf16 pattern is torch's choice per code path
+    (0xFFFF from its vectorized cast here, 0x7FC0 from its scalar one)."""
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    bits = torch.int16 if a.dtype is torch.bfloat16 else torch.int32
+    return torch.equal(a[~nan].view(bits), b[~nan].view(bits))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(1, 6),
+    blocks=st.integers(1, 4),
+    full=st.booleans(),
+    x_bf16=st.booleans(),
+    out_bf16=st.booleans(),
+    per_row=st.booleans(),
+    hostile=st.booleans(),
+    build=st.sampled_from(BUILDS),
+)
+def test_guided_dequantize_into_is_the_reference(seed, rows, blocks, full, x_bf16, out_bf16, per_row, hostile, build):
+    """The trainer's guided site in one C pass = guided_quantize + dequantize + where, bit for bit,
+    and the same override / agreement counts: the rollout's codes from a nearby activation (the
+    bf16-vs-fp32 gap TRACE closes), or hostile ones (random codes, zero and NaN block scales, NaN,
+    Inf, -0 and values exactly on the grid in x)."""
+    g = torch.Generator().manual_seed(seed)
+    k = 16 * blocks
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, k)
+    gs_kw = dict(per_row_global=True) if per_row else dict(global_scale=torch.tensor(0.37))
+    rollout = nvfp4.quantize((x * (1 + 0.01 * torch.randn(rows, k, generator=g))).to(torch.bfloat16), **gs_kw)
+    scale, gs, codes = rollout.scale.clone(), rollout.global_scale, rollout.data.clone()
+    if hostile:
+        codes = torch.randint(0, 256, codes.shape, generator=g, dtype=torch.uint8)
+        scale[0, 0] = 0  # sfd 0: enc saturates at FLT_MAX
+        if blocks > 1:
+            scale[-1, 1] = 0x7F  # an E4M3 NaN block scale
+        x[0, 1], x[-1, 2], x[-1, 3], x[0, 4] = float("nan"), float("inf"), -0.0, -float("inf")
+        # exactly on the grid: z = x * enc lands on an E2M1 value
+        sdec = nvfp4.decode_scale(gs if gs.dim() == 0 else gs[-1])
+        sfd = torch.tensor(scale[-1, -1].item(), dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        if sfd > 0:
+            x[-1, -16:] = e2m1_grid("cpu") * (sfd * sdec)
+    x = x.to(torch.bfloat16 if x_bf16 else torch.float32)
+    mask = torch.rand(rows, generator=g) < 0.7
+    rtn, _ = dispatch.nvfp4_quantize_dequantize(x, dequant_dtype=torch.float32, **gs_kw)
+    out = torch.randn(rows, k, generator=g).to(torch.bfloat16 if out_bf16 else torch.float32)
+    guide = dict(codes=codes) if full else dict(mantissa=mantissa_bits_packed(codes))
+    want, want_counts = _guided_reference(out, x, scale, gs, mask, rtn=rtn.data, agree_ref=codes, **guide)
+    got = out.clone()
+    counts = cpu_quant.guided_dequantize_into(
+        got, x, scale, gs, mask, rtn_codes=rtn.data, agree_codes=codes, lib=_lib(build), **guide
+    )
+    assert counts == want_counts
+    assert _same_bits(got, want)
+    assert counts[2] == int(mask.sum()) * k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_guided_dequantize_into_kv_rows_over_threads(dtype):
+    """A V site's shape: x [tokens, groups, D], one S_enc per token and group, the mask per token;
+    the rows split over two threads give the reference's bits and counts."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 2, 64, generator=g).to(dtype)
+    rollout = nvfp4.quantize(x.float() * 1.001, global_scale=torch.tensor(1.0))
+    gs = torch.rand(300, 2, generator=g) + 0.5
+    mask = torch.rand(300, generator=g) < 0.8
+    rtn = nvfp4.quantize(x, global_scale=torch.tensor(1.0))
+    out = nvfp4.dequantize(rtn, dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for guide in (dict(codes=rollout.data), dict(mantissa=mantissa_bits_packed(rollout.data))):
+            want, want_counts = _guided_reference(out, x, rollout.scale, gs, mask, rtn.data, None, **guide)
+            got = out.clone()
+            counts = cpu_quant.guided_dequantize_into(got, x, rollout.scale, gs, mask, rtn_codes=rtn.data, **guide)
+            assert counts == want_counts and counts[1] == 0
+            assert _same_bits(got, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_guided_dequantize_into_refuses_what_it_cannot_do():
+    x, out = torch.randn(2, 32), torch.zeros(2, 32)
+    q = nvfp4.quantize(x, per_row_global=True)
+    mask = torch.ones(2, dtype=torch.bool)
+    ok = dict(codes=q.data)
+    assert cpu_quant.guided_dequantize_into(out, x, q.scale, q.global_scale, mask, **ok) is not None
+    for bad in (
+        dict(codes=q.data, mantissa=mantissa_bits_packed(q.data)),  # both
+        dict(codes=q.data[:, :8]),  # wrong width
+        dict(codes=q.data, rtn_codes=q.data.to(torch.int32)),
+    ):
+        assert cpu_quant.guided_dequantize_into(torch.zeros(2, 32), x, q.scale, q.global_scale, mask, **bad) is None
+    assert cpu_quant.guided_dequantize_into(torch.zeros(2, 31), x, q.scale, q.global_scale, mask, **ok) is None
+    assert cpu_quant.guided_dequantize_into(out, x, q.scale, torch.ones(3), mask, **ok) is None

@@ -308,12 +308,14 @@ def test_cuda_route_runs_the_triton_kernels_with_the_reference_bits(monkeypatch,
         return q, (None if dequant_dtype is None else nvfp4.dequantize(q, dequant_dtype))
 
     monkeypatch.setattr(qat, "nvfp4_quantize_dequantize", qdq_on_triton)
-    monkeypatch.setattr(qat, "nvfp4_guided_quantize", forced(dispatch.nvfp4_guided_quantize))
+    # guided sites go through dispatch.nvfp4_guided_dequantize_into, whose route off CPU is the
+    # Triton guided quantizer (backend "triton" skips the CPU's C pass)
+    monkeypatch.setattr(qat, "nvfp4_guided_dequantize_into", forced(dispatch.nvfp4_guided_dequantize_into))
     monkeypatch.setattr(kv_codec, "nvfp4_quantize_dequantize", qdq_on_triton)
     got = run()
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert calls.count("nvfp4_quantize") == 3 and calls.count("nvfp4_guided_quantize") == 2
+    assert calls.count("nvfp4_quantize") == 3 and calls.count("nvfp4_guided_dequantize_into") == 2
     # The guidance did move codes: the guided activation is the rollout's, not round-to-nearest's.
     assert torch.equal(got[1].squeeze(1), nvfp4.dequantize(nvfp4.quantize(x_roll, per_row_global=True)))
 

@@ -67,15 +67,18 @@ def check_blocks(x: torch.Tensor, block: int, fmt: str) -> None:
 def nan_free_amax(x: torch.Tensor, dim=None) -> torch.Tensor:
     """max |x| ignoring NaN; 0 for empty reductions."""
     a = x.abs()
-    if torch.isnan(a).any():  # rare: skip the extra pass over clean tensors
-        a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
     if dim is None:
-        return a.amax() if a.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
-    if a.shape[dim] == 0:
+        if not a.numel():
+            return torch.zeros((), dtype=torch.float32, device=x.device)
+    elif a.shape[dim] == 0:
         shape = list(a.shape)
         del shape[dim]
         return torch.zeros(shape, dtype=torch.float32, device=x.device)
-    return a.amax(dim=dim)
+    m = a.amax() if dim is None else a.amax(dim=dim)
+    if torch.isnan(m).any():  # amax propagates NaN; rare, so clean tensors skip a NaN pass over x
+        m = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+        m = m.amax() if dim is None else m.amax(dim=dim)
+    return m
 
 
 def encode_scale_from_amax(amax: torch.Tensor, fp4_max: float = E2M1_MAX) -> torch.Tensor:

@@ -58,6 +58,17 @@ int fp8_to_slots(const at::Tensor& x, int64_t n, const at::Tensor& slots, at::Te
                                  at_<float>(sdec));
 }
 
+// TRACE guided rounding of x [R, K] into out's rows where mask (uint8 [R]) is set; gs fp32 [R] or
+// [1]; exactly one of codes / mant; rtn and agree_ref optional packed codes; counts int64 [3].
+void guided_dq(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& gs, const Opt& codes, const Opt& mant,
+               const at::Tensor& mask, const Opt& rtn, const Opt& agree_ref, at::Tensor& out, at::Tensor& counts) {
+    const int64_t k = x.size(-1);
+    nvfp4_guided_dq_parallel(x.data_ptr(), bf16(x), k ? x.numel() / k : 0, k, at_<uint8_t>(scale), at_<float>(gs),
+                             gs.numel() > 1, at_<uint8_t>(codes), at_<uint8_t>(mant), at_<uint8_t>(mask),
+                             at_<uint8_t>(rtn), at_<uint8_t>(agree_ref), out.data_ptr(), bf16(out),
+                             at_<int64_t>(counts));
+}
+
 py::tuple decode_tables() {
     auto lut = torch::from_blob(const_cast<float*>(nvfp4_e4m3_lut()), {256}, torch::kFloat32).clone();
     auto grid = torch::from_blob(const_cast<float*>(nvfp4_e2m1_grid()), {16}, torch::kFloat32).clone();
@@ -224,6 +235,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     bind_layer_args(m);
     using release = py::call_guard<py::gil_scoped_release>;
     m.def("nvfp4_qdq", &qdq, release());
+    m.def("nvfp4_guided_dq", &guided_dq, release());
     m.def("nvfp4_quantize_to_slots", &quantize_to_slots, release());
     m.def("fp8_quantize_to_slots", &fp8_to_slots, release());
     m.def("nvfp4_mantissa_bits", [](const at::Tensor& packed, at::Tensor& out) {

@@ -13,6 +13,8 @@
 
 #include "cpu_fp4.h"
 
+#define E2M1_MAX_F 6.f /* the largest E2M1 magnitude: guided rounding brackets beyond it as 6 */
+
 static float E4M3_LUT[256];
 static float E2M1_GRID[16];
 
@@ -240,5 +242,74 @@ void nvfp4_gather_dequant(const uint8_t* codes, const uint8_t* scales, const int
             memcpy(o + b * 16, &lo, sizeof lo);
             memcpy(o + b * 16 + 8, &hi, sizeof hi);
         }
+    }
+}
+
+/* E2M1 code of signed-grid index p (-7..7); a zero takes z's sign (fp4.guided.codes_from_index). */
+static inline int code_of_index(int p, int neg_z) { return (p < 0 ? -p : p) | ((p < 0 || (p == 0 && neg_z)) << 3); }
+
+/* Rows [r0, r1) of TRACE's guided rounding (fp4.guided.guided_quantize), dequantized: row r of x [R, K]
+   (fp32, or bf16 when x_bf16) scaled with the rollout's E4M3 block scales scale [R, K/16] and S_enc
+   (gs[r], or gs[0] when !gs_per_row), each element bracketed by its two E2M1 neighbours and pinned to
+   the rollout's packed codes codes [R, K/2] (full guidance) or packed mantissa bits mant [R, K/8]
+   (exactly one set); rows with mask[r] get their values (nvfp4.dequantize: (e2m1 * sfd) * sdec) in
+   out [R, K] (fp32, or bf16 rounded to nearest even when out_bf16), other rows are left as they are.
+   counts[3] += (elements whose guided code differs from rtn's packed codes [R, K/2] when rtn is set,
+   elements whose value-code equals agree_ref's (both zeros one code) when agree_ref is set, elements
+   guided). Every fp32 step is the reference's, in its order. */
+void nvfp4_guided_dq_rows(const void* x, int x_bf16, int64_t r0, int64_t r1, int64_t K, const uint8_t* scale,
+                          const float* gs, int gs_per_row, const uint8_t* codes, const uint8_t* mant,
+                          const uint8_t* mask, const uint8_t* rtn, const uint8_t* agree_ref, void* out, int out_bf16,
+                          int64_t* counts) {
+    const int64_t nb = K / 16;
+    int64_t changed = 0, agree = 0, guided = 0;
+    for (int64_t r = r0; r < r1; r++) {
+        if (!mask[r]) continue;
+        const float sdec = (float)(1.0 / (double)gs[gs_per_row ? r : 0]);
+        for (int64_t b = 0; b < nb; b++) {
+            const float sfd = E4M3_LUT[scale[r * nb + b]];
+            float enc = 1.0f / (sfd * sdec);
+            if (enc > FLT_MAX) enc = FLT_MAX;
+            for (int j = 0; j < 16; j++) {
+                const int64_t k = b * 16 + j, i = r * K + k;
+                const float xv = x_bf16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+                const float z = xv * enc;
+                int code = 7; /* NaN */
+                if (z == z) {
+                    const float a = fabsf(z), mag = a < E2M1_MAX_F ? a : E2M1_MAX_F;
+                    const int lo_m = (mag >= 0.5f) + (mag >= 1.f) + (mag >= 1.5f) + (mag >= 2.f) + (mag >= 3.f) +
+                                     (mag >= 4.f) + (mag >= 6.f);
+                    const int on_grid = E2M1_GRID[lo_m] == mag;
+                    const int hi_m = lo_m + !on_grid, neg = signbit(z) != 0;
+                    int lo = neg ? -hi_m : lo_m, hi = neg ? -lo_m : hi_m;
+                    if (codes) {
+                        const int ref = (codes[i >> 1] >> ((i & 1) * 4)) & 15;
+                        const int ri = (ref & 8) ? -(ref & 7) : (ref & 7);
+                        if (on_grid && a <= E2M1_MAX_F) { /* on a grid point: one codeword either side counts */
+                            lo = lo - 1 < -7 ? -7 : lo - 1;
+                            hi = hi + 1 > 7 ? 7 : hi + 1;
+                        }
+                        int pick = ri < hi ? ri : hi;
+                        pick = pick > lo ? pick : lo;
+                        code = pick == ri ? ref : code_of_index(pick, neg);
+                    } else {
+                        const int bit = (mant[i >> 3] >> (i & 7)) & 1;
+                        code = code_of_index(((hi < 0 ? -hi : hi) & 1) == bit ? hi : lo, neg);
+                    }
+                }
+                store_out(out, out_bf16, i, (E2M1_GRID[code] * sfd) * sdec);
+                if (rtn) changed += code != ((rtn[i >> 1] >> ((i & 1) * 4)) & 15);
+                if (agree_ref) {
+                    const int ref = (agree_ref[i >> 1] >> ((i & 1) * 4)) & 15;
+                    agree += (code == 8 ? 0 : code) == (ref == 8 ? 0 : ref);
+                }
+            }
+        }
+        guided += K;
+    }
+    if (counts) {
+        counts[0] += changed;
+        counts[1] += agree;
+        counts[2] += guided;
     }
 }

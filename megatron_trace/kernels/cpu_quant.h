@@ -51,6 +51,21 @@ void nvfp4_mantissa_bits(const uint8_t* packed, int64_t n, uint8_t* out);
 void nvfp4_gather_dequant(const uint8_t* codes, const uint8_t* scales, const int64_t* idx, int64_t N, int64_t row,
                           int64_t cstride, int64_t sstride, float sdec, float* out);
 
+/* TRACE guided rounding, dequantized (fp4.guided.guided_quantize then nvfp4.dequantize) of rows
+   [r0, r1) of x [R, K] (fp32 or bf16) with the rollout's block scales [R, K/16], S_enc (gs[r] or
+   gs[0]) and packed codes [R, K/2] or packed mantissa bits [R, K/8]: rows with mask[r] written to
+   out [R, K] (fp32 or bf16), the others untouched. counts[3] (optional) += elements whose code
+   differs from rtn's (when set), equal agree_ref's (when set; both zeros one), guided. */
+void nvfp4_guided_dq_rows(const void* x, int x_bf16, int64_t r0, int64_t r1, int64_t K, const uint8_t* scale,
+                          const float* gs, int gs_per_row, const uint8_t* codes, const uint8_t* mant,
+                          const uint8_t* mask, const uint8_t* rtn, const uint8_t* agree_ref, void* out, int out_bf16,
+                          int64_t* counts);
+/* All R rows of nvfp4_guided_dq_rows over torch's intra-op threads (cpu_quant_parallel.cpp). */
+void nvfp4_guided_dq_parallel(const void* x, int x_bf16, int64_t R, int64_t K, const uint8_t* scale, const float* gs,
+                              int gs_per_row, const uint8_t* codes, const uint8_t* mant, const uint8_t* mask,
+                              const uint8_t* rtn, const uint8_t* agree_ref, void* out, int out_bf16,
+                              int64_t* counts);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,7 +2,8 @@
 (`cpu_quant.c`), bit-identical to megatron_trace.fp4's references.
 
 Callers go through `megatron_trace.kernels.dispatch` (nvfp4_quantize_dequantize, nvfp4_quantize_to_slots,
-nvfp4_dequantize_rows, mantissa_bits_packed), which picks these on CPU when the kernels are built.
+nvfp4_dequantize_rows, mantissa_bits_packed, nvfp4_guided_dequantize_into), which picks these on CPU
+when the kernels are built.
 Each function here returns None (or False) for what it does not take, e.g. a NaN input, whose
 bytes the reference decides; the dispatcher then runs the reference.
 """
@@ -170,3 +171,66 @@ def mantissa_bits_packed(packed: torch.Tensor, lib=None) -> torch.Tensor | None:
     out = torch.empty((*src.shape[:-1], src.shape[-1] // 4), dtype=torch.uint8)
     lib.nvfp4_mantissa_bits(src, out)
     return out
+
+
+def guided_dequantize_into(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    codes: torch.Tensor | None = None,
+    mantissa: torch.Tensor | None = None,
+    rtn_codes: torch.Tensor | None = None,
+    agree_codes: torch.Tensor | None = None,
+    lib=None,
+) -> tuple[int, int, int] | None:
+    """The rows of out [..., K] that mask ([lead0] or out's leading shape) selects, set to
+    nvfp4.dequantize(fp4.guided.guided_quantize(x, scale, global_scale, codes=, mantissa=)) bit for
+    bit, in one pass that reads x and writes out in their own dtype (fp32 or bf16); the others left.
+    Returns (codes differing from rtn_codes', codes equal to agree_codes' with both zeros one code,
+    elements guided) over those rows (0 for a tensor not given), or None (nothing written) when this
+    cannot take them."""
+    lib = lib or cpu_build.native()
+    k = x.shape[-1] if x.dim() else 0
+    lead = tuple(x.shape[:-1])
+    packed = (codes, k // 2) if codes is not None else (mantissa, k // 8)
+    counted = [t for t in (rtn_codes, agree_codes) if t is not None]
+    tensors = [x, out, scale, mask, packed[0], *counted]
+    if (
+        lib is None
+        or (codes is None) == (mantissa is None)
+        or any(t.device.type != "cpu" for t in tensors)
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or out.dtype not in (torch.float32, torch.bfloat16)
+        or not k
+        or k % nvfp4.BLOCK
+        or out.shape != x.shape
+        or not out.is_contiguous()
+        or tuple(scale.shape) != (*lead, k // nvfp4.BLOCK)
+        or tuple(packed[0].shape) != (*lead, packed[1])
+        or any(tuple(t.shape) != (*lead, k // 2) for t in counted)
+        or any(t.dtype != torch.uint8 for t in (scale, packed[0], *counted))
+    ):
+        return None
+    gs = torch.as_tensor(global_scale, dtype=torch.float32)
+    if gs.dim() and tuple(gs.shape) != lead:
+        return None
+    gs = gs.reshape(1) if not gs.dim() else gs.contiguous()
+    m = mask.reshape(mask.shape + (1,) * (len(lead) - mask.dim())).expand(lead)
+    counts = torch.zeros(3, dtype=torch.int64)
+    lib.nvfp4_guided_dq(
+        x.contiguous(),
+        scale.contiguous(),
+        gs,
+        None if codes is None else codes.contiguous(),
+        None if mantissa is None else mantissa.contiguous(),
+        m.to(torch.uint8).contiguous(),
+        None if rtn_codes is None else rtn_codes.contiguous(),
+        None if agree_codes is None else agree_codes.contiguous(),
+        out,
+        counts,
+    )
+    changed, agree, guided = counts.tolist()
+    return changed, agree, guided

@@ -354,3 +354,41 @@ def nvfp4_guided_quantize(x, scale, global_scale, *, codes=None, mantissa=None, 
     if mod is None:
         return guided_quantize(x, scale, global_scale, codes=codes, mantissa=mantissa)
     return mod.guided_quantize_triton(x, scale, global_scale, codes=codes, mantissa=mantissa)
+
+
+def nvfp4_guided_dequantize_into(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    codes: torch.Tensor | None = None,
+    mantissa: torch.Tensor | None = None,
+    rtn_codes: torch.Tensor | None = None,
+    agree_codes: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[int, int, int]:
+    """The trainer's guided QAT site in one call: the rows of out [..., K] that mask (over x's
+    leading rows) selects become the dequantized TRACE rounding of x (`nvfp4_guided_quantize`, then
+    nvfp4.dequantize), the others keep out's values (round-to-nearest). Returns, over the selected
+    rows, (codes differing from rtn_codes, codes equal to agree_codes with -0 and +0 one code,
+    elements guided); a count whose codes are not given is 0. On CPU one C pass (cpu_quant.py), no
+    fp32 temporaries; elsewhere the guided quantizer (Triton on CUDA) and torch ops, the same bits."""
+    _check_backend(backend)
+    if x.device.type == "cpu" and backend == "auto":
+        kw = dict(codes=codes, mantissa=mantissa, rtn_codes=rtn_codes, agree_codes=agree_codes)
+        got = cpu_quant.guided_dequantize_into(out, x, scale, global_scale, mask, **kw)
+        if got is not None:
+            return got
+    g = nvfp4_guided_quantize(x, scale, global_scale, codes=codes, mantissa=mantissa, backend=backend)
+    m = mask.reshape(mask.shape + (1,) * (x.dim() - mask.dim()))
+    out.copy_(torch.where(m, nvfp4.dequantize(g), out))
+    sel = mask.reshape(-1) if mask.dim() == 1 else mask
+    got = unpack_fp4(g.data)[sel]
+    changed = int((got != unpack_fp4(rtn_codes)[sel]).sum()) if rtn_codes is not None else 0
+    agree = 0
+    if agree_codes is not None:
+        ref = unpack_fp4(agree_codes)[sel]
+        agree = int((torch.where(got == 8, 0, got) == torch.where(ref == 8, 0, ref)).sum())
+    return changed, agree, got.numel()

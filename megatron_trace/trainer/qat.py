@@ -43,7 +43,7 @@ from megatron_trace.fp4 import (
 from megatron_trace.kernels import kv_codec
 from megatron_trace.kernels.dispatch import (
     mantissa_bits_packed,
-    nvfp4_guided_quantize,
+    nvfp4_guided_dequantize_into,
     nvfp4_quantize_dequantize,
 )
 from megatron_trace.models import ModelArch, QuantPolicy
@@ -127,7 +127,8 @@ class QATState:
         the engine's default (no global scale: each TP shard quantizes alone as the full weight's blocks)."""
         if self.policy.format == "mxfp4":
             return straight_through(w, mxfp4.dequantize(mxfp4.quantize(w.detach()), w.dtype))
-        amax = self._all_max(nvfp4.nan_free_amax(w.detach().float()).reshape(1)).reshape(())
+        # |w|'s max is exact in w's dtype: no fp32 copy of the weight (the step quantizes it at every forward)
+        amax = self._all_max(nvfp4.nan_free_amax(w.detach()).float().reshape(1)).reshape(())
         # the dispatcher: one C pass on CPU, Triton on CUDA, bit-identical to the reference
         _, deq = nvfp4_quantize_dequantize(w.detach(), global_amax=amax, dequant_dtype=w.dtype)
         return straight_through(w, deq)
@@ -241,20 +242,41 @@ class QATState:
         is_fp8 = isinstance(q, fp8.FP8Tensor)
         if self.mantissa_from_codes and codes is not None:
             codes, mant = None, (mantissa_bits(codes) if is_fp8 else mantissa_bits_packed(codes))
+        if isinstance(q, nvfp4.NVFP4Tensor):  # one pass: guided values into deq's covered rows, counted
+            counting = not self.recomputing
+            changed, agree, n = nvfp4_guided_dequantize_into(
+                deq,
+                x_rows,
+                rr.scale,
+                rr.global_scale,
+                mask,
+                codes=codes,
+                mantissa=mant,
+                rtn_codes=q.data if counting else None,
+                agree_codes=rr.codes if counting else None,
+            )
+            if counting:
+                self._add(self.override, site, changed, n)
+                if rr.codes is not None:  # agreement against full codes only (see _count)
+                    self._add(self.agree, site, agree, n)
+            return deq
         if is_fp8:
             g = fp8.guided_quantize(x_rows, rr.global_scale, codes=codes, mantissa=mant)
-        elif isinstance(q, mxfp4.MXFP4Tensor):  # E8M0 block scales, no global scale
+        else:  # MXFP4: E8M0 block scales, no global scale
             g = guided_quantize_mxfp4(x_rows, rr.scale, codes=codes, mantissa=mant, block=q.block)
-        else:
-            g = nvfp4_guided_quantize(x_rows, rr.scale, rr.global_scale, codes=codes, mantissa=mant)
         if not self.recomputing:
             self._count(site, g, rr, mask)
             changed = (_codes(g) != _codes(q))[mask]
-            o = self.override[site]
-            o[0] += int(changed.sum())
-            o[1] += changed.numel()
+            self._add(self.override, site, int(changed.sum()), changed.numel())
         m = mask.reshape(-1, *([1] * (deq.dim() - 1)))
         return torch.where(m, dequantize_any(g), deq)
+
+    @staticmethod
+    def _add(counter, site: str, hits: int, n: int) -> None:
+        if n:
+            c = counter[site]
+            c[0] += hits
+            c[1] += n
 
     def _unguided(self, site: str, n: int) -> None:
         """Rows that had a record but could not be matched to it: round-to-nearest, said loudly
