@@ -57,6 +57,48 @@ def test_guided_micro_batch_reproduces_rollout_codes_in_seq_batch_layout():
     assert torch.equal(out["guided"][4:, 1], out["rtn"][4:, 1])
 
 
+@pytest.mark.parametrize("mode", ["full", "mantissa"])
+def test_bf16_guided_site_is_the_fp32_reference_route_with_its_counts(mode):
+    """A bf16 trainer's guided site (read and written in bf16, one C pass on CPU) equals the fp32
+    reference composition cast to bf16: guided_quantize on covered rows, round-to-nearest on the
+    rest, and the same override share (codes moved off rtn) and agreement (full records)."""
+    from megatron_trace.fp4 import guided_quantize, unpack_fp4
+    from megatron_trace.fp4.guided import mantissa_bits_packed
+
+    g = torch.Generator().manual_seed(5)
+    lens = [9, 5]
+    xs_roll = [torch.randn(t, 64, generator=g) * torch.logspace(-2, 2, 64) for t in lens]
+    recs = _records(xs_roll, mode)
+    s = max(lens)
+    x = torch.zeros(s, 2, 64)
+    for j, xr in enumerate(xs_roll):
+        x[: lens[j], j] = xr * (1 + 0.05 * torch.randn(xr.shape, generator=g))
+    x = x.to(torch.bfloat16).requires_grad_()
+    st = QATState(ARCH, QuantPolicy(kv="bf16"), "guided")
+    st.guidance = MicroBatchGuidance.padded(recs, s)
+    y = st.activation(x, SITE, None)
+    assert y.dtype is torch.bfloat16
+    flat = x.detach().reshape(-1, 64).float()
+    rtn = nvfp4.quantize(flat, per_row_global=True)
+    want, moved, agree, n = nvfp4.dequantize(rtn).clone(), 0, 0, 0
+    for j, xr in enumerate(xs_roll):  # row t * 2 + j holds position t of sample j
+        rows = torch.arange(lens[j]) * 2 + j
+        full = nvfp4.quantize(xr, per_row_global=True)
+        guide = dict(codes=full.data) if mode == "full" else dict(mantissa=mantissa_bits_packed(full.data))
+        gq = guided_quantize(flat[rows], full.scale, full.global_scale, **guide)
+        want[rows] = nvfp4.dequantize(gq)
+        codes = unpack_fp4(gq.data)
+        moved += int((codes != unpack_fp4(rtn.data[rows])).sum())
+        ref = unpack_fp4(full.data)
+        agree += int((torch.where(codes == 8, 0, codes) == torch.where(ref == 8, 0, ref)).sum())
+        n += codes.numel()
+    assert torch.equal(y.detach().reshape(-1, 64), want.to(torch.bfloat16))
+    assert st.override_rate()[SITE] == moved / n and 0 < moved
+    assert st.agreement() == ({SITE: agree / n} if mode == "full" else {})
+    y.float().sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
 def test_row_parallel_slice_matches_full_width():
     g = torch.Generator().manual_seed(1)
     x_roll = torch.randn(6, 64, generator=g)

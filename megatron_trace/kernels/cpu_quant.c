@@ -248,6 +248,103 @@ void nvfp4_gather_dequant(const uint8_t* codes, const uint8_t* scales, const int
 /* E2M1 code of signed-grid index p (-7..7); a zero takes z's sign (fp4.guided.codes_from_index). */
 static inline int code_of_index(int p, int neg_z) { return (p < 0 ? -p : p) | ((p < 0 || (p == 0 && neg_z)) << 3); }
 
+static inline int nibble(const uint8_t* packed, int64_t i) { return (packed[i >> 1] >> ((i & 1) * 4)) & 15; }
+
+/* The 16 elements i0..i0+15 of one block: guided codes of z = x * enc (the scalar statement of
+   fp4.guided._guided_codes), their values (e2m1 * sfd) * sdec into out, counts[0..1] added to. */
+static void guided_block_scalar(const void* x, int x_bf16, int64_t i0, float enc, float sfd, float sdec,
+                                const uint8_t* codes, const uint8_t* mant, const uint8_t* rtn,
+                                const uint8_t* agree_ref, void* out, int out_bf16, int64_t* counts) {
+    for (int64_t i = i0; i < i0 + 16; i++) {
+        const float xv = x_bf16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+        const float z = xv * enc;
+        int code = 7; /* NaN */
+        if (z == z) {
+            const float a = fabsf(z), mag = a < E2M1_MAX_F ? a : E2M1_MAX_F;
+            const int lo_m = (mag >= 0.5f) + (mag >= 1.f) + (mag >= 1.5f) + (mag >= 2.f) + (mag >= 3.f) +
+                             (mag >= 4.f) + (mag >= 6.f);
+            const int on_grid = E2M1_GRID[lo_m] == mag;
+            const int hi_m = lo_m + !on_grid, neg = signbit(z) != 0;
+            int lo = neg ? -hi_m : lo_m, hi = neg ? -lo_m : hi_m;
+            if (codes) {
+                const int ref = nibble(codes, i), ri = (ref & 8) ? -(ref & 7) : (ref & 7);
+                if (on_grid && a <= E2M1_MAX_F) { /* on a grid point: one codeword either side counts */
+                    lo = lo - 1 < -7 ? -7 : lo - 1;
+                    hi = hi + 1 > 7 ? 7 : hi + 1;
+                }
+                int pick = ri < hi ? ri : hi;
+                pick = pick > lo ? pick : lo;
+                code = pick == ri ? ref : code_of_index(pick, neg);
+            } else {
+                const int bit = (mant[i >> 3] >> (i & 7)) & 1;
+                code = code_of_index(((hi < 0 ? -hi : hi) & 1) == bit ? hi : lo, neg);
+            }
+        }
+        store_out(out, out_bf16, i, (E2M1_GRID[code] * sfd) * sdec);
+        if (rtn) counts[0] += code != nibble(rtn, i);
+        if (agree_ref) {
+            const int ref = nibble(agree_ref, i);
+            counts[1] += (code == 8 ? 0 : code) == (ref == 8 ? 0 : ref);
+        }
+    }
+}
+
+#if QDQ_AVX512
+/* 16 packed nibbles (8 bytes, low nibble first) -> 16 int32 lanes. */
+static inline __m512i nibbles16(const uint8_t* p) {
+    const __m128i b = _mm_loadl_epi64((const __m128i*)p);
+    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+}
+
+/* guided_block_scalar for mantissa guidance, 16 lanes at once. With z's sign s, the bracket's
+   magnitudes are lo_m <= hi_m and the code is (the one of them whose parity is the rollout's bit,
+   taking |hi| = s ? lo_m : hi_m first) | s << 3: codes_from_index gives every element of a
+   negative bracket (zero included, z being -0 or below) the sign bit and none of a positive one. */
+static void guided_block_mantissa_avx512(const void* x, int x_bf16, int64_t i0, float enc, float sfd, float sdec,
+                                         const uint8_t* mant, const uint8_t* rtn, const uint8_t* agree_ref,
+                                         void* out, int out_bf16, int64_t* counts) {
+    const __m512 z = _mm512_mul_ps(load16_avx512(x, x_bf16, i0 / 16), _mm512_set1_ps(enc));
+    const __mmask16 nan = _mm512_cmp_ps_mask(z, z, _CMP_UNORD_Q);
+    const __m512 mag = _mm512_min_ps(_mm512_and_ps(z, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff))),
+                                     _mm512_set1_ps(E2M1_MAX_F));
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i lo_m = _mm512_setzero_si512();
+    for (int g = 1; g < 8; g++) /* grid points 0.5 .. 6 at or below mag */
+        lo_m = _mm512_mask_add_epi32(lo_m, _mm512_cmp_ps_mask(mag, _mm512_set1_ps(E2M1_GRID[g]), _CMP_GE_OQ), lo_m, one);
+    const __m512 grid = _mm512_loadu_ps(E2M1_GRID);
+    const __mmask16 on_grid = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(lo_m, grid), mag, _CMP_EQ_OQ);
+    const __m512i hi_m = _mm512_mask_add_epi32(lo_m, (__mmask16)~on_grid, lo_m, one);
+    const __m512i sign = _mm512_srli_epi32(_mm512_castps_si512(z), 31);
+    const __mmask16 neg = _mm512_test_epi32_mask(sign, one);
+    const __m512i hmag = _mm512_mask_blend_epi32(neg, hi_m, lo_m), lmag = _mm512_mask_blend_epi32(neg, lo_m, hi_m);
+    uint16_t bits;
+    memcpy(&bits, mant + (i0 >> 3), 2); /* element j of the block at bit j (i0 % 16 == 0) */
+    const __mmask16 parity = _mm512_test_epi32_mask(hmag, one);
+    const __mmask16 take_hi = (__mmask16)~(parity ^ bits);
+    __m512i code = _mm512_or_si512(_mm512_mask_blend_epi32(take_hi, lmag, hmag), _mm512_slli_epi32(sign, 3));
+    code = _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(7));
+    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_permutexvar_ps(code, grid), _mm512_set1_ps(sfd)),
+                                   _mm512_set1_ps(sdec));
+    if (out_bf16) { /* y is never NaN here (the caller takes NaN block scales scalar): the RNE add is exact */
+        __m512i u = _mm512_castps_si512(y);
+        u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                             _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+        _mm256_storeu_si256((__m256i*)((uint16_t*)out + i0), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    } else {
+        _mm512_storeu_ps((float*)out + i0, y);
+    }
+    if (rtn) counts[0] += __builtin_popcount(_mm512_cmpneq_epi32_mask(code, nibbles16(rtn + (i0 >> 1))));
+    if (agree_ref) {
+        const __m512i eight = _mm512_set1_epi32(8), zero = _mm512_setzero_si512();
+        const __m512i ref = nibbles16(agree_ref + (i0 >> 1));
+        const __m512i c0 = _mm512_mask_mov_epi32(code, _mm512_cmpeq_epi32_mask(code, eight), zero);
+        const __m512i r0 = _mm512_mask_mov_epi32(ref, _mm512_cmpeq_epi32_mask(ref, eight), zero);
+        counts[1] += __builtin_popcount(_mm512_cmpeq_epi32_mask(c0, r0));
+    }
+}
+#endif
+
 /* Rows [r0, r1) of TRACE's guided rounding (fp4.guided.guided_quantize), dequantized: row r of x [R, K]
    (fp32, or bf16 when x_bf16) scaled with the rollout's E4M3 block scales scale [R, K/16] and S_enc
    (gs[r], or gs[0] when !gs_per_row), each element bracketed by its two E2M1 neighbours and pinned to
@@ -256,13 +353,14 @@ static inline int code_of_index(int p, int neg_z) { return (p < 0 ? -p : p) | ((
    out [R, K] (fp32, or bf16 rounded to nearest even when out_bf16), other rows are left as they are.
    counts[3] += (elements whose guided code differs from rtn's packed codes [R, K/2] when rtn is set,
    elements whose value-code equals agree_ref's (both zeros one code) when agree_ref is set, elements
-   guided). Every fp32 step is the reference's, in its order. */
+   guided). Every fp32 step is the reference's, in its order; mantissa guidance runs 16 lanes at a
+   time where the build has AVX-512. */
 void nvfp4_guided_dq_rows(const void* x, int x_bf16, int64_t r0, int64_t r1, int64_t K, const uint8_t* scale,
                           const float* gs, int gs_per_row, const uint8_t* codes, const uint8_t* mant,
                           const uint8_t* mask, const uint8_t* rtn, const uint8_t* agree_ref, void* out, int out_bf16,
                           int64_t* counts) {
     const int64_t nb = K / 16;
-    int64_t changed = 0, agree = 0, guided = 0;
+    int64_t c[2] = {0, 0}, guided = 0;
     for (int64_t r = r0; r < r1; r++) {
         if (!mask[r]) continue;
         const float sdec = (float)(1.0 / (double)gs[gs_per_row ? r : 0]);
@@ -270,46 +368,20 @@ void nvfp4_guided_dq_rows(const void* x, int x_bf16, int64_t r0, int64_t r1, int
             const float sfd = E4M3_LUT[scale[r * nb + b]];
             float enc = 1.0f / (sfd * sdec);
             if (enc > FLT_MAX) enc = FLT_MAX;
-            for (int j = 0; j < 16; j++) {
-                const int64_t k = b * 16 + j, i = r * K + k;
-                const float xv = x_bf16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
-                const float z = xv * enc;
-                int code = 7; /* NaN */
-                if (z == z) {
-                    const float a = fabsf(z), mag = a < E2M1_MAX_F ? a : E2M1_MAX_F;
-                    const int lo_m = (mag >= 0.5f) + (mag >= 1.f) + (mag >= 1.5f) + (mag >= 2.f) + (mag >= 3.f) +
-                                     (mag >= 4.f) + (mag >= 6.f);
-                    const int on_grid = E2M1_GRID[lo_m] == mag;
-                    const int hi_m = lo_m + !on_grid, neg = signbit(z) != 0;
-                    int lo = neg ? -hi_m : lo_m, hi = neg ? -lo_m : hi_m;
-                    if (codes) {
-                        const int ref = (codes[i >> 1] >> ((i & 1) * 4)) & 15;
-                        const int ri = (ref & 8) ? -(ref & 7) : (ref & 7);
-                        if (on_grid && a <= E2M1_MAX_F) { /* on a grid point: one codeword either side counts */
-                            lo = lo - 1 < -7 ? -7 : lo - 1;
-                            hi = hi + 1 > 7 ? 7 : hi + 1;
-                        }
-                        int pick = ri < hi ? ri : hi;
-                        pick = pick > lo ? pick : lo;
-                        code = pick == ri ? ref : code_of_index(pick, neg);
-                    } else {
-                        const int bit = (mant[i >> 3] >> (i & 7)) & 1;
-                        code = code_of_index(((hi < 0 ? -hi : hi) & 1) == bit ? hi : lo, neg);
-                    }
-                }
-                store_out(out, out_bf16, i, (E2M1_GRID[code] * sfd) * sdec);
-                if (rtn) changed += code != ((rtn[i >> 1] >> ((i & 1) * 4)) & 15);
-                if (agree_ref) {
-                    const int ref = (agree_ref[i >> 1] >> ((i & 1) * 4)) & 15;
-                    agree += (code == 8 ? 0 : code) == (ref == 8 ? 0 : ref);
-                }
+            const int64_t i0 = r * K + b * 16;
+#if QDQ_AVX512
+            if (!codes && sfd == sfd) {
+                guided_block_mantissa_avx512(x, x_bf16, i0, enc, sfd, sdec, mant, rtn, agree_ref, out, out_bf16, c);
+                continue;
             }
+#endif
+            guided_block_scalar(x, x_bf16, i0, enc, sfd, sdec, codes, mant, rtn, agree_ref, out, out_bf16, c);
         }
         guided += K;
     }
     if (counts) {
-        counts[0] += changed;
-        counts[1] += agree;
+        counts[0] += c[0];
+        counts[1] += c[1];
         counts[2] += guided;
     }
 }

@@ -149,7 +149,13 @@ class QATState:
         """Per-token NVFP4 of x [S, B, K_local] (or [n, K] rows picked by `select`, a function of
         the site's [S*B, ...] guidance tensors); guided rows follow the rollout's codes.
         rows: under sequence parallelism, which of the micro-batch's [S*B] rows x holds."""
-        flat = x.detach().reshape(-1, x.shape[-1]).float()
+        # The C quantizers read and write x's bf16 as it is (it widens to fp32 exactly: the same codes
+        # and values), saving two conversion passes per site; experts (re-weighted rows), MXFP4 (the
+        # torch reference) and row-parallel TP (the amax reduction) work in fp32.
+        native = select is None and self.policy.format != "mxfp4" and (k_slice is None or self.tp_size() == 1)
+        flat = x.detach().reshape(-1, x.shape[-1])
+        flat = flat if native else flat.float()
+        deq_dtype = flat.dtype
         # An expert's linear_fc2 input carries Megatron's routing weight, which neither E8M0 block scales
         # nor a static S_enc absorb: quantize the unweighted rows the engine quantizes, weight them again.
         weights = select.input_weights() if hasattr(select, "input_weights") else None
@@ -164,10 +170,10 @@ class QATState:
             static = select.expert_site(site) if hasattr(select, "expert_site") else site  # experts: one per expert
             if static in self.static_scales:
                 q, deq = nvfp4_quantize_dequantize(
-                    flat, global_scale=self.static_scales[static].to(flat.device), dequant_dtype=torch.float32
+                    flat, global_scale=self.static_scales[static].to(flat.device), dequant_dtype=deq_dtype
                 )
             elif k_slice is None or self.tp_size() == 1:
-                q, deq = nvfp4_quantize_dequantize(flat, per_row_global=True, dequant_dtype=torch.float32)
+                q, deq = nvfp4_quantize_dequantize(flat, per_row_global=True, dequant_dtype=deq_dtype)
             else:
                 # row-parallel: the token's amax spans every TP rank's slice (the engine's and plugin's rule too)
                 gs = nvfp4.per_token_global_scale(flat, self._all_max)
