@@ -6,8 +6,9 @@
                    (where a guidance record covers the position; rtn elsewhere)
 Weights use the exporter's quantizer (one global amax over the full, TP-gathered fused weight), so trainer and
 rollout weights are bit-identical. Backward is straight-through everywhere. NVFP4 quantization and guided
-rounding go through `megatron_trace.kernels.dispatch`: the Triton kernels on CUDA tensors, fp4's references
-elsewhere, the same bits either way.
+rounding go through `megatron_trace.kernels.dispatch`: the Triton kernels on CUDA tensors, one C pass per
+site on CPU (guided rounding, dequantize and the agreement counts together; a bf16 trainer's activations
+read and written as bf16), fp4's references where neither takes the input, the same bits every way.
 
 Megatron lays activations out [seq, batch, hidden]; a micro-batch's guidance is assembled into that layout once
 per site (`MicroBatchGuidance`), with each sample's positions 0..T-1 in its batch column. Row-parallel inputs
