@@ -197,3 +197,26 @@ def test_explicit_global_scale_matches_amax_route():
         nvfp4.quantize(x, global_amax=1.0, global_scale=1.0)
     with pytest.raises(ValueError, match="finite and > 0"):
         nvfp4.quantize(x, global_scale=0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    nans=st.integers(0, 3),
+    dim=st.sampled_from([None, -1, 0]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_nan_free_amax_is_the_max_over_the_finite_and_inf_values(seed, nans, dim, dtype):
+    """The max |x| with NaN left out, in x's dtype (exact there), whole or along a dim; an all-NaN
+    row gives 0. (It reduces first and redoes only where the result is NaN.)"""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(5, 48, generator=g) * 100).to(dtype)
+    for i in range(nans):
+        x[i, (7 * i) % 48] = float("nan")
+    if nans == 3:
+        x[4] = float("nan")
+        x[3, 2] = -float("inf")
+    want = torch.where(torch.isnan(x), torch.zeros_like(x), x.abs())
+    want = want.amax() if dim is None else want.amax(dim=dim)
+    got = nvfp4.nan_free_amax(x) if dim is None else nvfp4.nan_free_amax(x, dim=dim)
+    assert got.dtype == dtype and torch.equal(got, want)
