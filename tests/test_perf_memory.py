@@ -203,3 +203,32 @@ def test_a_run_over_its_memory_budget_stops_before_its_models_are_built(tmp_path
         destroy()
     assert str(err.value).endswith("set trainer.recompute=full")  # the tiny train phase: its activations
     assert not run_dir.exists()  # nothing built, nothing written
+
+
+@pytest.mark.parametrize("kv", ["nvfp4", "fp8"])
+def test_an_sglang_ranks_weights_are_the_bytes_a_sync_sends_it(tmp_path, kv):
+    """The colocation estimate's weights are what the transfer quantizes a real checkpoint into
+    (ModelOpt FP4 codes, scales and S_enc; BF16 elsewhere), split over SGLang's TP; its KV per token
+    is the engine pool's."""
+
+    from megatron_trace.transfer.export import load_hf_dir
+    from megatron_trace.transfer.pipeline import hf_state_dict_stream
+    from megatron_trace.transfer.quantize import rollout_tensors
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen2", seed=0, dtype="bfloat16")
+    arch, hf_sd, raw = load_hf_dir(ckpt)
+    pol = QuantPolicy(format="nvfp4", weights="fp4", activations="fp4", kv=kv).resolve(arch)
+    sent = sum(
+        t.numel() * t.element_size()
+        for unit in rollout_tensors(hf_state_dict_stream(hf_sd, arch), arch, pol)
+        for _, t in unit
+    )
+    m = pm.spec_from_hf_config(raw, "tiny")
+    one, two = pm.sglang_rank_bytes(m, arch, pol, 1), pm.sglang_rank_bytes(m, arch, pol, 2)
+    assert one["weights"] == sent and two["weights"] == sent / 2
+    assert one["kv_per_token"] == pm.kv_pool_bytes(m, pol, 1, "bfloat16") == 2 * two["kv_per_token"]
+    bf16 = sum(t.numel() * 2 for t in hf_sd.values())
+    assert sent < 0.75 * bf16  # the FP4 MLPs travel at ~0.56 bytes a weight
+    est = pm.estimate(m, pm.TrainerPlan(dtype="bfloat16"), "b200")
+    line = pm.colocation_line(m, arch, pol, 2, est)
+    assert "not measured on a GPU" in line and "gives back" in line

@@ -559,6 +559,41 @@ def shape_and_arch(cfg) -> tuple[ModelSpec | None, str, ModelArch | None]:
     return m, source, ModelArch.from_hf_config(hf_config_of(m))
 
 
+def sglang_rank_bytes(m: ModelSpec, arch: ModelArch, pol, sglang_tp: int) -> dict[str, float]:
+    """One SGLang rank of a `pol` rollout at TP `sglang_tp`: the weights a sync loads into it (the
+    transfer's own manifest of ModelOpt FP4 codes and scales, BF16 elsewhere) split over its TP, and
+    its KV bytes per cached token in the policy's cache formats (heads split over TP)."""
+    import torch
+
+    from megatron_trace.transfer.quantize import manifest
+
+    plan = manifest(arch.hf_param_shapes().items(), arch, pol, model_dtype=torch.bfloat16)
+    weights = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for _, dt, shape in plan)
+    return {"weights": weights / sglang_tp, "kv_per_token": kv_pool_bytes(m, pol, 1, "bfloat16") / sglang_tp}
+
+
+def colocation_line(m: ModelSpec, arch: ModelArch, pol, sglang_tp: int, est: dict) -> str:
+    """What sleeping SGLang through the train phase would give one GPU that also holds a trainer rank
+    (est: that rank's `estimate`). An estimate: no GPU run has measured it."""
+    r = sglang_rank_bytes(m, arch, pol, sglang_tp)
+    line = (
+        f"colocated (rollout.colocated=on, SGLang --enable-memory-saver; estimated, not measured on a GPU): "
+        f"an SGLang TP{sglang_tp} rank holds {r['weights'] / GIB:.1f} GiB of weights and "
+        f"{r['kv_per_token'] / 1024:.1f} KiB of KV per cached token"
+    )
+    if "capacity" not in est:
+        return line
+    state = est["weights"] + est["grads"] + est["optimizer"]
+    free = est["capacity"] - state - r["weights"]
+    if free <= 0:
+        return line + f"; beside this trainer rank's {state / GIB:.1f} GiB of state it does not fit"
+    return line + (
+        f"; beside this trainer rank's {state / GIB:.1f} GiB of state, a {free / GIB:.1f} GiB KV pool "
+        f"({free / r['kv_per_token'] / 1e6:.1f} M tokens) while it rolls out, and asleep it gives back "
+        f"{(r['weights'] + free) / GIB:.1f} GiB to the train phase's activations and logits"
+    )
+
+
 def main(argv=None) -> int:
     """python -m megatron_trace.perf.memory --config FILE [--dp N] [--answers 4096,16384] [key=value ...]"""
     import argparse
@@ -603,6 +638,8 @@ def main(argv=None) -> int:
     p = plan_from_config(cfg, policy, m, args.dp)
     print(f"model shape: {source}")
     print(table(m, p, gpu))
+    if cfg.rollout.backend == "http":
+        print(colocation_line(m, arch, policy, cfg.cluster.sglang_tp, estimate(m, p, gpu)))
     for n in [int(x) for x in args.answers.split(",") if x]:
         longest = cfg.rollout.max_prompt_len + n  # a micro-batch of one longest sample
         e = estimate(m, replace(p, tokens_per_microbatch=longest), gpu)
