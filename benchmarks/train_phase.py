@@ -10,7 +10,7 @@ this machine's measured bf16 GEMM rate.
     config's rollout (policy, bf16 engine, guidance mode and layers) ─► --samples word problems,
         answers forced to --max-new-tokens (every mode sees the same tokens: the config's longest step)
     ─► one Actor (the config's trainer: dtype, recompute, micro-batch budget), per round and mode:
-        qat.set_mode(mode), train_step ─► wall s, recompute / backward / optimizer s, peak RSS growth
+        qat.set_mode(mode), train_step ─► wall s, forward / backward / optimizer s, peak RSS growth
     ─► matmul GFLOP of the step (forward, recomputed forward, backward: 4 forwards of every linear,
         the LM head and attention scores) / the GEMM rate measured here = the matmul floor
 
@@ -198,7 +198,10 @@ def main(argv=None) -> int:
     )
     print(f"batch: {len(samples)} samples x {max_new} answer tokens, {tokens} tokens (rollout {rollout_s:.0f} s)")
     print(f"matmuls: {gflop:.0f} GFLOP a step; bf16 GEMM here {rate:.0f} GFLOP/s -> floor {floor:.1f} s")
-    print("| mode | step s | recompute+forward s | backward s | optimizer s | x matmul floor | x off | peak GiB |")
+    print(
+        "| mode | step s | forward + loss s | backward (+ recomputed forward) s | optimizer s | x matmul floor "
+        "| x off | peak GiB |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for m, r in med.items():
         vs = r["s"] / med["off"]["s"] if "off" in med else float("nan")
