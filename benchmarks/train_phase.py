@@ -7,7 +7,7 @@ this machine's measured bf16 GEMM rate.
         [--samples 16] [--max-new-tokens 256] [--modes off,rtn,guided] [--rounds 2]
         [--profile DIR] [--json out.json] [config overrides ...]
 
-    config's rollout (policy, bf16 engine, guidance mode and layers) ─► --samples word problems,
+    config's rollout (policy, engine dtype, guidance mode and layers) ─► --samples of its prompts,
         answers forced to --max-new-tokens (every mode sees the same tokens: the config's longest step)
     ─► one Actor (the config's trainer: dtype, recompute, micro-batch budget), per round and mode:
         qat.set_mode(mode), train_step ─► wall s, forward / backward / optimizer s, peak RSS growth
@@ -73,15 +73,13 @@ def first_layers(src: Path, n: int, out: Path) -> Path:
     return out
 
 
-def rollout_batch(cfg, ckpt: Path, policy, samples: int, max_new: int) -> list:
-    """The config's rollout on `samples` word problems, each answer max_new tokens, with guidance."""
-    from megatron_trace.data import load_tokenizer, prompt_source
+def rollout_batch(cfg, tok, prompts, ckpt: Path, policy, samples: int, max_new: int) -> list:
+    """The config's rollout on `samples` of its training prompts, each answer max_new tokens, with
+    the guidance the run records."""
     from megatron_trace.rl import Sample
     from sglang_backend.local import Engine
 
-    tok = load_tokenizer(str(Path(cfg.model.tokenizer).expanduser()))
-    prompts = prompt_source("word_problems", seed=0, tokenizer=tok).sample(samples, 0)
-    ids = [tok.encode_prompt(p.text) for p in prompts]
+    ids = [tok.encode_prompt(p.text) for p in prompts.sample(samples, 0)]
     eng = Engine(
         str(ckpt),
         dtype=cfg.rollout.dtype,
@@ -144,18 +142,19 @@ def main(argv=None) -> int:
     from megatron_trace.config import Config
     from megatron_trace.kernels.cpu_alloc import bound_kernel_caches, peak_rss, reset_peak_rss
     from megatron_trace.models import ModelArch
+    from megatron_trace.run.run import task_and_checkpoint
     from megatron_trace.trainer.actor import Actor
     from megatron_trace.trainer.parallel import destroy, init_distributed
 
     bound_kernel_caches()
     cfg = Config.load(args.config, args.overrides)
-    src = Path(cfg.model.path).expanduser()
+    tok, prompts, src, _ = task_and_checkpoint(cfg)  # the run's own: a tiny config's warm start too
     ckpt = first_layers(src, args.layers, Path(tempfile.mkdtemp(prefix="train_phase_"))) if args.layers else src
     arch = ModelArch.from_hf_config(ckpt)
     policy = cfg.quant.resolve(arch)
     max_new = args.max_new_tokens or cfg.rollout.max_new_tokens
     t = time.perf_counter()
-    samples = rollout_batch(cfg, ckpt, policy, args.samples, max_new)
+    samples = rollout_batch(cfg, tok, prompts, ckpt, policy, args.samples, max_new)
     rollout_s = time.perf_counter() - t
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples)
     init_distributed(seed=0)
