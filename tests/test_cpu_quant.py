@@ -193,6 +193,62 @@ def test_dequantize_rows_is_gather_then_dequantize(build):
 
 
 @settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    shards=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    spread=st.integers(0, 6),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    nan=st.booleans(),
+)
+def test_the_weight_syncs_quantizer_and_the_engines_dequantize_are_the_references(seed, shards, spread, dtype, nan):
+    """What a weight sync runs: fused shards quantized with one shared amax through the C pass
+    (fp4.modelopt's quantizer), and the engine's dequantize of the shards' rows, each run of rows
+    with its own global scale (its per-row [N] S_enc) in one C call. A NaN weight goes to the
+    reference, which decides its bytes."""
+    from megatron_trace.fp4.modelopt import to_modelopt_fused
+
+    ws = [_inputs(seed + i, n, 3, spread).to(dtype) * (i + 1) for i, n in enumerate(shards)]
+    if nan:
+        ws[-1][0, 5] = float("nan")
+    got = to_modelopt_fused(ws, quantizer=dispatch.nvfp4_weight_quantize)
+    for g, r in zip(got, to_modelopt_fused(ws)):
+        assert g.keys() == r.keys()
+        for k in g:
+            assert torch.equal(
+                g[k].view(torch.uint8) if k == "weight_scale" else g[k],
+                r[k].view(torch.uint8) if k == "weight_scale" else r[k],
+            ), k
+    qs = [nvfp4.quantize(w) for w in ws]
+    q = nvfp4.NVFP4Tensor(
+        torch.cat([x.data for x in qs]),
+        torch.cat([x.scale for x in qs]),
+        torch.cat([x.global_scale.expand(n) for x, n in zip(qs, shards)]),
+    )
+    for out in (torch.bfloat16, torch.float32):
+        assert torch.equal(dispatch.nvfp4_dequantize(q, out), nvfp4.dequantize(q, out))
+    one = qs[0]
+    assert torch.equal(dispatch.nvfp4_dequantize(one, dtype), nvfp4.dequantize(one, dtype))  # a 0-d S_enc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_all_finite_sees_every_nan_and_inf_and_is_not_fooled_by_an_overflowing_sum(dtype):
+    big = {torch.float16: 6e4, torch.float8_e4m3fn: 448.0}.get(dtype, 3e38)
+    x = torch.full((64,), big).to(dtype)  # its sum overflows: the exact check decides
+    assert dispatch.all_finite(x) and dispatch.all_finite(torch.zeros(3, dtype=torch.int64))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        if dtype == torch.float8_e4m3fn and bad != bad:
+            y = x.clone().view(torch.uint8)
+            y[17] = 0x7F  # E4M3fn's NaN (it has no Inf)
+            assert not dispatch.all_finite(y.view(dtype))
+            continue
+        if dtype == torch.float8_e4m3fn:
+            continue
+        y = x.clone()
+        y[17] = bad
+        assert not dispatch.all_finite(y), bad
+
+
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 4), groups=st.integers(1, 6), build=st.sampled_from(BUILDS))
 def test_mantissa_bits_are_the_references(seed, rows, groups, build):
     codes = torch.randint(0, 16, (rows, 8 * groups), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)

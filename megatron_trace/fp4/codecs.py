@@ -37,12 +37,18 @@ def e2m1_grid(device: torch.device | str = "cpu") -> torch.Tensor:
     return _grid_cache[device]
 
 
-def as_float32(x: torch.Tensor, what: str = "input") -> torch.Tensor:
-    """fp32 view of a floating tensor; anything else is an error that names the dtype."""
+def check_floating(x: torch.Tensor, what: str = "input") -> torch.Tensor:
+    """x itself if it is a floating tensor; anything else is an error that names the dtype."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{what} must be a floating tensor (float32, bfloat16, float16, float64), got {x.dtype}")
+    return x
+
+
+def as_float32(x: torch.Tensor, what: str = "input") -> torch.Tensor:
+    """fp32 view of a floating tensor; anything else is an error that names the dtype."""
+    check_floating(x, what)
     return x if x.dtype == torch.float32 else x.to(torch.float32)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .codecs import as_float32
+from .codecs import check_floating
 from .nvfp4 import NVFP4Tensor, decode_scale, encode_scale_from_amax, nan_free_amax, quantize
 
 _F32 = torch.float32
@@ -31,12 +31,15 @@ def to_modelopt(
     *,
     global_amax: torch.Tensor | float | None = None,
     input_amax: torch.Tensor | float | None = None,
+    quantizer=quantize,
 ) -> dict[str, torch.Tensor]:
-    """Quantize one [N, K] weight into its ModelOpt tensors (input_scale only with input_amax)."""
-    weight = as_float32(weight, "weight")
+    """Quantize one [N, K] weight into its ModelOpt tensors (input_scale only with input_amax).
+    quantizer: `nvfp4.quantize` or a kernel of the same bits (kernels.dispatch.nvfp4_weight_quantize:
+    the weight sync's), called as quantizer(weight, global_amax=...)."""
+    check_floating(weight, "weight")
     if weight.dim() != 2:
         raise ValueError(f"to_modelopt takes a 2-D [N, K] weight; got shape {tuple(weight.shape)}")
-    q = quantize(weight, global_amax=global_amax)
+    q = quantizer(weight, global_amax=global_amax)
     out = {
         "weight": q.data,
         "weight_scale": q.scale.view(torch.float8_e4m3fn),
@@ -48,13 +51,13 @@ def to_modelopt(
 
 
 def to_modelopt_fused(
-    weights: list[torch.Tensor], *, input_amax: torch.Tensor | float | None = None
+    weights: list[torch.Tensor], *, input_amax: torch.Tensor | float | None = None, quantizer=quantize
 ) -> list[dict[str, torch.Tensor]]:
     """Quantize fused shards (q/k/v or gate/up) with one shared global scale."""
     if not weights:
         raise ValueError("to_modelopt_fused needs at least one shard")
-    shared = torch.stack([nan_free_amax(as_float32(w, "weight")) for w in weights]).amax()
-    return [to_modelopt(w, global_amax=shared, input_amax=input_amax) for w in weights]
+    shared = torch.stack([nan_free_amax(check_floating(w, "weight")) for w in weights]).amax()
+    return [to_modelopt(w, global_amax=shared, input_amax=input_amax, quantizer=quantizer) for w in weights]
 
 
 def encode_scale_from_decode(s_dec: torch.Tensor) -> torch.Tensor:

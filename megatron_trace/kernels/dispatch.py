@@ -148,6 +148,53 @@ def nvfp4_quantize_dequantize(
     return q, (None if dequant_dtype is None else nvfp4.dequantize(q, dequant_dtype))
 
 
+def nvfp4_weight_quantize(w: torch.Tensor, *, global_amax: torch.Tensor | float | None = None) -> nvfp4.NVFP4Tensor:
+    """nvfp4.quantize(w, global_amax=...) bit for bit: the C pass on CPU (fp32 or bf16 read as they
+    are), the Triton kernel on CUDA, the reference where neither takes it (the weight sync's
+    quantizer: fp4.modelopt's `quantizer`)."""
+    if w.device.type == "cpu" and global_amax is not None:
+        return nvfp4_quantize_dequantize(w, global_amax=torch.as_tensor(global_amax, dtype=torch.float32))[0]
+    return nvfp4_quantize(w, global_amax=global_amax)
+
+
+def nvfp4_dequantize(q: nvfp4.NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """nvfp4.dequantize(q, dtype) bit for bit; on CPU one C pass per run of rows that share a global
+    scale (a 0-d one, or the engine's per-row [N] of fused shards, constant within each shard)."""
+    gs = q.global_scale
+    if q.data.device.type == "cpu" and q.data.dim() == 2 and gs.dim() <= 1 and bool(torch.isfinite(gs).all()):
+        n = q.data.shape[0]
+        if gs.dim() == 0:
+            runs = [(0, n)]
+        elif gs.shape[0] == n:
+            cuts = (torch.nonzero(gs[1:] != gs[:-1]).flatten() + 1).tolist()
+            runs = list(zip([0, *cuts], [*cuts, n]))
+        else:
+            runs = []
+        out = torch.empty(n, q.data.shape[1] * 2, dtype=dtype) if runs else None
+        for a, b in runs:
+            g = gs if gs.dim() == 0 else gs[a]
+            rows = cpu_quant.dequantize_rows(q.data[a:b], q.scale[a:b], torch.arange(b - a), g, dtype)
+            if rows is None:
+                out = None
+                break
+            out[a:b] = rows
+        if out is not None:
+            return out
+    return nvfp4.dequantize(q, dtype)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in t (True for integer tensors). One read: a finite sum proves every element
+    finite (NaN and Inf propagate); only a non-finite sum (a NaN or Inf, or an overflow) pays for the
+    exact check. The sum stays in t's dtype: asking torch for an fp32 sum of bf16 converts the whole
+    tensor first (30x slower on CPU). FP8 (scales: small) is checked exactly."""
+    if not t.is_floating_point() or t.device.type == "meta":
+        return True
+    if t.dtype.itemsize == 1:
+        return bool(torch.isfinite(t.float()).all())
+    return bool(torch.isfinite(torch.sum(t))) or bool(torch.isfinite(t).all())
+
+
 def nvfp4_quantize_to_slots(
     x: torch.Tensor, global_scale: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
 ) -> bool:

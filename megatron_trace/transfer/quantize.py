@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 
 from ..fp4.modelopt import to_modelopt_fused
+from ..kernels.dispatch import all_finite, nvfp4_weight_quantize
 from ..models import ModelArch, QuantPolicy
 from ..models.quant_policy import fused_group_of, fused_members
 
@@ -40,11 +41,8 @@ class NonFiniteWeightError(ValueError):
 
 def check_finite(name: str, t: torch.Tensor) -> None:
     """Raise NonFiniteWeightError naming `name` if a floating tensor holds NaN/Inf (meta: skipped)."""
-    if t.is_floating_point() and t.device.type != "meta" and t.dtype.itemsize > 1:
-        # Fast path: a finite fp32 sum proves every element finite (one read, no bool tensor);
-        # only a non-finite sum (NaN/Inf, or an fp32 overflow) pays for the exact check.
-        if not torch.isfinite(torch.sum(t, dtype=torch.float32)) and not torch.isfinite(t).all():
-            raise NonFiniteWeightError(name)
+    if not all_finite(t):
+        raise NonFiniteWeightError(name)
 
 
 def module_of(name: str) -> tuple[str, str]:
@@ -132,7 +130,7 @@ def quantize_unit(
         if ws[0].device.type == "meta":
             outs = [_modelopt_shapes(w, static) for w in ws]
         else:
-            outs = to_modelopt_fused(ws, input_amax=amax)
+            outs = to_modelopt_fused(ws, input_amax=amax, quantizer=nvfp4_weight_quantize)
         quantized = dict(zip(members, outs))
     result: Unit = []
     for name, t in unit:

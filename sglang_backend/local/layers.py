@@ -17,7 +17,14 @@ from torch import nn
 from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
 from megatron_trace.kernels import cpu_gemv, onednn_linear
-from megatron_trace.kernels.dispatch import fp4_linear, fp4_linear_w4a4, nvfp4_quantize, nvfp4_quantize_dequantize
+from megatron_trace.kernels.dispatch import (
+    fp4_linear,
+    fp4_linear_w4a4,
+    nvfp4_dequantize,
+    nvfp4_quantize,
+    nvfp4_quantize_dequantize,
+    nvfp4_weight_quantize,
+)
 from megatron_trace.models import rope
 
 from . import run_plan
@@ -216,7 +223,7 @@ class EngineLinear(nn.Module):
             self.weight.data = mxfp4.dequantize(self.qweight, self.weight.dtype)
             return
         self.qweight = self._nvfp4_weight()
-        self.weight.data = nvfp4.dequantize(self.qweight, self.weight.dtype)
+        self.weight.data = nvfp4_dequantize(self.qweight, self.weight.dtype)
         scales = [t["input_scale"] for t in self._modelopt_rows.values() if "input_scale" in t]
         if scales:  # loaders take the max across fused shards
             self.input_global_scale = encode_scale_from_decode(
@@ -226,7 +233,7 @@ class EngineLinear(nn.Module):
 
     def _nvfp4_weight(self) -> nvfp4.NVFP4Tensor:
         if not self._modelopt_rows:  # BF16 source: one shared global amax over the fused shards
-            q = nvfp4.quantize(self.master)
+            q = nvfp4_weight_quantize(self.master, global_amax=nvfp4.nan_free_amax(self.master))
             return nvfp4.NVFP4Tensor(q.data, q.scale, q.global_scale.expand(self.out_features).clone())
         missing = [s for s in self.shards if s not in self._modelopt_rows]
         if missing:

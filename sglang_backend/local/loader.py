@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from megatron_trace.kernels.dispatch import all_finite
 from megatron_trace.models.quant_policy import FUSED_MEMBERS
 
 from .layers import EngineLinear
@@ -98,7 +99,7 @@ def check_update(model: QwenEngineModel, named: list[tuple[str, torch.Tensor]]) 
     without keeping a copy of the model to roll back to."""
     fp4: dict[int, tuple[EngineLinear, dict[str, set[str]]]] = {}
     for name, t in named:
-        if t.is_floating_point() and not torch.isfinite(t.float()).all():
+        if not all_finite(t):
             raise ValueError(f"{name} holds NaN or Inf")
         hit = load_tensor(model, name, t, check_only=True)
         if isinstance(hit, tuple) and hit[2] not in ("weight", "bias"):
@@ -118,7 +119,7 @@ def check_update(model: QwenEngineModel, named: list[tuple[str, torch.Tensor]]) 
 def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, name: str, check_only: bool = False) -> None:
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
-    if not torch.isfinite(tensor.float()).all():
+    if not all_finite(tensor):
         raise ValueError(f"{name}: checkpoint tensor holds NaN or Inf")
     if check_only:
         return None
