@@ -227,6 +227,12 @@ class TrainerConfig(Section):
     dtype: str = opt("float32", "trainer params dtype (float32 on CPU)", ("float32", "bfloat16"))
     sequence_parallel: bool = opt(False, "Megatron sequence parallelism (needs tp > 1; CPU/gloo too)")
     distributed_optimizer: bool = opt(False, "GPU/TE only: shard optimizer state across data-parallel ranks")
+    optimizer_offload: str = opt(
+        "none",
+        "disk: Adam's moments live in a file in the run dir between optimizer steps (O_DIRECT; "
+        "bit-identical, a write and a read of their size each step); none: resident",
+        ("none", "disk"),
+    )
     steps: int = opt(20, "RL steps", low=0)
     save_every: int = opt(10, "checkpoint every N steps (0: only at the end)", low=0)
     keep_checkpoints: int = opt(0, "keep the newest N checkpoints, deleting older ones after each save (0: all)", low=0)

@@ -163,8 +163,25 @@ def _real_config(*overrides: str) -> tuple:
 def test_the_real_configs_one_process_plan_adds_up_and_names_the_knob_that_fits_it():
     from megatron_trace.run.rollout import engine_sleeps
 
-    cfg, m, pol = _real_config()
+    shipped, m, pol = _real_config()
+    assert shipped.trainer.optimizer_offload == "disk"
+    on_disk = pm.process_estimate(shipped, pol, m, engine_sleeps(shipped))
+    cfg, _, _ = _real_config("trainer.optimizer_offload=none")
     est = pm.process_estimate(cfg, pol, m, engine_sleeps(cfg))
+    # Adam's moments on disk between steps: the forward/backward and the sync hold them no more (the
+    # rollout neither, beside the first rollout's masters that stood in for them), and the optimizer
+    # step (their temporaries: two fp32 copies of the embedding) is the run's peak
+    for phase in ("forward_backward_phase", "sync_phase"):
+        assert est[phase] - on_disk[phase] == pytest.approx(est["adam"])
+    assert on_disk["rollout_phase"] < est["rollout_phase"]
+    assert (
+        on_disk["optimizer_phase"]
+        == est["optimizer_phase"]
+        == pytest.approx(
+            est["runtime"] + est["trainer_build"] + est["adam"] + est["guidance_store"] + 2 * 4 * 136e6, rel=0.01
+        )
+    )
+    assert on_disk["peak"] == on_disk["train_phase"] == on_disk["optimizer_phase"] < est["peak"]
     # Qwen2.5-0.5B: 494 M parameters, each a bf16 weight, an fp32 grad and main param, Adam's m and v
     assert est["trainer_build"] + est["adam"] == pytest.approx(494e6 * (2 + 4 + 4 + 8), rel=0.01)
     # the engine runs 358 M linear weights (314 M of them the MLP's, NVFP4: codes and scales beside the
@@ -174,16 +191,22 @@ def test_the_real_configs_one_process_plan_adds_up_and_names_the_knob_that_fits_
     assert masters == pytest.approx(314e6 * 4, rel=0.02)  # a BF16 checkpoint's, until the first sync
     # asleep through the train phase: the engine awake beside the trainer peaks (the sync: one bucket more)
     assert est["peak"] == est["sync_phase"] > est["rollout_phase"] > est["train_phase"]
+    assert est["train_phase"] == est["forward_backward_phase"] > est["optimizer_phase"]
     awake = pm.process_estimate(cfg, pol, m, False)
     assert awake["train_phase"] - est["train_phase"] == pytest.approx(est["engine_weights"] + est["kv_pool"])
     budget = (est["peak"] + awake["peak"]) / 2 / pm.GIB
     pm.check_budget(Config.load(None, []), pol, m, True)  # no budget: nothing checked
-    sleeping, _, _ = _real_config(f"trainer.memory_budget_gib={budget}")
+    resident = "trainer.optimizer_offload=none"
+    sleeping, _, _ = _real_config(f"trainer.memory_budget_gib={budget}", resident)
     pm.check_budget(sleeping, pol, m, engine_sleeps(sleeping))
-    off, _, _ = _real_config(f"trainer.memory_budget_gib={budget}", "rollout.colocated=off")
+    off, _, _ = _real_config(f"trainer.memory_budget_gib={budget}", "rollout.colocated=off", resident)
     with pytest.raises(ValueError, match=r"(?s)exceeds trainer.memory_budget_gib=.*set rollout\.colocated=on"):
         pm.check_budget(off, pol, m, engine_sleeps(off))
-    big_pool, _, _ = _real_config(f"trainer.memory_budget_gib={budget}", "rollout.max_total_tokens=4000000")
+    tight = (est["peak"] + on_disk["peak"]) / 2 / pm.GIB  # the moments on disk fit it; nothing else alone does
+    over, _, _ = _real_config(f"trainer.memory_budget_gib={tight}", resident)
+    with pytest.raises(ValueError, match=r"set trainer\.optimizer_offload=disk$"):
+        pm.check_budget(over, pol, m, True)
+    big_pool, _, _ = _real_config(f"trainer.memory_budget_gib={budget}", "rollout.max_total_tokens=4000000", resident)
     with pytest.raises(ValueError, match=r"lower rollout\.max_total_tokens \(now 4000000\) to \d+"):
         pm.check_budget(big_pool, pol, m, True)
 

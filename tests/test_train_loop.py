@@ -243,17 +243,23 @@ def test_kill_mid_weight_sync_then_resume_matches_uninterrupted(runs, main_run):
 
 
 def test_kill_mid_step_then_resume_matches_uninterrupted(runs, main_run):
+    """The cut run keeps Adam's moments on disk between steps (trainer.optimizer_offload=disk; its
+    numbers under training: tests/test_optimizer_offload.py): killed with them there and resumed
+    from the checkpoint, it is still the resident run."""
     full, cut = main_run[0], runs / "cut"
     # Step 2 trained but neither synced nor checkpointed: the kill loses it, resume redoes it.
-    keep = "trainer.keep_checkpoints=1"
-    _train(cut, *MAIN, keep, kill_at="train.done:step=2")
+    keep = ("trainer.keep_checkpoints=1", "trainer.optimizer_offload=disk")
+    _train(cut, *MAIN, *keep, kill_at="train.done:step=2")
     assert (cut / "checkpoints" / "latest").read_text() == "step_1"
     assert sorted(_metrics(cut)) == [0, 1]
-    _train(cut, *MAIN, keep, "--resume")
+    assert (cut / "optimizer_state.rank0.bin").stat().st_size > 0  # the kill left the moments there
+    _train(cut, *MAIN, *keep, "--resume")
     a, b = _metrics(full), _metrics(cut)
     for step in (2, 3):
+        assert b[step]["perf/optimizer_offload_s"] > 0 and "perf/optimizer_offload_s" not in a[step]
         for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "mismatch/mean_abs_dlogp"):
             assert b[step][key] == a[step][key], (step, key)
+    assert not (cut / "optimizer_state.rank0.bin").exists()  # the run's end deletes it
     # keep_checkpoints=1: the newest only; the uninterrupted run keeps both
     assert sorted(p.name for p in (cut / "checkpoints").glob("step_*")) == ["step_3"]
     assert sorted(p.name for p in (full / "checkpoints").glob("step_*")) == ["step_1", "step_3"]

@@ -270,14 +270,16 @@ ENGINE_FP4_MASTER = 4
 PROCESS_ROWS = (
     ("runtime", "runtime (libraries, tokenizer)", "perf/mem_runtime_gib"),
     ("trainer_build", "trainer: bf16 weights, fp32 grads, fp32 main params", "perf/mem_trainer_built_gib"),
-    ("adam", "Adam m, v (measured: + allocator slack)", None),
+    ("adam", "Adam m, v (measured: + slack; offloaded: its file)", None),
     ("engine_weights", "engine weights (+ transposed copies, FP4 codes)", "perf/mem_engine_weights_gib"),
     ("kv_pool", "engine KV pool", "perf/mem_engine_kv_gib"),
     ("guidance_store", "guidance store (the step's records)", "perf/mem_guidance_store_gib"),
     ("activations", "activations", None),
     ("logits", "logits chunks (+ a micro-batch's guidance)", None),
-    ("train_transient", "train phase on top (activations + logits)", None),
+    ("train_transient", "forward/backward on top (activations + logits)", None),
     ("rollout_phase", "rollout phase peak", "perf/mem_rollout_peak_gib"),
+    ("forward_backward_phase", "forward/backward peak", "perf/mem_forward_backward_peak_gib"),
+    ("optimizer_phase", "optimizer step peak (Adam m, v resident)", "perf/mem_optimizer_peak_gib"),
     ("train_phase", "train phase peak", "perf/mem_train_peak_gib"),
     ("sync_phase", "weight sync peak (the engine refilled)", "perf/mem_sync_peak_gib"),
     ("peak", "peak", None),
@@ -328,9 +330,11 @@ def kv_pool_bytes(m: ModelSpec, pol, tokens: int, dtype: str) -> float:
 
 
 def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: float | None = None) -> dict:
-    """Bytes of a one-process run (the embedded engine beside a one-rank trainer) by part, and its two
-    phases: the rollout (engine awake, the trainer's state resident, the step's guidance stored) and
-    the train phase (the engine asleep when `engine_sleeps`, activations and logits on top).
+    """Bytes of a one-process run (the embedded engine beside a one-rank trainer) by part, and its
+    phases: the rollout (engine awake, the trainer's state resident, the step's guidance stored), the
+    train phase's forward/backward (the engine asleep when `engine_sleeps`, activations and logits on
+    top) and optimizer step (Adam's temporaries on top), and the weight sync. With
+    trainer.optimizer_offload=disk Adam's m and v are resident in the optimizer step only.
     step_tokens: a step's prompt + response tokens (default: every sample at its longest)."""
     rc = cfg.rollout
     trainer_plan = plan_from_config(cfg, pol, m, 1)
@@ -352,15 +356,22 @@ def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: f
         "logits": est["logits"] + est["guidance"],  # the micro-batch's device copy of its guidance too
     }
     out["train_transient"] = out["activations"] + out["logits"]
-    resident = out["runtime"] + out["trainer_build"] + out["adam"] + store
+    offloaded = cfg.trainer.optimizer_offload == "disk"
+    resident = out["runtime"] + out["trainer_build"] + store  # + Adam's m, v where not offloaded
+    between_steps = resident + (0.0 if offloaded else out["adam"])
     engine = out["engine_weights"] + out["kv_pool"]
     # the first rollout: a BF16 checkpoint's masters, no Adam state yet (the first step makes it)
     masters = engine_weight_bytes(m, pol, rc.dtype, masters=True) - engine_weight_bytes(m, pol, rc.dtype)
     masters *= rc.backend == "local"
-    out["rollout_phase"] = resident + engine + max(masters - out["adam"], 0.0)
-    out["train_phase"] = resident + out["train_transient"] + (0 if engine_sleeps else engine)
+    out["rollout_phase"] = between_steps + engine + max(masters - (0.0 if offloaded else out["adam"]), 0.0)
+    asleep = 0 if engine_sleeps else engine
+    out["forward_backward_phase"] = between_steps + out["train_transient"] + asleep
+    # torch's single-tensor Adam (CPU): two fp32 temporaries of the largest parameter (the embedding)
+    largest = m.vocab * m.hidden / max(cfg.trainer.tp, 1) * 4
+    out["optimizer_phase"] = resident + out["adam"] + 2 * largest + asleep
+    out["train_phase"] = max(out["forward_backward_phase"], out["optimizer_phase"])
     # the sync: the engine refilled beside the trainer, one bucket in flight
-    out["sync_phase"] = resident + engine + cfg.transfer.bucket_mb * 2**20
+    out["sync_phase"] = between_steps + engine + cfg.transfer.bucket_mb * 2**20
     out["peak"] = max(out["rollout_phase"], out["train_phase"], out["sync_phase"])
     return out
 
@@ -376,6 +387,10 @@ def process_advice(cfg, pol, m: ModelSpec, engine_sleeps: bool, budget_bytes: fl
     tries = []
     if not engine_sleeps and r.backend == "local" and not cfg.algo.async_rollout:
         tries.append(("set rollout.colocated=on (the engine sleeps through the train phase)", cfg, True))
+    if t.optimizer_offload == "none":  # a disk write and read of Adam's state a step
+        tries.append(
+            ("set trainer.optimizer_offload=disk", _with(cfg, "trainer", optimizer_offload="disk"), engine_sleeps)
+        )
     if t.recompute != "full":
         tries.append(("set trainer.recompute=full", _with(cfg, "trainer", recompute="full"), engine_sleeps))
     tokens = max(t.max_tokens_per_microbatch // 2, 1)
@@ -413,8 +428,8 @@ def process_advice(cfg, pol, m: ModelSpec, engine_sleeps: bool, budget_bytes: fl
         if process_estimate(tried, pol, m, sleeps)["peak"] <= budget_bytes:
             return words
     return (
-        "no single knob (rollout.colocated, trainer.recompute, the token budgets, guidance.memory_budget_mb) "
-        "is enough: a smaller model, more trainer ranks, or a larger budget"
+        "no single knob (rollout.colocated, trainer.optimizer_offload, trainer.recompute, the token budgets, "
+        "guidance.memory_budget_mb) is enough: a smaller model, more trainer ranks, or a larger budget"
     )
 
 
@@ -453,9 +468,13 @@ def measured_parts(history: list[dict]) -> tuple[dict, float]:
         if metric and med(metric) is not None and key not in ("runtime", "trainer_build"):
             out[key] = med(metric)
     before = med("perf/mem_before_train_gib")
-    if before is not None and out.get("train_phase") is not None:
-        out["train_transient"] = out["train_phase"] - before
-        if "runtime" in out and "trainer_build" in out:  # the engine is released by then (colocated)
+    fwd_bwd = out.get("forward_backward_phase", out.get("train_phase"))
+    if before is not None and fwd_bwd is not None:
+        out["train_transient"] = fwd_bwd - before
+        offloaded = med("perf/optimizer_offload_gib")
+        if offloaded is not None:  # the moments were on disk: the file holds what they took
+            out["adam"] = offloaded
+        elif "runtime" in out and "trainer_build" in out:  # the engine is released by then (colocated)
             out["adam"] = before - out["runtime"] - out["trainer_build"] - out.get("guidance_store", 0.0)
     if "rollout_phase" in out and "train_phase" in out:
         out["peak"] = max(out["rollout_phase"], out["train_phase"], out.get("sync_phase", 0.0))

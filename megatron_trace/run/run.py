@@ -80,7 +80,7 @@ class Run:
         # what the process holds before the trainer, and what building the trainer added (the first
         # step's metrics carry both; perf.memory --measured sets them beside its prediction)
         self.memory_at_build = {"perf/mem_runtime_gib": _trimmed_resident()}
-        self.actor = Actor(self.arch, self.policy, t, cfg.rollout, hf_path=self.model_path)
+        self.actor = Actor(self.arch, self.policy, t, cfg.rollout, hf_path=self.model_path, offload_dir=self.run_dir)
         self.memory_at_build["perf/mem_trainer_built_gib"] = (
             _trimmed_resident() - self.memory_at_build["perf/mem_runtime_gib"]
         )
@@ -153,6 +153,8 @@ class Run:
         peaks, self.part_peaks = self.part_peaks, {}  # the mark is reset after each part (_part_peak)
         memory |= {f"perf/mem_{part}_peak_gib": gib for part, gib in peaks.items()}
         memory["perf/mem_train_peak_gib"] = max([cpu_alloc.peak_rss(), *peaks.values()])
+        if self.actor.offload is not None:  # Adam's moments on disk until the next step
+            memory["perf/optimizer_offload_gib"] = self.actor.offload.bytes / 2**30
         memory["perf/step_tokens"] = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
         faults.hit("train.done", step=step)
         self.version += 1
@@ -262,7 +264,9 @@ class Run:
         self.backend = self.rollout = self.transport = None
 
     def close(self) -> dict:
-        """The run's summary (rank 0); everything it opened closed."""
+        """The run's summary (rank 0); everything it opened closed (the optimizer too: its state's
+        offload file goes with it; the last checkpoint holds it)."""
+        self.actor.finish_training()
         if not self.rank0:
             return {}
         summary = run_summary(self.history, self.evals, self.totals, wall_s=time.perf_counter() - self.t0)

@@ -16,6 +16,7 @@ Every rank passes the same samples; logprobs come back on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -79,10 +80,13 @@ class Actor:
         cfg: TrainerConfig,
         sampling: RolloutConfig | None = None,
         hf_path=None,
+        offload_dir=None,
     ):
         """Call `parallel.init_distributed` first. Loads `hf_path` (an HF checkpoint) when given.
         `cfg` is the run's `trainer` section; `sampling` its `rollout` section, whose temperature and
-        top-k/top-p filters define the policy the logprobs are recomputed under (default: plain sampling)."""
+        top-k/top-p filters define the policy the logprobs are recomputed under (default: plain sampling).
+        `offload_dir`: where trainer.optimizer_offload=disk keeps the optimizer state between steps
+        (one file per rank)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -156,6 +160,14 @@ class Actor:
                 wd_incr_style="constant",
             )
             self.lr_scheduler.step(1)
+        self.offload = None
+        if cfg.optimizer_offload == "disk":
+            if offload_dir is None:
+                raise ValueError("trainer.optimizer_offload=disk needs a directory for the state (the run dir)")
+            from .offload import OptimizerStateOffload
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.offload = OptimizerStateOffload(self.optimizer, Path(offload_dir) / f"optimizer_state.rank{rank}.bin")
         start, _ = pp_layer_range(
             arch.num_layers, ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
         )
@@ -365,10 +377,13 @@ class Actor:
             self.on_part_done("forward_backward")
         t_opt = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
-        ok, grad_norm, _ = self.optimizer.step()
+        with self._state_resident():
+            ok, grad_norm, _ = self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(1)
         self.step_times["optimizer"] = time.perf_counter() - t_opt
+        if self.offload is not None:  # part of the optimizer's seconds, also on its own
+            self.step_times["optimizer_offload"] = self.offload.take_seconds()
         if self.on_part_done is not None:
             self.on_part_done("optimizer")
         lps, sums = self._gather(store, micro, samples)
@@ -399,6 +414,14 @@ class Actor:
         for a 0.5B model in bf16; the last checkpoint holds them). The weights stay for gathers and
         exports; train_step and save_checkpoint refuse afterwards."""
         self.optimizer = None
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
+
+    def _state_resident(self):
+        """The optimizer state in memory inside the block (trainer.optimizer_offload=disk: read back
+        before, written out and freed after)."""
+        return self.offload.resident() if self.offload is not None else contextlib.nullcontext()
 
     def _optimizer(self):
         if self.optimizer is None:
@@ -407,18 +430,24 @@ class Actor:
 
     # -- checkpoints (trainer/checkpoint.py) --------------------------------------------------------
     def save_checkpoint(self, root: str | os.PathLike, step: int, extra: dict | None = None) -> Path:
-        return checkpoint.save(
-            root,
-            step,
-            _unwrap(self.ddp),
-            self._optimizer(),
-            extra,
-            keep=self.cfg.keep_checkpoints,
-            scheduler=self.lr_scheduler,
-        )
+        optimizer = self._optimizer()
+        with self._state_resident():
+            saved = checkpoint.save(
+                root,
+                step,
+                _unwrap(self.ddp),
+                optimizer,
+                extra,
+                keep=self.cfg.keep_checkpoints,
+                scheduler=self.lr_scheduler,
+            )
+        if self.offload is not None:  # the save's own time holds its reload and write-back
+            self.offload.take_seconds()
+        return saved
 
     def load_checkpoint(self, root: str | os.PathLike) -> dict:
-        return checkpoint.load(root, _unwrap(self.ddp), self.optimizer, scheduler=self.lr_scheduler)
+        with self._state_resident():  # the loaded state replaces the stored one, then goes to disk
+            return checkpoint.load(root, _unwrap(self.ddp), self.optimizer, scheduler=self.lr_scheduler)
 
 
 def _broadcast_from_last_stage(t: torch.Tensor) -> None:
