@@ -162,6 +162,11 @@ class Actor:
             self.lr_scheduler.step(1)
         self.offload = None
         if cfg.optimizer_offload == "disk":
+            if torch.cuda.is_available():  # its buffers are host memory: the state would go GPU -> disk
+                raise ValueError(
+                    "trainer.optimizer_offload=disk keeps a CPU trainer's Adam state on disk; on GPUs shard it "
+                    "with trainer.distributed_optimizer=true instead (set trainer.optimizer_offload=none)"
+                )
             if offload_dir is None:
                 raise ValueError("trainer.optimizer_offload=disk needs a directory for the state (the run dir)")
             from .offload import OptimizerStateOffload
