@@ -151,3 +151,12 @@ def test_an_actor_with_its_moments_on_disk_trains_and_resumes_as_the_resident_on
             assert torch.equal(x, y)
     finally:
         destroy()
+
+
+def test_a_cuda_trainer_is_refused_before_anything_is_built(monkeypatch):
+    from megatron_trace.config import TrainerConfig
+    from megatron_trace.trainer.actor import Actor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"optimizer_offload=disk .* trainer\.distributed_optimizer=true"):
+        Actor(None, None, TrainerConfig(optimizer_offload="disk"))

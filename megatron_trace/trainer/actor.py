@@ -103,6 +103,11 @@ class Actor:
                 "trainer.distributed_optimizer needs CUDA (Megatron rejects CPU parameters); "
                 "set it false on this machine"
             )
+        if cfg.optimizer_offload == "disk" and torch.cuda.is_available():  # its buffers are host memory
+            raise ValueError(
+                "trainer.optimizer_offload=disk keeps a CPU trainer's Adam state on disk; on GPUs shard it "
+                "with trainer.distributed_optimizer=true instead (set trainer.optimizer_offload=none)"
+            )
         ep = ps.get_expert_model_parallel_world_size()
         if ep > 1 and (not arch.is_moe or arch.num_experts % ep):
             raise ValueError(
@@ -162,11 +167,6 @@ class Actor:
             self.lr_scheduler.step(1)
         self.offload = None
         if cfg.optimizer_offload == "disk":
-            if torch.cuda.is_available():  # its buffers are host memory: the state would go GPU -> disk
-                raise ValueError(
-                    "trainer.optimizer_offload=disk keeps a CPU trainer's Adam state on disk; on GPUs shard it "
-                    "with trainer.distributed_optimizer=true instead (set trainer.optimizer_offload=none)"
-                )
             if offload_dir is None:
                 raise ValueError("trainer.optimizer_offload=disk needs a directory for the state (the run dir)")
             from .offload import OptimizerStateOffload
