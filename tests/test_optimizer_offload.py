@@ -160,3 +160,11 @@ def test_a_cuda_trainer_is_refused_before_anything_is_built(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match=r"optimizer_offload=disk .* trainer\.distributed_optimizer=true"):
         Actor(None, None, TrainerConfig(optimizer_offload="disk"))
+
+
+def test_the_offload_benchmark_runs(tmp_path, capsys):
+    from benchmarks.optimizer_offload import main
+
+    assert main(["--dir", str(tmp_path), "--layers", "1", "--vocab", "64", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "round 1: store" in out and "GiB/s" in out and not list(tmp_path.iterdir())
