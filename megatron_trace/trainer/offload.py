@@ -7,13 +7,14 @@ the offload they live in one file between steps:
 
     optimizer.step() ─► store(): every moment written (O_DIRECT, no page cache), its memory freed
     ... sync, rollout, forward/backward: the moments are not in memory ...
-    load(): read back into fresh tensors ─► optimizer.step()
+    load(): read back into page-aligned tensors of their own ─► optimizer.step()
 
 The bytes come back exactly (the step's result is bit-identical to a resident run). The optimizer's
 small per-parameter scalars (Adam's step count) stay resident. A checkpoint save or load holds the
 state resident for its duration (`resident()`). This is ZeRO-Infinity's NVMe offload of the
 optimizer state, for the one-box CPU run; the file costs a disk write and a read of the moments'
-size each step (perf/optimizer_offload_s).
+size each step (perf/optimizer_offload_s; ~1.2 GiB/s each way on the project's VM disk, four requests
+in flight: benchmarks/optimizer_offload.py).
 """
 
 from __future__ import annotations
