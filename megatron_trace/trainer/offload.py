@@ -13,8 +13,8 @@ The bytes come back exactly (the step's result is bit-identical to a resident ru
 small per-parameter scalars (Adam's step count) stay resident. A checkpoint save or load holds the
 state resident for its duration (`resident()`). This is ZeRO-Infinity's NVMe offload of the
 optimizer state, for the one-box CPU run; the file costs a disk write and a read of the moments'
-size each step (perf/optimizer_offload_s; ~1.2 GiB/s each way on the project's VM disk, four requests
-in flight: benchmarks/optimizer_offload.py).
+size each step (perf/optimizer_offload_s; ~1.2 GiB/s each way on the project's VM disk with four
+requests in flight, BENCHMARKS.md; benchmarks/optimizer_offload.py times it on yours).
 """
 
 from __future__ import annotations
