@@ -1,12 +1,14 @@
-"""What trainer.optimizer_offload=disk costs a step: one store (write + free) and one load (read back)
-of Adam moments shaped like the real Qwen2.5-Coder-0.5B's, on the disk that holds --dir.
+"""What trainer.optimizer_offload=disk costs an optimizer step, side by side with Adam's own step:
+Adam moments and grads shaped like the real Qwen2.5-Coder-0.5B's, the file on the disk that holds --dir.
 
     .venv/bin/python benchmarks/optimizer_offload.py [--dir runs] [--layers 24] [--rounds 3]
 
-The moments are fp32 m and v of the untied embedding and head (151,936 x 896 each) and --layers
-layers' linears (q/k/v/o and the three MLP projections); --layers 24 is the whole model's 4.7 GiB.
-Prints each round's seconds and GiB/s; a step pays one store and one load. Round 0 stores Adam's own
-tensors (through the bounce buffer, as a run's first step does); later rounds store what load made.
+The parameters are the untied embedding and head (151,936 x 896 each) and --layers layers' linears
+(q/k/v/o and the three MLP projections), fp32 with fp32 grads and Adam's m and v; --layers 24 is the
+whole model's 4.7 GiB of moments (~10 GiB in all). Each round times, interleaved: `resident` (torch
+AdamW's step, the moments in memory: what a step costs without the offload), `whole` (read them all
+back, step, write them all out: store + load) and `streamed` (what a run does: stepping(), a
+parameter's moments read just before its update and written back after, the I/O overlapped).
 """
 
 from __future__ import annotations
@@ -29,19 +31,17 @@ class _Megatron:
         self.optimizer = optimizer
 
 
-def moments(layers: int, vocab: int = VOCAB) -> torch.optim.Adam:
+def adam(layers: int, vocab: int = VOCAB) -> torch.optim.AdamW:
+    """AdamW over the model's parameter shapes, one step taken (its moments made), grads in place."""
     shapes = [(vocab, HIDDEN)] * 2
     shapes += [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN)] * layers
     shapes += [(FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)] * layers
-    params = [torch.nn.Parameter(torch.empty(s)) for s in shapes]
-    opt = torch.optim.Adam(params)
     g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
     for p in params:
-        opt.state[p] = {
-            "step": torch.tensor(1.0),
-            "exp_avg": torch.randn(p.shape, generator=g),
-            "exp_avg_sq": torch.rand(p.shape, generator=g),
-        }
+        p.grad = torch.randn(p.shape, generator=g)
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01)
+    opt.step()
     return opt
 
 
@@ -52,21 +52,34 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=VOCAB, help="rows of the embedding and head")
     args = ap.parse_args(argv)
-    opt = moments(args.layers, args.vocab)
+    opt = adam(args.layers, args.vocab)
     gib = sum(t.numel() * 4 for st in opt.state.values() for k, t in st.items() if k != "step") / 2**30
     off = OptimizerStateOffload(_Megatron(opt), Path(args.dir) / "offload_bench.bin")
     print(f"{gib:.2f} GiB of moments, {Path(args.dir).resolve()} ({off.filesystem})")
+    off.store()
     try:
         for r in range(args.rounds):
-            t = time.perf_counter()
-            off.store()
-            stored = time.perf_counter() - t
-            t = time.perf_counter()
+            took = {}
             off.load()
-            loaded = time.perf_counter() - t
+            t = time.perf_counter()
+            opt.step()
+            took["resident"] = time.perf_counter() - t
+            off.store()
+            t = time.perf_counter()
+            with off.resident():
+                opt.step()
+            took["whole"] = time.perf_counter() - t
+            off.take_seconds()
+            t = time.perf_counter()
+            with off.stepping():
+                opt.step()
+            took["streamed"] = time.perf_counter() - t
+            waited = off.take_seconds()
+            base = took["resident"]
+            cells = ", ".join(f"{k} {v:.2f} s ({v / base:.2f}x)" for k, v in took.items())
             print(
-                f"round {r}: store {stored:.2f} s ({gib / stored:.2f} GiB/s), load {loaded:.2f} s "
-                f"({gib / loaded:.2f} GiB/s), a step's {stored + loaded:.2f} s"
+                f"round {r}: {cells}; streamed waited on the disk {waited:.2f} s, "
+                f"held {off.held_peak / 2**30:.2f} GiB; I/O {2 * gib / took['streamed']:.2f} GiB/s"
             )
     finally:
         off.close()

@@ -233,6 +233,12 @@ class TrainerConfig(Section):
         "bit-identical, a write and a read of their size each step); none: resident",
         ("none", "disk"),
     )
+    optimizer_offload_window_mb: float = opt(
+        512.0,
+        "optimizer_offload=disk: the most moment bytes in memory at once while the optimizer step streams "
+        "them from the file and back (one parameter's at least)",
+        low=1,
+    )
     steps: int = opt(20, "RL steps", low=0)
     save_every: int = opt(10, "checkpoint every N steps (0: only at the end)", low=0)
     keep_checkpoints: int = opt(0, "keep the newest N checkpoints, deleting older ones after each save (0: all)", low=0)

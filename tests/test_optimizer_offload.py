@@ -69,6 +69,55 @@ def test_offloaded_adam_steps_are_the_resident_ones_and_leave_memory(tmp_path):
     assert not (tmp_path / "state.bin").exists()
 
 
+@pytest.mark.parametrize("window", [1, 40 << 20])
+def test_a_streamed_step_is_the_resident_step_and_holds_its_window(tmp_path, window):
+    """stepping(): the optimizer's step a parameter at a time, each one's moments read just before and
+    written back just after. Three steps equal torch's resident Adam (AdamW, weight decay: Megatron's)
+    bit for bit, and at most the window (or the largest parameter's moments) is held at once."""
+    big = 1 << 22  # 16 MiB per moment of the embedding: 32 MiB of state, more than the 1-byte window
+    ref, off = _model(0, big), _model(0, big)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    off_opt = torch.optim.AdamW(off.parameters(), lr=1e-2, weight_decay=0.1)
+    offload = OptimizerStateOffload(_Wrapped(off_opt), tmp_path / "state.bin", window_bytes=window)
+    for step in range(4):
+        _step(ref, ref_opt, step)
+        with offload.stepping():
+            _step(off, off_opt, step)
+        assert "step" not in off_opt.__dict__  # the torch optimizer's own step() is back
+        for a, b in zip(ref.parameters(), off.parameters()):
+            assert torch.equal(a, b), step
+        assert offload.offloaded and all(off_opt.state[p]["exp_avg"] is None for p in off.parameters())
+        if step:  # the first step made the state: it ran whole, then went to disk
+            largest = max(2 * p.numel() * 4 for p in off.parameters())
+            assert largest <= offload.held_peak <= max(window, largest) + 2 * 4096, offload.held_peak
+            if window > largest:  # room for more than one parameter: the next ones were read ahead
+                assert offload.held_peak > largest
+    offload.load()
+    for p, q in zip(ref.parameters(), off.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ref_opt.state[p][key], off_opt.state[q][key])
+
+
+def test_a_parameter_without_state_on_file_steps_whole(tmp_path):
+    """A parameter that gets its first grad after the state went to disk (its moments are made by this
+    step): the step runs resident, with the same bits, and the new moments go to the file too."""
+    ref, off = _model(4, 1 << 12), _model(4, 1 << 12)
+    ref_opt, off_opt = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(off.parameters(), lr=1e-2)
+    for m in (ref, off):
+        m[2].requires_grad_(False)
+    offload = OptimizerStateOffload(_Wrapped(off_opt), tmp_path / "state.bin")
+    for step in range(3):
+        if step == 2:
+            for m in (ref, off):
+                m[2].requires_grad_(True)
+        _step(ref, ref_opt, step)
+        with offload.stepping():
+            _step(off, off_opt, step)
+        for a, b in zip(ref.parameters(), off.parameters()):
+            assert torch.equal(a, b), step
+    assert all(off_opt.state[p]["exp_avg"] is None for p in off.parameters())  # all on disk, the new ones too
+
+
 def test_store_twice_is_refused_and_buffered_io_gives_the_same_bits(tmp_path):
     model = _model(1, 1 << 12)
     opt = torch.optim.Adam(model.parameters())
@@ -135,6 +184,8 @@ def test_an_actor_with_its_moments_on_disk_trains_and_resumes_as_the_resident_on
             assert a.metrics["grad_norm"] > 0 and a.metrics["grad_norm"] == b.metrics["grad_norm"], step
             assert "optimizer_offload" in b.times and "optimizer_offload" not in a.times
             assert offloaded.offload.offloaded
+            # the first step made the state (whole); the later ones streamed it a parameter at a time
+            assert (offloaded.offload.held_peak > 0) == (step > 0)
         for x, y in zip(resident.compute_logprobs(batch), offloaded.compute_logprobs(batch)):
             assert torch.equal(x, y)
         offloaded.save_checkpoint(tmp_path / "ckpts", step=2, extra={"version": 3})
@@ -167,4 +218,4 @@ def test_the_offload_benchmark_runs(tmp_path, capsys):
 
     assert main(["--dir", str(tmp_path), "--layers", "1", "--vocab", "64", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
-    assert "round 1: store" in out and "GiB/s" in out and not list(tmp_path.iterdir())
+    assert "round 1: resident" in out and "streamed" in out and "GiB/s" in out and not list(tmp_path.iterdir())

@@ -257,6 +257,7 @@ def test_kill_mid_step_then_resume_matches_uninterrupted(runs, main_run):
     a, b = _metrics(full), _metrics(cut)
     for step in (2, 3):
         assert b[step]["perf/optimizer_offload_s"] > 0 and "perf/optimizer_offload_s" not in a[step]
+        assert 0 < b[step]["perf/optimizer_offload_held_gib"] <= b[step]["perf/optimizer_offload_gib"]  # streamed
         for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "mismatch/mean_abs_dlogp"):
             assert b[step][key] == a[step][key], (step, key)
     assert not (cut / "optimizer_state.rank0.bin").exists()  # the run's end deletes it

@@ -279,7 +279,7 @@ PROCESS_ROWS = (
     ("train_transient", "forward/backward on top (activations + logits)", None),
     ("rollout_phase", "rollout phase peak", "perf/mem_rollout_peak_gib"),
     ("forward_backward_phase", "forward/backward peak", "perf/mem_forward_backward_peak_gib"),
-    ("optimizer_phase", "optimizer step peak (Adam m, v resident)", "perf/mem_optimizer_peak_gib"),
+    ("optimizer_phase", "optimizer step peak (Adam m, v or their window)", "perf/mem_optimizer_peak_gib"),
     ("train_phase", "train phase peak", "perf/mem_train_peak_gib"),
     ("sync_phase", "weight sync peak (the engine refilled)", "perf/mem_sync_peak_gib"),
     ("peak", "peak", None),
@@ -334,7 +334,8 @@ def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: f
     phases: the rollout (engine awake, the trainer's state resident, the step's guidance stored), the
     train phase's forward/backward (the engine asleep when `engine_sleeps`, activations and logits on
     top) and optimizer step (Adam's temporaries on top), and the weight sync. With
-    trainer.optimizer_offload=disk Adam's m and v are resident in the optimizer step only.
+    trainer.optimizer_offload=disk Adam's m and v are never all resident: the optimizer step streams
+    them through trainer.optimizer_offload_window_mb.
     step_tokens: a step's prompt + response tokens (default: every sample at its longest)."""
     rc = cfg.rollout
     trainer_plan = plan_from_config(cfg, pol, m, 1)
@@ -366,9 +367,13 @@ def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: f
     out["rollout_phase"] = between_steps + engine + max(masters - (0.0 if offloaded else out["adam"]), 0.0)
     asleep = 0 if engine_sleeps else engine
     out["forward_backward_phase"] = between_steps + out["train_transient"] + asleep
-    # torch's single-tensor Adam (CPU): two fp32 temporaries of the largest parameter (the embedding)
+    # torch's single-tensor Adam (CPU): two fp32 temporaries of the largest parameter (the embedding);
+    # offloaded, the step streams the moments through a window (one parameter's m and v at least)
     largest = m.vocab * m.hidden / max(cfg.trainer.tp, 1) * 4
-    out["optimizer_phase"] = resident + out["adam"] + 2 * largest + asleep
+    moments = out["adam"]
+    if offloaded:
+        moments = min(moments, max(cfg.trainer.optimizer_offload_window_mb * 2**20, 2 * largest))
+    out["optimizer_phase"] = resident + moments + 2 * largest + asleep
     out["train_phase"] = max(out["forward_backward_phase"], out["optimizer_phase"])
     # the sync: the engine refilled beside the trainer, one bucket in flight
     out["sync_phase"] = between_steps + engine + cfg.transfer.bucket_mb * 2**20

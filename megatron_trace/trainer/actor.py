@@ -172,7 +172,11 @@ class Actor:
             from .offload import OptimizerStateOffload
 
             rank = dist.get_rank() if dist.is_initialized() else 0
-            self.offload = OptimizerStateOffload(self.optimizer, Path(offload_dir) / f"optimizer_state.rank{rank}.bin")
+            self.offload = OptimizerStateOffload(
+                self.optimizer,
+                Path(offload_dir) / f"optimizer_state.rank{rank}.bin",
+                window_bytes=int(cfg.optimizer_offload_window_mb * 2**20),
+            )
         start, _ = pp_layer_range(
             arch.num_layers, ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
         )
@@ -382,7 +386,8 @@ class Actor:
             self.on_part_done("forward_backward")
         t_opt = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
-        with self._state_resident():
+        # trainer.optimizer_offload=disk: Adam's state streams from its file and back, a parameter at a time
+        with self.offload.stepping() if self.offload is not None else contextlib.nullcontext():
             ok, grad_norm, _ = self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(1)

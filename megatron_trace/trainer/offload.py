@@ -5,16 +5,21 @@ forward/backward and the weight sync: 4.7 GiB of the real 0.5B config's 11.7 GiB
 (fp32 m and v of 630M parameters), on top of which each of those phases makes its own peak. With
 the offload they live in one file between steps:
 
-    optimizer.step() ─► store(): every moment written (O_DIRECT, no page cache), its memory freed
+    first optimizer.step() ─► store(): every moment written (O_DIRECT, no page cache), its memory freed
     ... sync, rollout, forward/backward: the moments are not in memory ...
-    load(): read back into page-aligned tensors of their own ─► optimizer.step()
+    stepping(): the optimizer's own step() run one parameter at a time,
+        read its m, v ─► Adam on that parameter ─► write them back in place, free them
+        the next parameters' reads and the last ones' writes in flight meanwhile, at most
+        trainer.optimizer_offload_window_mb of moments (or one parameter's) in memory at once
 
-The bytes come back exactly (the step's result is bit-identical to a resident run). The optimizer's
-small per-parameter scalars (Adam's step count) stay resident. A checkpoint save or load holds the
-state resident for its duration (`resident()`). This is ZeRO-Infinity's NVMe offload of the
-optimizer state, for the one-box CPU run; the file costs a disk write and a read of the moments'
-size each step (perf/optimizer_offload_s; ~1.2 GiB/s each way on the project's VM disk with four
-requests in flight, BENCHMARKS.md; benchmarks/optimizer_offload.py times it on yours).
+The bytes come back exactly (the step's result is bit-identical to a resident run: torch's CPU Adam
+updates each parameter on its own). The optimizer's small per-parameter scalars (Adam's step count)
+stay resident. A checkpoint save or load holds the whole state resident for its duration
+(`resident()`). This is ZeRO-Infinity's NVMe offload of the optimizer state, for the one-box CPU
+run; the file costs a read and a write of the moments' size each step, overlapped with Adam's
+arithmetic (perf/optimizer_offload_s is the time the step waited on the disk; ~1.2 GiB/s each way on
+the project's VM disk with four requests in flight, BENCHMARKS.md; benchmarks/optimizer_offload.py
+times it on yours).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import math
 import mmap
 import os
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -64,11 +70,13 @@ def filesystem_type(path: Path) -> str:
 
 class OptimizerStateOffload:
     """Writes every non-scalar tensor of the optimizer's state to `path` and frees it (`store`),
-    reads them back (`load`). The state is re-read from the optimizer at each store, so a
-    checkpoint load's new tensors are what the next store writes."""
+    reads them back (`load`), or streams them through an optimizer step (`stepping`). The state is
+    re-read from the optimizer at each store, so a checkpoint load's new tensors are what the next
+    store writes."""
 
-    def __init__(self, optimizer, path: str | os.PathLike):
+    def __init__(self, optimizer, path: str | os.PathLike, window_bytes: int = 512 << 20):
         self.optimizer = optimizer
+        self.window_bytes = window_bytes  # stepping(): the most moment bytes held at once (one parameter's at least)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fs = filesystem_type(self.path.parent)
@@ -85,7 +93,8 @@ class OptimizerStateOffload:
         self._bounce = mmap.mmap(-1, _BOUNCE)  # page-aligned; its pages are given back after each store
         self._direct = True
         self.bytes = 0
-        self.seconds = 0.0  # store + load time since the last take_seconds()
+        self.seconds = 0.0  # time spent on (or waiting for) the disk since the last take_seconds()
+        self.held_peak = 0  # stepping(): the most moment bytes it held at once, last step
 
     @property
     def offloaded(self) -> bool:
@@ -101,8 +110,8 @@ class OptimizerStateOffload:
                         if isinstance(t, torch.Tensor) and t.dim() > 0:
                             yield state, key, t
 
-    def _open(self, write: bool) -> int:
-        flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
+    def _open(self, write: bool, read: bool = False) -> int:
+        flags = (os.O_RDWR if read else os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
         if self._direct:
             try:
                 return os.open(self.path, flags | os.O_DIRECT, 0o600)
@@ -171,27 +180,63 @@ class OptimizerStateOffload:
         try:
             with ThreadPoolExecutor(_IO_THREADS) as pool:
                 jobs, made = [], []
-                for state, key, offset, shape, dtype in self._layout:
-                    numel = math.prod(shape)
-                    n = -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
-                    # its own anonymous mapping: page-aligned for O_DIRECT, unmapped when the tensor dies
-                    buf = mmap.mmap(-1, n)
-                    buf.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults where the kernel allows it
-                    view = memoryview(buf)
-                    for pos in range(0, n, _CHUNK):
-                        jobs.append(pool.submit(_read_all, fd, view[pos : min(pos + _CHUNK, n)], offset + pos))
-                    made.append((state, key, buf, numel, shape, dtype))
-                    del view
+                for entry in self._layout:
+                    buf, reads = _submit_read(pool, fd, entry)
+                    jobs += reads
+                    made.append((entry, buf))
                 for f in jobs:
                     f.result()
-            for state, key, buf, numel, shape, dtype in made:
-                state[key] = torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+            for (state, key, _, shape, dtype), buf in made:
+                state[key] = _tensor_of(buf, shape, dtype)
             if not self._direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
         self._layout = []
         self.seconds += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def stepping(self):
+        """Inside the block each torch optimizer's step() streams its state from the file and back,
+        a parameter at a time (the module docstring draws it); the state is on disk after it. Before
+        the first step (nothing on disk yet), or when a parameter about to step has state the file
+        does not hold, the block runs resident instead (the same bits)."""
+        self.held_peak = 0
+        if not self._layout:
+            with self.resident():
+                yield
+            return
+        originals = []
+        for opt in torch_optimizers(self.optimizer):
+            originals.append((opt, opt.__dict__.get("step")))
+            opt.step = _streamed_step(self, opt, opt.step)
+        try:
+            yield
+        finally:
+            for opt, own in originals:
+                if own is None:
+                    del opt.step
+                else:
+                    opt.step = own
+
+    def _units(self, opt) -> list | None:
+        """(group index, parameter, its layout entries) for each parameter of `opt` that will step, in
+        the optimizer's order; None when one of them has state the file does not hold."""
+        by_state: dict[int, list] = {}
+        for entry in self._layout:
+            by_state.setdefault(id(entry[0]), []).append(entry)
+        units = []
+        for gi, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue  # torch's step skips it; its state stays in the file
+                state = opt.state.get(p)
+                entries = by_state.get(id(state), [])
+                resident = [k for k, t in (state or {}).items() if isinstance(t, torch.Tensor) and t.dim() > 0]
+                if not state or resident:  # Adam would make or use state the file does not hold
+                    return None
+                units.append((gi, p, entries))
+        return units
 
     @contextlib.contextmanager
     def resident(self):
@@ -211,6 +256,126 @@ class OptimizerStateOffload:
         self._layout = []
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+def _streamed_step(offload: OptimizerStateOffload, opt, step):
+    """`opt.step` run on one parameter at a time (every other group emptied), each parameter's state
+    read just before and written back in place just after; reads ahead and writes behind in flight
+    up to offload.window_bytes of moments held (one parameter's at least). The parameters that step
+    are known only now (Megatron hands the main params their grads inside its step)."""
+
+    def streamed(closure=None):
+        if closure is not None:
+            raise RuntimeError("optimizer offload: a streamed step takes no closure")
+        units = offload._units(opt)
+        if units is None:  # state the file does not hold (a parameter's first step): whole, same bits
+            offload.load()
+            step()
+            offload.store()
+            return None
+        groups = opt.param_groups
+        params = [g["params"] for g in groups]
+        fd = offload._open(write=True, read=True)
+        reads: deque = deque()  # ([(entry, buf)], futures) submitted, not yet stepped
+        writes: deque = deque()  # ([bufs], futures, bytes) submitted, not yet done
+        held, waited, nxt = 0, 0.0, 0
+        nbytes = [sum(_padded(e) for e in u[2]) for u in units]
+
+        def wait(futures) -> None:
+            nonlocal waited
+            t0 = time.perf_counter()
+            for f in futures:
+                f.result()
+            waited += time.perf_counter() - t0
+
+        def retire_writes(block: bool) -> None:
+            nonlocal held
+            while writes and (block or all(f.done() for f in writes[0][1])):
+                _, futures, n = writes.popleft()
+                wait(futures)
+                held -= n
+                block = False
+
+        try:
+            with ThreadPoolExecutor(_IO_THREADS) as pool:
+                for i, (gi, p, _) in enumerate(units):
+                    while nxt < len(units):  # read ahead while the window allows
+                        retire_writes(block=False)
+                        if held and held + nbytes[nxt] > offload.window_bytes:
+                            if nxt > i or not writes:
+                                break
+                            retire_writes(block=True)  # this parameter's read waits for room
+                            continue
+                        made, futures = [], []
+                        for entry in units[nxt][2]:
+                            buf, jobs = _submit_read(pool, fd, entry)
+                            made.append((entry, buf))
+                            futures += jobs
+                        reads.append((made, futures))
+                        held += nbytes[nxt]
+                        offload.held_peak = max(offload.held_peak, held)
+                        nxt += 1
+                    made, futures = reads.popleft()
+                    wait(futures)
+                    for (state, key, _, shape, dtype), buf in made:
+                        state[key] = _tensor_of(buf, shape, dtype)
+                    for g in groups:
+                        g["params"] = []
+                    groups[gi]["params"] = [p]
+                    try:
+                        step()
+                    finally:
+                        for g, ps in zip(groups, params):
+                            g["params"] = ps
+                    jobs = []
+                    for (state, key, offset, _, _), buf in made:
+                        t = state[key]
+                        mine = _tensor_of(buf, t.shape, t.dtype)
+                        if t.data_ptr() != mine.data_ptr():  # the optimizer replaced it: the new values go
+                            mine.copy_(t)
+                        del mine, t
+                        state[key] = None
+                        view = memoryview(buf)
+                        jobs += [
+                            pool.submit(_write_all, fd, view[pos : pos + _CHUNK], offset + pos)
+                            for pos in range(0, len(buf), _CHUNK)
+                        ]
+                        del view
+                    writes.append(([b for _, b in made], jobs, nbytes[i]))
+                    del made, buf
+                while writes:
+                    retire_writes(block=True)
+            if not offload._direct:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+            offload.seconds += waited
+        return None
+
+    return streamed
+
+
+def _padded(entry) -> int:
+    _, _, _, shape, dtype = entry
+    return -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+
+
+def _submit_read(pool: ThreadPoolExecutor, fd: int, entry) -> tuple[mmap.mmap, list]:
+    """A page-aligned buffer of its own for one layout entry (an anonymous mapping: O_DIRECT takes it,
+    and it is unmapped when the last tensor on it dies) and the reads that fill it."""
+    _, _, offset, _, _ = entry
+    n = _padded(entry)
+    buf = mmap.mmap(-1, n)
+    buf.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults where the kernel allows it
+    view = memoryview(buf)
+    jobs = [pool.submit(_read_all, fd, view[pos : min(pos + _CHUNK, n)], offset + pos) for pos in range(0, n, _CHUNK)]
+    del view
+    return buf, jobs
+
+
+def _tensor_of(buf: mmap.mmap, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 def _write_all(fd: int, buf: memoryview, offset: int) -> None:
