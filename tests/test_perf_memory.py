@@ -188,8 +188,10 @@ def test_the_real_configs_one_process_plan_adds_up_and_names_the_knob_that_fits_
     assert est["engine_weights"] == pytest.approx((44e6 * 4 + 314e6 * (4 + 0.5 + 1 / 16) + 136e6 * 4), rel=0.02)
     masters = pm.engine_weight_bytes(m, pol, "bfloat16", masters=True) - est["engine_weights"]
     assert masters == pytest.approx(314e6 * 4, rel=0.02)  # a BF16 checkpoint's, until the first sync
-    # asleep through the train phase: the engine awake beside the trainer peaks (the sync: one bucket more)
-    assert est["peak"] == est["sync_phase"] > est["rollout_phase"] > est["train_phase"]
+    # asleep through the train phase: the engine awake beside the trainer (the sync: one bucket more than
+    # the rollout) holds about as much as the forward/backward's activations and logits on top
+    assert est["sync_phase"] > est["rollout_phase"] and est["peak"] == est["train_phase"]
+    assert est["train_phase"] - est["rollout_phase"] < 0.3 * pm.GIB
     assert est["train_phase"] == est["forward_backward_phase"] > est["optimizer_phase"]
     awake = pm.process_estimate(cfg, pol, m, False)
     assert awake["train_phase"] - est["train_phase"] == pytest.approx(est["engine_weights"] + est["kv_pool"])

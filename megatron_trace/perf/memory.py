@@ -21,8 +21,9 @@ peaks on CPU shapes (tests/test_perf_memory.py: within 25%).
                and what the backward holds at once: one layer's activation grads (a recomputed
                layer's activations too) and the fp32 quantizer temporaries of the widest QAT input;
                under sequence parallelism the residual-stream terms are / TP too
-    logits     the chunked vocab-parallel logprobs: a few fp32 copies of one chunk
-               (trainer.logprob_chunk_mb) and the fp32 grad of this rank's vocab rows
+    logits     the chunked vocab-parallel logprobs: its workspace, three fp32 buffers of one chunk
+               (trainer.logprob_chunk_mb) and one in the weight's dtype, and in the backward the
+               fp32 grad of this rank's vocab rows beside one chunk's product before it is added
     guidance   the device copy of a micro-batch's guidance for its guided sites (codes or mantissa
                bits + E4M3 scales + fp32 S_enc per token): one micro-batch's, freed after its
                forward; under recompute kept until its backward, so one per micro-batch in flight
@@ -43,7 +44,9 @@ if TYPE_CHECKING:
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-LOGIT_COPIES = 4  # z, log-softmax, probabilities, the backward's gradient: fp32 chunks alive at once
+# the chunked head's workspace (trainer/logprobs.py): fp32 logits, log-softmax and probabilities (and
+# the chunk's logits in the weight's dtype beside them)
+LOGIT_CHUNKS = 3
 USABLE = 0.92  # share of HBM a run may plan for (allocator fragmentation, NCCL and CUDA context)
 
 
@@ -166,7 +169,8 @@ def estimate(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> dict:
     transient = one_layer * (2 if p.recompute != "none" else 1) + 3 * p.qat_input_width / p.tp * 4 * tokens
     vocab_local = _padded_vocab(m, p.tp) / p.tp
     chunk = min(p.logprob_chunk_mb * 2**20, tokens * vocab_local * 4)
-    logits = LOGIT_COPIES * chunk + vocab_local * m.hidden * 4 + tokens * m.hidden * b
+    # its backward: the fp32 grad of this rank's vocab rows and a chunk's product before it is added
+    logits = (LOGIT_CHUNKS + b / 4) * chunk + 2 * vocab_local * m.hidden * 4 + tokens * m.hidden * b
     guidance = guidance_bytes_per_token(m, p) * tokens * (in_flight if p.recompute != "none" else 1)
     out = {
         "weights": params * b,

@@ -52,8 +52,26 @@ def _width(w: torch.Tensor, spec: VocabSpec) -> int:
     return min(max(spec.real_vocab - spec.vocab_start, 0), w.shape[0])
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, spec: VocabSpec) -> torch.Tensor:
-    return (h @ w[: _width(w, spec)].t()).float() / spec.temperature
+class _Workspace:
+    """One call's chunk buffers, which every chunk reuses (the last, shorter one their first rows): a
+    chunk's logits in the weight's dtype and its fp32 logits, log-softmax and probabilities. Fresh
+    [c, V/TP] tensors per chunk cost twice on CPU: the heap policy the engine needs
+    (kernels/cpu_alloc.keep_freed_memory) keeps what they free and fragments under the next ones (at
+    the real 0.5B's vocab the head's forward peak grew 0.9 -> 2.0 GiB over four calls), and those
+    above its mmap threshold are page-faulted in anew each time. Same ops, same bits."""
+
+    def __init__(self, rows: int, width: int, dtype: torch.dtype):
+        self.lin = torch.empty(rows, width, dtype=dtype)
+        self.z, self.logp, self.probs = (torch.empty(rows, width) for _ in range(3))
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, spec: VocabSpec, ws: _Workspace | None = None) -> torch.Tensor:
+    wt = w[: _width(w, spec)].t()
+    if ws is None:
+        return (h @ wt).float() / spec.temperature
+    lin, z = ws.lin[: len(h)], ws.z[: len(h)]
+    torch.mm(h, wt, out=lin)
+    return z.copy_(lin).div_(spec.temperature)
 
 
 def _label_mask(labels: torch.Tensor, spec: VocabSpec, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,13 +81,13 @@ def _label_mask(labels: torch.Tensor, spec: VocabSpec, width: int) -> tuple[torc
     return local.clamp(0, width - 1), mine
 
 
-def _log_softmax(z: torch.Tensor, spec: VocabSpec) -> torch.Tensor:
+def _log_softmax(z: torch.Tensor, spec: VocabSpec, out: torch.Tensor | None = None) -> torch.Tensor:
     if _tp(spec.group) == 1:
-        return torch.log_softmax(z, dim=-1)  # torch's: the rollout's sampler computes exactly this
+        return torch.log_softmax(z, dim=-1, out=out)  # torch's: the rollout's sampler computes exactly this
     m = z.amax(-1) if z.shape[-1] else torch.full(z.shape[:1], float("-inf"), device=z.device)
     m = _all_reduce(m, spec, dist.ReduceOp.MAX)
     s = _all_reduce(torch.exp(z - m[:, None]).sum(-1), spec)
-    return z - (m + torch.log(s))[:, None]
+    return torch.sub(z, (m + torch.log(s))[:, None], out=out)
 
 
 def _support(probs: torch.Tensor, spec: VocabSpec) -> torch.Tensor | None:
@@ -126,17 +144,23 @@ def _nucleus(probs: torch.Tensor, spec: VocabSpec) -> torch.Tensor:
     return out
 
 
-def _chunk(z, labels, spec: VocabSpec, stats: bool = True):
+def _chunk(z, labels, spec: VocabSpec, stats: bool = True, ws: _Workspace | None = None):
     """(logp of the labels, entropy, q = the filtered renormalized probabilities) of one chunk of
-    fp32 logits z [c, real V/TP] (temperature applied). stats=False (backward): q only."""
-    logp_all = _log_softmax(z, spec)
+    fp32 logits z [c, real V/TP] (temperature applied). stats=False (backward): q only. With a
+    workspace, z is one of its buffers and q another (valid until the next chunk)."""
+    rows = len(labels)
+    logp_all = _log_softmax(z, spec, None if ws is None else ws.logp[:rows])
     col, mine = _label_mask(labels, spec, z.shape[-1])
     tok = ent = None
     if stats:
         picked = logp_all.gather(-1, col[:, None])[:, 0] if z.shape[-1] else torch.zeros(len(labels))
         tok = _all_reduce(torch.where(mine, picked, 0.0), spec)
-        probs = logp_all.exp()
-        ent = _all_reduce(-torch.linalg.vecdot(probs, logp_all), spec)
+        if ws is None:
+            probs = logp_all.exp()
+            ent = _all_reduce(-torch.linalg.vecdot(probs, logp_all), spec)
+        else:  # vecdot is this product summed; z is spent, so the product goes there
+            probs = torch.exp(logp_all, out=ws.probs[:rows])
+            ent = _all_reduce(-torch.mul(probs, logp_all, out=z).sum(-1), spec)
     else:
         probs = logp_all.exp_()
     keep = _support(probs, spec)
@@ -157,9 +181,11 @@ class _ChunkedLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, spec: VocabSpec):
         step = _rows_per_chunk(weight, spec)
+        ws = _Workspace(min(step, len(labels)), _width(weight, spec), weight.dtype)
         tok, ent = [], []
         for i in range(0, len(labels), step):
-            t, e, _ = _chunk(_chunk_logits(hidden[i : i + step], weight, spec), labels[i : i + step], spec)
+            z = _chunk_logits(hidden[i : i + step], weight, spec, ws)
+            t, e, _ = _chunk(z, labels[i : i + step], spec, ws=ws)
             tok.append(t)
             ent.append(e)
         ctx.save_for_backward(hidden, weight, labels)
@@ -177,15 +203,18 @@ class _ChunkedLogprob(torch.autograd.Function):
         width = _width(weight, spec)
         w = weight[:width]
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        ws = _Workspace(min(step, len(labels)), width, weight.dtype)
+        product = torch.empty(width, weight.shape[1])  # a chunk's gᵀh before it is added: one buffer, not one a chunk
         for i in range(0, len(labels), step):
             h, lab = hidden[i : i + step], labels[i : i + step]
-            g = _chunk(_chunk_logits(h, weight, spec), lab, spec, stats=False)[2].neg_()
+            g = _chunk(_chunk_logits(h, weight, spec, ws), lab, spec, stats=False, ws=ws)[2].neg_()
             col, mine = _label_mask(lab, spec, g.shape[-1])
             rows = torch.arange(len(lab))
             g[rows[mine], col[mine]] += 1.0
             g *= grad_tok[i : i + step, None].float() / spec.temperature
-            grad_h[i : i + step] = (g.to(weight.dtype) @ w).to(hidden.dtype)
-            grad_w[:width] += g.t() @ h.float()
+            grad_h[i : i + step] = (ws.lin[: len(lab)].copy_(g) @ w).to(hidden.dtype)  # g in the weight's dtype
+            grad_w[:width] += torch.mm(g.t(), h.float(), out=product)
+        del ws, product
         return grad_h, grad_w.to(weight.dtype), None, None
 
 
