@@ -126,12 +126,15 @@ class Logging(Hook):
 
 class Checkpointing(Hook):
     """The actor's checkpoint (weights, optimizer, the weight version) every trainer.save_every steps
-    and after the last; collective."""
+    and after the last; collective. What the save freed goes back to the system at once: it comes
+    after the step's heap trim, and kept, it sat under the next rollout (the real config's rollout
+    peak 0.8-1.8 GiB higher after each save step: 10.8-11.8 against 9.9-10.0)."""
 
     def after_step(self, run, result) -> None:
         t = run.cfg.trainer
         if t.save_every and (result.step + 1) % t.save_every == 0 or result.step + 1 == t.steps:
             run.actor.save_checkpoint(run.run_dir / "checkpoints", result.step, {"version": run.version})
+            cpu_alloc.return_freed_memory()
 
 
 class QualityAfter(Hook):
