@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -49,7 +50,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def first_layers(src: Path, n: int, out: Path) -> Path:
     """An HF directory holding src's first n decoder layers (safetensors, config.json, tokenizer)."""
-    import shutil
 
     from safetensors.torch import load_file, save_file
 
@@ -160,8 +160,10 @@ def main(argv=None) -> int:
     init_distributed(seed=0)
     modes = args.modes.split(",")
     runs = {m: [] for m in modes}
+    # the config's trainer as a run builds it: trainer.optimizer_offload=disk keeps Adam's moments in a file
+    offload_dir = tempfile.mkdtemp(prefix="train_phase_state_")
     try:
-        actor = Actor(arch, policy, cfg.trainer, cfg.rollout, hf_path=ckpt)
+        actor = Actor(arch, policy, cfg.trainer, cfg.rollout, hf_path=ckpt, offload_dir=offload_dir)
         actor.qat.set_mode("guided")
         actor.train_step(samples[:2], cfg.algo)  # warm-up: kernels built, optimizer state allocated
         for _ in range(args.rounds):  # interleaved: every mode sees the same machine load
@@ -185,6 +187,7 @@ def main(argv=None) -> int:
                 (out / f"{m}.txt").write_text(table)
     finally:
         destroy()
+        shutil.rmtree(offload_dir, ignore_errors=True)
     rate = gemm_rate(arch.hidden_size, arch.intermediate_size)
     gflop = step_gflop(arch, samples)
     floor = gflop / rate

@@ -17,6 +17,7 @@ def test_every_trainer_mode_trains_the_same_rollout_batch(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--config", "configs/tiny_cpu.yaml", "--samples", "4", "--max-new-tokens", "8", "--rounds", "1"]
     args += ["--json", str(out), "trainer.warm_start_steps=0", f"logging.run_dir={tmp_path / 'run'}"]
+    args += ["trainer.dtype=bfloat16", "trainer.optimizer_offload=disk"]  # the real config's trainer
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "train_phase.py"), *args],
         cwd=REPO,

@@ -63,25 +63,37 @@ def bound_kernel_caches() -> dict[str, str]:
     return {var: os.environ[var] for var in KERNEL_CACHE_VARS}
 
 
-def return_freed_memory() -> int:
+def return_freed_memory(collect: bool = True) -> int:
     """Gives the heap's free pages back to the system (glibc malloc_trim) and returns the resident
     bytes released. keep_freed_memory's thresholds keep what a finished phase freed (the quality
     gate's two engines: 5.4 GB of a 0.5B model) resident, and the trainer's large buffers are fresh
     mmaps that cannot reuse it; a run calls this between such phases. Garbage in reference cycles
     is collected first: the engines' frozen GC (sglang_backend/local/engine.py) leaves a closed
-    engine's cycles to the next full collection, and their pages cannot go back before it. 0 where
+    engine's cycles to the next full collection, and their pages cannot go back before it
+    (collect=False: the trainer's calls between micro-batches, which free no cycles). 0 where
     glibc is absent."""
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    if not name:
-        return 0
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing kept that this could free
+    if collect:
+        gc.collect()
+    trim = _malloc_trim()
+    if trim is None:
         return 0
     before = _resident_bytes()
     trim(0)
     return max(before - _resident_bytes(), 0)
+
+
+_trim_fn: list = []
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, looked up once (find_library runs ldconfig); None where it is absent."""
+    if not _trim_fn:
+        name = ctypes.util.find_library("c")
+        try:
+            _trim_fn.append(ctypes.CDLL(name).malloc_trim if name else None)
+        except (OSError, AttributeError):  # not glibc (musl, macOS): nothing kept that this could free
+            _trim_fn.append(None)
+    return _trim_fn[0]
 
 
 def _resident_bytes() -> int:

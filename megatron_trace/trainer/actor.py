@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_trace.config import AlgoConfig, RolloutConfig, TrainerConfig
+from megatron_trace.kernels import cpu_alloc
 from megatron_trace.models import ModelArch, QuantPolicy, pp_layer_range
 from megatron_trace.rl import Sample, policy_loss
 
@@ -251,9 +252,19 @@ class Actor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         recompute = self.cfg.recompute != "none" and not forward_only
+        # A CPU trainer gives the heap's freed memory back before each micro-batch and before its
+        # backward. The engine's heap policy (kernels/cpu_alloc.keep_freed_memory) keeps what is
+        # freed, and the head's backward takes two fresh 0.5 GiB mappings (the real 0.5B's fp32 weight
+        # grad and product) that cannot reuse it: the forward's freed activations sat under them, and
+        # the kept heap grew micro-batch by micro-batch (the real config's forward/backward 2.4-2.8
+        # GiB over the trainer's state in benchmarks/train_phase.py's batch; with these trims 1.7, for
+        # 1-2 s more of its ~76).
+        trim = not forward_only and not torch.cuda.is_available()
 
         def forward_step(data_iterator, model):
             t0 = time.perf_counter()
+            if trim:
+                cpu_alloc.return_freed_memory(collect=False)
             mb = next(data_iterator)
             self._bind(mb, False)
             lay = mb.layout
@@ -283,6 +294,8 @@ class Actor:
                 try:
                     return self._loss(mb, hidden, forward_only, loss_cfg, len(micro), total)
                 finally:
+                    if trim:  # the forward is done; its backward follows
+                        cpu_alloc.return_freed_memory(collect=False)
                     forward_s[0] += time.perf_counter() - t1
 
             return out, loss
