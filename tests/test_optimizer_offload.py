@@ -98,9 +98,9 @@ def test_a_streamed_step_is_the_resident_step_and_holds_its_window(tmp_path, win
             assert torch.equal(ref_opt.state[p][key], off_opt.state[q][key])
 
 
-def test_a_parameter_without_state_on_file_steps_whole(tmp_path):
+def test_a_parameter_without_state_on_file_steps_whole(tmp_path, caplog):
     """A parameter that gets its first grad after the state went to disk (its moments are made by this
-    step): the step runs resident, with the same bits, and the new moments go to the file too."""
+    step): the step runs resident, with the same bits, says so, and the new moments go to the file too."""
     ref, off = _model(4, 1 << 12), _model(4, 1 << 12)
     ref_opt, off_opt = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(off.parameters(), lr=1e-2)
     for m in (ref, off):
@@ -111,8 +111,9 @@ def test_a_parameter_without_state_on_file_steps_whole(tmp_path):
             for m in (ref, off):
                 m[2].requires_grad_(True)
         _step(ref, ref_opt, step)
-        with offload.stepping():
+        with caplog.at_level(logging.WARNING), offload.stepping():
             _step(off, off_opt, step)
+        assert ("holds them all" in caplog.text) == (step == 2), step
         for a, b in zip(ref.parameters(), off.parameters()):
             assert torch.equal(a, b), step
     assert all(off_opt.state[p]["exp_avg"] is None for p in off.parameters())  # all on disk, the new ones too

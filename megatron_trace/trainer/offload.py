@@ -269,6 +269,12 @@ def _streamed_step(offload: OptimizerStateOffload, opt, step):
             raise RuntimeError("optimizer offload: a streamed step takes no closure")
         units = offload._units(opt)
         if units is None:  # state the file does not hold (a parameter's first step): whole, same bits
+            log.warning(
+                "optimizer offload: a parameter steps with state %s does not hold (its first step); this step "
+                "reads every moment back and holds them all (%.2f GiB)",
+                offload.path,
+                offload.bytes / 2**30,
+            )
             offload.load()
             step()
             offload.store()
