@@ -146,7 +146,8 @@ def test_estimate_is_within_25_percent_of_the_measured_step(record, recompute):
         qat_weight_params=3 * 256 * 1024,  # the MLP's FP4 linears
     )
     est = pm.estimate(m, plan)
-    step = est["activations"] + est["logits"] + est["guidance"]  # weights, grads, Adam: allocated before
+    # weights, grads, Adam: allocated before; the head and a recomputed layer's backward one after the other
+    step = est["total"] - est["weights"] - est["grads"] - est["optimizer"]
     print(recompute, f"measured {measured / pm.GIB:.3f} GiB, estimated {step / pm.GIB:.3f} GiB")
     assert abs(step - measured) <= 0.25 * measured, (recompute, measured / pm.GIB, step / pm.GIB)
 
@@ -188,10 +189,8 @@ def test_the_real_configs_one_process_plan_adds_up_and_names_the_knob_that_fits_
     assert est["engine_weights"] == pytest.approx((44e6 * 4 + 314e6 * (4 + 0.5 + 1 / 16) + 136e6 * 4), rel=0.02)
     masters = pm.engine_weight_bytes(m, pol, "bfloat16", masters=True) - est["engine_weights"]
     assert masters == pytest.approx(314e6 * 4, rel=0.02)  # a BF16 checkpoint's, until the first sync
-    # asleep through the train phase: the engine awake beside the trainer (the sync: one bucket more than
-    # the rollout) holds about as much as the forward/backward's activations and logits on top
-    assert est["sync_phase"] > est["rollout_phase"] and est["peak"] == est["train_phase"]
-    assert est["train_phase"] - est["rollout_phase"] < 0.3 * pm.GIB
+    # asleep through the train phase: the engine awake beside the trainer peaks (the sync: one bucket more)
+    assert est["peak"] == est["sync_phase"] > est["rollout_phase"] > est["train_phase"]
     assert est["train_phase"] == est["forward_backward_phase"] > est["optimizer_phase"]
     awake = pm.process_estimate(cfg, pol, m, False)
     assert awake["train_phase"] - est["train_phase"] == pytest.approx(est["engine_weights"] + est["kv_pool"])

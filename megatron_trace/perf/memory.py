@@ -164,7 +164,11 @@ def estimate(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> dict:
     layers = math.ceil(m.layers / p.pp)
     in_flight = p.pp
     one_layer = _act_elements(m, p, "none") * b * tokens
-    saved = (_act_elements(m, p, p.recompute) * b * tokens + p.qat_weight_params / p.tp * b) * layers * in_flight
+    # a QAT linear saves its fake-quantized weight for the backward unless its layer is recomputed (full:
+    # the whole layer; selective: the MLP, where the FP4 linears are): measured, the real config's forward
+    # left 0.15 GiB live over 24 layers under full recompute, not their 0.6 GiB of quantized MLP weights
+    qat_saved = p.qat_weight_params / p.tp * b if p.recompute == "none" else 0.0
+    saved = (_act_elements(m, p, p.recompute) * b * tokens + qat_saved) * layers * in_flight
     # backward holds one layer's activation grads; a recomputed layer's activations on top
     transient = one_layer * (2 if p.recompute != "none" else 1) + 3 * p.qat_input_width / p.tp * 4 * tokens
     vocab_local = _padded_vocab(m, p.tp) / p.tp
@@ -182,7 +186,10 @@ def estimate(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> dict:
         "logits": logits,
         "guidance": guidance,
     }
-    out["total"] = sum(out.values())
+    # in time, the head's logits (forward, then its backward) come before the layers' recomputed backward:
+    # the step holds what the layers saved and the larger of the two on top
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + saved + guidance + max(transient, logits)
+    out["activations_saved"] = saved  # of "activations": what the layers keep through the step
     if gpu is not None:
         out["capacity"] = GPUS[gpu].hbm_gb * 1e9 * USABLE
         out["fits"] = out["total"] <= out["capacity"]
@@ -253,6 +260,7 @@ def table(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> str:
     ]
     for k in ("weights", "grads", "optimizer", "activations", "logits", "guidance", "total"):
         rows.append(f"  {k:<12} {est[k] / GIB:8.1f} GiB")
+    rows[-1] += "  (saved activations + the larger of the logits and a layer's recompute: not at once)"
     if gpu is not None:
         verdict = "fits" if est["fits"] else f"does NOT fit: {advice(m, p, est)}"
         rows.append(
@@ -360,7 +368,10 @@ def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: f
         "activations": est["activations"],
         "logits": est["logits"] + est["guidance"],  # the micro-batch's device copy of its guidance too
     }
-    out["train_transient"] = out["activations"] + out["logits"]
+    # the layers' saved activations, and on top the larger of the head (its logits and the micro-batch's
+    # guidance) and a recomputed layer's backward: they come one after the other
+    saved = est["activations_saved"]
+    out["train_transient"] = saved + max(out["activations"] - saved, out["logits"])
     offloaded = cfg.trainer.optimizer_offload == "disk"
     resident = out["runtime"] + out["trainer_build"] + store  # + Adam's m, v where not offloaded
     between_steps = resident + (0.0 if offloaded else out["adam"])
@@ -405,9 +416,8 @@ def process_advice(cfg, pol, m: ModelSpec, engine_sleeps: bool, budget_bytes: fl
     tokens = max(t.max_tokens_per_microbatch // 2, 1)
     # the KV pool is linear in its slots: the most a page-aligned pool may hold under the budget
     est = process_estimate(cfg, pol, m, engine_sleeps)
-    without_pool = (
-        max(est["rollout_phase"], est["train_phase"] + (est["kv_pool"] if engine_sleeps else 0)) - est["kv_pool"]
-    )
+    awake = max(est["rollout_phase"], est["sync_phase"])  # the phases the pool is resident in
+    without_pool = max(awake, est["train_phase"] + (est["kv_pool"] if engine_sleeps else 0)) - est["kv_pool"]
     per_slot = kv_pool_bytes(m, pol, 1, r.dtype) if r.backend == "local" else float("inf")
     pool = max(int((budget_bytes - without_pool) / per_slot) // 16 * 16, 16) if per_slot else r.max_total_tokens
     tries += [
