@@ -65,12 +65,10 @@ class _Workspace:
         self.z, self.logp, self.probs = (torch.empty(rows, width) for _ in range(3))
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, spec: VocabSpec, ws: _Workspace | None = None) -> torch.Tensor:
-    wt = w[: _width(w, spec)].t()
-    if ws is None:
-        return (h @ wt).float() / spec.temperature
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, spec: VocabSpec, ws: _Workspace) -> torch.Tensor:
+    """fp32 logits of h's rows at the temperature, in the workspace: (h·Wᵀ).float() / temperature."""
     lin, z = ws.lin[: len(h)], ws.z[: len(h)]
-    torch.mm(h, wt, out=lin)
+    torch.mm(h, w[: _width(w, spec)].t(), out=lin)
     return z.copy_(lin).div_(spec.temperature)
 
 

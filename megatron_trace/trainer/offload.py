@@ -148,7 +148,7 @@ class OptimizerStateOffload:
                         jobs.append(pool.submit(_write_all, fd, src[pos : min(pos + _CHUNK, direct)], offset + pos))
                     staged.append((src[direct:], offset + direct))
                     self._layout.append((state, key, offset, t.shape, t.dtype))
-                    offset += -(-n // _ALIGN) * _ALIGN
+                    offset += _aligned(n)
                 for f in jobs:
                     f.result()
             bounce = memoryview(self._bounce)
@@ -156,7 +156,7 @@ class OptimizerStateOffload:
                 for pos in range(0, len(src), _BOUNCE):
                     chunk = src[pos : pos + _BOUNCE]
                     bounce[: len(chunk)] = chunk
-                    _write_all(fd, bounce[: -(-len(chunk) // _ALIGN) * _ALIGN], at + pos)
+                    _write_all(fd, bounce[: _aligned(len(chunk))], at + pos)
             if not self._direct:
                 os.fdatasync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -362,9 +362,14 @@ def _streamed_step(offload: OptimizerStateOffload, opt, step):
     return streamed
 
 
+def _aligned(n: int) -> int:
+    """n bytes rounded up to whole O_DIRECT blocks."""
+    return -(-n // _ALIGN) * _ALIGN
+
+
 def _padded(entry) -> int:
     _, _, _, shape, dtype = entry
-    return -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    return _aligned(math.prod(shape) * dtype.itemsize)
 
 
 def _submit_read(pool: ThreadPoolExecutor, fd: int, entry) -> tuple[mmap.mmap, list]:
