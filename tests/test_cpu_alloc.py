@@ -74,3 +74,40 @@ def test_gemm_kernel_caches_stop_growing_once_full(caches):
         assert grown["later"] < 12, grown  # heap noise (4.8 MiB over 48 more); unbounded: 1.8 MiB a count
     else:
         assert grown["later"] > 24, grown  # what the bound removes: the test sees it
+
+
+def test_a_cpu_train_step_returns_freed_heap_where_fresh_mappings_follow(tmp_path, monkeypatch):
+    """Before each micro-batch, before its backward (the head's fresh fp32 weight grad) and before the
+    embedding's backward (its fresh dense weight grad, after every layer's): the points where the
+    kept heap would sit under a new mapping. A forward-only pass trims nothing."""
+    from megatron_trace.config import AlgoConfig, TrainerConfig
+    from megatron_trace.models import ModelArch, QuantPolicy, make_tiny_checkpoint
+    from megatron_trace.rl import Sample
+    from megatron_trace.trainer.actor import Actor
+    from megatron_trace.trainer.gpt import _unwrap
+    from megatron_trace.trainer.parallel import destroy, init_distributed
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=3)
+    init_distributed()
+    try:
+        arch = ModelArch.from_hf_config(ckpt)
+        cfg = TrainerConfig(qat_mode="rtn", dtype="bfloat16", recompute="full", max_tokens_per_microbatch=16)
+        actor = Actor(arch, QuantPolicy(kv="nvfp4"), cfg, hf_path=ckpt)
+        events: list[str] = []
+        monkeypatch.setattr(cpu_alloc, "return_freed_memory", lambda collect=True: events.append("trim") or 0)
+        model = _unwrap(actor.ddp)
+        for layer in model.decoder.layers:
+            layer.register_full_backward_hook(lambda *_: events.append("layer backward"))
+        model.embedding.word_embeddings.register_full_backward_pre_hook(lambda *_: events.append("embedding"))
+        g = torch.Generator().manual_seed(0)
+        batch = []
+        for i in range(2):  # one sample per micro-batch
+            ids = torch.randint(0, arch.vocab_size, (14,), generator=g).tolist()
+            batch.append(Sample(f"s{i}", ids[:6], ids[6:], [-2.0] * 8, advantage=(-1.0) ** i))
+        actor.compute_logprobs(batch)
+        assert events == []
+        actor.train_step(batch, AlgoConfig())
+        one = ["trim", "trim"] + ["layer backward"] * arch.num_layers + ["trim", "embedding"]
+        assert events == one * 2
+    finally:
+        destroy()

@@ -369,7 +369,8 @@ def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: f
     }
     # the layers' saved activations, and on top the larger of the head (its logits and the micro-batch's
     # guidance) and a recomputed layer's backward: they come one after the other, and the CPU trainer
-    # returns freed heap before each micro-batch's backward (measured: an RSS trace of the real step)
+    # returns freed heap before each micro-batch's backward and before the embedding's (measured: an RSS
+    # trace of the real step)
     saved = est["activations_saved"]
     out["train_transient"] = saved + max(out["activations"] - saved, out["logits"])
     offloaded = cfg.trainer.optimizer_offload == "disk"

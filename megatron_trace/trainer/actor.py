@@ -208,6 +208,12 @@ class Actor:
             if shards > 1
             else (ps.get_context_parallel_group() if cp > 1 else None)
         )
+        # a CPU trainer returns freed heap before the embedding's backward too (see _run): its dense
+        # [V, H] weight grad is a fresh mapping on top of what the layers' backward freed and kept
+        self._trimming = False
+        embedding = getattr(_unwrap(model), "embedding", None)
+        if embedding is not None and not torch.cuda.is_available():
+            embedding.register_forward_hook(self._trim_before_embedding_backward)
         head = _unwrap(model).output_layer if ps.is_pipeline_last_stage() else None
         self.head = head
         if head is not None:
@@ -227,6 +233,14 @@ class Actor:
         # called after each part of train_step ("forward_backward", "optimizer"): the run's memory marks
         self.on_part_done = None
         self._restored: MicroBatch | None = None  # the micro-batch whose backward runs (recompute)
+
+    def _trim_before_embedding_backward(self, _module, _inputs, out: torch.Tensor) -> None:
+        if self._trimming and out.requires_grad:
+
+            def trim(_grad: torch.Tensor) -> None:  # the grad passes unchanged
+                cpu_alloc.return_freed_memory(collect=False)
+
+            out.register_hook(trim)
 
     @property
     def chunks(self) -> list:
@@ -252,14 +266,17 @@ class Actor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         recompute = self.cfg.recompute != "none" and not forward_only
-        # A CPU trainer gives the heap's freed memory back before each micro-batch and before its
-        # backward. The engine's heap policy (kernels/cpu_alloc.keep_freed_memory) keeps what is
-        # freed, and the head's backward takes two fresh 0.5 GiB mappings (the real 0.5B's fp32 weight
-        # grad and product) that cannot reuse it: the forward's freed activations sat under them, and
-        # the kept heap grew micro-batch by micro-batch (the real config's forward/backward 2.4-2.8
-        # GiB over the trainer's state in benchmarks/train_phase.py's batch; with these trims 1.7, for
-        # 1-2 s more of its ~76).
+        # A CPU trainer gives the heap's freed memory back before each micro-batch, before its
+        # backward and before the embedding's backward. The engine's heap policy
+        # (kernels/cpu_alloc.keep_freed_memory) keeps what is freed, and the head's backward takes two
+        # fresh 0.5 GiB mappings (the real 0.5B's fp32 weight grad and product), the embedding's
+        # backward a 0.25 GiB one (its dense bf16 grad), that cannot reuse it: the forward's freed
+        # activations sat under the first, the layers' backward's under the last, and the kept heap
+        # grew micro-batch by micro-batch (the real config's forward/backward 2.4-2.8 GiB over the
+        # trainer's state in benchmarks/train_phase.py's batch; with the first two trims 1.7, for 1-2 s
+        # more of its ~76; the embedding's grad on the layers' kept heap was then the peak).
         trim = not forward_only and not torch.cuda.is_available()
+        self._trimming = trim
 
         def forward_step(data_iterator, model):
             t0 = time.perf_counter()
@@ -320,6 +337,7 @@ class Actor:
             self.step_times = {"recompute": forward_s[0], "backward": time.perf_counter() - t_run - forward_s[0]}
             return store
         finally:
+            self._trimming = False
             if self.head is not None:
                 self.head.emit_hidden = False
             for mb in micro:
