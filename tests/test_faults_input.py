@@ -4,8 +4,8 @@ Covered elsewhere and not repeated here: NaN/Inf weights refused before sending,
 parameter (tests/test_transfer.py, tests/test_client.py); malformed config values
 (tests/test_config.py); tokens outside the vocabulary -> 400 (tests/test_server_http.py
 test_generate_rejects, tests/test_client.py test_4xx_raises_without_retry); a full disk under the
-guidance spill (tests/test_guidance_store.py test_enospc_*); a truncated trainer checkpoint
-shard (tests/test_faults_trainer.py).
+guidance spill (tests/test_guidance_store.py test_enospc_*) and under a checkpoint save, and a
+truncated trainer checkpoint shard (tests/test_faults_trainer.py).
 """
 
 from __future__ import annotations

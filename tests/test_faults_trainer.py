@@ -1,5 +1,5 @@
 """The trainer SIGKILLed in the middle of a real checkpoint save; the previous checkpoint stays
-`latest`, `--resume` continues from it, and a half-written shard is refused by name.
+`latest`, `--resume` continues from it, a half-written shard is refused by name, and a save onto a full disk says so.
 
 The save is real (`Actor.save_checkpoint` of the tiny run); the kill comes from the named fault
 point `checkpoint.shard_written` (armed by tests/mp_scripts/with_fault.py), between the shard's
@@ -104,3 +104,37 @@ def test_kill_mid_checkpoint_save_keeps_previous_and_resumes(tmp_path):
     m = _metrics(run_dir)
     # the resumed run's summary is the whole run's: step 0 (before the kill) and step 1
     assert set(m) == {0, 1} and json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+
+
+def test_a_save_onto_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The disk filling mid-shard (torch's zip writer then raises a bare RuntimeError): an error naming
+    the shard, the space left and the knobs; the partial shard removed; `latest` and its load intact."""
+    import torch
+
+    from megatron_trace.trainer import checkpoint
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    checkpoint.save(tmp_path, 1, model, opt)
+    saved = model.weight.detach().clone()
+    real_save = torch.save
+
+    def fills_the_disk(obj, f):  # a part written, then the writer's own error, as on a full disk
+        Path(f).write_bytes(b"\0" * 4096)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8277739776 vs 8277739672")
+
+    monkeypatch.setattr(checkpoint.torch, "save", fills_the_disk)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    with pytest.raises(OSError, match=r"checkpoint step 2: writing .*rank_00000\.pt failed after 0\.00 GiB") as e:
+        checkpoint.save(tmp_path, 2, model, opt)
+    assert "GiB free on its disk" in str(e.value) and "trainer.keep_checkpoints" in str(e.value)
+    assert "unexpected pos" in str(e.value) and "previous checkpoint stays latest" in str(e.value)
+    assert not (tmp_path / "step_2.tmp" / "rank_00000.pt").exists() and not (tmp_path / "step_2").exists()
+    assert (tmp_path / "latest").read_text() == "step_1"
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    fresh = torch.nn.Linear(4, 3)
+    checkpoint.load(tmp_path, fresh, torch.optim.Adam(fresh.parameters()))
+    assert torch.equal(fresh.weight, saved)

@@ -29,15 +29,27 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "rng": torch.get_rng_state(),
-            "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
-        },
-        tmp / f"rank_{rank:05d}.pt",
-    )
+    shard = tmp / f"rank_{rank:05d}.pt"
+    try:
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "rng": torch.get_rng_state(),
+                "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+            },
+            shard,
+        )
+    except (OSError, RuntimeError) as e:  # a full disk reaches torch's zip writer as a bare RuntimeError
+        written = shard.stat().st_size if shard.exists() else 0
+        shard.unlink(missing_ok=True)  # a partial shard only holds the disk; the other ranks' are theirs
+        free = shutil.disk_usage(root).free
+        raise OSError(
+            f"checkpoint step {step}: writing {shard} failed after {written / 2**30:.2f} GiB with "
+            f"{free / 2**30:.2f} GiB free on its disk ({type(e).__name__}: {e}); the previous checkpoint "
+            f"stays latest. Free space under {root}, keep fewer (trainer.keep_checkpoints) or point "
+            f"logging.run_dir at a larger disk"
+        ) from e
     faults.hit("checkpoint.shard_written", step=step, rank=rank)
     _barrier()
     if rank == 0:
