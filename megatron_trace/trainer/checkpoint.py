@@ -30,16 +30,14 @@ def save(
         tmp.mkdir(parents=True)
     _barrier()
     shard = tmp / f"rank_{rank:05d}.pt"
-    try:
-        torch.save(
-            {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "rng": torch.get_rng_state(),
-                "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
-            },
-            shard,
-        )
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": torch.get_rng_state(),
+        "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+    }
+    try:  # only the write: a state_dict's own error is not a disk's and keeps its message
+        torch.save(state, shard)
     except (OSError, RuntimeError) as e:  # a full disk reaches torch's zip writer as a bare RuntimeError
         written = shard.stat().st_size if shard.exists() else 0
         shard.unlink(missing_ok=True)  # a partial shard only holds the disk; the other ranks' are theirs
