@@ -209,6 +209,12 @@ class TrainerConfig(Section):
     max_tokens_per_logprob_microbatch: int = opt(16384, "packed token budget of forward-only logprob recompute", low=1)
     micro_batch_size: int = opt(8, "sequences per micro-batch of the padded layout (trainer.packing=false)", low=1)
     logprob_chunk_mb: float = opt(128.0, "fp32 logits held at once by the chunked vocab-parallel logprobs (MiB)", low=1)
+    logprob_keep_logits_mb: float = opt(
+        0.0,
+        "a micro-batch's LM-head logits (in the weights' dtype) kept from the forward for its backward when "
+        "they fit in this many MiB, one of the head's four GEMMs saved; 0: the backward recomputes them",
+        low=0,
+    )
     memory_check: bool = opt(True, "refuse a plan whose trainer memory estimate does not fit this machine")
     memory_budget_gib: float = opt(
         0.0,

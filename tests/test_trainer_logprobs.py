@@ -64,6 +64,58 @@ def test_one_rank_equals_the_whole_vocabulary_reference(seed, temperature, top_k
     assert not wc.grad[V:].any()  # padding rows get no gradient
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_recomputed_bits_with_one_gemm_less(dtype, monkeypatch):
+    """trainer.logprob_keep_logits_mb: the forward's h·Wᵀ kept for the backward gives the bits the
+    recomputing backward gives (values and both grads), and the backward forms no logits of its own;
+    logits larger than the allowance are recomputed."""
+    from megatron_trace.trainer import logprobs
+
+    calls = []
+    real = logprobs._chunk_logits
+    monkeypatch.setattr(logprobs, "_chunk_logits", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h, w, labels = _data(5, 23, vocab_rows=V + 32)
+    h, w = h.to(dtype), w.to(dtype)
+    need = len(labels) * V * w.element_size()
+    out = {}
+    for keep in (0, need - 1, need):
+        calls.clear()
+        spec = VocabSpec(0, V, 0.7, chunk_bytes=4 * 4 * (V + 32), keep_logits_bytes=keep)  # six chunks
+        hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = chunked_logprobs(hc, wc, labels, spec)
+        (lp * torch.linspace(-1, 2, len(labels))).sum().backward()
+        out[keep] = (lp.detach(), ent, hc.grad, wc.grad, len(calls))
+    assert [out[k][-1] for k in (0, need - 1, need)] == [12, 12, 6]
+    for a, b in zip(out[0][:-1], out[need][:-1]):
+        assert torch.equal(a, b)
+
+
+def test_a_bf16_head_has_megatrons_output_layer_gradients():
+    """bf16 weights (the real config's trainer): the weight grad is each chunk's bf16 GEMM of the
+    logits grad in bf16 (what Megatron's output layer computes from its bf16 logits), summed in fp32.
+    Against autograd through the whole-vocabulary bf16 reference (one bf16 GEMM over every row) it
+    agrees to bf16's rounding, and it is no further than that reference from the fp64 gradient."""
+    h, w, labels = _data(3, 23)
+    h, w = h.bfloat16(), w.bfloat16()
+    spec = VocabSpec(0, V, chunk_bytes=4 * 4 * V)  # 4 rows a chunk: six chunks
+    weights = torch.linspace(-1, 2, len(labels))
+    grads = {}
+    for name, dtype in (("chunked", None), ("bf16", torch.bfloat16), ("fp64", torch.float64)):
+        hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if dtype is None:
+            got, _ = chunked_logprobs(hc, wc, labels, spec)
+        else:
+            hd, wd = hc.to(dtype), wc.to(dtype)
+            got = torch.log_softmax((hd @ wd.t()).double(), -1).gather(-1, labels[:, None])[:, 0]
+        (got * weights.to(got.dtype)).sum().backward()
+        grads[name] = (hc.grad.double(), wc.grad.double())
+    for i in range(2):  # hidden, weight
+        ref, exact, mine = grads["bf16"][i], grads["fp64"][i], grads["chunked"][i]
+        scale = exact.abs().max()
+        assert torch.allclose(mine, ref, atol=2**-7 * scale, rtol=2**-6)
+        assert (mine - exact).abs().max() <= (ref - exact).abs().max() + 2**-8 * scale
+
+
 def _worker(rank: int, world: int, path: str, cases) -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
@@ -124,7 +176,7 @@ def test_two_vocab_parallel_ranks_equal_the_reference(two_ranks, case):
 def test_the_chunked_head_reuses_one_workspace_and_holds_what_the_memory_model_says():
     """At the real 0.5B's vocab and hidden size (151,936 x 896, bf16) under the engine's heap policy,
     which keeps freed memory: a forward + backward over five chunks page-faults in about its own
-    buffers' pages (the workspace, the fp32 weight grad, one chunk's product, the bf16 grad), not
+    buffers' pages (the workspace, the fp32 weight grad, one chunk's bf16 product, the bf16 grad), not
     a fresh product and logits per chunk, and the second call's peak is the memory model's logits
     term, measured (fresh per-chunk tensors grew it call by call: 0.9 -> 2.0 GiB for the forward)."""
     import resource
@@ -154,7 +206,7 @@ def test_the_chunked_head_reuses_one_workspace_and_holds_what_the_memory_model_s
     call()
     peak, faults = call()
     chunk_rows = chunk // (4 * vocab) * 4 * vocab  # the workspace's rows, whole
-    own = 3.25 * chunk_rows + 2 * vocab * hidden * 4 + vocab * hidden * 2  # + the bf16 grad it returns
+    own = 3.25 * chunk_rows + vocab * hidden * (4 + 2) + vocab * hidden * 2  # + the bf16 grad it returns
     assert faults < 1.1 * own / 4096, (faults, own / 4096)  # a fresh product a chunk: 2.2x these
     m = pm.ModelSpec("head", layers=0, hidden=hidden, heads=1, kv_heads=1, head_dim=1, vocab=vocab)
     plan = pm.TrainerPlan(tokens_per_microbatch=rows, logprob_chunk_mb=chunk / 2**20)

@@ -23,7 +23,9 @@ peaks on CPU shapes (tests/test_perf_memory.py: within 25%).
                under sequence parallelism the residual-stream terms are / TP too
     logits     the chunked vocab-parallel logprobs: its workspace, three fp32 buffers of one chunk
                (trainer.logprob_chunk_mb) and one in the weight's dtype, and in the backward the
-               fp32 grad of this rank's vocab rows beside one chunk's product before it is added
+               fp32 grad of this rank's vocab rows beside one chunk's product (in the weight's
+               dtype) before it is added; trainer.logprob_keep_logits_mb: the micro-batch's logits
+               in the weight's dtype kept from the forward, where they fit
     guidance   the device copy of a micro-batch's guidance for its guided sites (codes or mantissa
                bits + E4M3 scales + fp32 S_enc per token): one micro-batch's, freed after its
                forward; under recompute kept until its backward, so one per micro-batch in flight
@@ -65,6 +67,7 @@ class TrainerPlan:
     recompute: str = "none"
     tokens_per_microbatch: int = 8192
     logprob_chunk_mb: float = 128.0
+    logprob_keep_logits_mb: float = 0.0
     guided_layers: int = 0  # layers whose sites carry guidance
     guided_sites_per_layer: tuple = ()  # per guided layer: the K width of each guided site
     guidance_bytes_per_element: float = 0.0  # 0.5 full codes, 0.125 mantissa bits (+ scales below)
@@ -173,8 +176,11 @@ def estimate(m: ModelSpec, p: TrainerPlan, gpu: str | None = None) -> dict:
     transient = one_layer * (2 if p.recompute != "none" else 1) + 3 * p.qat_input_width / p.tp * 4 * tokens
     vocab_local = _padded_vocab(m, p.tp) / p.tp
     chunk = min(p.logprob_chunk_mb * 2**20, tokens * vocab_local * 4)
-    # its backward: the fp32 grad of this rank's vocab rows and a chunk's product before it is added
-    logits = (LOGIT_CHUNKS + b / 4) * chunk + 2 * vocab_local * m.hidden * 4 + tokens * m.hidden * b
+    # its backward: the fp32 grad of this rank's vocab rows and a chunk's product in the weight's dtype
+    # before it is added (through a few MB of fp32 blocks)
+    logits = (LOGIT_CHUNKS + b / 4) * chunk + vocab_local * m.hidden * (4 + b) + tokens * m.hidden * b
+    kept = tokens * vocab_local * b  # the forward's logits kept for the backward, where they fit
+    logits += kept if kept <= p.logprob_keep_logits_mb * 2**20 else 0
     guidance = guidance_bytes_per_token(m, p) * tokens * (in_flight if p.recompute != "none" else 1)
     out = {
         "weights": params * b,
@@ -208,6 +214,8 @@ def advice(m: ModelSpec, p: TrainerPlan, est: dict) -> str:
     if big == "optimizer" and not p.distributed_optimizer:
         return "set trainer.distributed_optimizer=true"
     if big == "logits":
+        if p.logprob_keep_logits_mb:
+            return "set trainer.logprob_keep_logits_mb=0 or lower trainer.logprob_chunk_mb"
         return "lower trainer.logprob_chunk_mb"
     if big == "guidance":
         return "guidance.mode=mantissa, fewer guided layers, or a smaller token budget"
@@ -243,6 +251,7 @@ def plan_from_config(cfg, pol, m: ModelSpec, dp: int) -> TrainerPlan:
         recompute=t.recompute,
         tokens_per_microbatch=max(budget, longest),
         logprob_chunk_mb=t.logprob_chunk_mb,
+        logprob_keep_logits_mb=t.logprob_keep_logits_mb,
         guided_layers=guided,
         guided_sites_per_layer=tuple(sites),
         guided_fp8_sites_per_layer=tuple(kv for f in kv_fmts if f == "fp8"),
@@ -411,6 +420,14 @@ def process_advice(cfg, pol, m: ModelSpec, engine_sleeps: bool, budget_bytes: fl
     if t.optimizer_offload == "none":  # a disk write and read of Adam's state a step
         tries.append(
             ("set trainer.optimizer_offload=disk", _with(cfg, "trainer", optimizer_offload="disk"), engine_sleeps)
+        )
+    if t.logprob_keep_logits_mb:  # one GEMM of the head's four a micro-batch
+        tries.append(
+            (
+                "set trainer.logprob_keep_logits_mb=0",
+                _with(cfg, "trainer", logprob_keep_logits_mb=0.0),
+                engine_sleeps,
+            )
         )
     if t.recompute != "full":
         tries.append(("set trainer.recompute=full", _with(cfg, "trainer", recompute="full"), engine_sleeps))

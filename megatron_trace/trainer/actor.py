@@ -224,8 +224,9 @@ class Actor:
                 self.sampling.temperature,
                 self.sampling.top_k,
                 self.sampling.top_p,
-                int(cfg.logprob_chunk_mb * (1 << 20)),
-                ps.get_tensor_model_parallel_group() if tp > 1 else None,
+                chunk_bytes=int(cfg.logprob_chunk_mb * (1 << 20)),
+                keep_logits_bytes=int(cfg.logprob_keep_logits_mb * (1 << 20)),
+                group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
             )
 
         # seconds of the last train_step: recompute (the QAT forward + logprobs), backward, optimizer
