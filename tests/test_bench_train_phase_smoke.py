@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_trainer_mode_trains_the_same_rollout_batch(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--config", "configs/tiny_cpu.yaml", "--samples", "4", "--max-new-tokens", "8", "--rounds", "1"]
+    args += ["--recompute", "full,none"]  # both on the one built model
     args += ["--json", str(out), "trainer.warm_start_steps=0", f"logging.run_dir={tmp_path / 'run'}"]
     args += ["trainer.dtype=bfloat16", "trainer.optimizer_offload=disk"]  # the real config's trainer
     proc = subprocess.run(
@@ -26,8 +27,8 @@ def test_every_trainer_mode_trains_the_same_rollout_batch(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| guided |" in proc.stdout and "matmul floor" in proc.stdout
+    assert "| guided | none |" in proc.stdout and "matmul floor" in proc.stdout
     res = json.loads(out.read_text())
-    assert set(res["median"]) == {"off", "rtn", "guided"}
-    assert res["gflop"] > 0 and res["gemm_gflops"] > 0
+    assert set(res["median"]) == {f"{m}/{r}" for m in ("off", "rtn", "guided") for r in ("full", "none")}
+    assert res["floor_s"]["full"] > res["floor_s"]["none"] > 0 and res["gemm_gflops"] > 0
     assert all(r["s"] > 0 for runs in res["runs"].values() for r in runs)
