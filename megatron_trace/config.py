@@ -245,6 +245,12 @@ class TrainerConfig(Section):
         "them from the file and back (one parameter's at least)",
         low=1,
     )
+    optimizer_offload_keep_mb: float = opt(
+        0.0,
+        "optimizer_offload=disk: this many MiB of moments stay in memory (the first parameters' in stepping "
+        "order, whole): that much less disk traffic a step for that much more resident",
+        low=0,
+    )
     steps: int = opt(20, "RL steps", low=0)
     save_every: int = opt(10, "checkpoint every N steps (0: only at the end)", low=0)
     keep_checkpoints: int = opt(0, "keep the newest N checkpoints, deleting older ones after each save (0: all)", low=0)

@@ -98,6 +98,38 @@ def test_a_streamed_step_is_the_resident_step_and_holds_its_window(tmp_path, win
             assert torch.equal(ref_opt.state[p][key], off_opt.state[q][key])
 
 
+def test_kept_moments_stay_in_memory_and_the_streamed_steps_stay_the_resident_ones(tmp_path, caplog):
+    """trainer.optimizer_offload_keep_mb: the first parameters' moments in stepping order (whole) stay
+    in memory and step in place; the rest stream from the file; four steps equal torch's resident
+    AdamW bit for bit, without the whole-state fallback, and a checkpoint-style load/store keeps the
+    same split."""
+    big = 1 << 22  # the embedding's moments: 32 MiB; the linears' a few KB
+    ref, off = _model(0, big), _model(0, big)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    off_opt = torch.optim.AdamW(off.parameters(), lr=1e-2, weight_decay=0.1)
+    embedding = 2 * big * 4
+    offload = OptimizerStateOffload(_Wrapped(off_opt), tmp_path / "state.bin", window_bytes=1, keep_bytes=embedding)
+    params = list(off.parameters())
+    for step in range(4):
+        _step(ref, ref_opt, step)
+        with caplog.at_level(logging.WARNING, logger=offload_mod.__name__), offload.stepping():
+            _step(off, off_opt, step)
+        for a, b in zip(ref.parameters(), off.parameters()):
+            assert torch.equal(a, b), step
+        assert offload.kept_bytes == embedding
+        assert off_opt.state[params[0]]["exp_avg"] is not None  # kept
+        assert all(off_opt.state[p]["exp_avg"] is None for p in params[1:])  # on disk
+        assert 0 < offload.bytes < embedding / 100  # the file holds only the small ones
+    assert "holds them all" not in caplog.text  # every streamed step ran streamed
+    with offload.resident():  # a checkpoint's save: everything in memory, then the same split again
+        assert all(off_opt.state[p]["exp_avg"] is not None for p in params)
+    assert off_opt.state[params[0]]["exp_avg"] is not None and off_opt.state[params[1]]["exp_avg"] is None
+    offload.load()
+    for p, q in zip(ref.parameters(), off.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ref_opt.state[p][key], off_opt.state[q][key])
+
+
 def test_a_parameter_without_state_on_file_steps_whole(tmp_path, caplog):
     """A parameter that gets its first grad after the state went to disk (its moments are made by this
     step): the step runs resident, with the same bits, says so, and the new moments go to the file too."""

@@ -166,8 +166,14 @@ def test_the_real_configs_one_process_plan_adds_up_and_names_the_knob_that_fits_
     from megatron_trace.run.rollout import engine_sleeps
 
     shipped, m, pol = _real_config()
-    assert shipped.trainer.optimizer_offload == "disk"
-    on_disk = pm.process_estimate(shipped, pol, m, engine_sleeps(shipped))
+    assert shipped.trainer.optimizer_offload == "disk" and shipped.trainer.optimizer_offload_keep_mb == 2048
+    all_on_disk, _, _ = _real_config("trainer.optimizer_offload_keep_mb=0")
+    on_disk = pm.process_estimate(all_on_disk, pol, m, engine_sleeps(all_on_disk))
+    # the shipped config keeps 2 GiB of the moments in memory: every phase between steps holds them, the
+    # optimizer step streams the rest (more than its window) beside them
+    kept = pm.process_estimate(shipped, pol, m, engine_sleeps(shipped))
+    for phase in ("forward_backward_phase", "sync_phase", "optimizer_phase"):
+        assert kept[phase] - on_disk[phase] == pytest.approx(2 * 2**30)
     cfg, _, _ = _real_config("trainer.optimizer_offload=none")
     est = pm.process_estimate(cfg, pol, m, engine_sleeps(cfg))
     # Adam's moments on disk between steps: the forward/backward and the sync hold them no more (the

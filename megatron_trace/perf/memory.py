@@ -290,7 +290,7 @@ ENGINE_FP4_MASTER = 4
 PROCESS_ROWS = (
     ("runtime", "runtime (libraries, tokenizer)", "perf/mem_runtime_gib"),
     ("trainer_build", "trainer: bf16 weights, fp32 grads, fp32 main params", "perf/mem_trainer_built_gib"),
-    ("adam", "Adam m, v (measured: + slack; offloaded: its file)", None),
+    ("adam", "Adam m, v (measured: + slack; offloaded: its file + the kept)", None),
     ("engine_weights", "engine weights (+ transposed copies, FP4 codes)", "perf/mem_engine_weights_gib"),
     ("kv_pool", "engine KV pool", "perf/mem_engine_kv_gib"),
     ("guidance_store", "guidance store (the step's records)", "perf/mem_guidance_store_gib"),
@@ -355,7 +355,8 @@ def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: f
     train phase's forward/backward (the engine asleep when `engine_sleeps`, activations and logits on
     top) and optimizer step (Adam's temporaries on top), and the weight sync. With
     trainer.optimizer_offload=disk Adam's m and v are never all resident: the optimizer step streams
-    them through trainer.optimizer_offload_window_mb.
+    them through trainer.optimizer_offload_window_mb, beside the part trainer.optimizer_offload_keep_mb
+    keeps.
     step_tokens: a step's prompt + response tokens (default: every sample at its longest)."""
     rc = cfg.rollout
     trainer_plan = plan_from_config(cfg, pol, m, 1)
@@ -383,21 +384,24 @@ def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: f
     saved = est["activations_saved"]
     out["train_transient"] = saved + max(out["activations"] - saved, out["logits"])
     offloaded = cfg.trainer.optimizer_offload == "disk"
-    resident = out["runtime"] + out["trainer_build"] + store  # + Adam's m, v where not offloaded
-    between_steps = resident + (0.0 if offloaded else out["adam"])
+    # + Adam's m, v where not offloaded, or the part trainer.optimizer_offload_keep_mb keeps (whole
+    # parameters: at most that)
+    kept = min(cfg.trainer.optimizer_offload_keep_mb * 2**20, out["adam"]) if offloaded else out["adam"]
+    resident = out["runtime"] + out["trainer_build"] + store + kept
+    between_steps = resident
     engine = out["engine_weights"] + out["kv_pool"]
     # the first rollout: a BF16 checkpoint's masters, no Adam state yet (the first step makes it)
     masters = engine_weight_bytes(m, pol, rc.dtype, masters=True) - engine_weight_bytes(m, pol, rc.dtype)
     masters *= rc.backend == "local"
-    out["rollout_phase"] = between_steps + engine + max(masters - (0.0 if offloaded else out["adam"]), 0.0)
+    out["rollout_phase"] = between_steps + engine + max(masters - kept, 0.0)
     asleep = 0 if engine_sleeps else engine
     out["forward_backward_phase"] = between_steps + out["train_transient"] + asleep
     # torch's single-tensor Adam (CPU): two fp32 temporaries of the largest parameter (the embedding);
     # offloaded, the step streams the moments through a window (one parameter's m and v at least)
     largest = m.vocab * m.hidden / max(cfg.trainer.tp, 1) * 4
-    moments = out["adam"]
-    if offloaded:
-        moments = min(moments, max(cfg.trainer.optimizer_offload_window_mb * 2**20, 2 * largest))
+    moments = 0.0
+    if offloaded and kept < out["adam"]:
+        moments = min(out["adam"] - kept, max(cfg.trainer.optimizer_offload_window_mb * 2**20, 2 * largest))
     out["optimizer_phase"] = resident + moments + 2 * largest + asleep
     out["train_phase"] = max(out["forward_backward_phase"], out["optimizer_phase"])
     # the sync: the engine refilled beside the trainer, one bucket in flight
@@ -420,6 +424,14 @@ def process_advice(cfg, pol, m: ModelSpec, engine_sleeps: bool, budget_bytes: fl
     if t.optimizer_offload == "none":  # a disk write and read of Adam's state a step
         tries.append(
             ("set trainer.optimizer_offload=disk", _with(cfg, "trainer", optimizer_offload="disk"), engine_sleeps)
+        )
+    if t.optimizer_offload == "disk" and t.optimizer_offload_keep_mb:  # disk traffic instead
+        tries.append(
+            (
+                "set trainer.optimizer_offload_keep_mb=0",
+                _with(cfg, "trainer", optimizer_offload_keep_mb=0.0),
+                engine_sleeps,
+            )
         )
     if t.logprob_keep_logits_mb:  # one GEMM of the head's four a micro-batch
         tries.append(
@@ -509,8 +521,8 @@ def measured_parts(history: list[dict]) -> tuple[dict, float]:
     if before is not None and fwd_bwd is not None:
         out["train_transient"] = fwd_bwd - before
         offloaded = med("perf/optimizer_offload_gib")
-        if offloaded is not None:  # the moments were on disk: the file holds what they took
-            out["adam"] = offloaded
+        if offloaded is not None:  # the moments were on disk: the file holds what they took, beside the kept
+            out["adam"] = offloaded + (med("perf/optimizer_offload_kept_gib") or 0.0)
         elif "runtime" in out and "trainer_build" in out:  # the engine is released by then (colocated)
             out["adam"] = before - out["runtime"] - out["trainer_build"] - out.get("guidance_store", 0.0)
     if "rollout_phase" in out and "train_phase" in out:

@@ -155,6 +155,8 @@ class Run:
         memory["perf/mem_train_peak_gib"] = max([cpu_alloc.peak_rss(), *peaks.values()])
         if self.actor.offload is not None:  # Adam's moments on disk until the next step
             memory["perf/optimizer_offload_gib"] = self.actor.offload.bytes / 2**30
+            if self.actor.offload.kept_bytes:  # trainer.optimizer_offload_keep_mb: the first parameters' stay
+                memory["perf/optimizer_offload_kept_gib"] = self.actor.offload.kept_bytes / 2**30
             if self.actor.offload.held_peak:  # a streamed step: the most of them it held at once
                 memory["perf/optimizer_offload_held_gib"] = self.actor.offload.held_peak / 2**30
         memory["perf/step_tokens"] = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)

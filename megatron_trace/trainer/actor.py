@@ -177,6 +177,7 @@ class Actor:
                 self.optimizer,
                 Path(offload_dir) / f"optimizer_state.rank{rank}.bin",
                 window_bytes=int(cfg.optimizer_offload_window_mb * 2**20),
+                keep_bytes=int(cfg.optimizer_offload_keep_mb * 2**20),
             )
         start, _ = pp_layer_range(
             arch.num_layers, ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()

@@ -14,12 +14,14 @@ the offload they live in one file between steps:
 
 The bytes come back exactly (the step's result is bit-identical to a resident run: torch's CPU Adam
 updates each parameter on its own). The optimizer's small per-parameter scalars (Adam's step count)
-stay resident. A checkpoint save or load holds the whole state resident for its duration
-(`resident()`). This is ZeRO-Infinity's NVMe offload of the optimizer state, for the one-box CPU
-run; the file costs a read and a write of the moments' size each step, overlapped with Adam's
-arithmetic (perf/optimizer_offload_s is the time the step waited on the disk; ~1.2 GiB/s each way on
-the project's VM disk with four requests in flight, BENCHMARKS.md; benchmarks/optimizer_offload.py
-times it on yours).
+stay resident, and so do the moments of the first parameters in stepping order up to
+trainer.optimizer_offload_keep_mb: less disk traffic a step for that much more memory, and the step
+starts on them while the reads of the next ones are in flight. A checkpoint save or load holds the
+whole state resident for its duration (`resident()`). This is ZeRO-Infinity's NVMe offload of the
+optimizer state, for the one-box CPU run; the file costs a read and a write of the offloaded
+moments' size each step, overlapped with Adam's arithmetic (perf/optimizer_offload_s is the time the
+step waited on the disk; ~1.2 GiB/s each way on the project's VM disk with four requests in flight,
+BENCHMARKS.md; benchmarks/optimizer_offload.py times it on yours).
 """
 
 from __future__ import annotations
@@ -74,9 +76,12 @@ class OptimizerStateOffload:
     re-read from the optimizer at each store, so a checkpoint load's new tensors are what the next
     store writes."""
 
-    def __init__(self, optimizer, path: str | os.PathLike, window_bytes: int = 512 << 20):
+    def __init__(self, optimizer, path: str | os.PathLike, window_bytes: int = 512 << 20, keep_bytes: int = 0):
         self.optimizer = optimizer
         self.window_bytes = window_bytes  # stepping(): the most moment bytes held at once (one parameter's at least)
+        self.keep_bytes = keep_bytes  # the first parameters' moments, in stepping order, that never go to the file
+        self.kept_bytes = 0  # what the last store() kept
+        self._kept: set[int] = set()  # ids of the kept parameters' state dicts
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fs = filesystem_type(self.path.parent)
@@ -101,14 +106,25 @@ class OptimizerStateOffload:
         return bool(self._layout)
 
     def _state_tensors(self):
+        """(state, key, tensor) of every moment that goes to the file: all but the first parameters'
+        up to keep_bytes (a parameter's are kept whole or not at all)."""
+        kept, keeping = 0, True
+        self._kept = set()
         for opt in torch_optimizers(self.optimizer):
             for group in opt.param_groups:
                 for p in group["params"]:
                     state = opt.state.get(p)
-                    for key in sorted(state or {}):
-                        t = state[key]
-                        if isinstance(t, torch.Tensor) and t.dim() > 0:
-                            yield state, key, t
+                    tensors = [(k, state[k]) for k in sorted(state or {})]
+                    tensors = [(k, t) for k, t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0]
+                    n = sum(t.numel() * t.element_size() for _, t in tensors)
+                    keeping = keeping and kept + n <= self.keep_bytes
+                    if tensors and keeping:
+                        kept += n
+                        self._kept.add(id(state))
+                        continue
+                    for key, t in tensors:
+                        yield state, key, t
+        self.kept_bytes = kept
 
     def _open(self, write: bool, read: bool = False) -> int:
         flags = (os.O_RDWR if read else os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
@@ -233,6 +249,9 @@ class OptimizerStateOffload:
                 state = opt.state.get(p)
                 entries = by_state.get(id(state), [])
                 resident = [k for k, t in (state or {}).items() if isinstance(t, torch.Tensor) and t.dim() > 0]
+                if id(state) in self._kept and resident and not entries:  # kept in memory: steps in place
+                    units.append((gi, p, []))
+                    continue
                 if not state or resident:  # Adam would make or use state the file does not hold
                     return None
                 units.append((gi, p, entries))
