@@ -1,14 +1,16 @@
 """What trainer.optimizer_offload=disk costs an optimizer step, side by side with Adam's own step:
 Adam moments and grads shaped like the real Qwen2.5-Coder-0.5B's, the file on the disk that holds --dir.
 
-    .venv/bin/python benchmarks/optimizer_offload.py [--dir runs] [--layers 24] [--rounds 3]
+    .venv/bin/python benchmarks/optimizer_offload.py [--dir runs] [--layers 24] [--rounds 3] [--keep-mb 2048]
 
 The parameters are the untied embedding and head (151,936 x 896 each) and --layers layers' linears
 (q/k/v/o and the three MLP projections), fp32 with fp32 grads and Adam's m and v; --layers 24 is the
 whole model's 4.7 GiB of moments (~10 GiB in all). Each round times, interleaved: `resident` (torch
 AdamW's step, the moments in memory: what a step costs without the offload), `whole` (read them all
 back, step, write them all out: store + load) and `streamed` (what a run does: stepping(), a
-parameter's moments read just before its update and written back after, the I/O overlapped).
+parameter's moments read just before its update and written back after, the I/O overlapped) and
+`streamed, kept` (trainer.optimizer_offload_keep_mb=--keep-mb: the first parameters' moments, whole,
+stay in memory; 0 skips it).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=VOCAB, help="rows of the embedding and head")
+    ap.add_argument("--keep-mb", type=float, default=2048.0, help="streamed with this much kept (0: skip)")
     args = ap.parse_args(argv)
     opt = adam(args.layers, args.vocab)
     gib = sum(t.numel() * 4 for st in opt.state.values() for k, t in st.items() if k != "step") / 2**30
@@ -75,11 +78,25 @@ def main(argv=None) -> int:
                 opt.step()
             took["streamed"] = time.perf_counter() - t
             waited = off.take_seconds()
+            if args.keep_mb:
+                off.load()
+                off.keep_bytes = int(args.keep_mb * 2**20)
+                off.store()
+                off.take_seconds()
+                t = time.perf_counter()
+                with off.stepping():
+                    opt.step()
+                took["streamed, kept"] = time.perf_counter() - t
+                kept, waited_kept = off.kept_bytes, off.take_seconds()
+                off.load()
+                off.keep_bytes = 0
+                off.store()
             base = took["resident"]
             cells = ", ".join(f"{k} {v:.2f} s ({v / base:.2f}x)" for k, v in took.items())
             print(
                 f"round {r}: {cells}; streamed waited on the disk {waited:.2f} s, "
                 f"held {off.held_peak / 2**30:.2f} GiB; I/O {2 * gib / took['streamed']:.2f} GiB/s"
+                + (f"; kept {kept / 2**20:.0f} MiB, waited {waited_kept:.2f} s" if args.keep_mb else "")
             )
     finally:
         off.close()

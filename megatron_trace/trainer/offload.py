@@ -367,7 +367,7 @@ def _streamed_step(offload: OptimizerStateOffload, opt, step):
                         ]
                         del view
                     writes.append(([b for _, b in made], jobs, nbytes[i]))
-                    del made, buf
+                    made = buf = None  # this unit's references go (a kept unit made none)
                 while writes:
                     retire_writes(block=True)
             if not offload._direct:
