@@ -290,7 +290,7 @@ ENGINE_FP4_MASTER = 4
 PROCESS_ROWS = (
     ("runtime", "runtime (libraries, tokenizer)", "perf/mem_runtime_gib"),
     ("trainer_build", "trainer: bf16 weights, fp32 grads, fp32 main params", "perf/mem_trainer_built_gib"),
-    ("adam", "Adam m, v (measured: + slack; offloaded: its file + the kept)", None),
+    ("adam", "Adam m, v (measured: + slack; offloaded: file + kept)", None),
     ("engine_weights", "engine weights (+ transposed copies, FP4 codes)", "perf/mem_engine_weights_gib"),
     ("kv_pool", "engine KV pool", "perf/mem_engine_kv_gib"),
     ("guidance_store", "guidance store (the step's records)", "perf/mem_guidance_store_gib"),
