@@ -88,6 +88,13 @@ def test_kept_logits_give_the_recomputed_bits_with_one_gemm_less(dtype, monkeypa
     assert [out[k][-1] for k in (0, need - 1, need)] == [12, 12, 6]
     for a, b in zip(out[0][:-1], out[need][:-1]):
         assert torch.equal(a, b)
+    kept = []  # a forward-only pass (no_grad, the logprob recompute) keeps nothing
+    monkeypatch.setattr(logprobs._ChunkedLogprob, "apply", lambda *a: kept.append(a[-1]) or (a[0][:, 0], a[0][:, 0]))
+    spec = VocabSpec(0, V, keep_logits_bytes=need)
+    with torch.no_grad():
+        chunked_logprobs(h.clone().requires_grad_(), w.clone().requires_grad_(), labels, spec)
+    chunked_logprobs(h.clone().requires_grad_(), w, labels, spec)
+    assert kept == [0, need]
 
 
 def test_a_bf16_head_has_megatrons_output_layer_gradients():

@@ -387,8 +387,7 @@ def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: f
     # + Adam's m, v where not offloaded, or the part trainer.optimizer_offload_keep_mb keeps (whole
     # parameters: at most that)
     kept = min(cfg.trainer.optimizer_offload_keep_mb * 2**20, out["adam"]) if offloaded else out["adam"]
-    resident = out["runtime"] + out["trainer_build"] + store + kept
-    between_steps = resident
+    between_steps = out["runtime"] + out["trainer_build"] + store + kept
     engine = out["engine_weights"] + out["kv_pool"]
     # the first rollout: a BF16 checkpoint's masters, no Adam state yet (the first step makes it)
     masters = engine_weight_bytes(m, pol, rc.dtype, masters=True) - engine_weight_bytes(m, pol, rc.dtype)
@@ -402,7 +401,7 @@ def process_estimate(cfg, pol, m: ModelSpec, engine_sleeps: bool, step_tokens: f
     moments = 0.0
     if offloaded and kept < out["adam"]:
         moments = min(out["adam"] - kept, max(cfg.trainer.optimizer_offload_window_mb * 2**20, 2 * largest))
-    out["optimizer_phase"] = resident + moments + 2 * largest + asleep
+    out["optimizer_phase"] = between_steps + moments + 2 * largest + asleep
     out["train_phase"] = max(out["forward_backward_phase"], out["optimizer_phase"])
     # the sync: the engine refilled beside the trainer, one bucket in flight
     out["sync_phase"] = between_steps + engine + cfg.transfer.bucket_mb * 2**20

@@ -187,13 +187,13 @@ def _rows_per_chunk(w: torch.Tensor, spec: VocabSpec) -> int:
 
 class _ChunkedLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, spec: VocabSpec):
+    def forward(ctx, hidden, weight, labels, spec: VocabSpec, keep_bytes: int):
         step = _rows_per_chunk(weight, spec)
         width = _width(weight, spec)
         ws = _Workspace(min(step, len(labels)), width, weight.dtype)
         # the backward's first GEMM is this one again (same rows, same shapes: the same bits); kept
         # when the caller allows its memory
-        keep = any(ctx.needs_input_grad[:2]) and len(labels) * width * weight.element_size() <= spec.keep_logits_bytes
+        keep = len(labels) * width * weight.element_size() <= keep_bytes
         kept = torch.empty(len(labels), width, dtype=weight.dtype) if keep else None
         tok, ent = [], []
         for i in range(0, len(labels), step):
@@ -237,7 +237,7 @@ class _ChunkedLogprob(torch.autograd.Function):
             torch.mm(g_low.t(), h.to(weight.dtype), out=product)
             _add_into(grad_w[:width], product)
         del ws, product, kept
-        return grad_h, grad_w.to(weight.dtype), None, None
+        return grad_h, grad_w.to(weight.dtype), None, None, None
 
 
 _ADD_ROWS = 4096  # rows of the fp32 sum converted per block: a few MB, in cache
@@ -261,7 +261,10 @@ def chunked_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp [R] of each label under the sampling distribution, differentiable in hidden and weight;
     entropy [R] of softmax(z / temperature), no grad). hidden [R, H], weight this rank's [V/TP, H]."""
-    return _ChunkedLogprob.apply(hidden, weight, labels, spec)
+    # only a pass that will run a backward keeps its logits (under no_grad ctx.needs_input_grad still
+    # says True, and a forward-only pass would hold them for nothing)
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _ChunkedLogprob.apply(hidden, weight, labels, spec, spec.keep_logits_bytes if grads else 0)
 
 
 @torch.no_grad()
