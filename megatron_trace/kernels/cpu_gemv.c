@@ -26,6 +26,13 @@
 #else
 #define GEMV_AVX512 0
 #endif
+/* The bf16-activation tiles: vdpbf16ps (AVX512_BF16) and one vpermi2b (AVX512_VBMI) per group step.
+   Cooper Lake has the first without the second: it builds the fp32 path. */
+#if GEMV_AVX512 && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define GEMV_DPBF16 1
+#else
+#define GEMV_DPBF16 0
+#endif
 
 int64_t gemv_padded_k(int64_t K) { return (K + 31) / 32 * 32; }
 
@@ -64,7 +71,7 @@ void gemv_prepare_x_bf16(const uint16_t* x, int64_t M, int64_t K, uint16_t* out)
 
 #if GEMV_AVX512
 const char* gemv_isa(void) {
-#ifdef __AVX512BF16__
+#if GEMV_DPBF16
     return "avx512+bf16";
 #else
     return "avx512";
@@ -136,8 +143,7 @@ static inline __attribute__((always_inline)) void nvfp4_tile(const float* xp, in
     for (int r = 0; r < mr; r++) out[r] = _mm512_add_ps(acc[r][0], acc[r][1]); /* lane sums, reduced by the caller */
 }
 
-#ifdef __AVX512BF16__
-#define GEMV_DPBF16 1
+#if GEMV_DPBF16
 /* x's 32 bf16 columns of chunk c (the row's tail zero-filled), as read in place. */
 static inline __m512i load_x_bf16(const uint16_t* xr, int64_t c, int64_t K) {
     const int64_t left = K - 32 * c;
@@ -227,8 +233,6 @@ static inline __attribute__((always_inline)) void bf16_tile_bf16(const uint16_t*
     }
     for (int r = 0; r < mr; r++) out[r] = _mm512_add_ps(acc[r][0], acc[r][1]); /* lane sums, reduced by the caller */
 }
-#else
-#define GEMV_DPBF16 0
 #endif
 
 static inline __attribute__((always_inline)) void bf16_tile(const float* xp, int64_t kp, int64_t K,
