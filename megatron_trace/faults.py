@@ -1,4 +1,4 @@
-"""Named fault-injection points: the places where a test kills a process on purpose.
+"""Named fault-injection points: the places where a test kills a process, or makes it fail, on purpose.
 
     run.Run.step:    rollout.done(step) ─► train.done(step) ─► [weight sync] ─► checkpoint
     transfer._send:  transfer.unit(version, unit)  (before unit i of a version is handed to the transport)
@@ -8,7 +8,9 @@
 Production code calls `hit(name, **where)`: one dict lookup when nothing is armed. A test arms a
 point inside the process it means to kill (`tests/mp_scripts/with_fault.py` does it before
 running a module), so the kill lands at that exact place whatever the machine's speed: no
-clock decides where it happens. This module imports nothing of the project, so the rollout
+clock decides where it happens. `raise_error` instead raises there (an op failing inside a
+batch, as oneDNN's bf16 reorder did on a CPU without bf16 support), for what the code above the
+point makes of the error. This module imports nothing of the project, so the rollout
 side (`sglang_backend`) may call it too.
 """
 
@@ -37,6 +39,15 @@ def kill_self(name: str, where: dict) -> None:
     """SIGKILL this process (no cleanup, no atexit: what a node failure or OOM kill does)."""
     print(f"[fault] SIGKILL at {name} {where}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class InjectedFault(RuntimeError):
+    """What `raise_error` raises at an armed point."""
+
+
+def raise_error(name: str, where: dict) -> None:
+    """Raise InjectedFault at the point: the process lives on, and its error handling is what is tested."""
+    raise InjectedFault(f"injected fault at {name} {where}")
 
 
 def arm(name: str, action: Action = kill_self, **where: int) -> None:

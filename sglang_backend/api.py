@@ -194,6 +194,33 @@ class GenerateResult:
         )
 
 
+class RolloutAborted(RuntimeError):
+    """A rollout backend aborted a request (an engine error, a shutdown): its result holds no answer,
+    and scoring it as one (an empty answer, reward 0) would hide the failure. Carries the backend's
+    own message."""
+
+
+def _finish_of(result) -> tuple[str, dict]:
+    """(rid, finish_reason) of a GenerateResult or of SGLang's /generate answer for one request."""
+    if isinstance(result, GenerateResult):
+        return result.rid, result.finish_reason or {}
+    meta = result.get("meta_info") or {}
+    return str(meta.get("id")), meta.get("finish_reason") or {}
+
+
+def check_answered(results: list, what: str) -> list:
+    """`results` (GenerateResults or SGLang's /generate answers) when no request was aborted; else
+    RolloutAborted naming `what` (which batch), the first aborted request and the backend's message."""
+    aborted = [(rid, fr) for rid, fr in map(_finish_of, results) if fr.get("type") == "abort"]
+    if aborted:
+        rid, fr = aborted[0]
+        raise RolloutAborted(
+            f"{what}: the rollout backend aborted {len(aborted)} of {len(results)} requests (first: {rid}: "
+            f"{fr.get('message', fr)}); an aborted request has no answer to score, so this stops here"
+        )
+    return results
+
+
 @dataclass
 class WeightBucket:
     """An ordered list of HF-named tensors; FP4 linears in the ModelOpt NVFP4 layout."""

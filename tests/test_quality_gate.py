@@ -11,6 +11,8 @@ from megatron_trace.quality import measure as quality
 from megatron_trace.quality.gate import QualityGateError, candidates, gate
 from tests.helpers import random_prompts
 
+pytestmark = pytest.mark.isa_avx2
+
 # A random-init toy: every FP4 site costs it 0.2-0.5 nats/token, the planted K outlier 2.9 (NVFP4 K).
 LIMITS = dict(max_nll_increase=0.6, max_accuracy_drop=0.125, max_new_tokens=12, dtype="float32")
 KV_NVFP4 = QuantPolicy(format="bf16", weights="bf16", activations="bf16", kv="nvfp4")
@@ -142,3 +144,46 @@ def test_an_http_runs_embedded_server_must_serve_the_runs_policy(outlier_ckpt):
     finally:
         srv.shutdown()
         eng.shutdown()
+
+
+class _SkipsSpecials(_IdsText):
+    """Decodes ids to their numbers, dropping the specials (pad 0, bos 1, eos 2) as a tokenizer does."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return super().decode([i for i in ids if i > 2])
+
+
+def test_a_reference_that_answered_nothing_is_refused_even_when_losses_are_accepted(outlier_ckpt, tmp_path):
+    """A BF16 model whose every greedy answer is special tokens only (here: an all-zero LM head, so
+    token 0, padding, wins every step) answers nothing; scored, that is 0 for BF16 and anything
+    "passes" against it. The gate refuses to judge, quant.accept_quality_loss notwithstanding."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_trace.quality.gate import QualityGateUnmeasured
+
+    ckpt = shutil.copytree(outlier_ckpt, tmp_path / "mute")
+    sd = load_file(ckpt / "model.safetensors")
+    sd["lm_head.weight"].zero_()
+    save_file(sd, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QualityGateUnmeasured, match=r"BF16 reference's greedy answers are all empty \(4 of 4\)"):
+        gate(
+            ckpt, KV_NVFP4, random_prompts(), accept_loss=True, tokenizer=_SkipsSpecials(), log=lambda m: None, **LIMITS
+        )
+
+
+@pytest.mark.parametrize("n", [1, 3], ids=["bf16 reference", "the policy's answers"])
+def test_an_engine_error_stops_the_gate_with_the_engines_message(outlier_ckpt, n):
+    """An engine error inside a batched decode (the n-th decode step of each engine the gate builds)
+    aborts its requests; the gate raises with the engine's message instead of scoring empty answers."""
+    from megatron_trace import faults
+    from sglang_backend.api import RolloutAborted
+
+    faults.arm("engine.decode_step", faults.raise_error, n=n)
+    try:
+        with pytest.raises(RolloutAborted, match=r"engine error: injected fault at engine.decode_step") as e:
+            gate(outlier_ckpt, KV_NVFP4, random_prompts(), accept_loss=True, log=lambda m: None, **LIMITS)
+    finally:
+        faults.disarm_all()
+    assert "'s greedy answers (embedded engine): the rollout backend aborted 4 of 4 requests" in str(e.value)

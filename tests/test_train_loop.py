@@ -32,15 +32,19 @@ def runs(tmp_path_factory):
     return tmp_path_factory.mktemp("runs")  # one warm-start cache for the module
 
 
-def _train(run_dir, *extra, kill_at: str | None = None):
-    """The main command; with `kill_at` it runs under a fault point that SIGKILLs it there."""
+def _train(run_dir, *extra, kill_at: str | None = None, raise_at: str | None = None):
+    """The main command; with `kill_at` it runs under a fault point that SIGKILLs it there, with
+    `raise_at` under one that raises there (the command must then exit 1)."""
     cmd = [sys.executable, "-m", "megatron_trace.train", *BASE, f"logging.run_dir={run_dir}", *extra]
-    if kill_at:
-        cmd[1:3] = [str(ROOT / "tests/mp_scripts/with_fault.py"), "--kill-at", kill_at, "-m", "megatron_trace.train"]
+    if kill_at or raise_at:
+        armed = ["--kill-at", kill_at] if kill_at else ["--raise-at", raise_at]
+        cmd[1:3] = [str(ROOT / "tests/mp_scripts/with_fault.py"), *armed, "-m", "megatron_trace.train"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if kill_at:
         assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-4000:]
         assert f"SIGKILL at {kill_at.split(':')[0]}" in proc.stderr
+    elif raise_at:
+        assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
     else:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout, proc.stderr
@@ -63,6 +67,7 @@ def main_run(runs):
     return run_dir, _train(run_dir, *MAIN)
 
 
+@pytest.mark.isa_avx2
 def test_main_command_writes_every_mismatch_scalar_to_tensorboard(main_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -173,6 +178,7 @@ def test_rollouts_a_person_can_read(main_run):
     assert beside[0]["bf16_response"] in shown and "BF16 response (reward" in shown
 
 
+@pytest.mark.isa_avx2
 def test_a_policy_that_fails_the_quality_gate_stops_before_step_0(runs):
     """NVFP4 K + V, what the main command shipped before its gate. The 40-step warm start answers no
     eval problem right even in BF16, so only the NLL can fail it here: NVFP4 K + V costs it +0.020
@@ -187,6 +193,34 @@ def test_a_policy_that_fails_the_quality_gate_stops_before_step_0(runs):
         "the cheapest that passes is w4a4:fp8+debias:nvfp4: set quant.kv_k=fp8 quant.kv_v=nvfp4 quant.kv_k_debias=true"
     )
     assert msg in proc.stderr, proc.stderr[-3000:]
+    assert (
+        not (run_dir / "metrics.jsonl").exists() or "rollout/reward_mean" not in (run_dir / "metrics.jsonl").read_text()
+    )
+
+
+@pytest.mark.isa_avx2
+@pytest.mark.parametrize(
+    "settings, batch, requests",
+    [
+        (["quant.quality_gate=true"], "bf16:bf16:bf16's greedy answers (embedded engine)", 16),
+        (["quant.quality_gate=false"], "the evaluation", 8 + 8 * 4),
+        (["quant.quality_gate=false", "rollout.eval_prompts=0"], "step 0's rollout", 4 * 4),
+    ],
+    ids=["gate", "eval", "rollout"],
+)
+def test_an_engine_error_in_a_batched_decode_stops_the_run_with_the_engines_message(runs, settings, batch, requests):
+    """A decode step that raises inside the engine (what oneDNN's bf16 weight reorder did on a CPU
+    without bf16 support) aborts every request in flight. Whichever batch meets it first (the gate's
+    BF16 reference, the evaluation before step 0, step 0's rollout) stops the run, naming that batch
+    and the engine's own error: no "pass" over empty answers, no "no guidance handle"."""
+    run_dir = runs / f"engine_error_{len(settings)}_{settings[0][-4:]}"
+    stdout, stderr = _train(run_dir, "trainer.steps=1", *settings, raise_at="engine.decode_step:n=2")
+    error = "sglang_backend.api.RolloutAborted: "
+    aborted = [line.split(error, 1)[1] for line in stderr.splitlines() if error in line]  # torchrun prefixes [rank0]:
+    assert len(aborted) == 1, stderr[-3000:]
+    assert aborted[0].startswith(f"{batch}: the rollout backend aborted {requests} of {requests} requests ")
+    assert "engine error: injected fault at engine.decode_step {'n': 2}" in aborted[0]
+    assert "no guidance handle" not in stderr and "| pass |" not in stdout
     assert (
         not (run_dir / "metrics.jsonl").exists() or "rollout/reward_mean" not in (run_dir / "metrics.jsonl").read_text()
     )

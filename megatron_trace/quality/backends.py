@@ -35,16 +35,19 @@ class Scorer(Protocol):
 
 
 class EmbeddedScorer:
-    def __init__(self, model_path, policy, dtype: str):
+    def __init__(self, model_path, policy, dtype: str, name: str):
         from sglang_backend.local import Engine
 
+        self.name = name
         self.engine = Engine(str(model_path), dtype=dtype, quant_policy=policy, max_total_tokens=1 << 15)
 
     def greedy(self, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
+        """Greedy answers; an aborted one (an engine error) raises with the engine's message, never scores."""
+        from sglang_backend.api import check_answered
+
         sp = {"temperature": 0, "max_new_tokens": max_new_tokens}
-        return [
-            o["output_ids"] for o in self.engine.generate(input_ids=[p["ids"] for p in prompts], sampling_params=sp)
-        ]
+        outs = self.engine.generate(input_ids=[p["ids"] for p in prompts], sampling_params=sp)
+        return [o["output_ids"] for o in check_answered(outs, f"{self.name}'s greedy answers (embedded engine)")]
 
     @torch.inference_mode()
     def teacher_forced(self, prompt: list[int], continuation: list[int]) -> tuple[list[float], list[bool]]:
@@ -124,16 +127,21 @@ class ServedScorer:
         return r.json()
 
     def greedy(self, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
+        """Greedy answers; an aborted one raises with the server's message, never scores."""
+        from sglang_backend.api import check_answered
+
         sp = {"temperature": 0, "max_new_tokens": max_new_tokens}
         outs = self._generate({"input_ids": [p["ids"] for p in prompts], "sampling_params": sp})
-        return [o["output_ids"] for o in outs]
+        return [o["output_ids"] for o in check_answered(outs, f"{self.setting.name}'s greedy answers ({self.url})")]
 
     def teacher_forced(self, prompt: list[int], continuation: list[int]) -> tuple[list[float], list[bool]]:
         """SGLang's input-token logprobs from the last prompt token on: its first entry (that token
         itself) carries none, each later one is log p(token | everything before it)."""
+        from sglang_backend.api import check_answered
+
         if not continuation:
             return [], []
-        meta = self._generate(
+        out = self._generate(
             {
                 "input_ids": prompt + continuation,
                 "return_logprob": True,
@@ -141,7 +149,8 @@ class ServedScorer:
                 "logprob_start_len": len(prompt) - 1,
                 "sampling_params": {"temperature": 0, "max_new_tokens": 1},
             }
-        )["meta_info"]
+        )
+        meta = check_answered([out], f"{self.setting.name}'s teacher-forced pass ({self.url})")[0]["meta_info"]
         scored, tops = meta["input_token_logprobs"][1:], meta["input_top_logprobs"][1:]
         if [t[1] for t in scored] != continuation or len(tops) != len(continuation):
             raise RuntimeError(f"SGLang scored tokens {[t[1] for t in scored]} for the continuation {continuation}")
@@ -197,7 +206,7 @@ def open_scorer(
 ) -> Scorer:
     """backend "http": the running server at `url` serves `setting` (its targets are the server's)."""
     if backend == "embedded":
-        return EmbeddedScorer(model_path, setting.policy(targets), dtype)
+        return EmbeddedScorer(model_path, setting.policy(targets), dtype, setting.name)
     if backend == "http":
         if url is None:
             raise ValueError("the http quality backend scores a running server: pass its url")

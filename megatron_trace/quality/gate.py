@@ -34,6 +34,11 @@ class QualityGateError(RuntimeError):
     """The run's quantization loses more than its limits allow; the message names what passes."""
 
 
+class QualityGateUnmeasured(RuntimeError):
+    """The gate cannot judge: its BF16 reference answered nothing. Not a verdict on the policy, so
+    quant.accept_quality_loss does not wave it through."""
+
+
 @dataclass
 class GateResult:
     setting: str
@@ -150,8 +155,9 @@ def gate(
         report = quality.run(
             model_path, prompts, [setting], reference=ref, backend="http", url=url, api_key=api_key, **served
         )
-    res = _judge(report, setting.name, prompts, score, limits)
     where = _where(prompts, dtype, max_new_tokens) + (f", served by {url}" if url else "")
+    _check_reference_answered(report, where)
+    res = _judge(report, setting.name, prompts, score, limits)
     log(f"rollout quality gate ({where}): {_row(res)}")
     if res.passed:
         return res
@@ -184,6 +190,21 @@ def gate(
         f"quant.max_accuracy_drop={max_accuracy_drop}):\n{table}\n{fix}; or quant.accept_quality_loss=true "
         "to run anyway with the loss logged (python -m megatron_trace.quality compares more settings)"
     )
+
+
+def _check_reference_answered(report: dict, where: str) -> None:
+    """Every BF16 answer empty (no text, or without a tokenizer no tokens): a reference that answered
+    nothing scores 0 and any setting "passes" against it (what an engine failing every request looked
+    like before aborted requests raised)."""
+    ref = report["settings"][quality.REFERENCE]
+    answers = ref["outputs"] if ref["texts"] is None else [t.strip() for t in ref["texts"]]
+    if answers and not any(answers):
+        raise QualityGateUnmeasured(
+            f"rollout quality gate on {where}: the BF16 reference's greedy answers are all empty "
+            f"({len(answers)} of {len(answers)}), so there is nothing to measure the quantization against. "
+            "The model answers nothing in BF16: check the checkpoint, its tokenizer and the prompts "
+            "(quant.quality_prompts of the eval split), or set quant.quality_gate=false to run unmeasured"
+        )
 
 
 def _where(prompts: list[dict], dtype: str, max_new_tokens: int) -> str:

@@ -143,6 +143,7 @@ def rollout(args, policy: QuantPolicy) -> tuple[list[dict], dict[str, float] | N
     """Generate on this process's embedded engine; each sample carries its full guidance record.
     Static activation scales: calibrated on the probe's prompts first and pushed into the engine
     as a weight version with input_scale (what the RL loop's sync sends); returned with the samples."""
+    from sglang_backend.api import check_answered
     from sglang_backend.local import Engine
 
     arch = ModelArch.from_hf_config(args.model_path)
@@ -168,12 +169,15 @@ def rollout(args, policy: QuantPolicy) -> tuple[list[dict], dict[str, float] | N
             for i in range(len(prompts))
         ]
         guided = guidance_skipped(policy) is None
-        outs = eng.generate(
-            input_ids=prompts,
-            sampling_params=params,
-            return_logprob=True,
-            return_guidance=guided,
-            return_routed_experts=arch.is_moe,
+        outs = check_answered(
+            eng.generate(
+                input_ids=prompts,
+                sampling_params=params,
+                return_logprob=True,
+                return_guidance=guided,
+                return_routed_experts=arch.is_moe,
+            ),
+            "the probe's rollout",
         )
         samples = []
         for prompt, out in zip(prompts, outs):

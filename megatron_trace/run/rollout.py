@@ -1,7 +1,8 @@
 """A step's rollout, rank 0's side: prompts ─► generate ─► Samples with rewards and GRPO advantages.
 
     prompts.sample(n, step) ─► GenerateRequests (n samples each, seeded per step and prompt)
-      ─► backend.generate ─► per result: tokens, the rollout's logprobs, weight version,
+      ─► backend.generate (an aborted request stops the run: api.check_answered)
+      ─► per result: tokens, the rollout's logprobs, weight version,
          routed experts (MoE), and under guided QAT its guidance record ─► the store (a handle
          stays in the sample)
       ─► rewards of the step's answers (a raising reward scores 0, counted; the code reward runs
@@ -22,7 +23,7 @@ from megatron_trace.data import score_all
 from megatron_trace.guidance import GuidanceRecord, StoredRecord, sample_routed_experts
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.rl import Sample, grpo_advantages
-from sglang_backend.api import GenerateRequest, SamplingParams, version_step
+from sglang_backend.api import GenerateRequest, SamplingParams, check_answered, version_step
 
 
 @dataclass
@@ -116,7 +117,8 @@ class Rollout:
                 )
             )
             kept.append((p, ids))
-        results = self.backend.generate(reqs) if reqs else []
+        # an aborted request (an engine error) stops the run here, never scored as an empty answer
+        results = check_answered(self.backend.generate(reqs), f"step {step}'s rollout") if reqs else []
         texts = [self.decode(res.output_ids) for res in results]
         scores = score_all(self.reward_fn, texts, [kept[j // rc.n_samples][0].answer for j in range(len(results))])
         stats["reward_errors"] = scores.errors
@@ -215,7 +217,7 @@ class Rollout:
             )
             for i, p in enumerate(prompts)
         ]
-        res = self.backend.generate(self._greedy(prompts, f"eval-g{tag}") + sampled)
+        res = check_answered(self.backend.generate(self._greedy(prompts, f"eval-g{tag}") + sampled), "the evaluation")
         answers = [p.answer for p in prompts] + [p.answer for p in prompts for _ in range(samples)]
         texts = [self.decode(r.output_ids) for r in res]
         rewards = score_all(self.reward_fn, texts, answers).rewards
@@ -240,7 +242,9 @@ class Rollout:
                 f"(this run's is {self.cfg.rollout.reward!r})"
             )
         prompts = load_humaneval(n)
-        res = self.backend.generate(self._greedy(prompts, f"humaneval-{time.monotonic_ns()}"))
+        res = check_answered(
+            self.backend.generate(self._greedy(prompts, f"humaneval-{time.monotonic_ns()}")), "the HumanEval evaluation"
+        )
         texts = [self.decode(r.output_ids) for r in res]
         scores = score_all(self.reward_fn, texts, [p.answer for p in prompts])
         metrics = {
