@@ -10,6 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build their models; nothin
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
+import megatron_trace  # noqa: E402, F401  (MEGATRON_TRACE_CPU_ISA's caps, before any test module runs a torch op)
+
 # CI replays the same examples every run (a red CI is then reproducible); locally they vary.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None, print_blob=True)

@@ -15,7 +15,11 @@ from megatron_trace.fp4 import nvfp4
 from megatron_trace.kernels import cpu_attention, cpu_fused
 from sglang_backend.local.layers import Rope, rms_norm
 
-pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler here")
+pytestmark = [
+    pytest.mark.isa_avx2,
+    pytest.mark.isa_baseline,
+    pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler here"),
+]
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
 
 

@@ -16,12 +16,19 @@ from hypothesis import strategies as st
 from megatron_trace.fp4 import nvfp4
 from megatron_trace.kernels import cpu_gemv
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
-BUILDS = ["native", "portable"]  # this machine's SIMD paths, and the scalar C every compiler builds
+pytestmark = [
+    pytest.mark.isa_avx2,
+    pytest.mark.isa_baseline,
+    pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}"),
+]
+BUILDS = [
+    "engine",
+    "baseline",
+]  # the build the engine runs (MEGATRON_TRACE_CPU_ISA), and the scalar C every compiler builds
 
 
 def _lib(build):
-    return cpu_gemv.portable_library() if build == "portable" else None
+    return cpu_gemv.baseline_library() if build == "baseline" else None
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -113,8 +120,8 @@ def test_nvfp4_linear_reads_the_modelopt_layout_exactly(build):
     torch.testing.assert_close(y4[:, 0], want, rtol=2**-22, atol=0)  # S_dec = fp32(1/2688) rounds
 
 
-def test_the_portable_build_is_the_scalar_code():
-    assert cpu_gemv.portable_library().gemv_isa() == "scalar"
+def test_the_baseline_build_is_the_scalar_code():
+    assert cpu_gemv.baseline_library().gemv_isa() == "scalar"
 
 
 def test_bad_shapes_are_refused_with_what_is_allowed():

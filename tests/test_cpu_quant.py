@@ -1,5 +1,5 @@
 """The C NVFP4 quantizers (megatron_trace/kernels/cpu_quant) are the reference (`fp4.nvfp4`) bit for bit, in the
--march=native build the engine runs and the portable build's scalar code, or step aside."""
+build the engine runs (the target MEGATRON_TRACE_CPU_ISA allows) and the baseline build's scalar code, or step aside."""
 
 import pytest
 import torch
@@ -11,12 +11,16 @@ from megatron_trace.fp4.codecs import _E2M1_BOUNDARIES, e2m1_grid, pack_fp4
 from megatron_trace.fp4.guided import mantissa_bits_packed
 from megatron_trace.kernels import cpu_build, cpu_quant, dispatch
 
-pytestmark = pytest.mark.skipif(cpu_build.native() is None, reason=f"no CPU kernels: {cpu_build.NATIVE.reason()}")
-BUILDS = ["native", "portable"]
+pytestmark = [
+    pytest.mark.isa_avx2,
+    pytest.mark.isa_baseline,
+    pytest.mark.skipif(cpu_build.library() is None, reason=f"no CPU kernels: {cpu_build.ENGINE.reason()}"),
+]
+BUILDS = ["engine", "baseline"]
 
 
 def _lib(build):
-    return cpu_build.native() if build == "native" else cpu_build.portable()
+    return cpu_build.library() if build == "engine" else cpu_build.baseline()
 
 
 def _same(q, r):
@@ -43,7 +47,7 @@ def test_c_decode_tables_are_fp4s(build):
 
 
 def test_gemv_tables_are_twice_fp4s_grid():
-    f, i8, bf = cpu_build.native().gemv_tables()
+    f, i8, bf = cpu_build.library().gemv_tables()
     two = 2 * e2m1_grid("cpu")
     assert torch.equal(f.view(torch.int32), two.view(torch.int32))  # -0.0 kept
     assert torch.equal(i8, two.to(torch.int8))

@@ -6,6 +6,8 @@ import torch
 from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.local import Engine
 
+pytestmark = pytest.mark.isa_avx2
+
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [11, 12, 13], [200, 17, 5, 9, 31]]
 NEW = 10
 

@@ -11,7 +11,10 @@ from megatron_trace.models import DEFAULT_TARGETS, ModelArch, QuantPolicy, make_
 from sglang_backend.local import Engine, layer_c, run_plan
 from tests.helpers import WIDE
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
+pytestmark = [
+    pytest.mark.isa_avx2,
+    pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}"),
+]
 
 # test_engine_streaming's wide layer (gate_up above run_plan.ONE_CALL_MAX_WEIGHTS), twice: a run of two
 # layers hands a residual on

@@ -10,7 +10,10 @@ from megatron_trace.models import make_tiny_checkpoint
 from sglang_backend.local import Engine, layer_c, run_plan
 from tests.helpers import WIDE
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}")
+pytestmark = [
+    pytest.mark.isa_avx2,
+    pytest.mark.skipif(not cpu_gemv.available(), reason=f"cpu_gemv not built: {cpu_gemv.unavailable_reason()}"),
+]
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41]]
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}

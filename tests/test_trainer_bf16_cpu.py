@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.isa_avx2
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [
     "--config",

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from megatron_trace.trainer.logprobs import VocabSpec, _support, chunked_logprobs
 from sglang_backend.api import keep_mask, needs_filter, support_logprob
 
+pytestmark = pytest.mark.isa_avx2
+
 H, V = 16, 96
 
 

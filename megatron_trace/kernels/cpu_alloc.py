@@ -42,7 +42,7 @@ def keep_freed_memory() -> str:
     kept (mmap threshold 256 MiB)", or why the default allocator behaviour stays (logged once)."""
     with _lock:
         if not _status:
-            lib = cpu_build.native()
+            lib = cpu_build.library()
             why = "CPU kernels not built" if lib is None else lib.keep_freed_memory(MMAP_THRESHOLD, TRIM_THRESHOLD)
             if why:
                 logging.getLogger(__name__).warning(

@@ -29,7 +29,7 @@ def paged_attention(
     with contiguous rows; row_seq, row_len int64 [T]. Returns softmax(q k^T * scale) v over each
     row's slots. The engine builds every index itself; nothing here is bounds-checked."""
     out = torch.empty_like(q)
-    if cpu_build.native().paged_attention(q, k_cache, v_cache, table, row_seq, row_len, scale, out):
+    if cpu_build.library().paged_attention(q, k_cache, v_cache, table, row_seq, row_len, scale, out):
         raise MemoryError(f"paged_attention: no memory for the scores of {q.shape[0]} rows")
     return out
 
@@ -51,7 +51,7 @@ def paged_attention_nvfp4(
     [slots, Hkv, D/16], S_dec of K and V (fp4.nvfp4.decode_scale). Elements decode exactly as
     fp4.nvfp4.dequantize(..., q.dtype) would."""
     out = torch.empty_like(q)
-    if cpu_build.native().paged_attention_nvfp4(
+    if cpu_build.library().paged_attention_nvfp4(
         q, k_codes, k_scales, v_codes, v_scales, sdec_k, sdec_v, table, row_seq, row_len, scale, out
     ):
         raise MemoryError(f"paged_attention_nvfp4: no memory for the scores of {q.shape[0]} rows")
@@ -88,7 +88,7 @@ def paged_attention_kv(
                 f"paged_attention_kv has no decoder for {name} pages in {fmt!r}; it decodes {', '.join(KV_ROW_FORMATS)}"
             )
     out = torch.empty_like(q)
-    if cpu_build.native().paged_attention_kv(
+    if cpu_build.library().paged_attention_kv(
         q,
         KV_ROW_FORMATS[k_fmt],
         k_pages[0],

@@ -2,7 +2,9 @@
 `cpu_*_parallel.cpp`) and their bindings (`cpu_ops.cpp`, functions of torch tensors), compiled
 into one extension by torch.utils.cpp_extension (ninja) on first use.
 
-The build is cached under CACHE_DIR, one directory per content of the sources, flags, torch
+The engine's build targets what MEGATRON_TRACE_CPU_ISA allows (cpu_routes.py): -march=native, the
+x86-64-v3 ISA (AVX2 + FMA + F16C: the AVX2 branches, no AVX-512) or the baseline ISA (the scalar C
+paths). The build is cached under CACHE_DIR, one directory per content of the sources, flags, torch
 version and target (for -march=native also this CPU's feature flags), so an edit or a torch upgrade
 rebuilds and concurrent processes share one build (cpp_extension locks the directory).
 When the build is impossible (no C++ compiler, no ninja, a compile error), `module()` returns None,
@@ -22,6 +24,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from . import cpu_routes
 
 _HERE = Path(__file__).resolve().parent
 SOURCES = (
@@ -50,7 +54,7 @@ HEADERS = (
 # the loop runs on the calling thread only. The extension's libgomp.so.1 resolves to the one torch
 # already loaded (same soname), so torch.set_num_threads sizes one shared pool.
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
-TARGETS = ("native", "portable")  # -march=native (AVX-512 where the compiler targets it) / the baseline ISA
+TARGETS = cpu_routes.SETTINGS  # native (AVX-512 where the compiler targets it), avx2 (x86-64-v3), baseline
 CACHE_DIR = Path.home() / ".cache" / "megatron_trace" / "cpu_kernels"
 _log = logging.getLogger(__name__)
 
@@ -106,7 +110,10 @@ class KernelBuild:
             raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (install g++ or clang++, or set CXX)")
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not installed (pip install ninja): torch.utils.cpp_extension builds with it")
-        flags = list(FLAGS) + (["-march=native"] if self.target == "native" else [])
+        march = cpu_routes.MARCH.get(cpu_routes.machine(), {}).get(self.target)
+        if march is None:
+            raise RuntimeError(f"target {self.target} does not exist on {cpu_routes.machine()}")
+        flags = [*FLAGS, march]
         name = f"megatron_trace_cpu_kernels_{self.target}"
         build = CACHE_DIR / f"{self.target}-torch{torch.__version__.replace('+', '_')}-{self._stamp(flags)}"
         build.mkdir(parents=True, exist_ok=True)
@@ -125,7 +132,7 @@ class KernelBuild:
         for f in SOURCES + HEADERS:
             h.update(f.encode() + b"\0" + (_HERE / f).read_bytes())
         if self.target == "native":
-            h.update(_cpu_flags().encode())
+            h.update(" ".join(sorted(cpu_routes.cpu_flags())).encode() or cpu_routes.machine().encode())
         return h.hexdigest()[:16]
 
 
@@ -136,30 +143,53 @@ def _last_line(e: Exception) -> str:
     return (errors or lines or [repr(e)])[0 if errors else -1].strip()
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    import platform
+def compile_only(compiler: str, target_flags: list[str], sources=SOURCES) -> None:
+    """Compiles `sources` to objects with `compiler`, the build's flags and `target_flags` (e.g.
+    ["-march=x86-64-v4", "-mavx512bf16"]; an aarch64 cross compiler with ["-march=armv8-a"]) at -O0,
+    linking nothing, the sources side by side: how a target this machine cannot run is at least
+    compiled (ISA branches this CPU lacks, another architecture). -O0 still inlines the intrinsics'
+    always_inline wrappers, so an intrinsic the target lacks fails as in the real build. Raises with
+    the compiler's first error."""
+    import os
+    import subprocess
+    import sysconfig
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
 
-    return platform.processor() or platform.machine()
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{_HERE}"]
+    for path in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]:
+        includes += ["-isystem", path]
+    defines = ["-DTORCH_EXTENSION_NAME=megatron_trace_compile_check", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    cmd = [compiler, *defines, *includes, "-fPIC", "-std=c++20", *FLAGS, *target_flags, "-O0"]
+    with tempfile.TemporaryDirectory() as out:
+
+        def compile_one(src: str):
+            return src, subprocess.run(
+                [*cmd, "-c", str(_HERE / src), "-o", f"{out}/{src}.o"], capture_output=True, text=True
+            )
+
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            results = list(pool.map(compile_one, sources))
+    for src, res in results:
+        if res.returncode:
+            errors = [ln for ln in res.stderr.splitlines() if "error" in ln] or res.stderr.splitlines()[-1:]
+            raise RuntimeError(f"{src} does not compile with {compiler} {' '.join(target_flags)}: {errors[0]}")
 
 
-NATIVE = KernelBuild("native")  # what the engine runs
-_PORTABLE = KernelBuild("portable")
+ENGINE = KernelBuild(cpu_routes.SETTING)  # what the engine runs: the target MEGATRON_TRACE_CPU_ISA allows
+_BASELINE = ENGINE if cpu_routes.SETTING == "baseline" else KernelBuild("baseline")
 
 
-def native():
-    """The engine's extension (-march=native), or None when it cannot be built (see KernelBuild)."""
-    return NATIVE.module()
+def library():
+    """The engine's extension (cpu_routes.SETTING's target), or None when it cannot be built (see KernelBuild)."""
+    return ENGINE.module()
 
 
-def portable():
+def baseline():
     """The baseline-ISA build (scalar C paths), for tests that check them too; raises when unbuildable."""
-    mod = _PORTABLE.module()
+    mod = _BASELINE.module()
     if mod is None:
-        raise RuntimeError(f"portable CPU kernels unavailable: {_PORTABLE.reason()}")
+        raise RuntimeError(f"baseline CPU kernels unavailable: {_BASELINE.reason()}")
     return mod

@@ -25,13 +25,13 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
-    return dtype in DTYPES and cpu_build.native() is not None
+    return dtype in DTYPES and cpu_build.library() is not None
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, N] contiguous, updated in place to x + residual; returns RMSNorm(x) * weight."""
     out = torch.empty_like(x)
-    cpu_build.native().add_rmsnorm(x, residual, weight, out, eps)
+    cpu_build.library().add_rmsnorm(x, residual, weight, out, eps)
     return out
 
 
@@ -55,7 +55,7 @@ def qkv_rope(
     or row t when None). Returns q [T, H, D] after (q-norm and) RoPE."""
     q = torch.empty(qkv.shape[0], heads, head_dim, dtype=qkv.dtype)
     slots = None if slots is None else slots.to(torch.int64).contiguous()
-    cpu_build.native().qkv_rope(
+    cpu_build.library().qkv_rope(
         qkv, heads, kv_heads, head_dim, cos, sin, positions, q_norm, k_norm, eps, q, k_dst, v_dst, slots
     )
     return q
@@ -65,7 +65,7 @@ def greedy_logprob(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     """(argmax, log_softmax at the argmax) of each row of contiguous fp32 logits [B, V], as lists."""
     b, v = logits.shape
     tok, lp = torch.empty(b, dtype=torch.int64), torch.empty(b, dtype=torch.float32)
-    if cpu_build.native().greedy_logprob(logits, tok, lp):
+    if cpu_build.library().greedy_logprob(logits, tok, lp):
         raise MemoryError(f"greedy_logprob: no memory for a row of {v} logits")
     return tok.tolist(), lp.tolist()
 
@@ -74,5 +74,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2F] contiguous -> silu(gate) * up [T, F]."""
     t, f2 = gate_up.shape
     out = torch.empty(t, f2 // 2, dtype=gate_up.dtype)
-    cpu_build.native().silu_mul(gate_up, out)
+    cpu_build.library().silu_mul(gate_up, out)
     return out

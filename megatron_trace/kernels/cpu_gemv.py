@@ -19,7 +19,7 @@ from . import cpu_build
 
 
 def _lib():
-    return cpu_build.native()
+    return cpu_build.library()
 
 
 def available() -> bool:
@@ -28,12 +28,12 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     """None when the kernels are built, else why not (for model_info and benchmark columns)."""
-    return cpu_build.NATIVE.reason()
+    return cpu_build.ENGINE.reason()
 
 
-def portable_library():
+def baseline_library():
     """The baseline-target build (scalar C), for tests: pass it as `lib=` to the functions below."""
-    return cpu_build.portable()
+    return cpu_build.baseline()
 
 
 def isa() -> str | None:

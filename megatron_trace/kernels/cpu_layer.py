@@ -23,11 +23,11 @@ from . import cpu_build
 
 def new_args():
     """A zeroed LayerArgs (requires the built kernels: check `cpu_fused.available()` first)."""
-    return cpu_build.native().LayerArgs()
+    return cpu_build.library().LayerArgs()
 
 
 def run(args, dtype: torch.dtype) -> None:
-    rc = cpu_build.native().decode_layer(args, dtype == torch.bfloat16)
+    rc = cpu_build.library().decode_layer(args, dtype == torch.bfloat16)
     if rc:
         raise _ERRORS[rc][0](f"decode_layer: {_ERRORS[rc][1]}")
 
@@ -36,7 +36,7 @@ def run_stream(arg_list: list, dtype: torch.dtype) -> None:
     """Layers in order (lin_kind 1/2, each res_in the previous res_out), bf16 only."""
     if dtype != torch.bfloat16:
         raise TypeError(f"decode_layers_stream serves bfloat16 layers, not {dtype}")
-    rc = cpu_build.native().decode_layers_stream(arg_list)
+    rc = cpu_build.library().decode_layers_stream(arg_list)
     if rc:
         raise _ERRORS[rc][0](f"decode_layers_stream: {_ERRORS[rc][1]}")
 

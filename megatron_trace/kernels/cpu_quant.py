@@ -27,7 +27,7 @@ def quantize_dequantize(
 ):
     """(nvfp4.quantize(x, per_row_global=..., global_scale=...), its nvfp4.dequantize(., dequant_dtype)
     or None when dequant_dtype is None), bit for bit, in one pass; None when this cannot take x."""
-    lib = lib or cpu_build.native()
+    lib = lib or cpu_build.library()
     gs_t = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32)
     ok = (
         lib is not None
@@ -74,7 +74,7 @@ def quantize_to_slots(
     for bit, without temporaries: x [T, ..., K], codes [S, ..., K/2] and scales [S, ..., K/16]
     contiguous, a finite positive 0-d fp32 global scale, int64 slots. False (nothing written) when
     this cannot take it (other devices or layouts, NaN input, an unusable S_enc)."""
-    lib = lib or cpu_build.native()
+    lib = lib or cpu_build.library()
     if (
         lib is None
         or x.device.type != "cpu"
@@ -104,7 +104,7 @@ def fp8_quantize_to_slots(
     """codes[slots], sdec[slots] = fp8.quantize(x, dims=2) (data, scale), bit for bit, without
     temporaries: x [T, heads, D], codes uint8 [S, heads, D] and sdec fp32 [S] contiguous, int64 slots.
     False (nothing written) when this cannot take it (other devices or layouts)."""
-    lib = lib or cpu_build.native()
+    lib = lib or cpu_build.library()
     if (
         lib is None
         or x.device.type != "cpu"
@@ -137,7 +137,7 @@ def dequantize_rows(
     """nvfp4.dequantize(NVFP4Tensor(codes[idx], scales[idx], global_scale), dtype) for a 0-d global
     scale and contiguous codes [S, ..., K/2] / scales [S, ..., K/16]: the gather and dequantize fused.
     None when this cannot take them."""
-    lib = lib or cpu_build.native()
+    lib = lib or cpu_build.library()
     if (
         lib is None
         or codes.device.type != "cpu"
@@ -158,7 +158,7 @@ def dequantize_rows(
 def mantissa_bits_packed(packed: torch.Tensor, lib=None) -> torch.Tensor | None:
     """fp4.guided.mantissa_bits_packed of a CPU uint8 [..., K/2] tensor (K % 8 == 0) in one C pass;
     None when this cannot take it."""
-    lib = lib or cpu_build.native()
+    lib = lib or cpu_build.library()
     if (
         lib is None
         or packed.device.type != "cpu"
@@ -192,7 +192,7 @@ def guided_dequantize_into(
     Returns (codes differing from rtn_codes', codes equal to agree_codes' with both zeros one code,
     elements guided) over those rows (0 for a tensor not given), or None (nothing written) when this
     cannot take them."""
-    lib = lib or cpu_build.native()
+    lib = lib or cpu_build.library()
     k = x.shape[-1] if x.dim() else 0
     lead = tuple(x.shape[:-1])
     packed = (codes, k // 2) if codes is not None else (mantissa, k // 8)

@@ -6,22 +6,21 @@ layout on every call; at the 0.5B widths and 8-32 rows that reorder costs as muc
 reordered copy (torch.ops.mkldnn._reorder_linear_weight, what inductor's CPU weight freezing uses)
 and multiplies with torch.ops.mkldnn._linear_pointwise: the same bits as F.linear at every row
 count (tests/test_onednn_linear.py), for one more copy of the weight in memory.
-Without oneDNN in the torch build, `available()` is False and `unavailable_reason()` says why; the
-engine then logs it once and reports it in model_info, and multiplies with F.linear.
+Where oneDNN cannot pack bf16 here (no oneDNN in the torch build, or no bf16 path on this CPU as
+MEGATRON_TRACE_CPU_ISA caps it: cpu_routes.py decides it once), `available()` is False and
+`unavailable_reason()` says why; the engine reports it in model_info and multiplies by
+cpu_routes.linear (F.linear, or fp32 on the up-cast where this CPU has no bf16 GEMM).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import cpu_routes
+
 
 def unavailable_reason() -> str | None:
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN (torch.backends.mkldnn)"
-    ops = torch.ops.mkldnn
-    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
-        return "this torch build lacks torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise"
-    return None
+    return cpu_routes.routes().onednn_bf16
 
 
 def available() -> bool:
@@ -29,7 +28,7 @@ def available() -> bool:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a packed call serves x . weight^T: bf16 both, on CPU, 2-D weight, oneDNN built."""
+    """Whether a packed call serves x . weight^T: bf16 both, on CPU, 2-D weight, oneDNN packs here."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.bfloat16

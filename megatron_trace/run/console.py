@@ -1,7 +1,8 @@
 """What the train CLI prints: the run's plan (without third-party noise), its progress and its summary.
 
     quiet_third_party()  ─► known import-time warnings of Megatron/TE/Apex/HF filtered by message
-    plan_lines(cfg, sleeps) ─► model, quantization, guidance, rollout, steps, where TensorBoard writes
+    plan_lines(cfg, sleeps) ─► model, quantization, guidance, rollout, steps, the CPU's routes (kernel
+                               ISA, bf16 GEMMs, oneDNN packing), where TensorBoard writes
     progress_bar(n, on)  ─► the RL steps' bar;  print_summary(summary) ─► the run's end, after it
 Only warnings known to be harmless on the machines we run are filtered, each by its exact text,
 so a new warning from the same libraries still shows.
@@ -10,6 +11,8 @@ so a new warning from the same libraries still shows.
 from __future__ import annotations
 
 import warnings
+
+from megatron_trace.kernels import cpu_routes
 
 # What Megatron-Core 0.16 says at import on a box without Transformer Engine or Apex; every
 # fallback named here is the one the trainer relies on (trainer/cpu_compat.py).
@@ -69,6 +72,7 @@ def plan_lines(cfg, engine_sleeps: bool = False) -> list[str]:
         f"steps:      {t.steps} x {r.prompts_per_step} prompts x {r.n_samples} samples ({r.prompts}, "
         f"T={r.temperature}, top_p={r.top_p}, up to {r.max_new_tokens} tokens); eval on up to {r.eval_prompts} "
         f"prompts of the eval split ({r.eval_fraction:.0%} of the problems, never trained on)",
+        f"cpu:        {cpu_routes.routes().describe()}",
         f"logs:       {where} (tensorboard --logdir {where}; metrics.jsonl, summary.json, checkpoints/)",
     ]
 

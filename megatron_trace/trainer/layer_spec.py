@@ -49,6 +49,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron_trace.kernels import cpu_routes
+
 from .packed_attention import packed_attention, packed_attention_cp, te_attention
 
 
@@ -90,17 +92,19 @@ def _sequence_rows(module, x: torch.Tensor) -> slice | None:
 
 
 class QATColumnParallelLinear(ColumnParallelLinear):
-    """ColumnParallelLinear whose input and weight are fake-quantized before Megatron's GEMM."""
+    """ColumnParallelLinear whose input and weight are fake-quantized before Megatron's GEMM (which
+    runs in fp32 on the operands' up-casts where this CPU has no bf16 GEMM: kernels/cpu_routes.py)."""
 
     qat_site: LinearSite | None = None
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         b = self.qat_site
+        weight = self.weight if weight is None else weight
         if b is not None and b.state.mode != "off":
             if b.quantize_input:
                 input_ = b.state.activation(input_, b.site, None, select=b.select, rows=_sequence_rows(self, input_))
-            weight = b.state.weight(self.weight if weight is None else weight)
-        return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+            weight = b.state.weight(weight)
+        return _in_gemm_dtype(super().forward, input_, weight, runtime_gather_output)
 
 
 class QATLayerNormColumnParallelLinear(QATColumnParallelLinear):
@@ -133,27 +137,31 @@ class QATRowParallelLinear(RowParallelLinear):
 
     def forward(self, input_):
         b = self.qat_site
-        if b is None or b.state.mode == "off":
+        qat = b is not None and b.state.mode != "off"
+        gemm_dtype = cpu_routes.gemm_dtype(input_)
+        if not qat and gemm_dtype == input_.dtype:
             return super().forward(input_)
         if not self.input_is_parallel:
-            raise ValueError("QAT row-parallel linears take TP-split inputs (input_is_parallel=True)")
-        if b.quantize_input:
-            k = input_.shape[-1]
-            st = b.state
-            k_slice = slice(st.tp_rank() * k, (st.tp_rank() + 1) * k) if st.tp_size() > 1 else None
-            input_ = st.activation(input_, b.site, k_slice, select=b.select)
-        weight = b.state.weight(self.weight)
-        # Megatron's RowParallelLinear.forward with the fake-quantized weight.
+            raise ValueError("the project's row-parallel linears take TP-split inputs (input_is_parallel=True)")
+        weight = self.weight
+        if qat:
+            if b.quantize_input:
+                k = input_.shape[-1]
+                st = b.state
+                k_slice = slice(st.tp_rank() * k, (st.tp_rank() + 1) * k) if st.tp_size() > 1 else None
+                input_ = st.activation(input_, b.site, k_slice, select=b.select)
+            weight = b.state.weight(weight)
+        # Megatron's RowParallelLinear.forward with the fake-quantized weight, its GEMM in gemm_dtype.
         out = self._forward_impl(
-            input=input_,
-            weight=weight,
+            input=input_.to(gemm_dtype),
+            weight=weight.to(gemm_dtype),
             bias=None,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             allreduce_dgrad=False,
             sequence_parallel=False,
             tp_group=None,
             grad_output_buffer=None,
-        )
+        ).to(input_.dtype)
         if self.explicit_expert_comm:
             assert self.skip_bias_add
         elif self.sequence_parallel:
@@ -253,11 +261,25 @@ class LogprobHead(ColumnParallelLinear):
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if not self.emit_hidden:
-            return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+            weight = self.weight if weight is None else weight
+            return _in_gemm_dtype(super().forward, input_, weight, runtime_gather_output)
         self._used = (self.weight if weight is None else weight,)
         if self.sequence_parallel:
             return gather_from_sequence_parallel_region(input_, True, group=self.tp_group), None
         return copy_to_tensor_model_parallel_region(input_, group=self.tp_group), None
+
+
+def _in_gemm_dtype(column_forward, input_, weight, runtime_gather_output):
+    """A ColumnParallelLinear.forward whose GEMM runs in this CPU's dtype for it (cpu_routes.gemm_dtype):
+    bf16 operands without bf16 GEMM hardware multiply as fp32 up-casts (autograd's backward GEMMs too)
+    and the output is rounded back to bf16; otherwise exactly Megatron's call."""
+    gemm_dtype = cpu_routes.gemm_dtype(input_)
+    if gemm_dtype == input_.dtype:
+        return column_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+    out, bias = column_forward(
+        input_.to(gemm_dtype), weight=weight.to(gemm_dtype), runtime_gather_output=runtime_gather_output
+    )
+    return out.to(input_.dtype), bias
 
 
 class QATSpecProvider(LocalSpecProvider):

@@ -6,6 +6,8 @@
         max and Σexp all-reduced over TP ─► log-softmax of the labels; entropy
         top-k / top-p: the support found exactly without gathering the vocabulary
     backward recomputes each chunk's z: memory is one chunk's logits, never [R, V] or [T, V]
+    (the GEMMs by kernels/cpu_routes.mm: in fp32 on tiles of the bf16 weight where this CPU has no
+    bf16 GEMM, each product rounded to the weight's dtype as a bf16 GEMM's is)
     (keep_logits_bytes: the forward's h·Wᵀ kept in the weight's dtype for the backward when all R
     rows fit, one GEMM of four saved for that memory; the same bits either way)
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_trace.kernels import cpu_routes
 from sglang_backend.api import keep_mask, needs_filter
 
 
@@ -74,7 +77,7 @@ def _chunk_logits(
     """fp32 logits of h's rows at the temperature, in the workspace: (h·Wᵀ).float() / temperature.
     lin: where h·Wᵀ goes (default: the workspace's buffer)."""
     lin = ws.lin[: len(h)] if lin is None else lin
-    torch.mm(h, w[: _width(w, spec)].t(), out=lin)
+    cpu_routes.mm(h, w[: _width(w, spec)].t(), out=lin)  # torch.mm, or fp32 where this CPU has no bf16 GEMM
     return _scaled(lin, spec, ws)
 
 
@@ -233,8 +236,8 @@ class _ChunkedLogprob(torch.autograd.Function):
             g[rows[mine], col[mine]] += 1.0
             g *= grad_tok[i : i + step, None].float() / spec.temperature
             g_low = ws.lin[: len(lab)].copy_(g)  # g in the weight's dtype
-            grad_h[i : i + step] = (g_low @ w).to(hidden.dtype)
-            torch.mm(g_low.t(), h.to(weight.dtype), out=product)
+            grad_h[i : i + step] = cpu_routes.mm(g_low, w).to(hidden.dtype)
+            cpu_routes.mm(g_low.t(), h.to(weight.dtype), out=product)
             _add_into(grad_w[:width], product)
         del ws, product, kept
         return grad_h, grad_w.to(weight.dtype), None, None, None

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from megatron_trace.guidance import GuidanceRecord, resolve_guided_layers
-from megatron_trace.kernels import cpu_alloc
+from megatron_trace.kernels import cpu_alloc, cpu_routes
 from megatron_trace.models import ModelArch, QuantPolicy
 from sglang_backend.api import GenerateRequest, GenerateResult, SamplingParams, WeightBucket
 
@@ -88,7 +88,10 @@ class Engine:
         self.model = QwenEngineModel(self.arch, self.policy, _DTYPES[dtype])
         self._released: set[str] = set()  # memory tags released (release_memory_occupation)
         self._refill: set[str] | None = None  # HF tensors a resumed model still waits for from an update
-        self._allocator = cpu_alloc.keep_freed_memory() if self.model.embed.device.type == "cpu" else None
+        on_cpu = self.model.embed.device.type == "cpu"
+        self._allocator = cpu_alloc.keep_freed_memory() if on_cpu else None
+        # what this CPU can do, decided once at start (kernels/cpu_routes.py), never by an op raising in a batch
+        self.cpu_routes = cpu_routes.routes() if on_cpu else None
         load_checkpoint(self.model, self.model_path)
         self._check_static_scales()
         self._dtype = _DTYPES[dtype]
@@ -374,6 +377,8 @@ class Engine:
             "static_scales_missing": list(self.static_scales_missing),
             # what CPU decode linears run on: cpu_gemv/<isa>, or torch (why the kernels are missing)
             "cpu_linear": streaming_status() if self._allocator else None,
+            # what this CPU can do, decided once (kernels/cpu_routes.py): kernel ISA, bf16 GEMM route, packing
+            "cpu_routes": self.cpu_routes.describe() if self.cpu_routes else None,
             "cpu_allocator": self._allocator,
             # how decode runs each layer (run_plan): a layout the C calls do not take shows as "per kernel"
             "cpu_layers": self.model.run_plan(self.kv).describe() if self._allocator and not self._released else None,

@@ -16,7 +16,7 @@ from torch import nn
 
 from megatron_trace.fp4 import mxfp4, nvfp4
 from megatron_trace.fp4.modelopt import encode_scale_from_decode
-from megatron_trace.kernels import cpu_gemv, onednn_linear
+from megatron_trace.kernels import cpu_gemv, cpu_routes, onednn_linear
 from megatron_trace.kernels.dispatch import (
     fp4_linear,
     fp4_linear_w4a4,
@@ -38,31 +38,22 @@ def streaming_status() -> str:
     the kernels are missing>)' at decode widths, then how torch's bf16 GEMMs above them run."""
     decode = f"cpu_gemv/{cpu_gemv.isa()}" if cpu_gemv.available() else f"torch ({cpu_gemv.unavailable_reason()})"
     why = onednn_linear.unavailable_reason()
-    return f"{decode}; gemm: " + ("onednn-packed" if why is None else f"F.linear ({why})")
+    if why is None:
+        return f"{decode}; gemm: onednn-packed"
+    gemm = "fp32 on the bf16 up-cast" if cpu_routes.routes().bf16_gemm == "fp32" else "F.linear"
+    return f"{decode}; gemm: {gemm} ({why})"
 
 
 def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, packed: onednn_linear.PackedWeight | None = None):
     """fp32 logits of h [T, hidden] (CPU): a bf16 head at decode widths streams through cpu_gemv
     (fp32 accumulation rounded to bf16, as torch's bf16 linear), wider ones through `packed` (the
-    same bits as F.linear), everything else F.linear."""
+    same bits as F.linear), everything else by this CPU's GEMM route (cpu_routes.linear)."""
     cpu_bf16 = h.device.type == "cpu" and weight.dtype == torch.bfloat16 and h.dtype == torch.bfloat16
     if cpu_bf16 and h.shape[0] <= run_plan.STREAM_MAX_ROWS and _streaming():
         return cpu_gemv.bf16_linear(h, weight).float()
     if packed is not None and onednn_linear.usable(h, weight):
         return packed.linear(h, weight, None, (weight.data_ptr(), weight._version)).float()
-    _warn_unpacked(h, weight)
-    return nn.functional.linear(h, weight).float()
-
-
-def _warn_unpacked(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """A CPU bf16 GEMM that cannot take the packed path says so once (model_info says it too)."""
-    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and not onednn_linear.available():
-        _warn_no_onednn(onednn_linear.unavailable_reason())
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_no_onednn(why: str) -> None:
-    logging.getLogger(__name__).warning("CPU bf16 GEMMs run F.linear, reordering each weight per call: %s", why)
+    return cpu_routes.linear(h, weight).float()
 
 
 def _streaming() -> bool:
@@ -264,13 +255,13 @@ class EngineLinear(nn.Module):
         return self._torch_linear(self._matmul_input(x, capture, site))
 
     def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x . weight^T + bias by torch: bf16 on CPU through the oneDNN-packed weight (same bits)."""
+        """x . weight^T + bias by torch: bf16 on CPU through the oneDNN-packed weight (same bits) where
+        oneDNN packs bf16 here, else by this CPU's GEMM route (cpu_routes.linear)."""
         w = self.weight
         if onednn_linear.usable(x, w):
             key = (w.data_ptr(), w._version, self.generation)  # as weight_t(): loads, load_state_dict
             return self._packed.linear(x, w, self.bias, key)
-        _warn_unpacked(x, w)
-        return nn.functional.linear(x, w, self.bias)
+        return cpu_routes.linear(x, w, self.bias)
 
     def _packed_gemm(self, x: torch.Tensor) -> bool:
         """Whether this call runs the Triton FP4 GEMM: NVFP4 weights with NVFP4 or unquantized

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_trace.kernels import cpu_attention, cpu_fused, onednn_linear
+from megatron_trace.kernels import cpu_attention, cpu_fused, cpu_routes, onednn_linear
 from megatron_trace.models import ModelArch, QuantPolicy
 from megatron_trace.models.rope import ColumnOffsets, rotated_bias
 
@@ -181,7 +181,7 @@ class _Layer(nn.Module):
 
     def _moe(self, x, capture, routed: torch.Tensor | None = None) -> torch.Tensor:
         a = self.arch
-        probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        probs = F.softmax(cpu_routes.linear(x, self.router), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, a.num_experts_per_tok, dim=-1)
         if routed is not None:  # routing replay: the trainer replays these ids, in this top-k order
             routed[:, self.idx] = experts
@@ -361,5 +361,5 @@ class QwenEngineModel(nn.Module):
             for layer, cap in zip(self.layers, caps):
                 x = layer(x, batch, kv, rot, cap)
             h = rms_norm(x if all_rows else x[rows], self.final_norm, eps)
-            return F.linear(h, self.lm_head).float()
+            return cpu_routes.linear(h, self.lm_head).float()
         return lm_head_logits(h, self.lm_head, self._head_packed)
