@@ -129,23 +129,25 @@ def _fp32_route(monkeypatch):
 
 
 @settings(max_examples=20, deadline=None)
-@given(m=st.integers(1, 40), n=st.integers(1, 200), k=st.integers(1, 200), seed=st.integers(0, 99))
-def test_the_fp32_route_is_a_bf16_gemm_summed_in_fp32(m, n, k, seed):
-    """What the fp32 route computes: the exact product of the bf16 operands, summed in fp32, rounded
-    once to bf16; so within half a bf16 ulp (plus the fp32 sum's error) of the fp64 product. The
-    large operand is up-cast tile by tile: tiles small enough to make several give the same bound."""
+@given(m=st.integers(1, 40), n=st.integers(1, 200), k=st.integers(1, 200), bias=st.booleans(), seed=st.integers(0, 99))
+def test_the_fp32_route_is_a_bf16_gemm_summed_in_fp32(m, n, k, bias, seed):
+    """What the fp32 route computes: the exact product of the bf16 operands (plus the bias), summed in
+    fp32, rounded once to bf16; so within half a bf16 ulp (plus the fp32 sum's error) of the fp64
+    result. The large operand is up-cast tile by tile: tiles small enough to make several hold the
+    same bound, for mm (the chunked head) and for linear outside autograd (the engine)."""
     with pytest.MonkeyPatch.context() as mp:
         _fp32_route(mp)
-        mp.setattr(cpu_routes, "_TILE_ELEMENTS", 64)
+        mp.setattr(cpu_routes, "TILE_ELEMENTS", 64)
         g = torch.Generator().manual_seed(seed)
         a, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(k, n, generator=g).bfloat16()
+        c = torch.randn(n, generator=g).bfloat16() if bias else None
         got = cpu_routes.mm(a, b)
-        lin = cpu_routes.linear(a, b.t())
+        lin = cpu_routes.linear(a, b.t(), c)
     exact = a.double() @ b.double()
-    bound = exact.abs() * 2.0**-8 + k * 2.0**-23 * (a.double().abs() @ b.double().abs()) + 1e-30
-    assert got.dtype == lin.dtype == torch.bfloat16
-    assert bool(((got.double() - exact).abs() <= bound).all())
-    assert torch.equal(lin, (a.float() @ b.float()).bfloat16())
+    bound = k * 2.0**-23 * (a.double().abs() @ b.double().abs()) + 1e-30
+    for y, want in ((got, exact), (lin, exact if c is None else exact + c.double())):
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        assert bool(((y.double() - want).abs() <= want.abs() * 2.0**-8 + bound + 2.0**-23 * want.abs()).all())
 
 
 def test_the_fp32_route_is_differentiable_and_its_grads_are_bf16(monkeypatch):

@@ -11,8 +11,9 @@
  *    hardware does), not the bf16-rounded dequantized copy the torch path multiplies by.
  *  - BF16: 32 weights per 64-byte load, widened to fp32 by shifts.
  * x is fp32 for both (bf16 activations widen exactly), accumulation is fp32 FMA.
- * Compiled with -march=native: the AVX-512 path when the compiler targets it, else portable scalar
- * C (gemv_isa() says which). Threads: the caller splits output rows (cpu_gemv_parallel.cpp).
+ * Built for the target MEGATRON_TRACE_CPU_ISA allows (cpu_build.py): the AVX-512 path when the compiler
+ * targets it, else portable 8-lane vectors (AVX2 with x86-64-v3, SSE at the baseline, NEON on Arm;
+ * gemv_isa() says which). Threads: the caller splits output rows (cpu_gemv_parallel.cpp).
  */
 #include "cpu_gemv.h"
 
@@ -344,44 +345,122 @@ void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint1
 
 int gemv_reads_bf16(void) { return GEMV_DPBF16; }
 
-#else /* portable scalar C: the same factorization, natural column order */
-const char* gemv_isa(void) { return "scalar"; }
+#else /* portable: 8-lane GCC/Clang vectors, the same factorization, natural column order */
+/* One AVX2 register where the target has AVX2 (x86-64-v3), SSE or NEON pairs elsewhere. A GEMV sum is
+   not an FP4 rounding (the results hold to fp32 rounding, tests/test_cpu_gemv.py): contracted into FMAs
+   where the target has them. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define GEMV_FMA __attribute__((optimize("fp-contract=fast")))
+#else
+#define GEMV_FMA
+#endif
+const char* gemv_isa(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return "vec8-avx2";
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+    return "vec8-neon";
+#else
+    return "vec8";
+#endif
+}
 int gemv_reads_bf16(void) { return 0; }
 
-void gemv_nvfp4_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
-                     const float* gdec, const float* bias, void* y, int y_bf16, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t kp = gemv_padded_k(K);
-    const float* xp = (const float*)x;
-    (void)x_bf16; /* the scalar build always reads laid-out fp32 rows */
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = n0; n < n1; n++) {
-            const uint8_t *cr = codes + n * (K / 2), *sr = scales + n * (K / 16);
-            const float* xr = xp + m * kp;
-            float acc = 0.f;
-            for (int64_t b = 0; b < K / 16; b++) {
-                float s = 0.f;
-                for (int64_t j = 0; j < 8; j++) {
-                    const uint8_t byte = cr[b * 8 + j];
-                    s += xr[b * 16 + 2 * j] * TWO_E2M1[byte & 15] + xr[b * 16 + 2 * j + 1] * TWO_E2M1[byte >> 4];
-                }
-                acc += s * half_e4m3(sr[b]);
-            }
-            store_out(y, y_bf16, m * N + n, acc * gdec[n] + (bias ? bias[n] : 0.f));
+/* MR laid-out fp32 rows (natural order, zero past K) against NVFP4 weight row cr/sr: lane sums in out. */
+static inline GEMV_FMA void nvfp4_tile(const float* xp, int64_t kp, int64_t K, const uint8_t* cr, const uint8_t* sr,
+                                       v8f* out, const int mr) {
+    v8f acc[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t b = 0; b < K / 16; b++) {
+        if ((b & 7) == 0) __builtin_prefetch(cr + 8 * b + GEMV_PREFETCH_BYTES);
+        v8f lo, hi;
+        e2m1x16(cr + 8 * b, &lo, &hi);
+        const float sf = e4m3_bits_f32(sr[b]) * 0x1p120f;
+        for (int r = 0; r < mr; r++) {
+            const float* xr = xp + r * kp + 16 * b;
+            const v8f t = ld8_f32(xr) * lo + ld8_f32(xr + 8) * hi;
+            acc[r][b & 1] += t * sf;
         }
+    }
+    for (int r = 0; r < mr; r++) out[r] = acc[r][0] + acc[r][1];
 }
 
-void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint16_t* w, const float* bias, void* y,
-                    int y_bf16, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t kp = gemv_padded_k(K);
-    const float* xp = (const float*)x;
-    (void)x_bf16;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = n0; n < n1; n++) {
-            const uint16_t* wr = w + n * K;
-            const float* xr = xp + m * kp;
-            float acc = 0.f;
-            for (int64_t k = 0; k < K; k++) acc += xr[k] * bf16_to_f32(wr[k]);
-            store_out(y, y_bf16, m * N + n, acc + (bias ? bias[n] : 0.f));
+static inline GEMV_FMA void bf16_tile(const float* xp, int64_t kp, int64_t K, const uint16_t* wr, v8f* out,
+                                      const int mr) {
+    v8f acc[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+    (void)kp;
+    for (int64_t k = 0; k < K; k += 8) {
+        if ((k & 31) == 0) __builtin_prefetch(wr + k + GEMV_PREFETCH_BYTES / 2);
+        uint16_t tail[8] = {0};
+        const uint16_t* w8 = wr + k;
+        if (k + 8 > K) { /* the row's last K % 8 weights; x is zero past K */
+            memcpy(tail, w8, (size_t)(K - k) * sizeof(uint16_t));
+            w8 = tail;
         }
+        const v8f w = ld8_bf16(w8);
+        for (int r = 0; r < mr; r++) acc[r][(k >> 3) & 1] += ld8_f32(xp + r * kp + k) * w;
+    }
+    for (int r = 0; r < mr; r++) out[r] = acc[r][0] + acc[r][1];
+}
+
+/* Output rows n0..n1 of activation rows m0..m0+mr, 8 at a time through hsum8x8, the rest alone:
+   sum * scale[n] + bias[n] (scale: the NVFP4 rows' S_dec, or none for BF16). */
+#define GEMV_ROWS(TILE_AT, scale)                                                                            \
+    do {                                                                                                     \
+        v8f grp[TILE_ROWS][8], one[TILE_ROWS];                                                               \
+        int64_t n = n0;                                                                                      \
+        for (; n + 8 <= n1; n += 8) {                                                                        \
+            for (int i = 0; i < 8; i++) {                                                                    \
+                TILE_AT(n + i);                                                                              \
+                for (int r = 0; r < mr; r++) grp[r][i] = one[r];                                             \
+            }                                                                                                \
+            for (int r = 0; r < mr; r++) {                                                                   \
+                const v8f v = hsum8x8(grp[r]);                                                               \
+                for (int i = 0; i < 8; i++)                                                                  \
+                    store_out(y, y_bf16, (m0 + r) * N + n + i,                                               \
+                              ((scale) ? v[i] * (scale)[n + i] : v[i]) + (bias ? bias[n + i] : 0.f));        \
+            }                                                                                                \
+        }                                                                                                    \
+        for (; n < n1; n++) {                                                                                \
+            TILE_AT(n);                                                                                      \
+            for (int r = 0; r < mr; r++) {                                                                   \
+                const float v = hsum8(one[r]);                                                               \
+                store_out(y, y_bf16, (m0 + r) * N + n, ((scale) ? v * (scale)[n] : v) + (bias ? bias[n] : 0.f)); \
+            }                                                                                                \
+        }                                                                                                    \
+    } while (0)
+
+GEMV_FMA void gemv_nvfp4_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes,
+                              const uint8_t* scales, const float* gdec, const float* bias, void* y, int y_bf16, int64_t N,
+                              int64_t n0, int64_t n1) {
+    const int64_t kp = gemv_padded_k(K);
+    (void)x_bf16; /* this build always reads laid-out fp32 rows */
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+        const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
+#define NVFP4_VEC_ROW(R) nvfp4_tile((const float*)x + m0 * kp, kp, K, cr, sr, one, R)
+#define NVFP4_VEC_AT(row)                                                                  \
+    do {                                                                                   \
+        const uint8_t *cr = codes + (row) * (K / 2), *sr = scales + (row) * (K / 16);      \
+        TILE_SWITCH(mr, NVFP4_VEC_ROW)                                                     \
+    } while (0)
+        GEMV_ROWS(NVFP4_VEC_AT, gdec);
+    }
+}
+
+GEMV_FMA void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint16_t* w, const float* bias,
+                             void* y, int y_bf16, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t kp = gemv_padded_k(K);
+    const float* none = 0; /* BF16 rows have no decode scale */
+    (void)x_bf16;
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+        const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
+#define BF16_VEC_ROW(R) bf16_tile((const float*)x + m0 * kp, kp, K, wr, one, R)
+#define BF16_VEC_AT(row)                                                                   \
+    do {                                                                                   \
+        const uint16_t* wr = w + (row) * K;                                                \
+        TILE_SWITCH(mr, BF16_VEC_ROW)                                                      \
+    } while (0)
+        GEMV_ROWS(BF16_VEC_AT, none);
+    }
 }
 #endif

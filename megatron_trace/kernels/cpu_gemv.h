@@ -39,9 +39,10 @@ void gemv_bf16_rows(const void* x, int x_bf16, int64_t M, int64_t K, const uint1
 int gemv_reads_bf16(void);
 
 /* W4A4 (megatron_trace/kernels/cpu_gemv_w4a4.c): the activations as NVFP4 too (codes [M, K/2], scales [M, K/16],
- * decode global scale adec [M]), laid out once by gemv_w4a4_prepare into M * 256 * gemv_w4a4_chunks(K)
- * bytes; exact integer block products. */
+ * decode global scale adec [M]), laid out once by gemv_w4a4_prepare into M * gemv_w4a4_row_bytes(K)
+ * bytes (the layout is the build's path's); exact block products. */
 int64_t gemv_w4a4_chunks(int64_t K);
+int64_t gemv_w4a4_row_bytes(int64_t K);
 void gemv_w4a4_prepare(const uint8_t* codes, const uint8_t* scales, int64_t M, int64_t K, uint8_t* out);
 void gemv_w4a4_rows(const uint8_t* ap, const float* adec, int64_t M, int64_t K, const uint8_t* codes,
                     const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16, int64_t N,
@@ -58,7 +59,8 @@ int gemv_w4a4(const uint8_t* acodes, const uint8_t* ascales, const float* adec, 
               const uint8_t* codes, const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16,
               int64_t N);
 
-/* Which code path this build selected: "avx512+bf16", "avx512" or "scalar". */
+/* Which code path this build selected: "avx512+bf16", "avx512", or the portable vectors "vec8-avx2",
+ * "vec8-neon", "vec8" (SSE at the x86-64 baseline). */
 const char* gemv_isa(void);
 
 #ifdef __cplusplus

@@ -1,7 +1,7 @@
 """Weight-streaming linears for decode on CPU: NVFP4 (ModelOpt layout, read as stored) and BF16.
 
-The C sources are `cpu_gemv.c` (kernels, AVX-512 or portable scalar, chosen by the compiler's
--march=native target), `cpu_gemv_w4a4.c` and `cpu_gemv_parallel.cpp` (at::parallel_for over output
+The C sources are `cpu_gemv.c` (kernels, AVX-512 or portable 8-lane vectors, chosen by the compiler's
+target: MEGATRON_TRACE_CPU_ISA, cpu_build.py), `cpu_gemv_w4a4.c` and `cpu_gemv_parallel.cpp` (at::parallel_for over output
 rows, so torch.get_num_threads() applies), built with the other CPU kernels by megatron_trace/kernels/cpu_build.py.
 Without a compiler or ninja, `available()` is False, `unavailable_reason()` says why, and the
 engine logs it and reports it in model_info (it then multiplies dequantized weights with torch:
@@ -32,12 +32,12 @@ def unavailable_reason() -> str | None:
 
 
 def baseline_library():
-    """The baseline-target build (scalar C), for tests: pass it as `lib=` to the functions below."""
+    """The baseline-target build (portable vectors), for tests: pass it as `lib=` to the functions below."""
     return cpu_build.baseline()
 
 
 def isa() -> str | None:
-    """The code paths the build selected ("avx512+bf16,w4a4:avx512-vnni" down to "scalar,w4a4:scalar"),
+    """The code paths the build selected ("avx512+bf16,w4a4:avx512-vnni" down to "vec8,w4a4:vec8"),
     None when not built."""
     lib = _lib()
     return None if lib is None else f"{lib.gemv_isa()},w4a4:{lib.gemv_w4a4_isa()}"

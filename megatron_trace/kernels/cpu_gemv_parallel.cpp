@@ -72,7 +72,7 @@ int gemv_w4a4(const uint8_t* acodes, const uint8_t* ascales, const float* adec, 
               int64_t N) {
     std::vector<uint8_t> ap;
     try {
-        ap.resize(static_cast<size_t>(M * gemv_w4a4_chunks(K) * 256));
+        ap.resize(static_cast<size_t>(M * gemv_w4a4_row_bytes(K)));
     } catch (...) {
         return 1;
     }

@@ -6,7 +6,8 @@
  * of both operands followed by a matmul to fp32 rounding.
  * AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, so weights enter offset by +12
  * (2 ew + 12 in 0..24, straight from the nibble table) and each block's 12 * sum(2 ea) is
- * subtracted up front; activations are laid out once per call (gemv_w4a4_prepare).
+ * subtracted up front. Elsewhere fp32 vectors (exact: see the portable tile). Activations are laid
+ * out once per call (gemv_w4a4_prepare), in the layout of the build's path.
  */
 #include "cpu_gemv.h"
 
@@ -22,6 +23,9 @@
 #endif
 
 int64_t gemv_w4a4_chunks(int64_t K) { return (K + 127) / 128; }
+
+#if W4A4_VNNI
+int64_t gemv_w4a4_row_bytes(int64_t K) { return gemv_w4a4_chunks(K) * 256; }
 
 /* Per activation row and 128-column chunk c (8 blocks): 64 bytes of 2 ea at even columns, 64 at
    odd columns (the packed bytes' low and high nibbles, in place), 16 int32 lanes of -6 * sum(2 ea)
@@ -51,8 +55,26 @@ void gemv_w4a4_prepare(const uint8_t* codes, const uint8_t* scales, int64_t M, i
         }
     }
 }
+#else
+int64_t gemv_w4a4_row_bytes(int64_t K) { return 4 * (K + K / 16); }
+
+/* Per activation row: K fp32 2 ea in column order (exact small integers), then K / 16 fp32 SFa. */
+void gemv_w4a4_prepare(const uint8_t* codes, const uint8_t* scales, int64_t M, int64_t K, uint8_t* out) {
+    const int64_t blocks = K / 16;
+    for (int64_t m = 0; m < M; m++) {
+        float* row = (float*)(out + m * gemv_w4a4_row_bytes(K));
+        for (int64_t i = 0; i < K / 2; i++) {
+            const uint8_t byte = codes[m * (K / 2) + i];
+            row[2 * i] = TWO_E2M1_I8[byte & 15];
+            row[2 * i + 1] = TWO_E2M1_I8[byte >> 4];
+        }
+        for (int64_t b = 0; b < blocks; b++) row[K + b] = quarter_e4m3(scales[m * blocks + b]) * 4.f; /* SFa */
+    }
+}
+#endif
 
 #if W4A4_VNNI
+#define W4A4_FMA
 /* Weight row n against MR prepared activation rows: one nibble decode of 128 weights serves all MR;
    acc[r] gets row r's 16 lane sums. */
 static inline __attribute__((always_inline)) void w4a4_tile(const uint8_t* ap, int64_t chunks, int64_t K,
@@ -124,49 +146,64 @@ static void w4a4_rows_avx512(const uint8_t* a, const float* adec, int64_t m0, in
 
 const char* gemv_w4a4_isa(void) { return "avx512-vnni"; }
 #else
-/* Portable C: the same integer block sums, from the same prepared layout. */
-static void w4a4_tile(const uint8_t* ap, int64_t chunks, int64_t K, const uint8_t* cr, const uint8_t* sr, float* out,
-                      const int mr) {
-    const int64_t blocks = K / 16;
-    for (int r = 0; r < mr; r++) {
-        float acc = 0.f;
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t* a = ap + (r * chunks + b / 8) * 256;
-            const int8_t *lo = (const int8_t*)a + (b % 8) * 8, *hi = lo + 64;
-            int32_t s = 0;
-            for (int64_t i = 0; i < 8; i++) {
-                const uint8_t byte = cr[b * 8 + i];
-                s += lo[i] * TWO_E2M1_I8[byte & 15] + hi[i] * TWO_E2M1_I8[byte >> 4];
-            }
-            float sfa;
-            memcpy(&sfa, a + 192 + 4 * (2 * (b % 8)), 4);
-            acc += (float)s * (quarter_e4m3(sr[b]) * sfa);
-        }
-        out[r] = acc;
-    }
-}
-
-const char* gemv_w4a4_isa(void) { return "scalar"; }
+/* Portable: the same exact block products in 8-lane GCC/Clang vectors (AVX2 with x86-64-v3, SSE or
+   NEON elsewhere), from fp32 activations laid out once (2 ea: exact small integers) against the
+   weight's e2m1 values: a block's 16 products and their sum are exact in fp32 (multiples of 1/2
+   below 2^11), and so is that sum times SFa SFw / 2; only the sum over blocks rounds, as in the
+   AVX-512 path. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define W4A4_FMA __attribute__((optimize("fp-contract=fast"))) /* exact products: contraction changes nothing */
+#else
+#define W4A4_FMA
 #endif
 
-void gemv_w4a4_rows(const uint8_t* ap, const float* adec, int64_t M, int64_t K, const uint8_t* codes,
+static inline W4A4_FMA void w4a4_tile(const uint8_t* ap, int64_t K, const uint8_t* cr, const uint8_t* sr, v8f* out,
+                                      const int mr) {
+    const int64_t blocks = K / 16, row_floats = gemv_w4a4_row_bytes(K) / 4;
+    v8f acc[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t b = 0; b < blocks; b++) {
+        if ((b & 7) == 0) __builtin_prefetch(cr + 8 * b + GEMV_PREFETCH_BYTES);
+        v8f lo, hi;
+        e2m1x16(cr + 8 * b, &lo, &hi);
+        const float sw = half_e4m3(sr[b]);
+        for (int r = 0; r < mr; r++) {
+            const float* a = (const float*)ap + r * row_floats;
+            const v8f t = ld8_f32(a + 16 * b) * lo + ld8_f32(a + 16 * b + 8) * hi;
+            acc[r][b & 1] += t * (a[K + b] * sw);
+        }
+    }
+    for (int r = 0; r < mr; r++) out[r] = acc[r][0] + acc[r][1];
+}
+
+const char* gemv_w4a4_isa(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return "vec8-avx2";
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+    return "vec8-neon";
+#else
+    return "vec8";
+#endif
+}
+#endif
+
+W4A4_FMA void gemv_w4a4_rows(const uint8_t* ap, const float* adec, int64_t M, int64_t K, const uint8_t* codes,
                     const uint8_t* scales, const float* wdec, const float* bias, void* y, int y_bf16, int64_t N,
                     int64_t n0, int64_t n1) {
-    const int64_t chunks = gemv_w4a4_chunks(K);
     for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
         const int mr = M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS;
-        const uint8_t* a = ap + m0 * chunks * 256;
+        const uint8_t* a = ap + m0 * gemv_w4a4_row_bytes(K);
 #if W4A4_VNNI
         w4a4_rows_avx512(a, adec, m0, mr, K, codes, scales, wdec, bias, y, y_bf16, N, n0, n1);
 #else
         for (int64_t n = n0; n < n1; n++) {
-            float out[TILE_ROWS];
+            v8f out[TILE_ROWS];
             const uint8_t *cr = codes + n * (K / 2), *sr = scales + n * (K / 16);
-#define W4A4_CALL(R) w4a4_tile(a, chunks, K, cr, sr, out, R)
+#define W4A4_CALL(R) w4a4_tile(a, K, cr, sr, out, R)
             TILE_SWITCH(mr, W4A4_CALL)
 #undef W4A4_CALL
             for (int r = 0; r < mr; r++)
-                store_out(y, y_bf16, (m0 + r) * N + n, out[r] * adec[m0 + r] * wdec[n] + (bias ? bias[n] : 0.f));
+                store_out(y, y_bf16, (m0 + r) * N + n, hsum8(out[r]) * adec[m0 + r] * wdec[n] + (bias ? bias[n] : 0.f));
         }
 #endif
     }

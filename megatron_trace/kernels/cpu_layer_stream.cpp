@@ -229,7 +229,7 @@ void size_scratch(const layer_args* const* layers, int64_t n, Scratch& s) {
     s.kn.resize(T * kvd), s.vn.resize(T * kvd), s.o.resize(T * hd), s.gu.resize(2 * T * f), s.m.resize(T * f);
     s.xb.resize(T * k), s.kvf.resize(2 * T * kvd), s.gs.resize(T), s.adec.resize(T);
     s.xp.resize(T * gemv_padded_k(k)), s.codes.resize(T * k / 2), s.scales.resize(T * k / 16);
-    s.ap.resize(T * 256 * gemv_w4a4_chunks(k));
+    s.ap.resize(T * gemv_w4a4_row_bytes(k));
 }
 
 void spin_until(const std::atomic<int64_t>& done, int64_t total) {

@@ -182,48 +182,62 @@ def gemm_dtype(x):
 
 
 def linear(x, weight, bias=None):
-    """F.linear(x, weight, bias) by this CPU's route: a bf16 GEMM without bf16 hardware multiplies the
-    fp32 up-casts and rounds the output to bf16 (differentiable: autograd runs the backward's GEMMs
-    in fp32 too)."""
+    """F.linear(x, weight, bias) by this CPU's route: a bf16 GEMM without bf16 hardware multiplies in
+    fp32 and rounds the output to bf16 once. Under autograd (the trainer) on the operands' fp32
+    up-casts, so the backward's GEMMs run in fp32 too; without it (the engine) through mm_fp32's tiles."""
+    import torch
     import torch.nn.functional as F
 
-    if upcasts(x, weight):
+    if not upcasts(x, weight):
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    return F.linear(x, weight, bias)
+    y = mm_fp32(x.reshape(-1, x.shape[-1]), weight.t(), bias=bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
-_TILE_ELEMENTS = 1 << 22  # fp32 elements of one operand tile and of one product tile: 16 MB each
+TILE_ELEMENTS = 1 << 22  # fp32 elements of one operand tile and of one product tile: 16 MB each
 
 
 def mm(a, b, out=None):
-    """torch.mm(a, b, out=out) by this CPU's route. Where a bf16 GEMM runs in fp32 (routes().bf16_gemm),
-    the larger operand is up-cast tile by tile (along the output's columns or rows, never K: each output
-    is one fp32 dot product) into one reused buffer, each tile's fp32 product rounded to bf16 into
-    `out`: a large weight is never copied whole, and a call's pages are its few buffers (the chunked
-    LM head calls this per chunk under the engine's heap policy, which keeps freed memory). Not
-    differentiable (that head calls it inside its own autograd function)."""
+    """torch.mm(a, b, out=out) by this CPU's route: mm_fp32 where a bf16 GEMM runs in fp32
+    (routes().bf16_gemm). Not differentiable (the chunked LM head calls it inside its own autograd
+    function)."""
     import torch
 
     if not upcasts(a, b):
         return torch.mm(a, b, out=out)
+    return mm_fp32(a, b, out)
+
+
+def mm_fp32(a, b, out=None, bias=None, tile_elements: int | None = None):
+    """a @ b (+ bias) for bf16 a [M, K], b [K, N]: summed in fp32, rounded once to bf16 into `out`.
+    The larger operand is up-cast tile by tile (along the output's columns or rows, never K: each
+    output is one fp32 dot product) into one reused buffer: a large weight is never copied whole, and
+    a call's pages are its few buffers (the chunked LM head calls it per chunk under the engine's heap
+    policy, which keeps freed memory)."""
+    import torch
+
+    tile_elements = tile_elements or TILE_ELEMENTS
     m, k = a.shape
     n = b.shape[1]
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    fb = None if bias is None else bias.float()
     if n >= m:  # b is the larger: its column tiles against all of a
-        step = max(1, min(n, _TILE_ELEMENTS // max(k, m)))
+        step = max(1, min(n, tile_elements // max(k, m)))
         af, tile, prod = a.float(), torch.empty(k * step), torch.empty(m * step)
         for j in range(0, n, step):
             w = min(step, n - j)
-            t = _up_cast_into(tile, b[:, j : j + w])
-            out[:, j : j + w].copy_(torch.mm(af, t, out=prod[: m * w].view(m, w)))
+            p = torch.mm(af, _up_cast_into(tile, b[:, j : j + w]), out=prod[: m * w].view(m, w))
+            out[:, j : j + w].copy_(p if fb is None else p.add_(fb[j : j + w]))
     else:  # a is: its row tiles against all of b
-        step = max(1, min(m, _TILE_ELEMENTS // max(k, n)))
+        step = max(1, min(m, tile_elements // max(k, n)))
         bf, tile, prod = b.float(), torch.empty(k * step), torch.empty(n * step)
         for i in range(0, m, step):
             w = min(step, m - i)
-            t = _up_cast_into(tile, a[i : i + w])
-            out[i : i + w].copy_(torch.mm(t, bf, out=prod[: w * n].view(w, n)))
+            p = torch.mm(_up_cast_into(tile, a[i : i + w]), bf, out=prod[: w * n].view(w, n))
+            out[i : i + w].copy_(p if fb is None else p.add_(fb))
     return out
 
 
