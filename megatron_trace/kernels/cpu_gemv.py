@@ -1,8 +1,9 @@
 """Weight-streaming linears for decode on CPU: NVFP4 (ModelOpt layout, read as stored) and BF16.
 
 The C sources are `cpu_gemv.c` (kernels, AVX-512 or portable 8-lane vectors, chosen by the compiler's
-target: MEGATRON_TRACE_CPU_ISA, cpu_build.py), `cpu_gemv_w4a4.c` and `cpu_gemv_parallel.cpp` (at::parallel_for over output
-rows, so torch.get_num_threads() applies), built with the other CPU kernels by megatron_trace/kernels/cpu_build.py.
+target: MEGATRON_TRACE_CPU_ISA, cpu_build.py), `cpu_gemv_w4a4.c` and `cpu_gemv_parallel.cpp`
+(at::parallel_for over output rows, so torch.get_num_threads() applies), built with the other CPU
+kernels by megatron_trace/kernels/cpu_build.py.
 Without a compiler or ninja, `available()` is False, `unavailable_reason()` says why, and the
 engine logs it and reports it in model_info (it then multiplies dequantized weights with torch:
 same numbers to fp32 rounding, slower decode).
