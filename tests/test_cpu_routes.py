@@ -141,11 +141,12 @@ def test_the_fp32_route_is_a_bf16_gemm_summed_in_fp32(m, n, k, bias, seed):
         g = torch.Generator().manual_seed(seed)
         a, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(k, n, generator=g).bfloat16()
         c = torch.randn(n, generator=g).bfloat16() if bias else None
-        got = cpu_routes.mm(a, b)
-        lin = cpu_routes.linear(a, b.t(), c)
+        got = cpu_routes.mm(a, b)  # b row-major
+        got_t = cpu_routes.mm(a, b.t().contiguous().t())  # b a transposed weight (column-major)
+        lin = cpu_routes.linear(a, b.t().contiguous(), c)  # the engine's: x . W^T + bias
     exact = a.double() @ b.double()
     bound = k * 2.0**-23 * (a.double().abs() @ b.double().abs()) + 1e-30
-    for y, want in ((got, exact), (lin, exact if c is None else exact + c.double())):
+    for y, want in ((got, exact), (got_t, exact), (lin, exact if c is None else exact + c.double())):
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         assert bool(((y.double() - want).abs() <= want.abs() * 2.0**-8 + bound + 2.0**-23 * want.abs()).all())
 

@@ -212,9 +212,10 @@ def mm(a, b, out=None):
 
 def mm_fp32(a, b, out=None, bias=None, tile_elements: int | None = None):
     """a @ b (+ bias) for bf16 a [M, K], b [K, N]: summed in fp32, rounded once to bf16 into `out`.
-    The larger operand is up-cast tile by tile (along the output's columns or rows, never K: each
-    output is one fp32 dot product) into one reused buffer: a large weight is never copied whole, and
-    a call's pages are its few buffers (the chunked LM head calls it per chunk under the engine's heap
+    The larger operand is up-cast tile by tile into one reused buffer, always along its contiguous
+    dimension (W[j:j+w] of a transposed weight, whole rows otherwise), never copied whole: b's columns
+    (or for a row-major b its rows, the partial products summed in an fp32 accumulator) or a's rows.
+    A call's pages are its few buffers (the chunked LM head calls it per chunk under the engine's heap
     policy, which keeps freed memory)."""
     import torch
 
@@ -224,13 +225,21 @@ def mm_fp32(a, b, out=None, bias=None, tile_elements: int | None = None):
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     fb = None if bias is None else bias.float()
-    if n >= m:  # b is the larger: its column tiles against all of a
+    if n >= m and b.stride(0) == 1 and n > 1:  # b, a transposed weight, is the larger: its column tiles
         step = max(1, min(n, tile_elements // max(k, m)))
         af, tile, prod = a.float(), torch.empty(k * step), torch.empty(m * step)
         for j in range(0, n, step):
             w = min(step, n - j)
             p = torch.mm(af, _up_cast_into(tile, b[:, j : j + w]), out=prod[: m * w].view(m, w))
             out[:, j : j + w].copy_(p if fb is None else p.add_(fb[j : j + w]))
+    elif n >= m:  # b, row-major, is the larger: its row tiles, the partial products summed in fp32
+        step = max(1, min(k, tile_elements // max(n, m)))
+        acc, tile, a_tile = torch.zeros(m, n), torch.empty(step * n), torch.empty(m * step)
+        for i in range(0, k, step):
+            w = min(step, k - i)
+            at = a_tile[: m * w].view(m, w).copy_(a[:, i : i + w])
+            acc.addmm_(at, _up_cast_into(tile, b[i : i + w]))
+        out.copy_(acc if fb is None else acc.add_(fb))
     else:  # a is: its row tiles against all of b
         step = max(1, min(m, tile_elements // max(k, n)))
         bf, tile, prod = b.float(), torch.empty(k * step), torch.empty(n * step)

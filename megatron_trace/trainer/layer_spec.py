@@ -238,11 +238,15 @@ class QATDotProductAttention(MegatronModule):
         if self.te is not None:
             return self.te(query, key, value, None, attn_mask_type, None, packed_seq_params)
         cu = packed_seq_params.cu_seqlens_q
+        # attention's GEMMs in fp32 on the up-casts where this CPU has no bf16 GEMM (kernels/cpu_routes.py:
+        # torch's bf16 flash attention ran 5.8x slower than fp32 there, forward and backward)
+        dtype = cpu_routes.gemm_dtype(query)
+        q, k, v = (t.to(dtype) for t in (query, key, value))
         if self.cp_group is not None and self.cp_group.size() > 1:
-            out = packed_attention_cp(query, key, value, cu, self.softmax_scale, self.cp_group)
+            out = packed_attention_cp(q, k, v, cu, self.softmax_scale, self.cp_group)
         else:
-            out = packed_attention(query, key, value, cu, self.softmax_scale)
-        return out.reshape(out.shape[0], -1)
+            out = packed_attention(q, k, v, cu, self.softmax_scale)
+        return out.to(query.dtype).reshape(out.shape[0], -1)
 
 
 class LogprobHead(ColumnParallelLinear):
